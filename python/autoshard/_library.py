@@ -1,0 +1,27 @@
+"""Loads the compiled library so that ``torch.ops.autoshard.*`` exist."""
+
+import torch
+
+_REBUILD = "rebuild it with `pip install --no-build-isolation -e .` (or `make build`) in the autoshard checkout"
+
+
+def load() -> None:
+    try:
+        from . import _build_info
+    except ImportError:
+        raise ImportError(f"autoshard's compiled library is missing: {_REBUILD}") from None
+    if _build_info.TORCH_VERSION != torch.__version__:
+        raise ImportError(
+            f"autoshard's compiled library was built for torch {_build_info.TORCH_VERSION}, "
+            f"but torch {torch.__version__} is installed: {_REBUILD}"
+        )
+    try:
+        from . import _C  # noqa: F401  (loading it registers the ops)
+    except ImportError as error:
+        raise ImportError(f"autoshard's compiled library failed to load ({error}): {_REBUILD}") from error
+
+
+def cuda_kernels_built() -> bool:
+    from . import _build_info
+
+    return bool(_build_info.WITH_CUDA)

@@ -1,0 +1,31 @@
+import os
+import sys
+
+import pytest
+
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Only stop pools if some test actually started them.
+    for name in ("multirank", "tests.multirank"):
+        module = sys.modules.get(name)
+        if module is not None:
+            module.shutdown_pools()
