@@ -17,10 +17,11 @@ std::vector<int64_t> split_sizes(int64_t length, int64_t sections) {
 }
 
 std::vector<Range> ranges_from_sections(int64_t length, int64_t sections) {
+  const std::vector<int64_t> sizes = split_sizes(length, sections);
   std::vector<Range> ranges;
-  ranges.reserve(sections);
+  ranges.reserve(sizes.size());
   int64_t start = 0;
-  for (int64_t size : split_sizes(length, sections)) {
+  for (int64_t size : sizes) {
     ranges.push_back({start, size});
     start += size;
   }
