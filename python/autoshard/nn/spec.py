@@ -1,0 +1,67 @@
+"""Where a sharded parameter's local tensor sits inside the full (unsharded) tensor.
+
+Sharded modules record one ``ShardSpec`` per sharded parameter in ``module.shard_specs``
+(name -> spec; a parameter absent from it is replicated). Loading, saving, gathering the
+full state dict and gradient clipping all read these records, so a module's layout is
+described in exactly one place.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from ..split import shard, split_sizes
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    dim: int  # the split dimension (non-negative)
+    full_size: int  # that dimension's length in the full tensor
+    rank: int
+    world_size: int
+    # The dimension is split in whole units of `granule` elements (one attention head's
+    # features), so that no head is cut in two.
+    granule: int = 1
+    # A fused layout (QKV in one Linear): the dimension is these consecutive parts, each split
+    # on its own, and the local tensor is the concatenation of this rank's piece of each.
+    parts: Optional[Tuple[int, ...]] = None
+
+    def __post_init__(self):
+        parts = self.part_sizes()
+        if sum(parts) != self.full_size:
+            raise ValueError(f"ShardSpec: parts {parts} must add up to full_size {self.full_size}")
+        for size in parts:
+            if size % self.granule:
+                raise ValueError(f"ShardSpec: part of size {size} is not a whole number of granules of {self.granule}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"ShardSpec: rank must be in [0, {self.world_size}), got {self.rank}")
+
+    def part_sizes(self) -> Tuple[int, ...]:
+        return tuple(self.parts) if self.parts is not None else (self.full_size,)
+
+    def local_ranges(self) -> List[Tuple[int, int]]:
+        """(start, length) runs of the full dimension that this rank holds, in local order."""
+        ranges = []
+        offset = 0
+        for size in self.part_sizes():
+            units = split_sizes(size // self.granule, self.world_size)
+            start = sum(units[: self.rank]) * self.granule
+            ranges.append((offset + start, units[self.rank] * self.granule))
+            offset += size
+        return ranges
+
+    def local_size(self) -> int:
+        return sum(length for _, length in self.local_ranges())
+
+    def local_shape(self, full_shape: Sequence[int]) -> Tuple[int, ...]:
+        shape = list(full_shape)
+        shape[self.dim] = self.local_size()
+        return tuple(shape)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's local tensor, cut from the full one (contiguous)."""
+        if self.parts is None and self.granule == 1:
+            return shard(full, self.rank, self.world_size, self.dim)
+        pieces = [full.narrow(self.dim, start, length) for start, length in self.local_ranges()]
+        return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
