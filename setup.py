@@ -6,9 +6,26 @@ no GPU visible; ``AUTOSHARD_BUILD_CUDA=0`` skips them and ``=1`` insists on them
 
 import glob
 import os
+import shutil
 
 import torch
 from setuptools import find_packages, setup
+
+
+def _locate_cuda_home() -> None:
+    # torch derives CUDA_HOME from the nvcc on PATH; an nvcc installed as /usr/local/bin/nvcc
+    # then gives /usr/local, which holds no CUDA runtime to link. Prefer a directory that has one.
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    nvcc = shutil.which("nvcc")
+    candidates = ([os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else []) + ["/usr/local/cuda"]
+    for home in candidates:
+        if glob.glob(os.path.join(home, "lib*", "libcudart.so*")):
+            os.environ["CUDA_HOME"] = home
+            return
+
+
+_locate_cuda_home()
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,6 +62,23 @@ def write_build_info(with_cuda: bool) -> None:
         f.write(f"WITH_CUDA = {with_cuda!r}\n")
 
 
+def cuda_library_headers() -> list:
+    # A CUDA build of torch from pip brings the CUDA libraries' headers (cusparse.h,
+    # cublas_v2.h, which torch's CUDA headers include) in its nvidia-* wheels; a bare nvcc
+    # install may lack them.
+    if os.path.exists(os.path.join(CUDA_HOME, "include", "cusparse.h")):
+        return []
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    found = set()
+    for root in nvidia.__path__:
+        for header in glob.glob(os.path.join(root, "**", "include", "cusparse.h"), recursive=True):
+            found.add(os.path.dirname(header))
+    return sorted(found)
+
+
 with_cuda = build_cuda()
 if with_cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
     # No GPU to ask: build for Hopper rather than torch's every-architecture default.
@@ -56,7 +90,7 @@ cxx_flags = ["-O3", "-fopenmp"]
 extension_kwargs = dict(
     name="autoshard._C",
     sources=sources("*.cpp") + (sources("*.cu") if with_cuda else []),
-    include_dirs=[os.path.join(HERE, "csrc")],
+    include_dirs=[os.path.join(HERE, "csrc")] + (cuda_library_headers() if with_cuda else []),
     extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
     extra_link_args=["-fopenmp"],
     define_macros=[("AUTOSHARD_WITH_CUDA", "1" if with_cuda else "0")],

@@ -20,9 +20,9 @@ class ShardSpec:
     full_size: int  # that dimension's length in the full tensor
     rank: int
     world_size: int
-    # The dimension is split in whole units of `granule` elements (one attention head's
-    # features), so that no head is cut in two.
-    granule: int = 1
+    # Each part is split in `units` whole units (attention heads, so that no head is cut in
+    # two); None splits element by element.
+    units: Optional[int] = None
     # A fused layout (QKV in one Linear): the dimension is these consecutive parts, each split
     # on its own, and the local tensor is the concatenation of this rank's piece of each.
     parts: Optional[Tuple[int, ...]] = None
@@ -31,9 +31,12 @@ class ShardSpec:
         parts = self.part_sizes()
         if sum(parts) != self.full_size:
             raise ValueError(f"ShardSpec: parts {parts} must add up to full_size {self.full_size}")
-        for size in parts:
-            if size % self.granule:
-                raise ValueError(f"ShardSpec: part of size {size} is not a whole number of granules of {self.granule}")
+        if self.units is not None:
+            if self.units <= 0:
+                raise ValueError(f"ShardSpec: units must be positive, got {self.units}")
+            for size in parts:
+                if size % self.units:
+                    raise ValueError(f"ShardSpec: part of size {size} does not split into {self.units} whole units")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"ShardSpec: rank must be in [0, {self.world_size}), got {self.rank}")
 
@@ -45,9 +48,11 @@ class ShardSpec:
         ranges = []
         offset = 0
         for size in self.part_sizes():
-            units = split_sizes(size // self.granule, self.world_size)
-            start = sum(units[: self.rank]) * self.granule
-            ranges.append((offset + start, units[self.rank] * self.granule))
+            units = self.units or size
+            granule = size // units
+            counts = split_sizes(units, self.world_size)
+            start = sum(counts[: self.rank]) * granule
+            ranges.append((offset + start, counts[self.rank] * granule))
             offset += size
         return ranges
 
@@ -61,7 +66,7 @@ class ShardSpec:
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's local tensor, cut from the full one (contiguous)."""
-        if self.parts is None and self.granule == 1:
+        if self.parts is None and self.units is None:
             return shard(full, self.rank, self.world_size, self.dim)
         pieces = [full.narrow(self.dim, start, length) for start, length in self.local_ranges()]
         return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)

@@ -1,0 +1,63 @@
+"""Shared benchmark plumbing: timing, a printed table, and a JSON record per run."""
+
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int = 2, repeats: int = 10) -> float:
+    """Median wall time of fn() over `repeats` runs, synchronising the GPU around each."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def print_table(rows: List[Dict[str, object]], columns: List[str]) -> None:
+    cells = [[_format(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+
+
+def _format(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return "" if value is None else str(value)
+
+
+def save_json(name: str, device: torch.device, rows: List[Dict[str, object]]) -> str:
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, f"{name}_{device.type}.json")
+    record = {
+        "benchmark": name,
+        "device": device_label(device),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "rows": rows,
+    }
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
+    return path
