@@ -3,6 +3,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "plan/plan_op.h"
 #include "split/split_rule.h"
 
 TORCH_LIBRARY(autoshard, m) {
@@ -14,6 +15,9 @@ TORCH_LIBRARY(autoshard, m) {
   // Sums `pieces` into a zero tensor of `length` along `dim`, piece i starting at starts[i]:
   // the gradient of the splits above (pieces of an index split may overlap or leave gaps).
   m.def("unsplit(Tensor[] pieces, int[] starts, int length, int dim) -> Tensor");
+
+  // --- plan/ : a model's dataflow graph (text) in, a decision per layer (text) out
+  m.def("plan_graph(str graph, int world_size) -> str", &autoshard::plan::plan_graph);
 }
 
 // `import autoshard._C` loads this library, which runs the registrations above.

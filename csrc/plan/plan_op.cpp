@@ -1,0 +1,14 @@
+// The planner as an op: graph text in, plan text out (see graph.h and planner.h for both
+// formats). It takes no tensors, so it is registered for every backend at once.
+#include "plan/plan_op.h"
+
+#include "plan/graph.h"
+#include "plan/planner.h"
+
+namespace autoshard::plan {
+
+std::string plan_graph(const std::string& graph, int64_t world_size) {
+  return format_plan(make_plan(parse_graph(graph), world_size));
+}
+
+}  // namespace autoshard::plan

@@ -1,0 +1,579 @@
+#include "plan/planner.h"
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <set>
+#include <sstream>
+
+#include <c10/util/Exception.h>
+
+#include "plan/reshape.h"
+
+namespace autoshard::plan {
+namespace {
+
+enum class Force { None, Replicate, Gather };
+
+struct Layout {
+  bool sharded = false;
+  AxisFactor factor;
+  int region = -1;
+  int source = -1;  // the column layer whose output this is, unchanged (for fused splits)
+};
+
+struct Region {
+  int parent = 0;
+  int64_t units = 0;  // gcd of every sharded size the region passes through
+  bool conflict = false;
+  bool reaches_output = false;
+  std::string reason;
+  std::vector<int64_t> localize;
+};
+
+int64_t numel(const std::vector<int64_t>& shape) {
+  return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<int64_t>());
+}
+
+// One pass over the graph with some layers' decisions forced.
+class Propagation {
+ public:
+  Propagation(const Graph& graph, const std::vector<Force>& forced) : graph_(graph), forced_(forced) {
+    layouts.resize(graph.tensors.size());
+    roles.assign(graph.nodes.size(), Style::Replicate);
+    node_region.assign(graph.nodes.size(), -1);
+  }
+
+  void run(const std::set<int>& vocab_embeddings) {
+    for (size_t n = 0; n < graph_.nodes.size(); ++n) visit(static_cast<int>(n), vocab_embeddings);
+    for (size_t t = 0; t < graph_.tensors.size(); ++t) {
+      const Layout& l = layouts[t];
+      if (graph_.tensors[t].is_output && l.sharded) {
+        regions[find(l.region)].reaches_output = true;
+      }
+    }
+  }
+
+  int find(int r) {
+    while (regions[r].parent != r) r = regions[r].parent = regions[regions[r].parent].parent;
+    return r;
+  }
+
+  std::vector<Layout> layouts;
+  std::vector<Style> roles;
+  std::vector<int> node_region;
+  std::map<int, std::vector<int64_t>> parts;
+  std::vector<Region> regions;
+
+ private:
+  int new_region(int64_t size) {
+    Region r;
+    r.parent = static_cast<int>(regions.size());
+    r.units = size;
+    regions.push_back(r);
+    return r.parent;
+  }
+
+  void constrain(int region, int64_t size) {
+    Region& r = regions[find(region)];
+    r.units = std::gcd(r.units, size);
+  }
+
+  void unite(int a, int b) {
+    a = find(a);
+    b = find(b);
+    if (a == b) return;
+    Region& ra = regions[a];
+    Region& rb = regions[b];
+    rb.parent = a;
+    ra.units = std::gcd(ra.units, rb.units);
+    ra.reaches_output = ra.reaches_output || rb.reaches_output;
+    if (!ra.conflict && rb.conflict) ra.reason = rb.reason;
+    ra.conflict = ra.conflict || rb.conflict;
+    ra.localize.insert(ra.localize.end(), rb.localize.begin(), rb.localize.end());
+  }
+
+  void conflict(int region, const std::string& why) {
+    Region& r = regions[find(region)];
+    if (!r.conflict) r.reason = why;
+    r.conflict = true;
+  }
+
+  const std::vector<int64_t>& shape(int id) const { return graph_.tensor(id).shape; }
+
+  // Every sharded input stops here; outputs are replicated.
+  void block(const Node& node, const std::string& why) {
+    for (int id : node.inputs) {
+      if (layouts[id].sharded) conflict(layouts[id].region, why);
+    }
+    for (int id : node.outputs) layouts[id] = Layout{};
+  }
+
+  void set_sharded(int id, AxisFactor factor, int region, int source = -1) {
+    Layout l;
+    l.sharded = true;
+    l.factor = factor;
+    l.region = region;
+    l.source = source;
+    layouts[id] = l;
+  }
+
+  void visit(int n, const std::set<int>& vocab_embeddings) {
+    const Node& node = graph_.nodes[n];
+    switch (node.kind) {
+      case Kind::Linear: return visit_linear(n, node);
+      case Kind::Embedding: return visit_embedding(n, node, vocab_embeddings.count(n) > 0);
+      case Kind::View: return visit_view(node);
+      case Kind::Permute: return visit_permute(node);
+      case Kind::Expand: return visit_expand(node);
+      case Kind::Pointwise: return visit_pointwise(node);
+      case Kind::Reduce: return visit_reduce(node);
+      case Kind::Matmul: return visit_matmul(node);
+      case Kind::Attention: return visit_attention(node);
+      case Kind::Split: return visit_split(node);
+      case Kind::Cat: return visit_cat(node);
+      case Kind::Slice: return visit_slice(node);
+      case Kind::Source: return block(node, "");
+      case Kind::Opaque: return block(node, "reaches " + node.label + ", which autoshard cannot follow");
+    }
+  }
+
+  void visit_linear(int n, const Node& node) {
+    const Layout x = layouts[node.inputs.at(0)];
+    const int out = node.outputs.at(0);
+    const int64_t in_features = node.args.at(0), out_features = node.args.at(1);
+    layouts[out] = Layout{};
+    if (forced_[n] == Force::Replicate) {
+      if (x.sharded) conflict(x.region, "feeds " + node.label + ", which is replicated");
+      return;
+    }
+    if (!x.sharded) {
+      node_region[n] = new_region(out_features);
+      if (forced_[n] == Force::Gather) {
+        roles[n] = Style::ColumnGather;
+        return;
+      }
+      roles[n] = Style::Column;
+      set_sharded(out, {static_cast<int>(shape(out).size()) - 1, 1, out_features}, node_region[n], n);
+      return;
+    }
+    const bool contracts = x.factor.axis == static_cast<int>(shape(node.inputs[0]).size()) - 1 &&
+                           x.factor.outer == 1 && x.factor.size == in_features;
+    if (!contracts) {
+      conflict(x.region, "reaches " + node.label + " on an axis it does not contract");
+      return;
+    }
+    roles[n] = Style::Row;
+    node_region[n] = x.region;
+  }
+
+  void visit_embedding(int n, const Node& node, bool vocab_parallel) {
+    block(node, "is used as embedding indices");
+    if (vocab_parallel && forced_[n] != Force::Replicate) {
+      roles[n] = Style::Vocab;
+      node_region[n] = new_region(node.args.at(0));
+    }
+  }
+
+  void visit_view(const Node& node) {
+    const int in = node.inputs.at(0), out = node.outputs.at(0);
+    const Layout x = layouts[in];
+    layouts[out] = Layout{};
+    if (!x.sharded) return;
+    const ReshapeResult r = map_reshape(shape(in), shape(out), x.factor);
+    if (!r.ok) return conflict(x.region, node.label + ": " + r.why);
+    constrain(x.region, r.factor.size);
+    if (r.factor.size != x.factor.size) regions[find(x.region)].localize.push_back(r.factor.size);
+    const bool unchanged = r.factor.size == x.factor.size && r.factor.outer == x.factor.outer;
+    set_sharded(out, r.factor, x.region, unchanged ? x.source : -1);
+  }
+
+  void visit_permute(const Node& node) {
+    const Layout x = layouts[node.inputs.at(0)];
+    const int out = node.outputs.at(0);
+    layouts[out] = Layout{};
+    if (!x.sharded) return;
+    for (size_t j = 0; j < node.args.size(); ++j) {
+      if (node.args[j] == x.factor.axis) {
+        AxisFactor f = x.factor;
+        f.axis = static_cast<int>(j);
+        set_sharded(out, f, x.region, x.source);
+        return;
+      }
+    }
+    conflict(x.region, node.label + ": malformed permutation");
+  }
+
+  void visit_expand(const Node& node) {
+    const int in = node.inputs.at(0), out = node.outputs.at(0);
+    const Layout x = layouts[in];
+    layouts[out] = Layout{};
+    if (!x.sharded) return;
+    AxisFactor f = x.factor;
+    f.axis += static_cast<int>(shape(out).size() - shape(in).size());
+    if (shape(out)[f.axis] != shape(in)[x.factor.axis]) return conflict(x.region, node.label + " broadcasts the sharded axis");
+    set_sharded(out, f, x.region, x.source);
+  }
+
+  // Aligns input axis `axis` of an input with `ndim` dims to the output's (numpy broadcasting).
+  static int aligned(int axis, size_t ndim, size_t out_ndim) { return axis + static_cast<int>(out_ndim - ndim); }
+
+  // Elementwise ops and concatenation: every sharded input must agree on one output axis,
+  // and a replicated input may only be broadcast along it (size 1 or absent).
+  bool merge_elementwise(const Node& node, Layout& merged, int skip_axis_check = -1) {
+    const size_t out_ndim = shape(node.outputs.at(0)).size();
+    for (int id : node.inputs) {
+      const Layout& l = layouts[id];
+      if (!l.sharded) continue;
+      AxisFactor f = l.factor;
+      f.axis = aligned(f.axis, shape(id).size(), out_ndim);
+      if (!merged.sharded) {
+        merged = l;
+        merged.factor = f;
+        continue;
+      }
+      if (f.axis != merged.factor.axis || f.outer != merged.factor.outer || f.size != merged.factor.size) {
+        conflict(l.region, node.label + " combines tensors sharded differently");
+        conflict(merged.region, node.label + " combines tensors sharded differently");
+        return false;
+      }
+      unite(merged.region, l.region);
+      if (merged.source != l.source) merged.source = -1;
+    }
+    if (!merged.sharded) return true;
+    for (int id : node.inputs) {
+      if (layouts[id].sharded) continue;
+      const auto& s = shape(id);
+      const int axis = merged.factor.axis - static_cast<int>(out_ndim - s.size());
+      if (axis >= 0 && axis != skip_axis_check && s[axis] != 1) {
+        conflict(merged.region, node.label + " combines the sharded axis with a replicated tensor");
+        return false;
+      }
+    }
+    return true;
+  }
+
+  void visit_pointwise(const Node& node) {
+    Layout merged;
+    const bool ok = merge_elementwise(node, merged);
+    for (int id : node.outputs) {
+      layouts[id] = Layout{};
+      if (ok && merged.sharded && shape(id).size() == shape(node.outputs[0]).size()) {
+        set_sharded(id, merged.factor, merged.region, merged.source);
+      }
+    }
+  }
+
+  void visit_reduce(const Node& node) {
+    const int in = node.inputs.at(0);
+    const Layout x = layouts[in];
+    for (int id : node.outputs) layouts[id] = Layout{};
+    for (size_t i = 1; i < node.inputs.size(); ++i) {
+      if (layouts[node.inputs[i]].sharded) conflict(layouts[node.inputs[i]].region, node.label + " takes a sharded parameter");
+    }
+    if (!x.sharded) return;
+    int removed_before = 0;
+    for (int64_t axis : node.args) {
+      if (axis == x.factor.axis) return conflict(x.region, node.label + " reduces over the sharded axis");
+      if (axis < x.factor.axis) ++removed_before;
+    }
+    for (int id : node.outputs) {
+      AxisFactor f = x.factor;
+      if (shape(id).size() != shape(in).size()) f.axis -= removed_before;
+      if (f.axis < static_cast<int>(shape(id).size()) && shape(id)[f.axis] == shape(in)[x.factor.axis]) {
+        set_sharded(id, f, x.region);
+      }
+    }
+  }
+
+  void visit_matmul(const Node& node) {
+    const int a = node.inputs.at(0), b = node.inputs.at(1), out = node.outputs.at(0);
+    const Layout la = layouts[a], lb = layouts[b];
+    layouts[out] = Layout{};
+    const int nd = static_cast<int>(shape(out).size());
+    const int a_nd = static_cast<int>(shape(a).size()), b_nd = static_cast<int>(shape(b).size());
+    auto is_batch = [&](const Layout& l, int ndim) { return l.sharded && l.factor.axis < ndim - 2; };
+    if (la.sharded && lb.sharded) {
+      if (is_batch(la, a_nd) && is_batch(lb, b_nd)) {
+        Layout merged;
+        if (!merge_elementwise(node, merged)) return;
+        AxisFactor f = la.factor;
+        f.axis = aligned(la.factor.axis, a_nd, nd);
+        set_sharded(out, f, la.region);
+        return;
+      }
+      conflict(la.region, node.label + " multiplies two tensors sharded on different axes");
+      return conflict(lb.region, node.label + " multiplies two tensors sharded on different axes");
+    }
+    const Layout& l = la.sharded ? la : lb;
+    if (!l.sharded) return;
+    const int ndim = la.sharded ? a_nd : b_nd;
+    const int other = la.sharded ? b : a;
+    const int contracted = la.sharded ? ndim - 1 : ndim - 2;
+    if (l.factor.axis == contracted) return conflict(l.region, node.label + " contracts the sharded axis");
+    AxisFactor f = l.factor;
+    if (l.factor.axis < ndim - 2) {
+      const auto& s = shape(other);
+      const int axis = aligned(l.factor.axis, ndim, nd) - (nd - static_cast<int>(s.size()));
+      if (axis >= 0 && s[axis] != 1) return conflict(l.region, node.label + " multiplies by a replicated batch");
+      f.axis = aligned(l.factor.axis, ndim, nd);
+    } else {
+      f.axis = la.sharded ? nd - 2 : nd - 1;
+    }
+    set_sharded(out, f, l.region);
+  }
+
+  void visit_attention(const Node& node) {
+    Layout merged;
+    Node qkv = node;
+    qkv.inputs.resize(std::min<size_t>(3, node.inputs.size()));
+    for (int id : node.outputs) layouts[id] = Layout{};
+    const Layout q = layouts[qkv.inputs.at(0)];
+    if (!q.sharded) return block(node, node.label + " attends over replicated queries");
+    if (q.factor.axis != static_cast<int>(shape(qkv.inputs[0]).size()) - 3) {
+      return conflict(q.region, node.label + " is not sharded over heads");
+    }
+    for (int id : qkv.inputs) {
+      const Layout& l = layouts[id];
+      if (!l.sharded || l.factor.axis != q.factor.axis) return conflict(q.region, node.label + " needs q, k and v sharded alike");
+      unite(q.region, l.region);
+      constrain(q.region, l.factor.size);
+    }
+    for (size_t i = 3; i < node.inputs.size(); ++i) {
+      const int id = node.inputs[i];
+      const auto& s = shape(id);
+      const int axis = q.factor.axis - static_cast<int>(shape(qkv.inputs[0]).size() - s.size());
+      if (layouts[id].sharded || (axis >= 0 && s[axis] != 1)) return conflict(q.region, node.label + " has a mask per head");
+    }
+    set_sharded(node.outputs.at(0), q.factor, q.region);
+  }
+
+  void visit_split(const Node& node) {
+    const int in = node.inputs.at(0);
+    const Layout x = layouts[in];
+    const int64_t dim = node.args.at(0);
+    for (int id : node.outputs) layouts[id] = Layout{};
+    if (!x.sharded) return;
+    if (dim != x.factor.axis) {
+      for (int id : node.outputs) set_sharded(id, x.factor, x.region);
+      return;
+    }
+    // Splitting a fused layer's output (QKV in one Linear): each part is sharded on its own,
+    // which the layer's weight layout must mirror.
+    if (x.source < 0 || x.factor.outer != 1 || parts.count(x.source)) {
+      return conflict(x.region, node.label + " splits the sharded axis of something that is not a layer's output");
+    }
+    std::vector<int64_t>& layer_parts = parts[x.source];
+    for (int id : node.outputs) {
+      const int64_t size = shape(id)[dim];
+      layer_parts.push_back(size);
+      constrain(x.region, size);
+      regions[find(x.region)].localize.push_back(size);
+      set_sharded(id, {x.factor.axis, 1, size}, x.region);
+    }
+  }
+
+  void visit_cat(const Node& node) {
+    Layout merged;
+    const int64_t dim = node.args.at(0);
+    const bool ok = merge_elementwise(node, merged, static_cast<int>(dim));
+    const int out = node.outputs.at(0);
+    layouts[out] = Layout{};
+    if (!ok || !merged.sharded) return;
+    if (merged.factor.axis == dim) return conflict(merged.region, node.label + " concatenates along the sharded axis");
+    set_sharded(out, merged.factor, merged.region);
+  }
+
+  void visit_slice(const Node& node) {
+    const int in = node.inputs.at(0), out = node.outputs.at(0);
+    const Layout x = layouts[in];
+    layouts[out] = Layout{};
+    if (!x.sharded) return;
+    const int64_t dim = node.args.at(0), start = node.args.at(1), stop = node.args.at(2), drop = node.args.at(3);
+    if (dim == x.factor.axis) {
+      const int64_t length = shape(in)[dim];
+      if (start <= 0 && stop >= length && !drop) return set_sharded(out, x.factor, x.region, x.source);
+      return conflict(x.region, node.label + " slices the sharded axis");
+    }
+    AxisFactor f = x.factor;
+    if (drop && dim < f.axis) f.axis -= 1;
+    set_sharded(out, f, x.region);
+  }
+
+  const Graph& graph_;
+  const std::vector<Force>& forced_;
+};
+
+// The largest embedding tables are the token tables; position and type tables stay replicated.
+std::set<int> token_tables(const Graph& graph) {
+  int64_t largest = 0;
+  for (const Node& node : graph.nodes) {
+    if (node.kind == Kind::Embedding) largest = std::max(largest, node.args.at(0));
+  }
+  std::set<int> chosen;
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    if (node.kind == Kind::Embedding && node.args.at(0) == largest) chosen.insert(static_cast<int>(n));
+  }
+  return chosen;
+}
+
+int64_t weight_param(const Node& node) { return node.kind == Kind::Linear ? node.args.at(2) : node.args.at(2); }
+
+std::string units_note(int64_t units, int64_t world) {
+  std::ostringstream s;
+  s << "only " << units << " whole unit(s) (heads) to split across " << world << " ranks";
+  return s.str();
+}
+
+}  // namespace
+
+Plan make_plan(const Graph& graph, int64_t world_size) {
+  TORCH_CHECK_VALUE(world_size > 0, "plan: world_size must be a positive integer, got ", world_size);
+  const size_t count = graph.nodes.size();
+  std::vector<Force> forced(count, Force::None);
+  std::vector<std::string> notes(count);
+  const std::set<int> vocab = token_tables(graph);
+
+  // Which layers hold each parameter, and which parameters other ops read directly.
+  std::map<int64_t, std::vector<int>> layers_of_param;
+  std::set<int64_t> params_read_elsewhere;
+  for (size_t n = 0; n < count; ++n) {
+    const Node& node = graph.nodes[n];
+    if (node.kind == Kind::Linear || node.kind == Kind::Embedding) {
+      layers_of_param[weight_param(node)].push_back(static_cast<int>(n));
+      if (node.kind == Kind::Linear && node.args.at(3) >= 0) layers_of_param[node.args.at(3)].push_back(static_cast<int>(n));
+    } else {
+      for (int id : node.inputs) {
+        if (graph.tensor(id).param >= 0) params_read_elsewhere.insert(graph.tensor(id).param);
+      }
+    }
+  }
+
+  auto force = [&](int n, Force f, const std::string& why) {
+    if (forced[n] == f || forced[n] == Force::Replicate) return false;
+    forced[n] = f;
+    notes[n] = why;
+    return true;
+  };
+
+  for (size_t iteration = 0;; ++iteration) {
+    TORCH_CHECK(iteration <= count + 1, "plan: decisions did not settle");
+    Propagation pass(graph, forced);
+    pass.run(vocab);
+    bool changed = false;
+    for (size_t n = 0; n < count; ++n) {
+      const Style role = pass.roles[n];
+      if (role != Style::Column && role != Style::Vocab) continue;
+      Region& region = pass.regions[pass.find(pass.node_region[n])];
+      if (region.conflict) {
+        changed |= force(static_cast<int>(n), Force::Replicate, "replicated: its output " + region.reason);
+      } else if (region.units < world_size) {
+        changed |= force(static_cast<int>(n), Force::Replicate, "replicated: " + units_note(region.units, world_size));
+      } else if (region.reaches_output) {
+        changed |= force(static_cast<int>(n), Force::Gather, "gathered: its output is a model output");
+      }
+    }
+    // A parameter shared by several layers (tied embeddings) is sharded only if every layer
+    // shards it on the same dimension into the same pieces: a token table and a column layer
+    // over the vocabulary. A parameter read outside its layers stays whole.
+    for (const auto& [param, layers] : layers_of_param) {
+      bool agree = !params_read_elsewhere.count(param);
+      std::set<int64_t> units;
+      for (int n : layers) {
+        const Style role = pass.roles[n];
+        if (role == Style::Replicate || role == Style::Row) agree = agree && layers.size() == 1;
+        if (role == Style::Vocab) units.insert(graph.nodes[n].args.at(0));
+        if (role == Style::Column || role == Style::ColumnGather) {
+          units.insert(pass.regions[pass.find(pass.node_region[n])].units);
+          agree = agree && (layers.size() == 1 || !pass.parts.count(n));
+        }
+      }
+      agree = agree && units.size() <= 1;
+      if (agree) continue;
+      for (int n : layers) {
+        changed |= force(n, Force::Replicate,
+                         params_read_elsewhere.count(param) ? "replicated: its weight is also read outside the layer"
+                                                            : "replicated: it shares its weight with a layer split differently");
+      }
+    }
+    if (changed) continue;
+
+    Plan plan;
+    std::map<int, int> copy_groups;  // input tensor -> group
+    std::map<int, RegionSummary> regions;
+    auto comm = [&](const char* phase, const char* kind, int64_t elements) {
+      for (CommCount& c : plan.comm) {
+        if (c.phase == phase && c.kind == kind) {
+          c.count += 1;
+          c.elements += elements;
+          return;
+        }
+      }
+      plan.comm.push_back({phase, kind, 1, elements});
+    };
+    for (size_t n = 0; n < count; ++n) {
+      const Node& node = graph.nodes[n];
+      if (node.kind != Kind::Linear && node.kind != Kind::Embedding) continue;
+      LayerDecision d;
+      d.node = static_cast<int>(n);
+      d.style = pass.roles[n];
+      d.note = notes[n];
+      if (d.style != Style::Replicate) {
+        const int root = pass.find(pass.node_region[n]);
+        d.region = root;
+        d.units = d.style == Style::Vocab ? node.args.at(0) : pass.regions[root].units;
+        if (pass.parts.count(static_cast<int>(n))) d.parts = pass.parts.at(static_cast<int>(n));
+        if (d.style == Style::Column || d.style == Style::Row) {
+          RegionSummary& summary = regions[root];
+          summary.id = root;
+          summary.units = d.units;
+          summary.localize = pass.regions[root].localize;
+        }
+      }
+      const int64_t out_elements = numel(graph.tensor(node.outputs.at(0)).shape);
+      switch (d.style) {
+        case Style::Row:
+        case Style::Vocab: comm("forward", "all_reduce", out_elements); break;
+        case Style::ColumnGather: comm("forward", "all_gather", out_elements); [[fallthrough]];
+        case Style::Column: {
+          const int input = node.inputs.at(0);
+          auto [it, fresh] = copy_groups.emplace(input, static_cast<int>(copy_groups.size()));
+          d.copy_group = it->second;
+          if (fresh) comm("backward", "all_reduce", numel(graph.tensor(input).shape));
+          break;
+        }
+        case Style::Replicate: break;
+      }
+      plan.layers.push_back(std::move(d));
+    }
+    for (auto& [id, summary] : regions) {
+      std::sort(summary.localize.begin(), summary.localize.end());
+      summary.localize.erase(std::unique(summary.localize.begin(), summary.localize.end()), summary.localize.end());
+      plan.regions.push_back(summary);
+    }
+    return plan;
+  }
+}
+
+std::string format_plan(const Plan& plan) {
+  static const char* names[] = {"replicate", "column", "column_gather", "row", "vocab"};
+  std::ostringstream out;
+  for (const LayerDecision& d : plan.layers) {
+    out << "layer " << d.node << ' ' << names[static_cast<int>(d.style)] << ' ' << d.region << ' ' << d.units << ' '
+        << d.copy_group << " parts " << d.parts.size();
+    for (int64_t p : d.parts) out << ' ' << p;
+    out << " note " << d.note << '\n';
+  }
+  for (const RegionSummary& r : plan.regions) {
+    out << "region " << r.id << ' ' << r.units << " localize " << r.localize.size();
+    for (int64_t v : r.localize) out << ' ' << v;
+    out << '\n';
+  }
+  for (const CommCount& c : plan.comm) {
+    out << "comm " << c.phase << ' ' << c.kind << ' ' << c.count << ' ' << c.elements << '\n';
+  }
+  return out.str();
+}
+
+}  // namespace autoshard::plan

@@ -1,0 +1,58 @@
+#pragma once
+// The planner: from a model's dataflow graph to a sharding decision for every layer.
+//
+// A layer whose input is replicated starts a *region* as a column layer (its output features
+// sharded). The sharded axis is followed through reshapes (a feature axis becoming heads x
+// head_dim), transposes, elementwise ops, batched matmuls and fused splits; a layer that
+// contracts the sharded axis closes the region as a row layer (one all-reduce). Every region
+// splits its axis into the same number of units (the gcd of the sizes it passes through, so
+// heads stay whole, and KV heads for grouped-query attention). A region whose axis reaches
+// something that would need it whole (a norm over features, an op autoshard cannot follow)
+// is replicated; one that reaches a model output gathers there. Decisions repeat until stable.
+#include <string>
+#include <vector>
+
+#include "plan/graph.h"
+
+namespace autoshard::plan {
+
+enum class Style { Replicate, Column, ColumnGather, Row, Vocab };
+
+struct LayerDecision {
+  int node = -1;
+  Style style = Style::Replicate;
+  int region = -1;
+  int64_t units = 0;           // the region's units (heads, or features)
+  std::vector<int64_t> parts;  // fused output layout, if the output is split into parts
+  int copy_group = -1;         // column layers reading the same input share one input copy
+  std::string note;            // why, when it is not the obvious choice
+};
+
+struct RegionSummary {
+  int id = -1;
+  int64_t units = 0;
+  std::vector<int64_t> localize;  // global sizes, seen on the sharded axis, that become local
+};
+
+struct CommCount {
+  std::string phase;  // "forward" or "backward"
+  std::string kind;   // "all_reduce" or "all_gather"
+  int64_t count = 0;
+  int64_t elements = 0;  // summed over collectives, at the graph's example shapes
+};
+
+struct Plan {
+  std::vector<LayerDecision> layers;
+  std::vector<RegionSummary> regions;
+  std::vector<CommCount> comm;
+};
+
+Plan make_plan(const Graph& graph, int64_t world_size);
+
+// Line format of the result, read by the Python layer:
+//   layer <node> <style> <region> <units> <copy group> parts <n> <size>... note <text to end of line>
+//   region <id> <units> localize <n> <size>...
+//   comm <phase> <kind> <count> <elements>
+std::string format_plan(const Plan& plan);
+
+}  // namespace autoshard::plan

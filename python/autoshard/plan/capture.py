@@ -1,0 +1,284 @@
+"""Records a model's dataflow on meta tensors, as the graph the C++ planner reads.
+
+Linear-like layers, embeddings and einsum layers are recorded as single nodes (the planner
+decides how to split them and parallelize() swaps them); everything else is recorded at the
+ATen level and reduced to the few kinds of op that matter for following a sharded axis.
+Nothing is materialised: a model on a real device is shadowed by a meta copy first.
+"""
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .layers import LayerInfo, describe_layer
+
+aten = torch.ops.aten
+
+_VIEWS = {
+    aten.view, aten._unsafe_view, aten.reshape, aten._reshape_alias, aten.unsqueeze, aten.squeeze,
+    aten.flatten, aten.unflatten, aten.view_as, aten.alias, aten.lift_fresh,
+}
+_PERMUTES = {aten.t, aten.transpose, aten.permute, aten.numpy_T, aten.swapaxes, aten.movedim}
+_SOFTMAX = {aten._softmax, aten.softmax, aten._safe_softmax, aten._log_softmax, aten.log_softmax, aten.cumsum}
+_REDUCE_DIMS = {
+    aten.mean, aten.sum, aten.amax, aten.amin, aten.var, aten.std, aten.var_mean, aten.std_mean,
+    aten.logsumexp, aten.norm, aten.linalg_vector_norm, aten.max, aten.min, aten.argmax, aten.argmin, aten.any, aten.all,
+    aten.prod,
+}
+_NORMS = {aten.native_layer_norm, aten.layer_norm}
+_SPLITS = {aten.split, aten.split_with_sizes, aten.unsafe_split, aten.chunk, aten.unsafe_split_with_sizes}
+_ATTENTION_PREFIX = "_scaled_dot_product"
+_COPIES = {
+    aten.clone, aten._to_copy, aten.detach, aten.copy_, aten.native_dropout, aten.dropout, aten.contiguous,
+    aten.where, aten.masked_fill, aten.type_as, aten.to,
+    # Tensors made "like" another (dropout masks) take its local shape, so they follow its layout.
+    aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.rand_like, aten.randn_like,
+    aten.bernoulli, aten.bernoulli_, aten.uniform_, aten.normal_, aten.fill_, aten.zero_,
+}
+
+
+@dataclass
+class CapturedGraph:
+    text: str  # the planner's input (see csrc/plan/graph.h)
+    layers: Dict[int, LayerInfo]  # planner node index -> the layer module it stands for
+    param_names: List[str]  # parameter index -> a qualified name
+    output_shapes: List[Tuple[int, ...]]
+    example_shapes: Dict[str, Any] = field(default_factory=dict)
+
+
+def _normalize_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, param_index: Dict[int, int]):
+        super().__init__()
+        self.param_index = param_index
+        self.ids: Dict[int, int] = {}
+        self.keep: List[torch.Tensor] = []  # holds every recorded tensor so ids stay unique
+        self.lines: List[str] = []
+        self.node_count = 0
+        self.layer_depth = 0
+
+    def tensor_id(self, t: torch.Tensor) -> int:
+        key = id(t)
+        if key not in self.ids:
+            self.ids[key] = len(self.keep)
+            self.keep.append(t)
+            shape = " ".join(str(int(s)) for s in t.shape)
+            self.lines.append(f"tensor {self.ids[key]} {t.dim()} {shape}".rstrip())
+            if key in self.param_index:
+                self.lines.append(f"param {self.ids[key]} {self.param_index[key]}")
+        return self.ids[key]
+
+    def fresh(self, like: torch.Tensor) -> int:
+        stand_in = torch.empty(like.shape, device="meta")
+        return self.tensor_id(stand_in)
+
+    def node(self, kind: str, label: str, inputs: Sequence[int], outputs: Sequence[int], args: Sequence[int] = ()) -> int:
+        self.lines.append(
+            f"node {kind} {label} in {len(inputs)} {' '.join(map(str, inputs))} "
+            f"out {len(outputs)} {' '.join(map(str, outputs))} args {len(args)} {' '.join(str(int(a)) for a in args)}"
+        )
+        self.node_count += 1
+        return self.node_count - 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.layer_depth == 0:
+            self.record(func, args, kwargs, out)
+        return out
+
+    def record(self, func, args, kwargs, out) -> None:
+        flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        flat_out = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        if not flat_out:
+            return
+        packet = func.overloadpacket
+        label = str(func).replace(" ", "")
+        inputs = [self.tensor_id(t) for t in flat_in]
+        if not inputs:
+            self.node("source", label, [], [self.tensor_id(o) for o in flat_out])
+            return
+        x = flat_in[0]
+        if packet in _VIEWS and len(flat_in) == 1:
+            self.node("view", label, inputs, [self.tensor_id(flat_out[0])])
+        elif packet in _PERMUTES:
+            self.node("permute", label, inputs[:1], [self.tensor_id(flat_out[0])], self.permutation(packet, x, args))
+        elif packet is aten.expand:
+            self.node("expand", label, inputs[:1], [self.tensor_id(flat_out[0])])
+        elif packet in (aten.mm, aten.bmm):
+            self.node("matmul", label, inputs[:2], [self.tensor_id(flat_out[0])])
+        elif packet in (aten.addmm, aten.baddbmm):
+            product = self.fresh(flat_out[0])
+            self.node("matmul", label, inputs[1:3], [product])
+            self.node("pointwise", label, [inputs[0], product], [self.tensor_id(flat_out[0])])
+        elif packet.__name__.startswith(_ATTENTION_PREFIX):
+            self.node("attention", label, inputs, [self.tensor_id(o) for o in flat_out])
+        elif packet in _SOFTMAX:
+            self.node("reduce", label, inputs, [self.tensor_id(o) for o in flat_out], [_normalize_dim(args[1], x.dim())])
+        elif packet in _REDUCE_DIMS:
+            self.node("reduce", label, inputs, [self.tensor_id(o) for o in flat_out], self.reduced_dims(args, kwargs, x))
+        elif packet in _NORMS or packet.__name__.endswith("rms_norm"):
+            normalized = len(args[1]) if isinstance(args[1], (list, tuple)) else 1
+            self.node("reduce", label, inputs, [self.tensor_id(o) for o in flat_out], range(x.dim() - normalized, x.dim()))
+        elif packet in _SPLITS:
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+            self.node("split", label, inputs[:1], [self.tensor_id(o) for o in flat_out], [_normalize_dim(dim, x.dim())])
+        elif packet is aten.cat:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+            # cat drops empty 1-d tensors, which may come with any shape.
+            kept = [i for i, t in zip(inputs, flat_in) if t.dim() == flat_out[0].dim()]
+            self.node("cat", label, kept, [self.tensor_id(flat_out[0])], [_normalize_dim(dim, flat_out[0].dim())])
+        elif packet in (aten.slice, aten.narrow, aten.select):
+            self.node("slice", label, inputs[:1], [self.tensor_id(flat_out[0])], self.slice_args(packet, x, args))
+        elif packet in _COPIES or torch.Tag.pointwise in func.tags:
+            self.node("pointwise", label, inputs, [self.tensor_id(o) for o in flat_out])
+        else:
+            self.node("opaque", label, inputs, [self.tensor_id(o) for o in flat_out])
+
+    @staticmethod
+    def permutation(packet, x, args) -> List[int]:
+        n = x.dim()
+        order = list(range(n))
+        if packet in (aten.t, aten.numpy_T):
+            return order[::-1]
+        if packet in (aten.transpose, aten.swapaxes):
+            a, b = _normalize_dim(args[1], n), _normalize_dim(args[2], n)
+            order[a], order[b] = order[b], order[a]
+            return order
+        if packet is aten.permute:
+            return [_normalize_dim(d, n) for d in args[1]]
+        source, destination = args[1], args[2]  # movedim with ints
+        order.remove(_normalize_dim(source, n))
+        order.insert(_normalize_dim(destination, n), _normalize_dim(source, n))
+        return order
+
+    @staticmethod
+    def reduced_dims(args, kwargs, x) -> List[int]:
+        dims = args[1] if len(args) > 1 and not isinstance(args[1], bool) else kwargs.get("dim")
+        if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+            return list(range(x.dim()))
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        return [_normalize_dim(d, x.dim()) for d in dims]
+
+    @staticmethod
+    def slice_args(packet, x, args) -> List[int]:
+        dim = _normalize_dim(args[1] if len(args) > 1 else 0, x.dim())
+        size = x.shape[dim]
+        if packet is aten.select:
+            index = args[2] % size if size else 0
+            return [dim, index, index + 1, 1]
+        if packet is aten.narrow:
+            return [dim, args[2], args[2] + args[3], 0]
+        start = args[2] if len(args) > 2 and args[2] is not None else 0
+        stop = args[3] if len(args) > 3 and args[3] is not None else size
+        step = args[4] if len(args) > 4 else 1
+        start, stop = max(min(start + size if start < 0 else start, size), 0), max(min(stop + size if stop < 0 else stop, size), 0)
+        if step != 1:
+            stop = start  # a strided slice is never a whole axis
+        return [dim, start, stop, 0]
+
+
+def meta_shadow(model: nn.Module) -> nn.Module:
+    """The model itself if it is already on meta, else a meta copy that shares no storage."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    if all(t.device.type == "meta" for t in tensors):
+        return model
+    memo = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def example_inputs_for(model: nn.Module, batch: int = 2, seq: int = 8) -> Tuple[tuple, dict]:
+    """Inputs made from the signature and config of a Hugging Face model."""
+    config = getattr(model, "config", None)
+    name = getattr(model, "main_input_name", None)
+    if config is None or name != "input_ids":
+        raise ValueError(
+            "plan: example_inputs is required for this model (autoshard can make them only for Hugging Face "
+            f"models that take input_ids); got a {type(model).__name__} and example_inputs=None"
+        )
+    kwargs = {"input_ids": torch.zeros(batch, seq, dtype=torch.long, device="meta")}
+    return (), kwargs
+
+
+def _to_meta(value):
+    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, value)
+
+
+def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
+    shadow = meta_shadow(model)
+    if example_inputs is None:
+        args, kwargs = example_inputs_for(shadow)
+    elif isinstance(example_inputs, dict):
+        args, kwargs = (), _to_meta(example_inputs)
+    else:
+        args = _to_meta(tuple(example_inputs) if isinstance(example_inputs, (list, tuple)) else (example_inputs,))
+        kwargs = {}
+
+    param_names: List[str] = []
+    param_index: Dict[int, int] = {}
+    for name, p in shadow.named_parameters(remove_duplicate=True):
+        param_index[id(p)] = len(param_names)
+        param_names.append(name)
+
+    recorder = _Recorder(param_index)
+    layers: Dict[int, LayerInfo] = {}
+    layer_by_module: Dict[int, LayerInfo] = {}
+    handles = []
+    for name, module in shadow.named_modules(remove_duplicate=False):
+        info = describe_layer(name, module, param_index)
+        if info is None:
+            continue
+        if id(module) in layer_by_module:  # a module reachable under two names is one layer
+            continue
+        layer_by_module[id(module)] = info
+
+        def pre(mod, inputs, info=info):
+            if recorder.layer_depth == 0:
+                info.input = inputs[0] if inputs else None
+            recorder.layer_depth += 1
+
+        def post(mod, inputs, output, info=info):
+            recorder.layer_depth -= 1
+            if recorder.layer_depth == 0 and isinstance(info.input, torch.Tensor) and isinstance(output, torch.Tensor):
+                node = recorder.node(info.kind, info.name or "<model>", [recorder.tensor_id(info.input)],
+                                     [recorder.tensor_id(output)], info.planner_args())
+                layers[node] = info.record_call(info.input, output)
+            info.input = None
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    try:
+        with torch.no_grad(), recorder:
+            outputs = shadow(*args, **kwargs)
+    except Exception as error:
+        raise RuntimeError(
+            f"plan: the model's forward failed on the meta device ({type(error).__name__}: {error}); autoshard plans "
+            "by running the forward on meta tensors, so the model must support them and example_inputs must fit it"
+        ) from error
+    finally:
+        for h in handles:
+            h.remove()
+
+    if hasattr(outputs, "to_tuple"):
+        outputs = outputs.to_tuple()
+    flat = [o for o in tree_flatten(outputs)[0] if isinstance(o, torch.Tensor)]
+    for o in flat:
+        recorder.lines.append(f"output {recorder.tensor_id(o)}")
+    return CapturedGraph(
+        text="\n".join(recorder.lines) + "\n",
+        layers=layers,
+        param_names=param_names,
+        output_shapes=[tuple(o.shape) for o in flat],
+    )

@@ -1,0 +1,65 @@
+"""The layer kinds the planner decides about, recognised by what they compute.
+
+A Linear (or Hugging Face's Conv1D, a Linear stored transposed) maps the last axis of its
+input from in_features to out_features; an Embedding looks rows up by index. Whether one is
+split by rows or columns is decided by the planner from the dataflow, never from its name.
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's Conv1D: y = x @ weight + bias with weight stored as [in, out]."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and getattr(module, "nf", None) == weight.shape[1]
+    )
+
+
+@dataclass
+class LayerInfo:
+    name: str
+    kind: str  # "linear" or "embedding"
+    in_features: int = 0
+    out_features: int = 0
+    transposed: bool = False  # Conv1D: weight is [in, out]
+    weight_param: int = -1
+    bias_param: int = -1
+    num_embeddings: int = 0
+    embedding_dim: int = 0
+    input_shape: Optional[tuple] = None
+    output_shape: Optional[tuple] = None
+    input: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def planner_args(self) -> List[int]:
+        if self.kind == "linear":
+            return [self.in_features, self.out_features, self.weight_param, self.bias_param]
+        return [self.num_embeddings, self.embedding_dim, self.weight_param]
+
+    def record_call(self, inputs: torch.Tensor, output: torch.Tensor) -> "LayerInfo":
+        self.input_shape = tuple(inputs.shape)
+        self.output_shape = tuple(output.shape)
+        return self
+
+
+def describe_layer(name: str, module: nn.Module, param_index: Dict[int, int]) -> Optional[LayerInfo]:
+    def index(p) -> int:
+        return param_index.get(id(p), -1) if p is not None else -1
+
+    if isinstance(module, nn.Linear):
+        return LayerInfo(name, "linear", module.in_features, module.out_features, False,
+                         index(module.weight), index(module.bias))
+    if is_conv1d(module):
+        return LayerInfo(name, "linear", module.weight.shape[0], module.weight.shape[1], True,
+                         index(module.weight), index(getattr(module, "bias", None)))
+    if isinstance(module, nn.Embedding):
+        return LayerInfo(name, "embedding", weight_param=index(module.weight),
+                         num_embeddings=module.num_embeddings, embedding_dim=module.embedding_dim)
+    return None
