@@ -79,6 +79,13 @@ Graph parse_graph(const std::string& text) {
       for (int id : node.inputs) TORCH_CHECK_VALUE(tensor_slot(id).known, "plan: graph line ", number, " reads undeclared tensor ", id);
       for (int id : node.outputs) TORCH_CHECK_VALUE(tensor_slot(id).known, "plan: graph line ", number, " writes undeclared tensor ", id);
       graph.nodes.push_back(std::move(node));
+    } else if (record == "force") {
+      int node = 0;
+      std::string style;
+      in >> node >> style;
+      TORCH_CHECK_VALUE(style == "replicate" || style == "column_gather", "plan: an override must be 'replicate' or ",
+                        "'column_gather', got '", style, "'");
+      graph.forced.emplace_back(node, style);
     } else {
       TORCH_CHECK_VALUE(false, "plan: graph line ", number, ": unknown record '", record, "'");
     }

@@ -43,6 +43,8 @@ struct Node {
 struct Graph {
   std::vector<TensorInfo> tensors;
   std::vector<Node> nodes;
+  // User overrides: layer node -> "replicate" or "column_gather".
+  std::vector<std::pair<int, std::string>> forced;
 
   const TensorInfo& tensor(int id) const { return tensors.at(id); }
 };
@@ -52,6 +54,7 @@ struct Graph {
 //   param <tensor id> <parameter index>
 //   output <tensor id>
 //   node <kind> <label> in <n> <id>... out <n> <id>... args <n> <int>...
+//   force <node> <replicate|column_gather>
 Graph parse_graph(const std::string& text);
 
 }  // namespace autoshard::plan

@@ -434,6 +434,13 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   std::vector<Force> forced(count, Force::None);
   std::vector<std::string> notes(count);
   const std::set<int> vocab = token_tables(graph);
+  for (const auto& [node, style] : graph.forced) {
+    TORCH_CHECK_VALUE(node >= 0 && static_cast<size_t>(node) < count &&
+                          (graph.nodes[node].kind == Kind::Linear || graph.nodes[node].kind == Kind::Embedding),
+                      "plan: override names node ", node, ", which is not a layer");
+    forced[node] = style == "replicate" ? Force::Replicate : Force::Gather;
+    notes[node] = style == "replicate" ? "replicated: by override" : "gathered: by override";
+  }
 
   // Which layers hold each parameter, and which parameters other ops read directly.
   std::map<int64_t, std::vector<int>> layers_of_param;

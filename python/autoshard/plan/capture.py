@@ -48,7 +48,9 @@ class CapturedGraph:
     layers: Dict[int, LayerInfo]  # planner node index -> the layer module it stands for
     param_names: List[str]  # parameter index -> a qualified name
     output_shapes: List[Tuple[int, ...]]
-    example_shapes: Dict[str, Any] = field(default_factory=dict)
+    shadow: nn.Module = None  # the meta model that ran
+    module_inputs: Dict[str, Tuple[tuple, dict]] = field(default_factory=dict)  # first call of each module
+    description: str = ""
 
 
 def _normalize_dim(dim: int, ndim: int) -> int:
@@ -236,6 +238,12 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
     layers: Dict[int, LayerInfo] = {}
     layer_by_module: Dict[int, LayerInfo] = {}
     handles = []
+    module_inputs: Dict[str, Tuple[tuple, dict]] = {}
+    for name, module in shadow.named_modules():
+        def remember(mod, a, kw, name=name):
+            module_inputs.setdefault(name, (a, kw))
+
+        handles.append(module.register_forward_pre_hook(remember, with_kwargs=True))
     for name, module in shadow.named_modules(remove_duplicate=False):
         info = describe_layer(name, module, param_index)
         if info is None:
@@ -281,4 +289,20 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
         layers=layers,
         param_names=param_names,
         output_shapes=[tuple(o.shape) for o in flat],
+        shadow=shadow,
+        module_inputs=module_inputs,
+        description=", ".join(f"{k} {tuple(v.shape)}" for k, v in _named_tensors(args, kwargs)),
     )
+
+
+def _named_tensors(args, kwargs):
+    named = [(f"input {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+    return [(k, v) for k, v in named if isinstance(v, torch.Tensor)]
+
+
+def trace_text(module: nn.Module, args: tuple, kwargs: dict) -> str:
+    """The ATen-level graph of one module call, for comparing two variants of a module."""
+    recorder = _Recorder({})
+    with torch.no_grad(), recorder:
+        module(*args, **kwargs)
+    return "\n".join(recorder.lines)

@@ -1,0 +1,171 @@
+"""ShardingPlan: what the planner decided, per layer and per parameter, and what it costs."""
+
+import fnmatch
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+from ..nn.spec import ShardSpec
+from ..split import split_sizes
+
+STYLES = ("column", "column_gather", "row", "vocab", "replicate")
+OVERRIDE_STYLES = ("replicate", "column_gather")
+
+
+@dataclass
+class LayerPlan:
+    module: str
+    kind: str  # "linear" or "embedding"
+    style: str
+    weight: str  # parameter names
+    bias: Optional[str]
+    weight_shape: List[int]
+    transposed: bool = False  # Conv1D: weight is [in, out]
+    units: int = 0  # pieces are whole units (heads) of the sharded dimension
+    parts: List[int] = field(default_factory=list)  # fused output layout (QKV in one layer)
+    region: int = -1
+    copy_group: int = -1  # column layers reading the same input copy it once
+    note: str = ""
+
+    def weight_dim(self) -> Optional[int]:
+        """The weight dimension this layer splits, or None."""
+        if self.style in ("column", "column_gather", "vocab"):
+            return 1 if self.transposed else 0
+        if self.style == "row":
+            return 0 if self.transposed else 1
+        return None
+
+    def weight_spec(self, rank: int, world_size: int) -> Optional[ShardSpec]:
+        dim = self.weight_dim()
+        if dim is None:
+            return None
+        return ShardSpec(dim, self.weight_shape[dim], rank, world_size, units=self.units or None,
+                         parts=tuple(self.parts) if self.parts else None)
+
+    def bias_spec(self, rank: int, world_size: int) -> Optional[ShardSpec]:
+        if self.bias is None or self.style not in ("column", "column_gather"):
+            return None
+        full = self.weight_shape[self.weight_dim()]
+        return ShardSpec(0, full, rank, world_size, units=self.units or None,
+                         parts=tuple(self.parts) if self.parts else None)
+
+
+@dataclass
+class RegionPlan:
+    units: int
+    module: str  # the smallest module holding all of the region's layers
+    # Integer attributes of that module that hold a global size the sharded model must see
+    # locally (GPT-2's split_size, OPT's num_heads), each a whole number of units.
+    attributes: Dict[str, int] = field(default_factory=dict)
+
+    def local_value(self, value: int, rank: int, world_size: int) -> int:
+        return value // self.units * split_sizes(self.units, world_size)[rank]
+
+
+@dataclass
+class ShardingPlan:
+    world_size: int
+    layers: List[LayerPlan]
+    regions: Dict[int, RegionPlan]
+    comm: List[Dict[str, object]]  # {"phase", "kind", "count", "bytes"} per step at the example shapes
+    example: Dict[str, object] = field(default_factory=dict)  # what the comm figures were measured on
+    overrides: Dict[str, str] = field(default_factory=dict)
+
+    # ---- queries
+
+    def layer(self, module: str) -> LayerPlan:
+        for layer in self.layers:
+            if layer.module == module:
+                return layer
+        raise KeyError(f"ShardingPlan: no layer named {module!r}")
+
+    def param_specs(self, rank: int) -> Dict[str, ShardSpec]:
+        """Every sharded parameter's ShardSpec on `rank`, by parameter name."""
+        specs = {}
+        for layer in self.layers:
+            for name, spec in ((layer.weight, layer.weight_spec(rank, self.world_size)),
+                               (layer.bias, layer.bias_spec(rank, self.world_size))):
+                if name is not None and spec is not None:
+                    specs[name] = spec
+        return specs
+
+    def collectives(self, phase: str) -> Dict[str, int]:
+        return {c["kind"]: c["count"] for c in self.comm if c["phase"] == phase}
+
+    def parameter_bytes(self, rank: int, element_size: int = 4) -> Dict[str, int]:
+        """Bytes of the planned layers' parameters: all of them, and the part `rank` holds."""
+        full = local = 0
+        seen = set()
+        for layer in self.layers:
+            if layer.weight in seen:
+                continue
+            seen.add(layer.weight)
+            count = 1
+            for s in layer.weight_shape:
+                count *= s
+            spec = layer.weight_spec(rank, self.world_size)
+            full += count
+            local += count if spec is None else count // spec.full_size * spec.local_size()
+            if layer.bias is not None:
+                bias = layer.weight_shape[1 if layer.transposed else 0]
+                bias_spec = layer.bias_spec(rank, self.world_size)
+                full += bias
+                local += bias if bias_spec is None else bias_spec.local_size()
+        return {"full": full * element_size, "local": local * element_size}
+
+    # ---- presentation
+
+    def __str__(self) -> str:
+        header = ["layer", "style", "units", "shard sizes (per rank)", "note"]
+        rows = []
+        for layer in self.layers:
+            spec0 = layer.weight_spec(0, self.world_size)
+            if spec0 is None:
+                sizes = "-"
+            else:
+                sizes = "/".join(str(layer.weight_spec(r, self.world_size).local_size()) for r in range(self.world_size))
+                sizes += f" of {spec0.full_size}" + (f" in parts {tuple(layer.parts)}" if layer.parts else "")
+            units = str(layer.units) if layer.units else "-"
+            rows.append([layer.module, layer.style, units, sizes, layer.note])
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+        lines = [f"ShardingPlan for {self.world_size} ranks"]
+        lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+        lines.append("  ".join("-" * w for w in widths))
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        for region_id, region in sorted(self.regions.items()):
+            if region.attributes:
+                local = {k: "/".join(str(region.local_value(v, r, self.world_size)) for r in range(self.world_size))
+                         for k, v in region.attributes.items()}
+                lines.append(f"  {region.module}: local attributes {local}")
+        shape = self.example.get("description", "the example inputs")
+        lines.append(f"collectives per step on {shape}:")
+        for c in self.comm:
+            lines.append(f"  {c['phase']:<8} {c['kind']:<10} x{c['count']:<4} {c['bytes'] / 2**20:.3f} MiB")
+        b = self.parameter_bytes(0)
+        lines.append(f"parameters of planned layers: {b['full'] / 2**20:.2f} MiB unsharded, "
+                     f"{b['local'] / 2**20:.2f} MiB on rank 0 (fp32)")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ShardingPlan":
+        data = json.loads(text)
+        return cls(
+            world_size=data["world_size"],
+            layers=[LayerPlan(**layer) for layer in data["layers"]],
+            regions={int(k): RegionPlan(**v) for k, v in data["regions"].items()},
+            comm=data["comm"],
+            example=data.get("example", {}),
+            overrides=data.get("overrides", {}),
+        )
+
+    # ---- overrides
+
+    def matching(self, pattern: str) -> List[LayerPlan]:
+        found = [layer for layer in self.layers
+                 if fnmatch.fnmatchcase(layer.module, pattern) or fnmatch.fnmatchcase(layer.weight, pattern)]
+        if not found:
+            raise ValueError(f"ShardingPlan.override: pattern {pattern!r} names no layer or parameter of the plan")
+        return found
