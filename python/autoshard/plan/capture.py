@@ -241,7 +241,8 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
     module_inputs: Dict[str, Tuple[tuple, dict]] = {}
     for name, module in shadow.named_modules():
         def remember(mod, a, kw, name=name):
-            module_inputs.setdefault(name, (a, kw))
+            if name not in module_inputs:
+                module_inputs[name] = (_replayable(a), _replayable(dict(kw)))
 
         handles.append(module.register_forward_pre_hook(remember, with_kwargs=True))
     for name, module in shadow.named_modules(remove_duplicate=False):
@@ -293,6 +294,18 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
         module_inputs=module_inputs,
         description=", ".join(f"{k} {tuple(v.shape)}" for k, v in _named_tensors(args, kwargs)),
     )
+
+
+def _replayable(value):
+    """A module's inputs with stateful objects (a key/value cache that grows with each call)
+    replaced by None, so that the call can be replayed."""
+    if isinstance(value, (torch.Tensor, int, float, bool, str, type(None))):
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_replayable(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _replayable(v) for k, v in value.items()}
+    return None
 
 
 def _named_tensors(args, kwargs):

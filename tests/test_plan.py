@@ -1,0 +1,149 @@
+"""The automatic plan, offline (no process group): styles, whole heads, and the collectives
+it predicts, on Hugging Face models built on the meta device."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.plan import ShardingPlan, plan
+from hf_models import CONFIGS, HEADS, build, layer_count
+
+KINDS = sorted(CONFIGS)
+
+
+def linear_layers(model):
+    return [m for m in model.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_plan_reaches_megatron_minimum(kind, world_size):
+    model = build(kind, device="meta")
+    p = plan(model, world_size=world_size)
+    blocks = layer_count(kind)
+    forward, backward = p.collectives("forward"), p.collectives("backward")
+    # Two all-reduces per block and one for the token embedding; the head gathers once.
+    assert forward.get("all_reduce", 0) + forward.get("all_gather", 0) <= 2 * blocks + 2
+    assert backward.get("all_reduce", 0) <= 2 * blocks + 1
+    assert forward.get("all_gather", 0) == 1
+    # Strictly fewer than gathering after every Linear.
+    assert sum(forward.values()) < len(linear_layers(model))
+    styles = {layer.style for layer in p.layers}
+    assert {"column", "row", "vocab"} <= styles
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_attention_is_split_on_whole_heads(kind):
+    model = build(kind, device="meta")
+    p = plan(model, world_size=2)
+    heads = HEADS[kind]
+    attention = [layer for layer in p.layers if layer.style in ("column", "row") and layer.units in heads]
+    assert attention, "no layer was split on heads"
+    for layer in attention:
+        dim = layer.weight_dim()
+        for rank in range(2):
+            spec = layer.weight_spec(rank, 2)
+            for (start, length), part in zip(spec.local_ranges(), spec.part_sizes()):
+                head = part // layer.units
+                assert start % head == 0 and length % head == 0, (layer.module, start, length, head)
+        assert layer.weight_shape[dim] % layer.units == 0
+
+
+def test_gpt2_fused_qkv_is_split_part_by_part():
+    p = plan(build("gpt2", device="meta"), world_size=3)
+    c_attn = p.layer("transformer.h.0.attn.c_attn")
+    assert c_attn.style == "column" and c_attn.parts == [60, 60, 60] and c_attn.units == 5
+    # 5 heads of 12 over 3 ranks: 2, 2, 1 heads of each of q, k and v.
+    assert [c_attn.weight_spec(r, 3).local_size() for r in range(3)] == [72, 72, 36]
+    assert c_attn.weight_dim() == 1  # Conv1D stores [in, out]
+    assert p.regions[c_attn.region].attributes.get("split_size") == 60
+
+
+@pytest.mark.parametrize("kind", ["gemma", "gpt2", "bert"])
+def test_tied_embeddings_stay_tied(kind):
+    model = build(kind, device="meta")
+    p = plan(model, world_size=3)
+    by_weight = {}
+    for layer in p.layers:
+        by_weight.setdefault(layer.weight, []).append(layer)
+    tied = [layers for layers in by_weight.values() if len(layers) > 1]
+    assert tied, "the model's input and output embeddings should share one weight"
+    for layers in tied:
+        specs = {tuple(layer.weight_spec(r, 3).local_ranges()) for layer in layers for r in range(1)}
+        assert len(specs) == 1
+        assert {layer.style for layer in layers} == {"vocab", "column_gather"}
+
+
+def test_fewer_kv_heads_than_ranks_replicates_attention():
+    model = build("llama", device="meta")  # 3 KV heads
+    p = plan(model, world_size=4)
+    q = p.layer("model.layers.0.self_attn.q_proj")
+    assert q.style == "replicate" and "3 whole unit" in q.note
+    assert p.layer("model.layers.0.mlp.gate_proj").style == "column"
+
+
+def test_plan_json_round_trip_and_table():
+    p = plan(build("llama", device="meta"), world_size=2)
+    again = ShardingPlan.from_json(p.to_json())
+    assert again.to_json() == p.to_json()
+    assert json.loads(p.to_json())["world_size"] == 2
+    table = str(p)
+    assert "model.layers.0.self_attn.q_proj" in table and "column" in table and "all_reduce" in table
+
+
+def test_overrides():
+    model = build("llama", device="meta")
+    p = plan(model, world_size=2, overrides={"*.mlp.*": "replicate"})
+    assert all(layer.style == "replicate" for layer in p.layers if ".mlp." in layer.module)
+    assert p.layer("model.layers.0.self_attn.o_proj").style == "row"
+    assert p.collectives("forward")["all_reduce"] == 2 + 1
+    with pytest.raises(ValueError, match="names no layer"):
+        plan(model, world_size=2, overrides={"*.nothing_here": "replicate"})
+    with pytest.raises(ValueError, match="must be one of"):
+        plan(model, world_size=2, overrides={"lm_head": "row"})
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(10, 11)
+        self.down = nn.Linear(11, 7)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_own_model_with_example_inputs():
+    p = plan(MLP(), world_size=3, example_inputs=(torch.randn(2, 3, 10),))
+    assert p.layer("up").style == "column" and p.layer("down").style == "row"
+    assert p.collectives("forward") == {"all_reduce": 1}
+    assert p.collectives("backward") == {"all_reduce": 1}
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="example_inputs is required"):
+        plan(MLP(), world_size=2)
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        plan(MLP(), world_size=0, example_inputs=(torch.randn(2, 10),))
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        plan("gpt2", world_size=2)
+
+    class NeedsData(nn.Module):
+        def forward(self, x):
+            return x * float(x.sum())  # reads a value, which meta tensors do not have
+
+    with pytest.raises(RuntimeError, match="forward failed on the meta device"):
+        plan(NeedsData(), world_size=2, example_inputs=(torch.randn(3),))
+
+
+def test_planning_leaves_a_real_model_untouched():
+    model = MLP()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan(model, world_size=2, example_inputs=(torch.randn(4, 10),))
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert not model._forward_hooks and not model.up._forward_pre_hooks
