@@ -147,3 +147,14 @@ def test_planning_leaves_a_real_model_untouched():
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
     assert not model._forward_hooks and not model.up._forward_pre_hooks
+
+
+def test_cli_prints_plan_and_cost(capsys):
+    from autoshard.__main__ import main
+
+    assert main(["plan", "--model-type", "llama", "--world-size", "2", "--set", "num_hidden_layers=2",
+                 "--set", "hidden_size=64", "--set", "intermediate_size=96", "--set", "num_attention_heads=4",
+                 "--set", "vocab_size=100"]) == 0
+    out = capsys.readouterr().out
+    assert "ShardingPlan for 2 ranks" in out and "model.layers.1.mlp.down_proj" in out
+    assert "all_reduce x5" in out and "planned in" in out

@@ -97,7 +97,8 @@ def _parse(text: str, graph: CapturedGraph, world_size: int, element_size: int) 
         attributes = _localized_attributes(graph, module, set(localize[region]), units, world_size) if world_size > 1 else {}
         region_plans[region] = RegionPlan(units=units, module=module, attributes=attributes)
     return ShardingPlan(world_size=world_size, layers=layers, regions=region_plans, comm=comm,
-                        example={"description": graph.description, "output_shapes": [list(s) for s in graph.output_shapes]})
+                        example={"description": graph.description, "inputs": graph.example_inputs,
+                                 "output_shapes": [list(s) for s in graph.output_shapes]})
 
 
 def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None,

@@ -51,6 +51,7 @@ class CapturedGraph:
     shadow: nn.Module = None  # the meta model that ran
     module_inputs: Dict[str, Tuple[tuple, dict]] = field(default_factory=dict)  # first call of each module
     description: str = ""
+    example_inputs: Optional[Dict[str, Any]] = None  # shapes and dtypes, to make them again
 
 
 def _normalize_dim(dim: int, ndim: int) -> int:
@@ -188,10 +189,11 @@ class _Recorder(TorchDispatchMode):
         return [dim, start, stop, 0]
 
 
-def meta_shadow(model: nn.Module) -> nn.Module:
-    """The model itself if it is already on meta, else a meta copy that shares no storage."""
+def meta_shadow(model: nn.Module, always_copy: bool = False) -> nn.Module:
+    """The model itself if it is already on meta (unless always_copy), else a meta copy that
+    shares no storage with it."""
     tensors = list(model.parameters()) + list(model.buffers())
-    if all(t.device.type == "meta" for t in tensors):
+    if not always_copy and all(t.device.type == "meta" for t in tensors):
         return model
     memo = {}
     for p in model.parameters():
@@ -268,6 +270,10 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
 
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
+    example = {
+        "args": [_describe(a) for a in args],
+        "kwargs": {k: _describe(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)},
+    }
     try:
         with torch.no_grad(), recorder:
             outputs = shadow(*args, **kwargs)
@@ -293,7 +299,14 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
         shadow=shadow,
         module_inputs=module_inputs,
         description=", ".join(f"{k} {tuple(v.shape)}" for k, v in _named_tensors(args, kwargs)),
+        example_inputs=example if all(a is not None for a in example["args"]) else None,
     )
+
+
+def _describe(value):
+    if not isinstance(value, torch.Tensor):
+        return None
+    return {"shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
 
 
 def _replayable(value):

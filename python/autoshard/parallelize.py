@@ -1,0 +1,165 @@
+"""parallelize(): applies a ShardingPlan to a model in place, from outside the model.
+
+Layers are swapped for their sharded counterparts, integer attributes that hold a global
+size become local (GPT-2's split_size), and column layers that read the same tensor (q, k
+and v) share one input copy, so that backward all-reduces their summed gradient once. The
+plan is first tried on a meta copy of the model; a plan that cannot work fails there, before
+any weight is touched.
+"""
+
+import weakref
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+from . import ops
+from .distributed import ProcessGroup, resolve
+from .nn.embedding import VocabParallelEmbedding
+from .nn.linear import ColumnParallelLinear, RowParallelLinear
+from .plan import ShardingPlan, plan as make_plan
+from .plan.capture import meta_shadow, example_inputs_for
+
+
+class SharedInputCopy:
+    """One copy_to_parallel for several column layers that read the same tensor in a row."""
+
+    def __init__(self, group_name: str, users: int):
+        self.group_name = group_name
+        self.users = users
+        self._source = None
+        self._copy = None
+        self._served = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._source is not None and self._source() is x and self._served < self.users:
+            self._served += 1
+            copy = self._copy
+        else:
+            copy = ops.copy_to_parallel(x, self.group_name)
+            self._source, self._copy, self._served = weakref.ref(x), copy, 1
+        if self._served == self.users:
+            self._source = self._copy = None  # hold no activation beyond its last reader
+        return copy
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> None:
+    if not isinstance(plan, ShardingPlan):
+        raise TypeError(f"parallelize: plan must be a ShardingPlan, got {type(plan).__name__}")
+    if plan.world_size != world_size:
+        raise ValueError(f"parallelize: the plan was made for world_size={plan.world_size}, "
+                         f"but the group has {world_size} ranks")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for layer in plan.layers:
+        try:
+            module = model.get_submodule(layer.module)
+        except AttributeError:
+            raise ValueError(f"parallelize: the plan names layer {layer.module!r}, which the model lacks") from None
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or list(weight.shape) != list(layer.weight_shape):
+            got = None if weight is None else list(weight.shape)
+            raise ValueError(f"parallelize: layer {layer.module!r} has weight shape {got}, "
+                             f"the plan expects {layer.weight_shape}")
+        if hasattr(module, "shard_specs"):
+            raise ValueError(f"parallelize: layer {layer.module!r} is already sharded")
+        if layer.weight not in params:
+            raise ValueError(f"parallelize: the plan names parameter {layer.weight!r}, which the model lacks")
+
+
+def _sharded_layer(layer, module: nn.Module, group: ProcessGroup) -> nn.Module:
+    if layer.style == "vocab":
+        return VocabParallelEmbedding.from_embedding(module, group)
+    split = layer.weight_shape[layer.weight_dim()]
+    # A split element by element needs no units; whole heads and fused parts do.
+    units = layer.units if (layer.parts or layer.units != split) else None
+    parts = layer.parts or None
+    if layer.style in ("column", "column_gather"):
+        return ColumnParallelLinear.from_linear(module, group, gather_output=layer.style == "column_gather",
+                                                units=units, parts=parts)
+    return RowParallelLinear.from_linear(module, group, input_is_parallel=True, units=units, parts=parts)
+
+
+def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
+    rank, world = group.rank(), group.size()
+    users: Dict[int, int] = {}
+    for layer in plan.layers:
+        if layer.style in ("column", "column_gather"):
+            users[layer.copy_group] = users.get(layer.copy_group, 0) + 1
+    copies = {g: SharedInputCopy(group.group_name, n) for g, n in users.items() if n > 1}
+    sharded_weights: Dict[int, nn.Parameter] = {}  # original weight -> its shard, for tied layers
+    for layer in plan.layers:
+        if layer.style == "replicate":
+            continue
+        module = model.get_submodule(layer.module)
+        original = module.weight
+        sharded = _sharded_layer(layer, module, group)
+        if id(original) in sharded_weights:
+            sharded.weight = sharded_weights[id(original)]
+        else:
+            sharded_weights[id(original)] = sharded.weight
+        if layer.copy_group in copies:
+            sharded.input_copy = copies[layer.copy_group]
+        _set_submodule(model, layer.module, sharded)
+    for region in plan.regions.values():
+        owner = model.get_submodule(region.module)
+        for attr, value in region.attributes.items():
+            setattr(owner, attr, region.local_value(value, rank, world))
+
+
+def _example_inputs(model: nn.Module, plan: ShardingPlan):
+    spec = plan.example.get("inputs")
+    if spec is None:
+        return example_inputs_for(model)
+    make = lambda s: torch.zeros(s["shape"], dtype=getattr(torch, s["dtype"]), device="meta")
+    return tuple(make(s) for s in spec["args"]), {k: make(s) for k, s in spec["kwargs"].items()}
+
+
+def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
+    shadow = meta_shadow(model, always_copy=True)
+    try:
+        _apply(shadow, plan, group)
+        args, kwargs = _example_inputs(shadow, plan)
+        with torch.no_grad():
+            outputs = shadow(*args, **kwargs)
+    except Exception as error:
+        raise ValueError(f"parallelize: the plan does not run on a meta copy of the model "
+                         f"({type(error).__name__}: {error}); the model was left unchanged") from error
+    if hasattr(outputs, "to_tuple"):
+        outputs = outputs.to_tuple()
+    flat = [o for o in torch.utils._pytree.tree_flatten(outputs)[0] if isinstance(o, torch.Tensor)]
+    got = [list(o.shape) for o in flat]
+    want = plan.example.get("output_shapes")
+    if want is not None and got != want:
+        raise ValueError(f"parallelize: on a meta copy, the sharded model's outputs have shapes {got} instead of "
+                         f"{want}; the model was left unchanged")
+
+
+def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Optional[ProcessGroup] = None,
+                mesh=None) -> nn.Module:
+    """Shards `model` in place over `group` (None: the default tensor-parallel group, or the
+    "tp" dimension of `mesh`) following `plan` (None: autoshard.plan(model)); returns it."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
+    if mesh is not None:
+        if group is not None:
+            raise ValueError("parallelize: give group or mesh, not both")
+        names = tuple(mesh.mesh_dim_names or ())
+        if "tp" not in names:
+            raise ValueError(f"parallelize: mesh must have a 'tp' dimension, got dimensions {names}")
+        for name in names:
+            if name != "tp" and mesh.size(names.index(name)) > 1:
+                raise ValueError(f"parallelize: mesh dimension {name!r} of size {mesh.size(names.index(name))} "
+                                 "is not supported yet; only tensor parallelism ('tp') is")
+        group = mesh.get_group("tp")
+    group = resolve(group, "parallelize")
+    if plan is None:
+        plan = make_plan(model, world_size=group.size())
+    _check_plan_fits(model, plan, group.size())
+    _dry_run(model, plan, group)
+    _apply(model, plan, group)
+    return model

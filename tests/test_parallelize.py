@@ -1,0 +1,130 @@
+"""parallelize() on Hugging Face models and a model of our own, on 2, 3 and 4 gloo ranks:
+logits, collectives and one SGD step against the unsharded model."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import autoshard
+from hf_models import CONFIGS, build
+from multirank import RankFailure, run_on_ranks
+
+KINDS = sorted(CONFIGS)
+
+
+def _counts(counter):
+    return {k: v for k, v in counter.counts.items() if v}
+
+
+def _check_model(kind: str) -> dict:
+    world = dist.get_world_size()
+    reference = build(kind, seed=0)
+    model = build(kind, seed=0)
+    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(1))
+    plan = autoshard.plan(model, world_size=world)
+    autoshard.parallelize(model, plan)
+
+    with autoshard.CommCounter() as forward:
+        logits = model(input_ids=ids).logits
+    expected = reference(input_ids=ids).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    assert _counts(forward) == plan.collectives("forward"), (_counts(forward), plan.collectives("forward"))
+
+    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2))
+    with autoshard.CommCounter() as backward:
+        (logits * weights).sum().backward()
+    (expected * weights).sum().backward()
+    assert _counts(backward) == plan.collectives("backward"), (_counts(backward), plan.collectives("backward"))
+
+    for m in (model, reference):
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    got, want = autoshard.full_state_dict(model), reference.state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    styles = sorted({layer.style for layer in plan.layers})
+    return {"kind": kind, "styles": styles, "forward": _counts(forward), "backward": _counts(backward)}
+
+
+def _check_all_models():
+    return [_check_model(kind) for kind in KINDS]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_hf_models_equal_unsharded(world_size):
+    results = run_on_ranks(_check_all_models, world_size, timeout=600)
+    for summary in results[0]:
+        assert summary["forward"].get("all_gather") == 1, summary  # the output head
+        if world_size < 4 or summary["kind"] not in ("llama", "gemma"):
+            assert "column" in summary["styles"] and "row" in summary["styles"], summary
+
+
+class OwnModel(nn.Module):
+    """Written with nn.Linear only; no names autoshard could key on."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(10, 22)
+        self.b = nn.Linear(22, 10)
+        self.norm = nn.LayerNorm(10)
+        self.c = nn.Linear(10, 7)
+
+    def forward(self, x):
+        h = self.norm(x + self.b(torch.nn.functional.gelu(self.a(x))))
+        return self.c(h)
+
+
+def _check_own_model():
+    torch.manual_seed(0)
+    reference = OwnModel()
+    model = OwnModel()
+    model.load_state_dict(reference.state_dict())
+    x = torch.randn(3, 5, 10, generator=torch.Generator().manual_seed(3))
+    autoshard.parallelize(model, autoshard.plan(model, world_size=dist.get_world_size(), example_inputs=(x,)))
+    out = model(x)
+    torch.testing.assert_close(out, reference(x), rtol=1e-5, atol=1e-5)
+    out.pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    for m in (model, reference):
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    got = autoshard.full_state_dict(model)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
+    return type(model.a).__name__, type(model.b).__name__, type(model.c).__name__
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_own_model(world_size):
+    names = run_on_ranks(_check_own_model, world_size)[0]
+    assert names == ("ColumnParallelLinear", "RowParallelLinear", "ColumnParallelLinear")
+
+
+def _bad_plans():
+    model = build("llama", seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    errors = []
+    wrong_world = autoshard.plan(model, world_size=dist.get_world_size() + 1)
+    for bad in (wrong_world, "plan"):
+        try:
+            autoshard.parallelize(model, bad)
+        except (ValueError, TypeError) as error:
+            errors.append(str(error))
+    plan = autoshard.plan(model, world_size=dist.get_world_size())
+    plan.regions[plan.layer("model.layers.0.self_attn.q_proj").region].attributes["head_dim"] = 8
+    try:
+        autoshard.parallelize(model, plan)
+    except ValueError as error:
+        errors.append(str(error))
+    unchanged = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    untouched = all(type(m).__name__ != "ColumnParallelLinear" for m in model.modules())
+    return errors, unchanged and untouched
+
+
+def test_bad_plans_leave_the_model_untouched():
+    errors, untouched = run_on_ranks(_bad_plans, 2)[0]
+    assert untouched
+    assert len(errors) == 3
+    assert "world_size=3" in errors[0] and "2 ranks" in errors[0]
+    assert "plan must be a ShardingPlan" in errors[1]
+    assert "meta copy" in errors[2] and "left unchanged" in errors[2]
