@@ -180,6 +180,15 @@ def test_opcheck(world_size):
     assert run_on_ranks(_opcheck_all, world_size, "cpu") == [8] * world_size
 
 
+def test_opcheck_counter_ops():
+    opcheck(torch.ops.autoshard.comm_counters.default, ())
+    # aot_dispatch's comparison of outputs has no rule for strings; the rest applies.
+    opcheck(torch.ops.autoshard.comm_counter_kinds.default, (),
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    assert ops.comm_counter_kinds() == ["all_reduce", "all_gather"]
+    assert len(ops.comm_counters()) == 4
+
+
 def _counter_semantics():
     rank = dist.get_rank()
     x = seeded((4, 8), 1100).requires_grad_()
