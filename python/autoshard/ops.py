@@ -28,3 +28,27 @@ def shard(x: torch.Tensor, rank: int, world_size: int, dim: int = 0) -> torch.Te
 
 def unsplit(pieces: Sequence[torch.Tensor], starts: Sequence[int], length: int, dim: int) -> torch.Tensor:
     return _ops.unsplit.default(list(pieces), list(starts), length, dim)
+
+
+def copy_to_parallel(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return _ops.copy_to_parallel.default(x, group_name)
+
+
+def reduce_from_parallel(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return _ops.reduce_from_parallel.default(x, group_name)
+
+
+def gather_from_parallel(x: torch.Tensor, dim: int, length: int, group_name: str) -> torch.Tensor:
+    return _ops.gather_from_parallel.default(x, dim, length, group_name)
+
+
+def scatter_to_parallel(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    return _ops.scatter_to_parallel.default(x, dim, group_name)
+
+
+def comm_counter_kinds() -> List[str]:
+    return _ops.comm_counter_kinds.default()
+
+
+def comm_counters() -> List[int]:
+    return _ops.comm_counters.default()

@@ -1,0 +1,53 @@
+// CPU and CUDA kernels of the mappings: one host implementation serves both, since the
+// group's backend picks the transport for the tensors' device and every other step is an
+// ATen op on that device. Outputs are always new tensors (a custom op must not alias).
+#include <torch/library.h>
+
+#include "comm/collectives.h"
+#include "comm/group.h"
+#include "comm/mappings.h"
+
+namespace autoshard::comm {
+namespace {
+
+at::Tensor copy_to_parallel(const at::Tensor& x, c10::string_view group_name) {
+  resolve_group(group_name, "copy_to_parallel");
+  return x.clone(at::MemoryFormat::Contiguous);
+}
+
+at::Tensor reduce_from_parallel(const at::Tensor& x, c10::string_view group_name) {
+  const auto group = resolve_group(group_name, "reduce_from_parallel");
+  at::Tensor sum = x.clone(at::MemoryFormat::Contiguous);
+  all_reduce_sum_(sum, *group);
+  return sum;
+}
+
+at::Tensor gather_from_parallel(const at::Tensor& x, int64_t dim, int64_t length, c10::string_view group_name) {
+  const auto group = resolve_group(group_name, "gather_from_parallel");
+  return all_gather_uneven(x, checked_gather_dim(x, dim, length, *group), length, *group);
+}
+
+at::Tensor scatter_to_parallel(const at::Tensor& x, int64_t dim, c10::string_view group_name) {
+  const auto group = resolve_group(group_name, "scatter_to_parallel");
+  const auto [d, piece] = checked_scatter_piece(x, dim, *group);
+  return x.narrow(d, piece.start, piece.length).clone(at::MemoryFormat::Contiguous);
+}
+
+void register_mapping_kernels(torch::Library& m) {
+  m.impl("copy_to_parallel", &copy_to_parallel);
+  m.impl("reduce_from_parallel", &reduce_from_parallel);
+  m.impl("gather_from_parallel", &gather_from_parallel);
+  m.impl("scatter_to_parallel", &scatter_to_parallel);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(autoshard, CPU, m) {
+  register_mapping_kernels(m);
+}
+
+TORCH_LIBRARY_IMPL(autoshard, CUDA, m) {
+  register_mapping_kernels(m);
+}
+
+}  // namespace autoshard::comm

@@ -1,0 +1,114 @@
+"""Process groups: starting torch.distributed from torchrun's environment, and the group
+that sharded layers use when they are given none.
+
+Ops receive groups by name (``group.group_name``), which C++ resolves through torch's
+process-group registry, the way torch's functional collectives do.
+"""
+
+import os
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = dist.ProcessGroup
+
+# The tensor-parallel group used when a layer or collective is given `group=None`; None
+# here means the world. A 2-D mesh installs its `tp` group with set_default_group.
+_default_group: Optional[ProcessGroup] = None
+
+
+def _env_int(name: str, default: Optional[int]) -> int:
+    """The integer in environment variable ``name``; a missing one is an error when
+    ``default`` is None."""
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise ValueError(f"init_distributed: environment variable {name} must be set (torchrun sets it)")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"init_distributed: environment variable {name} must be an integer, got {value!r}") from None
+
+
+def init_distributed(backend: Optional[str] = None) -> Tuple[int, int]:
+    """Starts torch.distributed from torchrun's environment and returns ``(rank, world_size)``.
+
+    Idempotent: when a default process group exists already, returns its rank and size.
+    With CUDA available, uses NCCL for CUDA tensors (gloo for CPU tensors) and makes
+    ``LOCAL_RANK``'s GPU the current device; otherwise gloo. Without ``WORLD_SIZE`` in the
+    environment (a plain ``python script.py``), starts a one-rank group in this process.
+    ``backend`` overrides the choice (any string ``torch.distributed.init_process_group``
+    accepts).
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    standalone = "WORLD_SIZE" not in os.environ
+    if standalone:
+        rank, world_size = 0, 1
+    else:
+        rank, world_size = _env_int("RANK", None), _env_int("WORLD_SIZE", None)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    use_cuda = torch.cuda.is_available()
+    if backend is None:
+        backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+    if use_cuda and "nccl" in backend:
+        count = torch.cuda.device_count()
+        if not 0 <= local_rank < count:
+            raise ValueError(
+                f"init_distributed: LOCAL_RANK {local_rank} has no GPU of its own ({count} visible); "
+                "start at most one rank per GPU, or pass backend='gloo'"
+            )
+        torch.cuda.set_device(local_rank)
+    if standalone:
+        # No torchrun: a group of one needs no rendezvous address.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if name not in os.environ:
+                raise ValueError(f"init_distributed: environment variable {name} must be set (torchrun sets it)")
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _require_initialized(function: str) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{function}: torch.distributed is not initialised; call autoshard.init_distributed() "
+            "(under torchrun) or torch.distributed.init_process_group first"
+        )
+
+
+def default_group() -> ProcessGroup:
+    """The tensor-parallel group used for ``group=None``: the world unless
+    set_default_group installed another."""
+    _require_initialized("default_group")
+    if _default_group is not None:
+        return _default_group
+    return dist.distributed_c10d._get_default_group()
+
+
+def set_default_group(group: Optional[ProcessGroup]) -> None:
+    """Makes ``group`` the tensor-parallel group for ``group=None`` (None: the world again)."""
+    global _default_group
+    if group is not None and not isinstance(group, ProcessGroup):
+        raise TypeError(f"set_default_group: group must be a torch.distributed ProcessGroup or None, "
+                        f"got {type(group).__name__}")
+    _default_group = group
+
+
+def resolve(group: Optional[ProcessGroup], function: str = "autoshard") -> ProcessGroup:
+    """``group``, or the default group when it is None, checked to be a process group."""
+    _require_initialized(function)
+    if group is None:
+        return default_group()
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"{function}: group must be a torch.distributed ProcessGroup or None, "
+                        f"got {type(group).__name__}")
+    return group
+
+
+def group_name(group: Optional[ProcessGroup] = None) -> str:
+    """The name C++ ops resolve ``group`` (default: the default group) by."""
+    return resolve(group, "group_name").group_name

@@ -1,0 +1,261 @@
+"""Megatron's column- and row-parallel Linear layers, with uneven splits.
+
+A column-parallel layer holds this rank's rows of the weight (output features): its input
+is replicated, so the input's gradient is all-reduced in backward. A row-parallel layer
+holds this rank's columns (input features): each rank computes a partial sum, all-reduced
+in forward. Paired (column, then row, with any elementwise function between), a block
+costs one all-reduce in forward and one in backward.
+
+Both layers keep the weight in the source layer's layout: ``[out, in]`` for ``nn.Linear``,
+``[in, out]`` for Hugging Face's ``Conv1D`` (``transposed_weight=True``), so a checkpoint
+slice and ``shard_specs`` describe the parameter as it is stored.
+"""
+
+import math
+import operator
+import sys
+from dataclasses import replace
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..distributed import ProcessGroup, resolve
+from .spec import ShardSpec
+
+
+def _as_int(value, argument: str, owner: str) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{owner}: {argument} must be an int, got {type(value).__name__}") from None
+
+
+def _is_hf_conv1d(layer) -> bool:
+    # A Conv1D instance implies transformers is imported, so this never imports it.
+    for module_name in ("transformers.pytorch_utils", "transformers.modeling_utils"):
+        conv1d = getattr(sys.modules.get(module_name), "Conv1D", None)
+        if isinstance(conv1d, type) and isinstance(layer, conv1d):
+            return True
+    return False
+
+
+def _source_shape(layer, owner: str) -> Tuple[int, int, bool]:
+    """(in_features, out_features, transposed) of an nn.Linear or a transformers Conv1D."""
+    if isinstance(layer, nn.Linear):
+        return layer.in_features, layer.out_features, False
+    if _is_hf_conv1d(layer):
+        in_features, out_features = layer.weight.shape
+        return in_features, out_features, True
+    raise TypeError(f"{owner}.from_linear: layer must be a torch.nn.Linear or a transformers Conv1D, "
+                    f"got {type(layer).__name__}")
+
+
+def _take(spec: ShardSpec, full: torch.Tensor) -> torch.Tensor:
+    local = spec.take(full.detach())
+    # A parameter must own its storage: the source layer may be freed or changed.
+    return local.clone() if local._is_view() else local
+
+
+class _ParallelLinear(nn.Module):
+    """What both layers share: the group, the split of one feature dimension, the weight
+    layout and the checks. ``split_dim`` is the split dimension in ``[out, in]`` layout."""
+
+    split_dim: int
+    split_name: str
+
+    def _setup(self, in_features, out_features, bias, group, device, dtype, units, parts) -> None:
+        owner = type(self).__name__
+        self.in_features = _as_int(in_features, "in_features", owner)
+        self.out_features = _as_int(out_features, "out_features", owner)
+        for name, value in (("in_features", self.in_features), ("out_features", self.out_features)):
+            if value < 0:
+                raise ValueError(f"{owner}: {name} must be >= 0, got {value}")
+        self.group = resolve(group, owner)
+        self._group_name = self.group.group_name
+        self._rank, self._world = self.group.rank(), self.group.size()
+        self.transposed_weight = False
+        split_size = self.out_features if self.split_dim == 0 else self.in_features
+        units = None if units is None else _as_int(units, "units", owner)
+        parts = None if parts is None else tuple(_as_int(p, "parts", owner) for p in parts)
+        spec = ShardSpec(dim=self.split_dim, full_size=split_size, rank=self._rank, world_size=self._world,
+                         units=units, parts=parts)
+        for size in spec.part_sizes():
+            pieces = units or size
+            if pieces < self._world:
+                what = f"{size}" if units is None else f"{size} ({units} whole units)"
+                raise ValueError(
+                    f"{owner}: cannot split {self.split_name}={what} over a group of {self._world} ranks: "
+                    f"every rank needs a piece, so {self.split_name} must be at least the group size"
+                )
+        self.shard_specs = {"weight": spec}
+        local = spec.local_size()
+        shape = (local, self.in_features) if self.split_dim == 0 else (self.out_features, local)
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(shape, **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(local if self.split_dim == 0 else self.out_features, **factory))
+            if self.split_dim == 0:
+                self.shard_specs["bias"] = replace(spec, dim=0)
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    @property
+    def _plain_split(self) -> bool:
+        spec = self.shard_specs["weight"]
+        return spec.units is None and spec.parts is None
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialisation of the full layer, drawn from the current RNG, of
+        which this rank keeps its slice: the same seed gives the same model at any world
+        size. The full weight exists on each rank while this runs; build large models on the
+        meta device and load them instead."""
+        if self.weight.device.type == "meta":
+            return
+        with torch.no_grad():
+            full = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                             device=self.weight.device, dtype=self.weight.dtype)
+            self._copy_from_full(full.weight.t() if self.transposed_weight else full.weight, full.bias)
+
+    def _copy_from_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        self.weight.copy_(_take(self.shard_specs["weight"], weight))
+        if self.bias is not None:
+            spec = self.shard_specs.get("bias")
+            self.bias.copy_(_take(spec, bias) if spec is not None else bias)
+
+    @classmethod
+    def _from_layer(cls, layer, group, units, parts, **options):
+        owner = cls.__name__
+        in_features, out_features, transposed = _source_shape(layer, owner)
+        weight, bias = layer.weight, layer.bias
+        module = cls(in_features, out_features, bias=bias is not None, group=group, device="meta",
+                     dtype=weight.dtype, units=units, parts=parts, **options)
+        if transposed:
+            module.transposed_weight = True
+            module.shard_specs["weight"] = replace(module.shard_specs["weight"], dim=1 - module.split_dim)
+        module.weight = nn.Parameter(_take(module.shard_specs["weight"], weight), requires_grad=weight.requires_grad)
+        if bias is not None:
+            spec = module.shard_specs.get("bias")
+            local_bias = _take(spec, bias) if spec is not None else bias.detach().clone()
+            module.bias = nn.Parameter(local_bias, requires_grad=bias.requires_grad)
+        return module
+
+    def _linear_weight(self) -> torch.Tensor:
+        # [out, in] for F.linear; a transposed view costs no copy (matmul reads it as is).
+        return self.weight.t() if self.transposed_weight else self.weight
+
+    def _check_input(self, x: torch.Tensor, expected: int, what: str) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}: input must be a torch.Tensor, got {type(x).__name__}")
+        got = x.shape[-1] if x.dim() > 0 else None
+        if got != expected:
+            raise ValueError(f"{type(self).__name__}: input's last dimension must be {what}={expected}, "
+                             f"got {got if got is not None else 'a 0-d tensor'} (input shape {tuple(x.shape)})")
+
+    def _layout_repr(self) -> str:
+        spec = self.shard_specs["weight"]
+        extra = ""
+        if spec.units is not None:
+            extra += f", units={spec.units}"
+        if spec.parts is not None:
+            extra += f", parts={spec.parts}"
+        if self.transposed_weight:
+            extra += ", transposed_weight=True"
+        return f"local_{self.split_name}={spec.local_size()} (rank {self._rank} of {self._world}){extra}"
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x W^T + b`` with W and b split on output features (``split_sizes``: the first
+    ranks get the extra). The input is replicated; the output is this rank's slice of the
+    features, or all of them with ``gather_output=True`` (an all-gather; prefer feeding a
+    RowParallelLinear, which needs none).
+
+    ``units`` and ``parts`` (keyword-only) split in whole units (attention heads) and split
+    fused layouts (QKV) part by part, as ``ShardSpec`` does; both need ``gather_output=False``.
+    """
+
+    split_dim = 0
+    split_name = "out_features"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 group: Optional[ProcessGroup] = None, device=None, dtype=None, *, units: Optional[int] = None,
+                 parts: Optional[Sequence[int]] = None):
+        super().__init__()
+        self.gather_output = bool(gather_output)
+        self._setup(in_features, out_features, bias, group, device, dtype, units, parts)
+        self.local_out_features = self.shard_specs["weight"].local_size()
+        if self.gather_output and not self._plain_split:
+            raise ValueError("ColumnParallelLinear: gather_output=True needs a plain split (units=None, parts=None): "
+                             "the gathered features must be in their original order")
+
+    @classmethod
+    def from_linear(cls, layer, group: Optional[ProcessGroup] = None, gather_output: bool = False, *,
+                    units: Optional[int] = None, parts: Optional[Sequence[int]] = None) -> "ColumnParallelLinear":
+        """This rank's slice of ``layer`` (an ``nn.Linear`` or a transformers ``Conv1D``), on
+        the layer's device and dtype; a meta layer gives a meta module."""
+        return cls._from_layer(layer, group, units, parts, gather_output=gather_output)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x, self.in_features, "in_features")
+        if self._world == 1:
+            return F.linear(x, self._linear_weight(), self.bias)
+        x = ops.copy_to_parallel(x, self._group_name)
+        y = F.linear(x, self._linear_weight(), self.bias)
+        if self.gather_output:
+            y = ops.gather_from_parallel(y, -1, self.out_features, self._group_name)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"gather_output={self.gather_output}, {self._layout_repr()}")
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = x W^T + b`` with W split on input features. The input is this rank's slice of
+    the features (``input_is_parallel=True``, as a ColumnParallelLinear produces) or the
+    full input, split here; the partial products are all-reduced, then the bias (replicated,
+    full size) is added once.
+
+    ``units`` and ``parts`` (keyword-only) split in whole units and part by part, as
+    ``ShardSpec`` does; both need ``input_is_parallel=True``.
+    """
+
+    split_dim = 1
+    split_name = "in_features"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
+                 group: Optional[ProcessGroup] = None, device=None, dtype=None, *, units: Optional[int] = None,
+                 parts: Optional[Sequence[int]] = None):
+        super().__init__()
+        self.input_is_parallel = bool(input_is_parallel)
+        self._setup(in_features, out_features, bias, group, device, dtype, units, parts)
+        self.local_in_features = self.shard_specs["weight"].local_size()
+        if not self.input_is_parallel and not self._plain_split:
+            raise ValueError("RowParallelLinear: input_is_parallel=False needs a plain split (units=None, parts=None): "
+                             "the input is split here with split_sizes")
+
+    @classmethod
+    def from_linear(cls, layer, group: Optional[ProcessGroup] = None, input_is_parallel: bool = True, *,
+                    units: Optional[int] = None, parts: Optional[Sequence[int]] = None) -> "RowParallelLinear":
+        """This rank's slice of ``layer`` (an ``nn.Linear`` or a transformers ``Conv1D``), on
+        the layer's device and dtype; a meta layer gives a meta module."""
+        return cls._from_layer(layer, group, units, parts, input_is_parallel=input_is_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._world == 1:
+            self._check_input(x, self.in_features, "in_features")
+            return F.linear(x, self._linear_weight(), self.bias)
+        if self.input_is_parallel:
+            self._check_input(x, self.local_in_features, "local_in_features")
+        else:
+            self._check_input(x, self.in_features, "in_features")
+            x = ops.scatter_to_parallel(x, -1, self._group_name)
+        y = ops.reduce_from_parallel(F.linear(x, self._linear_weight()), self._group_name)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"input_is_parallel={self.input_is_parallel}, {self._layout_repr()}")
