@@ -3,6 +3,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "nn/einsum_equation.h"
 #include "split/split_rule.h"
 
 TORCH_LIBRARY(autoshard, m) {
@@ -14,6 +15,26 @@ TORCH_LIBRARY(autoshard, m) {
   // Sums `pieces` into a zero tensor of `length` along `dim`, piece i starting at starts[i]:
   // the gradient of the splits above (pieces of an index split may overlap or leave gaps).
   m.def("unsplit(Tensor[] pieces, int[] starts, int length, int dim) -> Tensor");
+
+  // --- nn/ embedding: this rank holds rows [vocab_start, vocab_start + weight.size(0)) of a
+  // [vocab_size, dim] table. The lookup gives the held rows and zeros for every other id (so
+  // the ranks' outputs sum to the full lookup); ids outside [0, vocab_size) are an error.
+  // padding_idx (a global row, or -1) only matters to the backward: that row gets no gradient.
+  m.def("vocab_parallel_lookup(Tensor ids, Tensor weight, int vocab_start, int padding_idx, int vocab_size) -> Tensor");
+  // The dense gradient of the local table [num_rows, dim]: each held id's grad row added to its row.
+  m.def("vocab_parallel_lookup_backward(Tensor grad, Tensor ids, SymInt num_rows, int vocab_start, int padding_idx) -> Tensor");
+
+  // --- nn/ einsum: Keras-style dense equations "input,weight->output".
+  // Per weight letter, in weight order: the letter, its role ("output": weight and output
+  // only; "contracted": weight and input only; "batch": all three), and its dim in the input
+  // and in the output (None if absent; negative, from the end, after a leading "...").
+  m.def("einsum_weight_axes(str equation) -> (str[] letters, str[] roles, int?[] input_dims, int?[] output_dims)",
+        &autoshard::einsum_weight_axes);
+  // EinsumDense's weight shape, bias shape ([] without bias_axes) and full output shape (batch
+  // dim None first), from the input and output shapes without their batch dim.
+  m.def("einsum_dense_shapes(str equation, int?[] input_shape, int?[] output_shape, str? bias_axes) -> "
+        "(int[] weight_shape, int[] bias_shape, int?[] output_shape)",
+        &autoshard::einsum_dense_shapes);
 }
 
 // `import autoshard._C` loads this library, which runs the registrations above.
