@@ -22,7 +22,8 @@ TORCH_LIBRARY(autoshard, m) {
   // padding_idx (a global row, or -1) only matters to the backward: that row gets no gradient.
   m.def("vocab_parallel_lookup(Tensor ids, Tensor weight, int vocab_start, int padding_idx, int vocab_size) -> Tensor");
   // The dense gradient of the local table [num_rows, dim]: each held id's grad row added to its row.
-  m.def("vocab_parallel_lookup_backward(Tensor grad, Tensor ids, SymInt num_rows, int vocab_start, int padding_idx) -> Tensor");
+  m.def("vocab_parallel_lookup_backward(Tensor grad, Tensor ids, SymInt num_rows, int vocab_start, int padding_idx) "
+        "-> Tensor");
 
   // --- nn/ einsum: Keras-style dense equations "input,weight->output".
   // Per weight letter, in weight order: the letter, its role ("output": weight and output

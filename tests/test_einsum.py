@@ -338,6 +338,10 @@ def test_bias_replicated_over_the_sharded_letter_gets_every_shards_gradient(worl
         assert r["specs"] == {"0.weight": (1, N), "1.weight": (0, N)}
 
 
+def _error(got, want):
+    return (got - want).abs().max().item()
+
+
 def _gathered_and_scattered():
     _install_comm()
     qkv, out = _attention_pair("nh", "d", seed=3)
@@ -353,7 +357,7 @@ def _gathered_and_scattered():
     want.backward(grad)
     results["gather.out"] = (got - want).abs().max().item()
     results["gather.x.grad"] = (x1.grad - x2.grad).abs().max().item()
-    results["gather.weight.grad"] = (layer.weight.grad - layer.shard_specs["weight"].take(qkv.weight.grad)).abs().max().item()
+    results["gather.weight.grad"] = _error(layer.weight.grad, layer.shard_specs["weight"].take(qkv.weight.grad))
     results["gather.bias.grad"] = (layer.bias.grad - layer.shard_specs["bias"].take(qkv.bias.grad)).abs().max().item()
     # Row-style cutting its full input itself.
     layer = ShardedEinsumDense.from_einsum_dense(out, "h", input_is_parallel=False)
@@ -365,7 +369,7 @@ def _gathered_and_scattered():
     want.backward(grad)
     results["scatter.out"] = (got - want).abs().max().item()
     results["scatter.h.grad"] = (h1.grad - h2.grad).abs().max().item()
-    results["scatter.weight.grad"] = (layer.weight.grad - layer.shard_specs["weight"].take(out.weight.grad)).abs().max().item()
+    results["scatter.weight.grad"] = _error(layer.weight.grad, layer.shard_specs["weight"].take(out.weight.grad))
     results["scatter.bias.grad"] = (layer.bias.grad - out.bias.grad).abs().max().item()
     return results
 
@@ -407,7 +411,8 @@ def _shard_errors():
         row(torch.randn(2, 3, N, H))  # the full input where this rank's heads were expected
     except ValueError as e:
         errors["full_input_to_row"] = str(e)
-    column = ShardedEinsumDense.from_einsum_dense(EinsumDense("btd,dnh->btnh", (None, N, H), input_shape=(None, D)), "n")
+    column_layer = EinsumDense("btd,dnh->btnh", (None, N, H), input_shape=(None, D))
+    column = ShardedEinsumDense.from_einsum_dense(column_layer, "n")
     try:
         column(torch.randn(2, 3, D + 1))
     except ValueError as e:

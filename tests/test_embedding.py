@@ -148,7 +148,8 @@ def opcheck_cases(device):
     backward = torch.ops.autoshard.vocab_parallel_lookup_backward.default
 
     def table(rows, dim=5, dtype=torch.float32):
-        return torch.randn(rows, dim, generator=g).to(device=device, dtype=dtype).requires_grad_(dtype.is_floating_point)
+        t = torch.randn(rows, dim, generator=g).to(device=device, dtype=dtype)
+        return t.requires_grad_(dtype.is_floating_point)
 
     def grad(dim=5):
         return torch.randn(4, 6, dim, generator=g).to(device).requires_grad_()
@@ -199,8 +200,8 @@ def test_meta_kernels_give_shapes_without_memory():
          ["padding_idx", "[0, 10)", "10"]),
         (lambda: ops.vocab_parallel_lookup_backward(torch.ones(3, 2), torch.tensor([1, 2]), 4, 0, -1), ValueError,
          ["grad", "ids.shape"]),
-        (lambda: ops.vocab_parallel_lookup_backward(torch.ones(2, 2, dtype=torch.int64), torch.tensor([1, 2]), 4, 0, -1),
-         TypeError, ["grad", "floating"]),
+        (lambda: ops.vocab_parallel_lookup_backward(torch.ones(2, 2, dtype=torch.int64), torch.tensor([1, 2]), 4, 0,
+                                                    -1), TypeError, ["grad", "floating"]),
         (lambda: ops.vocab_parallel_lookup_backward(torch.ones(2, 2), torch.tensor([1, 2]), -4, 0, -1), ValueError,
          ["num_rows", "-4"]),
         (lambda: ops.vocab_parallel_lookup_backward(torch.ones(2, 2), torch.tensor([1, 2]), 4, 0, -3), ValueError,

@@ -213,11 +213,13 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<std::optional
 
   std::vector<int64_t> bias_shape;
   if (bias_letters) {
-    TORCH_CHECK_VALUE(!bias_letters->empty(), "EinsumDense: bias_axes must name at least one output letter, or be None");
+    TORCH_CHECK_VALUE(!bias_letters->empty(),
+                      "EinsumDense: bias_axes must name at least one output letter, or be None");
     size_t first = eq.output.size();
     for (char c : *bias_letters) {
-      TORCH_CHECK_VALUE(has(eq.output, c), "EinsumDense: bias_axes '", *bias_letters, "' must be letters of the output '",
-                        eq.output, "' of equation '", equation, "', found '", c, "'");
+      TORCH_CHECK_VALUE(has(eq.output, c), "EinsumDense: bias_axes '", *bias_letters,
+                        "' must be letters of the output '", eq.output, "' of equation '", equation, "', found '", c,
+                        "'");
       TORCH_CHECK_VALUE(std::count(bias_letters->begin(), bias_letters->end(), c) == 1, "EinsumDense: bias_axes '",
                         *bias_letters, "' names letter '", c, "' more than once");
       first = std::min(first, eq.output.find(c));

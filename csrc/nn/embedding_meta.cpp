@@ -9,7 +9,8 @@ namespace {
 at::Tensor lookup_meta(const at::Tensor& ids, const at::Tensor& weight, int64_t vocab_start, int64_t padding_idx,
                        int64_t vocab_size) {
   check_lookup_args(ids, weight, vocab_start, padding_idx, vocab_size);
-  return at::empty_symint(lookup_output_shape(ids, weight), weight.options().memory_format(at::MemoryFormat::Contiguous));
+  return at::empty_symint(lookup_output_shape(ids, weight),
+                          weight.options().memory_format(at::MemoryFormat::Contiguous));
 }
 
 at::Tensor lookup_backward_meta(const at::Tensor& grad, const at::Tensor& ids, c10::SymInt num_rows,

@@ -159,7 +159,9 @@ class ShardedEinsumDense(nn.Module):
     ):
         super().__init__()
         if not isinstance(layer, EinsumDense):
-            raise TypeError(f"ShardedEinsumDense: layer must be an autoshard.nn.EinsumDense, got {type(layer).__name__}")
+            raise TypeError(
+                f"ShardedEinsumDense: layer must be an autoshard.nn.EinsumDense, got {type(layer).__name__}"
+            )
         equation = layer.equation
         if not isinstance(shard_axis, str):
             raise TypeError(f"ShardedEinsumDense: shard_axis must be a one-letter str, got {type(shard_axis).__name__}")

@@ -27,8 +27,8 @@ def _reject_max_norm(max_norm) -> None:
         # Renormalising looked-up rows in place needs each row's norm, and a row lives on one
         # rank while the ids that touch it arrive on all of them.
         raise ValueError(
-            f"VocabParallelEmbedding: max_norm is not supported by the vocab-parallel table (got max_norm={max_norm!r}); "
-            "use max_norm=None"
+            "VocabParallelEmbedding: max_norm is not supported by the vocab-parallel table "
+            f"(got max_norm={max_norm!r}); use max_norm=None"
         )
 
 
