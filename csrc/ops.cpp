@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "comm/counters.h"
+#include "nn/einsum_equation.h"
 #include "plan/plan_op.h"
 #include "split/split_rule.h"
 
@@ -27,6 +28,27 @@ TORCH_LIBRARY(autoshard, m) {
   // Running totals of the collectives issued by this process: (count, bytes) per kind.
   m.def("comm_counter_kinds() -> str[]", &autoshard::comm::comm_counter_kinds);
   m.def("comm_counters() -> int[]", &autoshard::comm::comm_counters);
+
+  // --- nn/ embedding: this rank holds rows [vocab_start, vocab_start + weight.size(0)) of a
+  // [vocab_size, dim] table. The lookup gives the held rows and zeros for every other id (so
+  // the ranks' outputs sum to the full lookup); ids outside [0, vocab_size) are an error.
+  // padding_idx (a global row, or -1) only matters to the backward: that row gets no gradient.
+  m.def("vocab_parallel_lookup(Tensor ids, Tensor weight, int vocab_start, int padding_idx, int vocab_size) -> Tensor");
+  // The dense gradient of the local table [num_rows, dim]: each held id's grad row added to its row.
+  m.def("vocab_parallel_lookup_backward(Tensor grad, Tensor ids, SymInt num_rows, int vocab_start, int padding_idx) "
+        "-> Tensor");
+
+  // --- nn/ einsum: Keras-style dense equations "input,weight->output".
+  // Per weight letter, in weight order: the letter, its role ("output": weight and output
+  // only; "contracted": weight and input only; "batch": all three), and its dim in the input
+  // and in the output (None if absent; negative, from the end, after a leading "...").
+  m.def("einsum_weight_axes(str equation) -> (str[] letters, str[] roles, int?[] input_dims, int?[] output_dims)",
+        &autoshard::einsum_weight_axes);
+  // EinsumDense's weight shape, bias shape ([] without bias_axes) and full output shape (batch
+  // dim None first), from the input and output shapes without their batch dim.
+  m.def("einsum_dense_shapes(str equation, int?[] input_shape, int?[] output_shape, str? bias_axes) -> "
+        "(int[] weight_shape, int[] bias_shape, int?[] output_shape)",
+        &autoshard::einsum_dense_shapes);
 
   // --- plan/ : a model's dataflow graph (text) in, a decision per layer (text) out
   m.def("plan_graph(str graph, int world_size) -> str", &autoshard::plan::plan_graph);

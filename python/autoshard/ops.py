@@ -1,6 +1,6 @@
 """Thin typed wrappers over ``torch.ops.autoshard``: one function per op, no logic."""
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,3 +52,30 @@ def comm_counter_kinds() -> List[str]:
 
 def comm_counters() -> List[int]:
     return _ops.comm_counters.default()
+
+
+def vocab_parallel_lookup(
+    ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, padding_idx: int, vocab_size: int
+) -> torch.Tensor:
+    return _ops.vocab_parallel_lookup.default(ids, weight, vocab_start, padding_idx, vocab_size)
+
+
+def vocab_parallel_lookup_backward(
+    grad: torch.Tensor, ids: torch.Tensor, num_rows: int, vocab_start: int, padding_idx: int
+) -> torch.Tensor:
+    return _ops.vocab_parallel_lookup_backward.default(grad, ids, num_rows, vocab_start, padding_idx)
+
+
+def einsum_weight_axes(
+    equation: str,
+) -> Tuple[List[str], List[str], List[Optional[int]], List[Optional[int]]]:
+    return _ops.einsum_weight_axes.default(equation)
+
+
+def einsum_dense_shapes(
+    equation: str,
+    input_shape: Sequence[Optional[int]],
+    output_shape: Sequence[Optional[int]],
+    bias_axes: Optional[str],
+) -> Tuple[List[int], List[int], List[Optional[int]]]:
+    return _ops.einsum_dense_shapes.default(equation, list(input_shape), list(output_shape), bias_axes)

@@ -1,6 +1,15 @@
 """Sharded layers: each computes what its unsharded counterpart computes."""
 
+from .einsum import EinsumDense, ShardedEinsumDense
+from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .spec import ShardSpec
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ShardSpec"]
+__all__ = [
+    "ColumnParallelLinear",
+    "EinsumDense",
+    "RowParallelLinear",
+    "ShardSpec",
+    "ShardedEinsumDense",
+    "VocabParallelEmbedding",
+]

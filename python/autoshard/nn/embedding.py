@@ -1,0 +1,135 @@
+"""The vocab-parallel embedding: the table's rows split across the ranks.
+
+Each rank looks up the ids it holds rows for (zeros for the others) in one fused op, and one
+all-reduce sums the ranks' partial outputs into the full lookup. The backward needs no
+collective: every rank receives the full output gradient and accumulates its own rows.
+"""
+
+import operator
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .. import ops
+from .spec import ShardSpec
+
+
+def _as_int(value, argument: str) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"VocabParallelEmbedding: {argument} must be an int, got {type(value).__name__}") from None
+
+
+def _reject_max_norm(max_norm) -> None:
+    if max_norm is not None:
+        # Renormalising looked-up rows in place needs each row's norm, and a row lives on one
+        # rank while the ids that touch it arrive on all of them.
+        raise ValueError(
+            "VocabParallelEmbedding: max_norm is not supported by the vocab-parallel table "
+            f"(got max_norm={max_norm!r}); use max_norm=None"
+        )
+
+
+def _normalise_padding_idx(padding_idx, num_embeddings: int) -> Optional[int]:
+    """nn.Embedding's rule: a negative index counts from the end of the full table."""
+    if padding_idx is None:
+        return None
+    padding_idx = _as_int(padding_idx, "padding_idx")
+    if not -num_embeddings <= padding_idx < num_embeddings:
+        raise ValueError(
+            f"VocabParallelEmbedding: padding_idx must be in [{-num_embeddings}, {num_embeddings}) for "
+            f"num_embeddings={num_embeddings}, got {padding_idx}"
+        )
+    return padding_idx + num_embeddings if padding_idx < 0 else padding_idx
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding`` whose rows are split across the ranks of ``group`` by ``split_sizes``
+    (the first ranks get one extra row). Outputs and gradients equal ``nn.Embedding``'s;
+    ``padding_idx`` is a row of the full table that gets no gradient."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: Optional[int] = None,
+        max_norm: Optional[float] = None,
+        group=None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        _reject_max_norm(max_norm)
+        num_embeddings = _as_int(num_embeddings, "num_embeddings")
+        embedding_dim = _as_int(embedding_dim, "embedding_dim")
+        if num_embeddings <= 0:
+            raise ValueError(f"VocabParallelEmbedding: num_embeddings must be positive, got {num_embeddings}")
+        if embedding_dim < 0:
+            raise ValueError(f"VocabParallelEmbedding: embedding_dim must be >= 0, got {embedding_dim}")
+        from .. import comm
+
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = _normalise_padding_idx(padding_idx, num_embeddings)
+        self.max_norm = None
+        self.group = group
+        spec = ShardSpec(dim=0, full_size=num_embeddings, rank=comm.rank(group), world_size=comm.world_size(group))
+        self.shard_specs = {"weight": spec}
+        ((self.vocab_start, rows),) = spec.local_ranges()
+        self.weight = nn.Parameter(torch.empty(rows, embedding_dim, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    @property
+    def vocab_end(self) -> int:
+        return self.vocab_start + self.weight.shape[0]
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+        if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
+            with torch.no_grad():
+                self.weight[self.padding_idx - self.vocab_start].zero_()
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group=None) -> "VocabParallelEmbedding":
+        """This rank's rows of ``embedding`` (a meta embedding gives a meta layer)."""
+        if not isinstance(embedding, nn.Embedding):
+            raise TypeError(
+                f"VocabParallelEmbedding.from_embedding: embedding must be a torch.nn.Embedding, "
+                f"got {type(embedding).__name__}"
+            )
+        _reject_max_norm(embedding.max_norm)
+        for flag in ("scale_grad_by_freq", "sparse"):
+            if getattr(embedding, flag):
+                raise ValueError(
+                    f"VocabParallelEmbedding.from_embedding: {flag}=True is not supported by the vocab-parallel "
+                    f"table; the embedding must have {flag}=False"
+                )
+        full = embedding.weight
+        layer = cls(
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            padding_idx=embedding.padding_idx,
+            group=group,
+            device="meta",
+            dtype=full.dtype,
+        )
+        local = layer.shard_specs["weight"].take(full.detach())
+        layer.weight = nn.Parameter(local, requires_grad=full.requires_grad)
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from .. import comm
+
+        padding_idx = -1 if self.padding_idx is None else self.padding_idx
+        partial = ops.vocab_parallel_lookup(ids, self.weight, self.vocab_start, padding_idx, self.num_embeddings)
+        return comm.reduce_from_parallel(partial, self.group)
+
+    def extra_repr(self) -> str:
+        spec = self.shard_specs["weight"]
+        text = (
+            f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end}) "
+            f"on rank {spec.rank} of {spec.world_size}"
+        )
+        return text if self.padding_idx is None else f"{text}, padding_idx={self.padding_idx}"
