@@ -3,7 +3,23 @@
 from . import comm, nn, ops
 from .comm import CommCounter
 from .distributed import init_distributed
+from .parallelize import parallelize
+from .plan import ShardingPlan, plan
 from .split import array_split, shard, split_sizes
+from .state import full_state_dict
 
-__all__ = ["CommCounter", "array_split", "comm", "init_distributed", "nn", "ops", "shard", "split_sizes"]
+__all__ = [
+    "CommCounter",
+    "ShardingPlan",
+    "array_split",
+    "comm",
+    "full_state_dict",
+    "init_distributed",
+    "nn",
+    "ops",
+    "parallelize",
+    "plan",
+    "shard",
+    "split_sizes",
+]
 __version__ = "0.1.0"

@@ -71,8 +71,28 @@ def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> N
             raise ValueError(f"parallelize: the plan names parameter {layer.weight!r}, which the model lacks")
 
 
+class _VocabParallelLookup(nn.Embedding):
+    """nn.Embedding's place in the class of an embedding subclass that adds to its forward."""
+
+    forward = VocabParallelEmbedding.forward
+
+
+def _shard_embedding_subclass(module: nn.Embedding, group: ProcessGroup) -> nn.Module:
+    """An nn.Embedding subclass with a forward of its own (Gemma scales its lookup) keeps it:
+    the module's class gains the sharded lookup where its call to nn.Embedding.forward lands."""
+    sharded = VocabParallelEmbedding.from_embedding(module, group)
+    cls = type(f"VocabParallel{type(module).__name__}", (type(module), _VocabParallelLookup), {})
+    module.__class__ = cls
+    module.weight = sharded.weight
+    for attr in ("vocab_start", "group", "shard_specs", "padding_idx"):
+        setattr(module, attr, getattr(sharded, attr))
+    return module
+
+
 def _sharded_layer(layer, module: nn.Module, group: ProcessGroup) -> nn.Module:
     if layer.style == "vocab":
+        if type(module).forward is not nn.Embedding.forward:
+            return _shard_embedding_subclass(module, group)
         return VocabParallelEmbedding.from_embedding(module, group)
     split = layer.weight_shape[layer.weight_dim()]
     # A split element by element needs no units; whole heads and fused parts do.
@@ -91,20 +111,34 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
         if layer.style in ("column", "column_gather"):
             users[layer.copy_group] = users.get(layer.copy_group, 0) + 1
     copies = {g: SharedInputCopy(group.group_name, n) for g, n in users.items() if n > 1}
-    sharded_weights: Dict[int, nn.Parameter] = {}  # original weight -> its shard, for tied layers
+    # Every place a parameter is registered, so that tied parameters (an embedding shared with
+    # the output head, a head's bias also held by its parent) stay one parameter once sharded.
+    registrations: Dict[int, list] = {}
+    for owner in model.modules():
+        for attr, param in owner._parameters.items():
+            if param is not None:
+                registrations.setdefault(id(param), []).append((owner, attr))
+    replaced: Dict[int, nn.Parameter] = {}
     for layer in plan.layers:
         if layer.style == "replicate":
             continue
         module = model.get_submodule(layer.module)
-        original = module.weight
+        originals = {name: getattr(module, name, None) for name in ("weight", "bias")}
         sharded = _sharded_layer(layer, module, group)
-        if id(original) in sharded_weights:
-            sharded.weight = sharded_weights[id(original)]
-        else:
-            sharded_weights[id(original)] = sharded.weight
+        for name, original in originals.items():
+            if original is None:
+                continue
+            if id(original) in replaced:
+                setattr(sharded, name, replaced[id(original)])
+            else:
+                replaced[id(original)] = getattr(sharded, name)
         if layer.copy_group in copies:
             sharded.input_copy = copies[layer.copy_group]
         _set_submodule(model, layer.module, sharded)
+    for key, new in replaced.items():
+        for owner, attr in registrations.get(key, []):
+            if not hasattr(owner, "shard_specs"):
+                owner._parameters[attr] = new
     for region in plan.regions.values():
         owner = model.get_submodule(region.module)
         for attr, value in region.attributes.items():

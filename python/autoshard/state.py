@@ -39,10 +39,16 @@ def gather_full(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
 
 def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The state dict the unsharded model would have, on every rank (a collective call)."""
-    state = model.state_dict()
-    for module_name, module in model.named_modules(remove_duplicate=False):
+    sharded = {}
+    for module in model.modules():
         for param_name, spec in getattr(module, "shard_specs", {}).items():
-            key = f"{module_name}.{param_name}" if module_name else param_name
-            if key in state:
-                state[key] = gather_full(getattr(module, param_name), spec, getattr(module, "group", None))
+            sharded[id(getattr(module, param_name))] = (spec, getattr(module, "group", None))
+    state = model.state_dict()
+    gathered: Dict[int, torch.Tensor] = {}  # a tied parameter is gathered once
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in sharded and name in state:
+            if id(param) not in gathered:
+                spec, group = sharded[id(param)]
+                gathered[id(param)] = gather_full(param, spec, group)
+            state[name] = gathered[id(param)]
     return state

@@ -185,6 +185,9 @@ class ColumnParallelLinear(_ParallelLinear):
                  parts: Optional[Sequence[int]] = None):
         super().__init__()
         self.gather_output = bool(gather_output)
+        # Column layers that read the same tensor (q, k and v) may share one input copy, so
+        # that backward all-reduces their summed input gradient once (see parallelize).
+        self.input_copy = None
         self._setup(in_features, out_features, bias, group, device, dtype, units, parts)
         self.local_out_features = self.shard_specs["weight"].local_size()
         if self.gather_output and not self._plain_split:
@@ -202,7 +205,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self._check_input(x, self.in_features, "in_features")
         if self._world == 1:
             return F.linear(x, self._linear_weight(), self.bias)
-        x = ops.copy_to_parallel(x, self._group_name)
+        x = self.input_copy(x) if self.input_copy is not None else ops.copy_to_parallel(x, self._group_name)
         y = F.linear(x, self._linear_weight(), self.bias)
         if self.gather_output:
             y = ops.gather_from_parallel(y, -1, self.out_features, self._group_name)
