@@ -5,6 +5,10 @@ Every tensor is derived from a seed, so each rank can rebuild what the others ho
 check a collective's result against a plain local computation.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -354,3 +358,42 @@ def _nccl_group_of_one():
 @pytest.mark.gpu
 def test_nccl_group_resolves_by_name():
     assert run_on_ranks(_nccl_group_of_one, 1) == [True]
+
+
+_INIT_SCRIPT = r"""
+import os, socket
+import torch.distributed as dist
+import autoshard
+
+assert autoshard.init_distributed() == (0, 1)  # no torchrun: a group of one
+assert autoshard.init_distributed() == (0, 1)  # idempotent
+assert dist.get_backend() == "gloo"
+dist.destroy_process_group()
+
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+try:
+    autoshard.init_distributed()
+except ValueError as e:
+    assert "MASTER_ADDR" in str(e), e
+else:
+    raise AssertionError("missing MASTER_ADDR was accepted")
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+assert autoshard.init_distributed() == (0, 1)
+assert autoshard.comm.group_name() == dist.group.WORLD.group_name
+x = autoshard.comm.reduce_from_parallel(autoshard.comm.copy_to_parallel(__import__("torch").ones(3)))
+assert x.tolist() == [1.0, 1.0, 1.0]
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_init_distributed_from_environment():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo either way, so the check is the same on any machine
+    done = subprocess.run([sys.executable, "-c", _INIT_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"

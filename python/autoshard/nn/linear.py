@@ -11,7 +11,6 @@ Both layers keep the weight in the source layer's layout: ``[out, in]`` for ``nn
 slice and ``shard_specs`` describe the parameter as it is stored.
 """
 
-import math
 import operator
 import sys
 from dataclasses import replace
