@@ -239,6 +239,13 @@ def test_wrong_input_shape_is_refused(x_shape):
         layer(torch.randn(x_shape))
 
 
+def test_sharding_needs_initialised_distributed():
+    assert not torch.distributed.is_initialized()
+    layer = EinsumDense("btd,dnh->btnh", (None, N, H), input_shape=(None, D))
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        ShardedEinsumDense.from_einsum_dense(layer, "n")
+
+
 def test_shard_axis_errors_before_any_communication():
     layer = EinsumDense("btnd,nde->btne", (None, N, 4), input_shape=(None, N, D))
     with pytest.raises(ValueError, match=r"shard_axis 'z'.*weight 'nde'.*'btnd,nde->btne'"):
@@ -260,12 +267,6 @@ def test_shard_axis_errors_before_any_communication():
 # ---- ShardedEinsumDense on 1-4 gloo ranks
 
 
-def _install_comm():
-    import _comm_standin
-
-    _comm_standin.install()
-
-
 def _attention_pair(bias_axes_in, bias_axes_out, seed=0):
     torch.manual_seed(seed)
     qkv = random_layer("btd,dnh->btnh", (None, N, H), (None, D), bias_axes_in, seed=seed, dtype=torch.float32)
@@ -278,7 +279,6 @@ def _grads_of(*modules):
 
 
 def _sharded_pair_matches_unsharded(bias_axes_in, bias_axes_out):
-    _install_comm()
     from autoshard import comm
 
     qkv, out = _attention_pair(bias_axes_in, bias_axes_out)
@@ -292,9 +292,11 @@ def _sharded_pair_matches_unsharded(bias_axes_in, bias_axes_out):
     want = out(torch.tanh(qkv(x_full)))
     want.backward(grad)
     x_sharded = x.clone().requires_grad_()
-    hidden = s_qkv(x_sharded)
-    got = s_out(torch.tanh(hidden))
-    got.backward(grad)
+    with autoshard.CommCounter() as forward:
+        hidden = s_qkv(x_sharded)
+        got = s_out(torch.tanh(hidden))
+    with autoshard.CommCounter() as backward:
+        got.backward(grad)
 
     errors = {"out": (got - want).abs().max().item(), "x.grad": (x_sharded.grad - x_full.grad).abs().max().item()}
     full_grads = _grads_of(qkv, out)
@@ -306,6 +308,7 @@ def _sharded_pair_matches_unsharded(bias_axes_in, bias_axes_out):
         errors[key] = (local_grad - expected).abs().max().item()
     heads = autoshard.split_sizes(N, comm.world_size())[comm.rank()]
     return {
+        "comm": (forward.counts, backward.counts),
         "errors": errors,
         "hidden_shape": tuple(hidden.shape),
         "heads": heads,
@@ -325,6 +328,9 @@ def test_attention_pair_sharded_on_heads(world_size):
         assert r["hidden_shape"] == (2, 6, r["heads"], H)
         assert r["styles"] == ("column", "row")
         assert r["specs"] == {"0.weight": (1, N), "0.bias": (0, N), "1.weight": (0, N)}
+        # Megatron's minimum: one all-reduce in forward (row output), one in backward (column input).
+        one = {"all_reduce": 1} if world_size > 1 else {}
+        assert r["comm"] == (one, one)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -336,6 +342,7 @@ def test_bias_replicated_over_the_sharded_letter_gets_every_shards_gradient(worl
         for name, error in r["errors"].items():
             assert error <= 1e-5, (rank, name, error)
         assert r["specs"] == {"0.weight": (1, N), "1.weight": (0, N)}
+        assert r["comm"] == ({"all_reduce": 1}, {"all_reduce": 2})  # the input's and the bias's gradients
 
 
 def _error(got, want):
@@ -343,17 +350,20 @@ def _error(got, want):
 
 
 def _gathered_and_scattered():
-    _install_comm()
     qkv, out = _attention_pair("nh", "d", seed=3)
     g = torch.Generator().manual_seed(8)
     x = torch.randn(2, 4, D, generator=g)
-    results = {}
+    results, counts = {}, {}
     # Column-style with its output gathered back: the full output on every rank.
     layer = ShardedEinsumDense.from_einsum_dense(qkv, "h", gather_output=True)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     grad = torch.randn(2, 4, N, H, generator=g)
-    got, want = layer(x1), qkv(x2)
-    got.backward(grad)
+    with autoshard.CommCounter() as forward:
+        got = layer(x1)
+    with autoshard.CommCounter() as backward:
+        got.backward(grad)
+    counts["gather"] = (forward.counts, backward.counts)
+    want = qkv(x2)
     want.backward(grad)
     results["gather.out"] = (got - want).abs().max().item()
     results["gather.x.grad"] = (x1.grad - x2.grad).abs().max().item()
@@ -364,26 +374,31 @@ def _gathered_and_scattered():
     h = torch.randn(2, 4, N, H, generator=g)
     h1, h2 = h.clone().requires_grad_(), h.clone().requires_grad_()
     grad = torch.randn(2, 4, D, generator=g)
-    got, want = layer(h1), out(h2)
-    got.backward(grad)
+    with autoshard.CommCounter() as forward:
+        got = layer(h1)
+    with autoshard.CommCounter() as backward:
+        got.backward(grad)
+    counts["scatter"] = (forward.counts, backward.counts)
+    want = out(h2)
     want.backward(grad)
     results["scatter.out"] = (got - want).abs().max().item()
     results["scatter.h.grad"] = (h1.grad - h2.grad).abs().max().item()
     results["scatter.weight.grad"] = _error(layer.weight.grad, layer.shard_specs["weight"].take(out.weight.grad))
     results["scatter.bias.grad"] = (layer.bias.grad - out.bias.grad).abs().max().item()
-    return results
+    return results, counts
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gather_output_and_scattered_input(world_size):
-    for rank, r in enumerate(run_on_ranks(_gathered_and_scattered, world_size)):
+    for rank, (r, counts) in enumerate(run_on_ranks(_gathered_and_scattered, world_size)):
         assert len(r) == 8
         for name, error in r.items():
             assert error <= 1e-5, (rank, name, error)
+        assert counts["gather"] == ({"all_gather": 1}, {"all_reduce": 1})
+        assert counts["scatter"] == ({"all_reduce": 1}, {"all_gather": 1})
 
 
 def _leading_ellipsis_column_and_row():
-    _install_comm()
     torch.manual_seed(4)
     up = EinsumDense("...d,df->...f", 13, input_shape=(5, D), bias_axes="f")
     down = EinsumDense("...f,fd->...d", D, input_shape=(5, 13), bias_axes="d")
@@ -399,7 +414,6 @@ def test_leading_ellipsis_mlp_pair():
 
 
 def _shard_errors():
-    _install_comm()
     errors = {}
     layer = EinsumDense("btd,dnh->btnh", (None, 2, H), input_shape=(None, D))
     try:
@@ -430,7 +444,6 @@ def test_shard_errors_on_ranks():
 
 
 def _meta_sharding():
-    _install_comm()
     with torch.device("meta"):
         layer = EinsumDense("btd,dnh->btnh", (None, 32, 128), input_shape=(None, 4096), bias_axes="nh")
     sharded = ShardedEinsumDense.from_einsum_dense(layer, "n")

@@ -215,6 +215,12 @@ def test_bad_input_names_the_argument(call, error, words):
         assert word in str(info.value), (word, str(info.value))
 
 
+def test_layer_needs_initialised_distributed():
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        autoshard.nn.VocabParallelEmbedding(VOCAB, DIM)
+
+
 def test_max_norm_is_refused():
     with pytest.raises(ValueError, match="max_norm.*not supported"):
         autoshard.nn.VocabParallelEmbedding(VOCAB, DIM, max_norm=1.0)
@@ -229,14 +235,7 @@ def test_max_norm_is_refused():
 # ---- the layer, on 1-4 gloo ranks (sizes that divide nothing)
 
 
-def _install_comm():
-    import _comm_standin
-
-    _comm_standin.install()
-
-
 def _embedding_matches_unsharded(padding_idx):
-    _install_comm()
     torch.manual_seed(0)
     full = nn.Embedding(VOCAB, DIM, padding_idx=padding_idx)
     layer = autoshard.nn.VocabParallelEmbedding.from_embedding(full)
@@ -250,10 +249,13 @@ def _embedding_matches_unsharded(padding_idx):
     grad_out = torch.randn(6, 17, DIM, generator=g)
     want = full(ids)
     want.backward(grad_out)
-    got = layer(ids)
-    got.backward(grad_out)
+    with autoshard.CommCounter() as forward:
+        got = layer(ids)
+    with autoshard.CommCounter() as backward:
+        got.backward(grad_out)
     spec = layer.shard_specs["weight"]
     return {
+        "comm": (forward.counts, backward.counts),
         "out_error": (got - want).abs().max().item(),
         "grad_error": (layer.weight.grad - full.weight.grad[layer.vocab_start : layer.vocab_end]).abs().max().item(),
         "padding_grad": full.weight.grad[full.padding_idx].abs().max().item(),
@@ -275,10 +277,11 @@ def test_embedding_with_padding_matches_unsharded(world_size):
         assert r["start"] == sum(sizes[:rank])
         assert r["spec"] == (0, VOCAB, rank, world_size)
         assert r["padding_idx"] == VOCAB - 2  # normalised like nn.Embedding
+        # One all-reduce of the partial lookups; backward needs none.
+        assert r["comm"] == (({"all_reduce": 1} if world_size > 1 else {}), {})
 
 
 def _constructed_layer(padding_idx, dtype):
-    _install_comm()
     torch.manual_seed(dist_rank := torch.distributed.get_rank())
     layer = autoshard.nn.VocabParallelEmbedding(VOCAB, DIM, padding_idx=padding_idx, dtype=dtype)
     held = layer.vocab_start <= layer.padding_idx < layer.vocab_end
@@ -310,7 +313,6 @@ def test_constructed_layer_looks_up_every_row(world_size):
 
 
 def _meta_in_meta_out():
-    _install_comm()
     with torch.device("meta"):
         full = nn.Embedding(128000, 4096, padding_idx=0)
     layer = autoshard.nn.VocabParallelEmbedding.from_embedding(full)

@@ -13,7 +13,8 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from .. import ops
+from .. import comm, ops
+from ..distributed import resolve
 from .spec import ShardSpec
 
 Shape = Tuple[Optional[int], ...]
@@ -189,8 +190,7 @@ class ShardedEinsumDense(nn.Module):
                 f"ShardedEinsumDense: input_is_parallel=False needs a contracted letter, but shard_axis "
                 f"'{shard_axis}' is an output letter of equation '{equation}'"
             )
-        from .. import comm
-
+        group = resolve(group, "ShardedEinsumDense")
         full_size = layer.weight.shape[axis]
         world = comm.world_size(group)
         if world > full_size:
@@ -247,8 +247,6 @@ class ShardedEinsumDense(nn.Module):
         return tuple(shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from .. import comm
-
         if self.style == "column":
             _check_input(x, self._expected_input(local=False), "ShardedEinsumDense")
             x = comm.copy_to_parallel(x, self.group)

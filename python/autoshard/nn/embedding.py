@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import ops
+from .. import comm, ops
+from ..distributed import resolve
 from .spec import ShardSpec
 
 
@@ -68,14 +69,14 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"VocabParallelEmbedding: num_embeddings must be positive, got {num_embeddings}")
         if embedding_dim < 0:
             raise ValueError(f"VocabParallelEmbedding: embedding_dim must be >= 0, got {embedding_dim}")
-        from .. import comm
-
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.padding_idx = _normalise_padding_idx(padding_idx, num_embeddings)
         self.max_norm = None
-        self.group = group
-        spec = ShardSpec(dim=0, full_size=num_embeddings, rank=comm.rank(group), world_size=comm.world_size(group))
+        # Resolved now: the table is split for this group, whatever the default is later.
+        self.group = resolve(group, "VocabParallelEmbedding")
+        spec = ShardSpec(dim=0, full_size=num_embeddings, rank=comm.rank(self.group),
+                         world_size=comm.world_size(self.group))
         self.shard_specs = {"weight": spec}
         ((self.vocab_start, rows),) = spec.local_ranges()
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim, device=device, dtype=dtype))
@@ -120,8 +121,6 @@ class VocabParallelEmbedding(nn.Module):
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from .. import comm
-
         padding_idx = -1 if self.padding_idx is None else self.padding_idx
         partial = ops.vocab_parallel_lookup(ids, self.weight, self.vocab_start, padding_idx, self.num_embeddings)
         return comm.reduce_from_parallel(partial, self.group)
