@@ -14,6 +14,18 @@ TORCH_LIBRARY(autoshard, m) {
   // Sums `pieces` into a zero tensor of `length` along `dim`, piece i starting at starts[i]:
   // the gradient of the splits above (pieces of an index split may overlap or leave gaps).
   m.def("unsplit(Tensor[] pieces, int[] starts, int length, int dim) -> Tensor");
+
+  // --- optim/ : fused multi-tensor optimizer steps over local shards
+  // One torch.optim.AdamW step for every tensor of the lists, in place; `step` counts this
+  // step (1 on the first), for the bias corrections.
+  m.def(
+      "fused_adamw_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "float lr, float beta1, float beta2, float weight_decay, float eps, int step, bool maximize) -> ()");
+  // One torch.optim.SGD step, in place. With momentum 0 `momentum_buffers` is empty; on the
+  // first step (`first_step`) the buffers are written with the gradient rather than read.
+  m.def(
+      "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, float lr, float momentum, "
+      "float dampening, float weight_decay, bool nesterov, bool maximize, bool first_step) -> ()");
 }
 
 // `import autoshard._C` loads this library, which runs the registrations above.
