@@ -2,6 +2,9 @@
 opcheck, and the argument checks."""
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -216,6 +219,23 @@ def test_closure_is_evaluated_with_grad_and_its_loss_returned():
     loss = opt.step(closure)
     assert loss.item() == 5.0
     torch.testing.assert_close(weight.detach(), torch.tensor([0.0, 0.0]))  # w - 0.5 * 2w
+
+
+def test_baseline_kernels_match_torch_too():
+    # The CPU kernels exist once per instruction set; ATEN_CPU_CAPABILITY=default makes this
+    # library pick its portable build, as it makes ATen pick its own.
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    script = (
+        "import torch, test_optim as t\n"
+        "assert torch.backends.cpu.get_cpu_capability() == 'DEFAULT'\n"
+        "t.test_adamw_matches_torch('weight_decay', torch.float32)\n"
+        "t.test_sgd_matches_torch('nesterov', torch.float64)\n"
+        "t.test_reduced_precision_steps_in_fp32_and_rounds_once(torch.bfloat16)\n"
+    )
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    env["PYTHONPATH"] = os.pathsep.join([tests_dir] + sys.path)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 # ---- state dicts

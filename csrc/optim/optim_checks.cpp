@@ -91,7 +91,6 @@ AdamWScalars checked_adamw_scalars(at::TensorList params, at::TensorList grads, 
   s.eps = eps;
   s.neg_step_size = -(lr / bias_correction1);
   s.decay = weight_decay != 0;
-  s.lerp_weight_small = std::abs(static_cast<float>(s.lerp_weight)) < 0.5f;
   s.maximize = maximize;
   return s;
 }

@@ -46,7 +46,8 @@ struct AdamWCoefficients {
             V(static_cast<S>(s.eps)),
             V(static_cast<S>(s.neg_step_size)),
             s.decay,
-            s.lerp_weight_small,
+            // ATen's lerp switches formula at |weight| < 0.5, deciding in the math type.
+            (lerp_weight < S(0) ? -lerp_weight : lerp_weight) < S(0.5),
             s.maximize};
   }
 };
@@ -76,8 +77,9 @@ struct SGDCoefficients {
 //   denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
 //   param.addcdiv_(exp_avg, denom, value=-step_size)
 template <typename V>
-C10_HOST_DEVICE inline void adamw_update(V& param, V grad, V& exp_avg, V& exp_avg_sq, const AdamWCoefficients<V>& c) {
-  if (c.maximize) grad = negated(grad);
+C10_HOST_DEVICE inline void adamw_update(V& param, const V& gradient, V& exp_avg, V& exp_avg_sq,
+                                         const AdamWCoefficients<V>& c) {
+  const V grad = c.maximize ? negated(gradient) : gradient;
   if (c.decay) param = param * c.decay_factor;
   const V difference = grad - exp_avg;
   exp_avg = c.lerp_weight_small ? fmadd(c.lerp_weight, difference, exp_avg)
@@ -93,8 +95,8 @@ C10_HOST_DEVICE inline void adamw_update(V& param, V grad, V& exp_avg, V& exp_av
 //   grad = grad.add(buf, alpha=momentum) if nesterov else buf
 //   param.add_(grad, alpha=-lr)
 template <typename V>
-C10_HOST_DEVICE inline void sgd_update(V& param, V grad, V& momentum_buffer, const SGDCoefficients<V>& c) {
-  if (c.maximize) grad = negated(grad);
+C10_HOST_DEVICE inline void sgd_update(V& param, const V& gradient, V& momentum_buffer, const SGDCoefficients<V>& c) {
+  V grad = c.maximize ? negated(gradient) : gradient;
   if (c.decay) grad = fmadd(param, c.weight_decay, grad);
   if (c.use_momentum) {
     momentum_buffer = c.first_step ? grad : fmadd(grad, c.one_minus_dampening, momentum_buffer * c.momentum);
