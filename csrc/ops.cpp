@@ -50,6 +50,18 @@ TORCH_LIBRARY(autoshard, m) {
         "(int[] weight_shape, int[] bias_shape, int?[] output_shape)",
         &autoshard::einsum_dense_shapes);
 
+  // --- optim/ : fused multi-tensor optimizer steps over local shards
+  // One torch.optim.AdamW step for every tensor of the lists, in place; `step` counts this
+  // step (1 on the first), for the bias corrections.
+  m.def(
+      "fused_adamw_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "float lr, float beta1, float beta2, float weight_decay, float eps, int step, bool maximize) -> ()");
+  // One torch.optim.SGD step, in place. With momentum 0 `momentum_buffers` is empty; on the
+  // first step (`first_step`) the buffers are written with the gradient rather than read.
+  m.def(
+      "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, float lr, float momentum, "
+      "float dampening, float weight_decay, bool nesterov, bool maximize, bool first_step) -> ()");
+
   // --- plan/ : a model's dataflow graph (text) in, a decision per layer (text) out
   m.def("plan_graph(str graph, int world_size) -> str", &autoshard::plan::plan_graph);
 }

@@ -1,6 +1,6 @@
 """autoshard: tensor parallelism for PyTorch, as C++/CUDA custom ops."""
 
-from . import comm, nn, ops
+from . import comm, nn, ops, optim
 from .comm import CommCounter
 from .distributed import init_distributed
 from .parallelize import parallelize
@@ -17,6 +17,7 @@ __all__ = [
     "init_distributed",
     "nn",
     "ops",
+    "optim",
     "parallelize",
     "plan",
     "shard",

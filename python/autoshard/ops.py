@@ -79,3 +79,40 @@ def einsum_dense_shapes(
     bias_axes: Optional[str],
 ) -> Tuple[List[int], List[int], List[Optional[int]]]:
     return _ops.einsum_dense_shapes.default(equation, list(input_shape), list(output_shape), bias_axes)
+
+
+def fused_adamw_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    step: int,
+    maximize: bool,
+) -> None:
+    _ops.fused_adamw_.default(
+        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), lr, beta1, beta2, weight_decay, eps, step,
+        maximize,
+    )
+
+
+def fused_sgd_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    first_step: bool,
+) -> None:
+    _ops.fused_sgd_.default(
+        list(params), list(grads), list(momentum_buffers), lr, momentum, dampening, weight_decay, nesterov, maximize,
+        first_step,
+    )

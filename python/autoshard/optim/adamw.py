@@ -1,0 +1,112 @@
+"""AdamW whose step is one fused autoshard op per (param group, device, dtype)."""
+
+from typing import Dict, Optional
+
+import torch
+
+from .. import ops
+from ._common import as_real, check_at_least, check_bool, check_state_tensor, gather_buckets, hyperparameter_name
+
+_NAME = "AdamW"
+
+
+def _check_hyperparameters(values: Dict, group_index: Optional[int]) -> None:
+    """Checks the AdamW settings present in `values` (all of them for a complete group)."""
+
+    def name(key: str) -> str:
+        return hyperparameter_name(key, group_index)
+
+    if "lr" in values:
+        check_at_least(_NAME, name("lr"), values["lr"])
+    if "eps" in values:
+        check_at_least(_NAME, name("eps"), values["eps"])
+    if "weight_decay" in values:
+        check_at_least(_NAME, name("weight_decay"), values["weight_decay"])
+    if "maximize" in values:
+        check_bool(_NAME, name("maximize"), values["maximize"])
+    if "betas" in values:
+        betas = values["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"{_NAME}: {name('betas')} must be a pair (beta1, beta2), got {betas!r}")
+        for i, beta in enumerate(betas):
+            value = check_at_least(_NAME, f"{name('betas')}[{i}]", beta)
+            if not value < 1:
+                raise ValueError(f"{_NAME}: {name('betas')}[{i}] must be in [0, 1), got {value}")
+
+
+def _step_count(step) -> int:
+    return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+
+
+class AdamW(torch.optim.Optimizer):
+    """``torch.optim.AdamW`` (decoupled weight decay), stepping each (param group, device, dtype)
+    with one fused multi-tensor op, ``torch.ops.autoshard.fused_adamw_``.
+
+    The state is torch's: ``step`` (a float32 scalar tensor), ``exp_avg`` and ``exp_avg_sq``,
+    each shaped like its parameter, so a sharded parameter's state is sharded with it and
+    state dicts load into and from ``torch.optim.AdamW``. The learning rate is read from the
+    param group at every step, so torch's LR schedulers drive it.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
+                        weight_decay=weight_decay, maximize=maximize)
+        _check_hyperparameters(defaults, None)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: Dict) -> None:
+        if isinstance(param_group, dict):
+            _check_hyperparameters(param_group, len(self.param_groups))
+        super().add_param_group(param_group)
+
+    def _bucket_key(self, group: Dict, p: torch.Tensor, name: str) -> int:
+        """The step count this step brings `p` to; parameters step together only at equal counts."""
+        state = self.state.get(p)
+        if not state:
+            return 1
+        for key in ("exp_avg", "exp_avg_sq"):
+            check_state_tensor(_NAME, p, name, state, key)
+        if "step" not in state:
+            raise ValueError(f"{_NAME}: the state of {name} has no 'step'")
+        return _step_count(state["step"]) + 1
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step for every parameter that has a gradient; returns closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plan = gather_buckets(_NAME, self.param_groups, _check_hyperparameters, self._bucket_key)
+        for group, buckets in plan:
+            beta1, beta2 = (float(b) for b in group["betas"])
+            for (_, _, step), params in buckets.items():
+                grads, exp_avgs, exp_avg_sqs, steps = [], [], [], []
+                for p in params:
+                    state = self.state[p]
+                    if not state:
+                        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    elif not isinstance(state["step"], torch.Tensor):
+                        state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+                    grads.append(as_real(p.grad))
+                    exp_avgs.append(as_real(state["exp_avg"]))
+                    exp_avg_sqs.append(as_real(state["exp_avg_sq"]))
+                    steps.append(state["step"])
+                torch._foreach_add_(steps, 1)
+                ops.fused_adamw_(
+                    [as_real(p) for p in params], grads, exp_avgs, exp_avg_sqs,
+                    float(group["lr"]), beta1, beta2, float(group["weight_decay"]), float(group["eps"]), step,
+                    bool(group["maximize"]),
+                )
+        return loss

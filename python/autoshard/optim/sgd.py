@@ -1,0 +1,97 @@
+"""SGD whose step is one fused autoshard op per (param group, device, dtype)."""
+
+from typing import Dict, Optional
+
+import torch
+
+from .. import ops
+from ._common import as_real, check_at_least, check_bool, check_state_tensor, gather_buckets, hyperparameter_name
+
+_NAME = "SGD"
+
+
+def _check_hyperparameters(values: Dict, group_index: Optional[int], defaults: Optional[Dict] = None) -> None:
+    """Checks the SGD settings present in `values`; `defaults` fill in what a group does not set
+    when checking that nesterov has momentum and no dampening."""
+
+    def name(key: str) -> str:
+        return hyperparameter_name(key, group_index)
+
+    for key in ("lr", "momentum", "weight_decay"):
+        if key in values:
+            check_at_least(_NAME, name(key), values[key])
+    if "dampening" in values:
+        check_at_least(_NAME, name("dampening"), values["dampening"], minimum=float("-inf"))
+    for key in ("nesterov", "maximize"):
+        if key in values:
+            check_bool(_NAME, name(key), values[key])
+    merged = {**(defaults or {}), **values}
+    if merged.get("nesterov") and (float(merged["momentum"]) <= 0 or float(merged["dampening"]) != 0):
+        raise ValueError(
+            f"{_NAME}: {name('nesterov')} needs momentum > 0 and dampening == 0, "
+            f"got momentum={merged['momentum']}, dampening={merged['dampening']}"
+        )
+
+
+class SGD(torch.optim.Optimizer):
+    """``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay, maximize), stepping each
+    (param group, device, dtype) with one fused multi-tensor op, ``torch.ops.autoshard.fused_sgd_``.
+
+    The state is torch's: a ``momentum_buffer`` per parameter when momentum is not 0, shaped
+    like its parameter. The learning rate is read from the param group at every step, so
+    torch's LR schedulers drive it.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        momentum: float = 0,
+        dampening: float = 0,
+        weight_decay: float = 0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize)
+        _check_hyperparameters(defaults, None)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: Dict) -> None:
+        if isinstance(param_group, dict):
+            _check_hyperparameters(param_group, len(self.param_groups), self.defaults)
+        super().add_param_group(param_group)
+
+    def _bucket_key(self, group: Dict, p: torch.Tensor, name: str) -> bool:
+        """Whether `p` has a momentum buffer to update (else it is written on this first step)."""
+        state = self.state.get(p)
+        if float(group["momentum"]) == 0 or not state or state.get("momentum_buffer") is None:
+            return False
+        check_state_tensor(_NAME, p, name, state, "momentum_buffer")
+        return True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One SGD step for every parameter that has a gradient; returns closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plan = gather_buckets(_NAME, self.param_groups, _check_hyperparameters, self._bucket_key)
+        for group, buckets in plan:
+            momentum = float(group["momentum"])
+            for (_, _, has_buffer), params in buckets.items():
+                buffers = []
+                if momentum != 0:
+                    for p in params:
+                        state = self.state[p]
+                        if not has_buffer:
+                            state["momentum_buffer"] = torch.empty_like(p, memory_format=torch.preserve_format)
+                        buffers.append(as_real(state["momentum_buffer"]))
+                ops.fused_sgd_(
+                    [as_real(p) for p in params], [as_real(p.grad) for p in params], buffers,
+                    float(group["lr"]), momentum, float(group["dampening"]), float(group["weight_decay"]),
+                    bool(group["nesterov"]), bool(group["maximize"]), not has_buffer,
+                )
+        return loss
