@@ -14,9 +14,11 @@ import torch
 from torch import nn
 
 from . import ops
-from .distributed import ProcessGroup, resolve
+from .data_parallel import GradientAverager
+from .distributed import ProcessGroup, resolve, set_default_group
 from .nn.embedding import VocabParallelEmbedding
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
+from .nn.spec import register_sharded_module
 from .plan import ShardingPlan, plan as make_plan
 from .plan.capture import meta_shadow, example_inputs_for
 
@@ -86,6 +88,7 @@ def _shard_embedding_subclass(module: nn.Embedding, group: ProcessGroup) -> nn.M
     module.weight = sharded.weight
     for attr in ("vocab_start", "group", "shard_specs", "padding_idx"):
         setattr(module, attr, getattr(sharded, attr))
+    register_sharded_module(module)
     return module
 
 
@@ -176,24 +179,29 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
 def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Optional[ProcessGroup] = None,
                 mesh=None) -> nn.Module:
     """Shards `model` in place over `group` (None: the default tensor-parallel group, or the
-    "tp" dimension of `mesh`) following `plan` (None: autoshard.plan(model)); returns it."""
+    "tp" dimension of `mesh`) following `plan` (None: autoshard.plan(model)); returns it.
+
+    With a ("dp", "tp") DeviceMesh, each data-parallel replica is tensor-parallel over its
+    "tp" group, and gradients are averaged over "dp" in buckets started during backward."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
+    data_parallel = None
     if mesh is not None:
         if group is not None:
             raise ValueError("parallelize: give group or mesh, not both")
         names = tuple(mesh.mesh_dim_names or ())
-        if "tp" not in names:
-            raise ValueError(f"parallelize: mesh must have a 'tp' dimension, got dimensions {names}")
-        for name in names:
-            if name != "tp" and mesh.size(names.index(name)) > 1:
-                raise ValueError(f"parallelize: mesh dimension {name!r} of size {mesh.size(names.index(name))} "
-                                 "is not supported yet; only tensor parallelism ('tp') is")
+        if "tp" not in names or not set(names) <= {"dp", "tp"}:
+            raise ValueError(f"parallelize: mesh dimensions must be ('dp', 'tp') or ('tp',), got {names}")
         group = mesh.get_group("tp")
+        set_default_group(group)
+        if "dp" in names and mesh.size(names.index("dp")) > 1:
+            data_parallel = mesh.get_group("dp")
     group = resolve(group, "parallelize")
     if plan is None:
         plan = make_plan(model, world_size=group.size())
     _check_plan_fits(model, plan, group.size())
     _dry_run(model, plan, group)
     _apply(model, plan, group)
+    if data_parallel is not None:
+        model._autoshard_gradient_averager = GradientAverager(model.parameters(), data_parallel)
     return model

@@ -15,7 +15,7 @@ from torch import nn
 
 from .. import comm, ops
 from ..distributed import resolve
-from .spec import ShardSpec
+from .spec import ShardSpec, register_sharded_module
 
 Shape = Tuple[Optional[int], ...]
 
@@ -213,6 +213,7 @@ class ShardedEinsumDense(nn.Module):
         self._input_dim = input_dims[axis]
         self._output_dim = output_dims[axis]
         self.shard_specs = {"weight": spec}
+        register_sharded_module(self)
         self.weight = nn.Parameter(spec.take(layer.weight.detach()), requires_grad=layer.weight.requires_grad)
         if layer.bias is None:
             self.register_parameter("bias", None)

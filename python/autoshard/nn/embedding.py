@@ -13,7 +13,7 @@ from torch import nn
 
 from .. import comm, ops
 from ..distributed import resolve
-from .spec import ShardSpec
+from .spec import ShardSpec, register_sharded_module
 
 
 def _as_int(value, argument: str) -> int:
@@ -78,6 +78,7 @@ class VocabParallelEmbedding(nn.Module):
         spec = ShardSpec(dim=0, full_size=num_embeddings, rank=comm.rank(self.group),
                          world_size=comm.world_size(self.group))
         self.shard_specs = {"weight": spec}
+        register_sharded_module(self)
         ((self.vocab_start, rows),) = spec.local_ranges()
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim, device=device, dtype=dtype))
         self.reset_parameters()

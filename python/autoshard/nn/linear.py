@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import ops
 from ..distributed import ProcessGroup, resolve
-from .spec import ShardSpec
+from .spec import ShardSpec, register_sharded_module
 
 
 def _as_int(value, argument: str, owner: str) -> int:
@@ -90,6 +90,7 @@ class _ParallelLinear(nn.Module):
                     f"every rank needs a piece, so {self.split_name} must be at least the group size"
                 )
         self.shard_specs = {"weight": spec}
+        register_sharded_module(self)
         local = spec.local_size()
         shape = (local, self.in_features) if self.split_dim == 0 else (self.out_features, local)
         factory = {"device": device, "dtype": dtype}

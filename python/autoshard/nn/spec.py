@@ -6,8 +6,9 @@ full state dict and gradient clipping all read these records, so a module's layo
 described in exactly one place.
 """
 
+import weakref
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -70,3 +71,23 @@ class ShardSpec:
             return shard(full, self.rank, self.world_size, self.dim)
         pieces = [full.narrow(self.dim, start, length) for start, length in self.local_ranges()]
         return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
+
+
+# Every module that holds sharded parameters, so that gradient clipping and checkpointing can
+# tell a shard from a replicated parameter by looking, at that moment, at the modules' specs.
+_SHARDED_MODULES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def register_sharded_module(module: torch.nn.Module) -> None:
+    _SHARDED_MODULES.add(module)
+
+
+def sharded_parameters() -> Dict[int, Tuple[ShardSpec, object]]:
+    """id(parameter) -> (its ShardSpec, the module's process group or None) for live modules."""
+    found = {}
+    for module in list(_SHARDED_MODULES):
+        for name, spec in getattr(module, "shard_specs", {}).items():
+            param = getattr(module, name, None)
+            if isinstance(param, torch.Tensor):
+                found[id(param)] = (spec, getattr(module, "group", None))
+    return found
