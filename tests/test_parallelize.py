@@ -61,17 +61,20 @@ def test_hf_models_equal_unsharded(world_size):
 
 
 class OwnModel(nn.Module):
-    """Written with nn.Linear only; no names autoshard could key on."""
+    """Written with nn.Linear and EinsumDense; no names autoshard could key on."""
 
     def __init__(self):
         super().__init__()
+        self.p = autoshard.nn.EinsumDense("btd,dnh->btnh", (None, 5, 4), input_shape=(None, 10), bias_axes="nh")
+        self.q = autoshard.nn.EinsumDense("btnh,nhd->btd", (None, 10), input_shape=(None, 5, 4), bias_axes="d")
         self.a = nn.Linear(10, 22)
         self.b = nn.Linear(22, 10)
         self.norm = nn.LayerNorm(10)
         self.c = nn.Linear(10, 7)
 
     def forward(self, x):
-        h = self.norm(x + self.b(torch.nn.functional.gelu(self.a(x))))
+        h = x + self.q(torch.tanh(self.p(x)))
+        h = self.norm(h + self.b(torch.nn.functional.gelu(self.a(h))))
         return self.c(h)
 
 
@@ -81,23 +84,30 @@ def _check_own_model():
     model = OwnModel()
     model.load_state_dict(reference.state_dict())
     x = torch.randn(3, 5, 10, generator=torch.Generator().manual_seed(3))
-    autoshard.parallelize(model, autoshard.plan(model, world_size=dist.get_world_size(), example_inputs=(x,)))
-    out = model(x)
+    plan = autoshard.plan(model, world_size=dist.get_world_size(), example_inputs=(x,))
+    autoshard.parallelize(model, plan)
+    with autoshard.CommCounter() as forward:
+        out = model(x)
     torch.testing.assert_close(out, reference(x), rtol=1e-5, atol=1e-5)
-    out.pow(2).sum().backward()
+    assert _counts(forward) == plan.collectives("forward") == {"all_reduce": 2, "all_gather": 1}
+    with autoshard.CommCounter() as backward:
+        out.pow(2).sum().backward()
+    # p reads the model input, which needs no gradient: only a and c all-reduce theirs.
+    assert _counts(backward) == plan.collectives("backward") == {"all_reduce": 2}, (_counts(backward), plan.collectives("backward"), str(plan))
     reference(x).pow(2).sum().backward()
     for m in (model, reference):
         torch.optim.SGD(m.parameters(), lr=0.1).step()
     got = autoshard.full_state_dict(model)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
-    return type(model.a).__name__, type(model.b).__name__, type(model.c).__name__
+    return [type(getattr(model, name)).__name__ for name in "pqabc"]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_own_model(world_size):
     names = run_on_ranks(_check_own_model, world_size)[0]
-    assert names == ("ColumnParallelLinear", "RowParallelLinear", "ColumnParallelLinear")
+    assert names == ["ShardedEinsumDense", "ShardedEinsumDense", "ColumnParallelLinear", "RowParallelLinear",
+                     "ColumnParallelLinear"]
 
 
 def _bad_plans():

@@ -120,7 +120,8 @@ def test_own_model_with_example_inputs():
     p = plan(MLP(), world_size=3, example_inputs=(torch.randn(2, 3, 10),))
     assert p.layer("up").style == "column" and p.layer("down").style == "row"
     assert p.collectives("forward") == {"all_reduce": 1}
-    assert p.collectives("backward") == {"all_reduce": 1}
+    # `up` reads the model's input, which needs no gradient: no backward all-reduce at all.
+    assert p.collectives("backward") == {}
 
 
 def test_bad_input():
@@ -128,6 +129,8 @@ def test_bad_input():
         plan(MLP(), world_size=2)
     with pytest.raises(ValueError, match="world_size must be a positive int"):
         plan(MLP(), world_size=0, example_inputs=(torch.randn(2, 10),))
+    with pytest.raises(ValueError, match="world_size=50 is larger than every dimension"):
+        plan(MLP(), world_size=50, example_inputs=(torch.randn(2, 10),))
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         plan("gpt2", world_size=2)
 

@@ -10,7 +10,8 @@ namespace {
 
 Kind parse_kind(const std::string& name) {
   static const std::unordered_map<std::string, Kind> kinds = {
-      {"linear", Kind::Linear},       {"embedding", Kind::Embedding}, {"view", Kind::View},
+      {"linear", Kind::Linear},       {"embedding", Kind::Embedding}, {"einsum", Kind::Einsum},
+      {"view", Kind::View},
       {"permute", Kind::Permute},     {"expand", Kind::Expand},       {"pointwise", Kind::Pointwise},
       {"reduce", Kind::Reduce},       {"matmul", Kind::Matmul},       {"attention", Kind::Attention},
       {"split", Kind::Split},         {"cat", Kind::Cat},             {"slice", Kind::Slice},

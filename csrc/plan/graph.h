@@ -11,6 +11,8 @@ namespace autoshard::plan {
 enum class Kind {
   Linear,     // a Linear-like layer: args {in_features, out_features, weight_param, bias_param}
   Embedding,  // args {num_embeddings, embedding_dim, weight_param}
+  Einsum,     // an einsum layer: args {weight_param, bias_param, n, input letters..., n, weight
+              // letters..., n, output letters...} with letters as character codes
   View,       // any reshape; the axis mapping follows from the two shapes
   Permute,    // args: the permutation
   Expand,     // broadcast of size-1 dims (and new leading dims)

@@ -31,6 +31,42 @@ struct Region {
   std::vector<int64_t> localize;
 };
 
+// An einsum layer's equation, as the letters of its input, weight and output.
+struct EinsumLetters {
+  int64_t weight_param, bias_param;
+  std::vector<int64_t> input, weight, output;
+
+  explicit EinsumLetters(const Node& node) {
+    size_t i = 0;
+    auto take = [&](std::vector<int64_t>& into) {
+      const int64_t n = node.args.at(i++);
+      for (int64_t k = 0; k < n; ++k) into.push_back(node.args.at(i++));
+    };
+    weight_param = node.args.at(i++);
+    bias_param = node.args.at(i++);
+    take(input);
+    take(weight);
+    take(output);
+  }
+
+  static bool has(const std::vector<int64_t>& letters, int64_t letter) {
+    return std::find(letters.begin(), letters.end(), letter) != letters.end();
+  }
+};
+
+bool is_layer(const Node& node) {
+  return node.kind == Kind::Linear || node.kind == Kind::Embedding || node.kind == Kind::Einsum;
+}
+
+int64_t weight_param(const Node& node) {
+  return node.kind == Kind::Einsum ? EinsumLetters(node).weight_param : node.args.at(2);
+}
+
+int64_t bias_param(const Node& node) {
+  if (node.kind == Kind::Einsum) return EinsumLetters(node).bias_param;
+  return node.kind == Kind::Linear ? node.args.at(3) : -1;
+}
+
 int64_t numel(const std::vector<int64_t>& shape) {
   return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<int64_t>());
 }
@@ -63,6 +99,7 @@ class Propagation {
   std::vector<Style> roles;
   std::vector<int> node_region;
   std::map<int, std::vector<int64_t>> parts;
+  std::map<int, int64_t> letters;  // einsum layers: the weight letter split
   std::vector<Region> regions;
 
  private:
@@ -123,6 +160,7 @@ class Propagation {
     switch (node.kind) {
       case Kind::Linear: return visit_linear(n, node);
       case Kind::Embedding: return visit_embedding(n, node, vocab_embeddings.count(n) > 0);
+      case Kind::Einsum: return visit_einsum(n, node);
       case Kind::View: return visit_view(node);
       case Kind::Permute: return visit_permute(node);
       case Kind::Expand: return visit_expand(node);
@@ -165,6 +203,44 @@ class Propagation {
     }
     roles[n] = Style::Row;
     node_region[n] = x.region;
+  }
+
+  // An einsum layer over a replicated input splits the first letter its weight brings to the
+  // output (a head axis); over a sharded input it contracts that letter, as a row layer does.
+  void visit_einsum(int n, const Node& node) {
+    const EinsumLetters eq(node);
+    const Layout x = layouts[node.inputs.at(0)];
+    const int out = node.outputs.at(0);
+    layouts[out] = Layout{};
+    if (forced_[n] == Force::Replicate) {
+      if (x.sharded) conflict(x.region, "feeds " + node.label + ", which is replicated");
+      return;
+    }
+    if (!x.sharded) {
+      for (size_t k = 0; k < eq.output.size(); ++k) {
+        const int64_t letter = eq.output[k];
+        if (!EinsumLetters::has(eq.weight, letter) || EinsumLetters::has(eq.input, letter)) continue;
+        const int64_t size = shape(out)[k];
+        node_region[n] = new_region(size);
+        letters[n] = letter;
+        if (forced_[n] == Force::Gather) {
+          roles[n] = Style::ColumnGather;
+        } else {
+          roles[n] = Style::Column;
+          set_sharded(out, {static_cast<int>(k), 1, size}, node_region[n], n);
+        }
+        return;
+      }
+      return;
+    }
+    const int64_t letter = eq.input.at(x.factor.axis);
+    const bool contracted = EinsumLetters::has(eq.weight, letter) && !EinsumLetters::has(eq.output, letter);
+    if (!contracted || x.factor.outer != 1) {
+      return conflict(x.region, "reaches " + node.label + " on a letter it does not contract");
+    }
+    roles[n] = Style::Row;
+    node_region[n] = x.region;
+    letters[n] = letter;
   }
 
   void visit_embedding(int n, const Node& node, bool vocab_parallel) {
@@ -418,7 +494,6 @@ std::set<int> token_tables(const Graph& graph) {
   return chosen;
 }
 
-int64_t weight_param(const Node& node) { return node.kind == Kind::Linear ? node.args.at(2) : node.args.at(2); }
 
 std::string units_note(int64_t units, int64_t world) {
   std::ostringstream s;
@@ -435,8 +510,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   std::vector<std::string> notes(count);
   const std::set<int> vocab = token_tables(graph);
   for (const auto& [node, style] : graph.forced) {
-    TORCH_CHECK_VALUE(node >= 0 && static_cast<size_t>(node) < count &&
-                          (graph.nodes[node].kind == Kind::Linear || graph.nodes[node].kind == Kind::Embedding),
+    TORCH_CHECK_VALUE(node >= 0 && static_cast<size_t>(node) < count && is_layer(graph.nodes[node]),
                       "plan: override names node ", node, ", which is not a layer");
     forced[node] = style == "replicate" ? Force::Replicate : Force::Gather;
     notes[node] = style == "replicate" ? "replicated: by override" : "gathered: by override";
@@ -447,9 +521,9 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   std::set<int64_t> params_read_elsewhere;
   for (size_t n = 0; n < count; ++n) {
     const Node& node = graph.nodes[n];
-    if (node.kind == Kind::Linear || node.kind == Kind::Embedding) {
+    if (is_layer(node)) {
       layers_of_param[weight_param(node)].push_back(static_cast<int>(n));
-      if (node.kind == Kind::Linear && node.args.at(3) >= 0) layers_of_param[node.args.at(3)].push_back(static_cast<int>(n));
+      if (bias_param(node) >= 0) layers_of_param[bias_param(node)].push_back(static_cast<int>(n));
     } else {
       for (int id : node.inputs) {
         if (graph.tensor(id).param >= 0) params_read_elsewhere.insert(graph.tensor(id).param);
@@ -519,9 +593,14 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
       }
       plan.comm.push_back({phase, kind, 1, elements});
     };
+    // A model input needs no gradient, so the copy of one issues no backward all-reduce.
+    std::vector<bool> produced(graph.tensors.size(), false);
+    for (const Node& node : graph.nodes) {
+      for (int id : node.outputs) produced[id] = true;
+    }
     for (size_t n = 0; n < count; ++n) {
       const Node& node = graph.nodes[n];
-      if (node.kind != Kind::Linear && node.kind != Kind::Embedding) continue;
+      if (!is_layer(node)) continue;
       LayerDecision d;
       d.node = static_cast<int>(n);
       d.style = pass.roles[n];
@@ -531,6 +610,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
         d.region = root;
         d.units = d.style == Style::Vocab ? node.args.at(0) : pass.regions[root].units;
         if (pass.parts.count(static_cast<int>(n))) d.parts = pass.parts.at(static_cast<int>(n));
+        if (pass.letters.count(static_cast<int>(n))) d.letter = pass.letters.at(static_cast<int>(n));
         if (d.style == Style::Column || d.style == Style::Row) {
           RegionSummary& summary = regions[root];
           summary.id = root;
@@ -547,7 +627,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
           const int input = node.inputs.at(0);
           auto [it, fresh] = copy_groups.emplace(input, static_cast<int>(copy_groups.size()));
           d.copy_group = it->second;
-          if (fresh) comm("backward", "all_reduce", numel(graph.tensor(input).shape));
+          if (fresh && produced[input]) comm("backward", "all_reduce", numel(graph.tensor(input).shape));
           break;
         }
         case Style::Replicate: break;
@@ -570,7 +650,7 @@ std::string format_plan(const Plan& plan) {
     out << "layer " << d.node << ' ' << names[static_cast<int>(d.style)] << ' ' << d.region << ' ' << d.units << ' '
         << d.copy_group << " parts " << d.parts.size();
     for (int64_t p : d.parts) out << ' ' << p;
-    out << " note " << d.note << '\n';
+    out << " letter " << d.letter << " note " << d.note << '\n';
   }
   for (const RegionSummary& r : plan.regions) {
     out << "region " << r.id << ' ' << r.units << " localize " << r.localize.size();

@@ -25,6 +25,7 @@ struct LayerDecision {
   int64_t units = 0;           // the region's units (heads, or features)
   std::vector<int64_t> parts;  // fused output layout, if the output is split into parts
   int copy_group = -1;         // column layers reading the same input share one input copy
+  int64_t letter = 0;          // einsum layers: the weight letter split (a character code)
   std::string note;            // why, when it is not the obvious choice
 };
 
@@ -50,7 +51,7 @@ struct Plan {
 Plan make_plan(const Graph& graph, int64_t world_size);
 
 // Line format of the result, read by the Python layer:
-//   layer <node> <style> <region> <units> <copy group> parts <n> <size>... note <text to end of line>
+//   layer <node> <style> <region> <units> <copy group> parts <n> <size>... letter <code> note <text>
 //   region <id> <units> localize <n> <size>...
 //   comm <phase> <kind> <count> <elements>
 std::string format_plan(const Plan& plan);

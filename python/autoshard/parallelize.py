@@ -16,6 +16,7 @@ from torch import nn
 from . import ops
 from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, resolve, set_default_group
+from .nn.einsum import ShardedEinsumDense
 from .nn.embedding import VocabParallelEmbedding
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .nn.spec import register_sharded_module
@@ -93,6 +94,13 @@ def _shard_embedding_subclass(module: nn.Embedding, group: ProcessGroup) -> nn.M
 
 
 def _sharded_layer(layer, module: nn.Module, group: ProcessGroup) -> nn.Module:
+    if layer.kind == "einsum":
+        split = layer.weight_shape[layer.weight_dim()]
+        if layer.units != split:
+            raise ValueError(f"parallelize: einsum layer {layer.module!r} would be split in {layer.units} units, "
+                             f"but ShardedEinsumDense splits letter {layer.letter!r} element by element ({split})")
+        return ShardedEinsumDense.from_einsum_dense(module, layer.letter, group,
+                                                    gather_output=layer.style == "column_gather")
     if layer.style == "vocab":
         if type(module).forward is not nn.Embedding.forward:
             return _shard_embedding_subclass(module, group)

@@ -214,6 +214,7 @@ class ShardedEinsumDense(nn.Module):
         self._output_dim = output_dims[axis]
         self.shard_specs = {"weight": spec}
         register_sharded_module(self)
+        self.input_copy = None  # may be shared with other column layers reading the same input
         self.weight = nn.Parameter(spec.take(layer.weight.detach()), requires_grad=layer.weight.requires_grad)
         if layer.bias is None:
             self.register_parameter("bias", None)
@@ -250,7 +251,7 @@ class ShardedEinsumDense(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.style == "column":
             _check_input(x, self._expected_input(local=False), "ShardedEinsumDense")
-            x = comm.copy_to_parallel(x, self.group)
+            x = self.input_copy(x) if self.input_copy is not None else comm.copy_to_parallel(x, self.group)
             y = torch.einsum(self.equation, x, self.weight)
             if self.bias is not None:
                 # A bias replicated over the sharded letter collects gradient from every shard.

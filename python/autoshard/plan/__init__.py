@@ -71,10 +71,13 @@ def _parse(text: str, graph: CapturedGraph, world_size: int, element_size: int) 
             node, style, region, units, group = int(words[1]), words[2], int(words[3]), int(words[4]), int(words[5])
             count = int(words[7])
             parts = [int(w) for w in words[8:8 + count]]
+            letter = int(words[9 + count])
             note = line.split(" note ", 1)[1].strip() if " note " in line else ""
             info = graph.layers[node]
             if info.kind == "linear":
                 shape = [info.in_features, info.out_features] if info.transposed else [info.out_features, info.in_features]
+            elif info.kind == "einsum":
+                shape = list(info.weight_shape)
             else:
                 shape = [info.num_embeddings, info.embedding_dim]
             names = graph.param_names
@@ -83,6 +86,7 @@ def _parse(text: str, graph: CapturedGraph, world_size: int, element_size: int) 
                 bias=names[info.bias_param] if info.bias_param >= 0 else None, weight_shape=shape,
                 transposed=info.transposed, units=units if style != "replicate" else 0, parts=parts,
                 region=region, copy_group=group, note=note,
+                equation=info.equation, letter=chr(letter) if letter else "",
             ))
         elif words[0] == "region":
             localize[int(words[1])] = [int(w) for w in words[5:5 + int(words[4])]]
@@ -133,6 +137,10 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
             forced.append(f"force {node} {style}")
     text = torch.ops.autoshard.plan_graph(graph.text + "\n".join(forced) + "\n", world_size)
     result = _parse(text, graph, world_size, _element_size(model))
+    too_small = [layer for layer in result.layers if "whole unit(s)" in layer.note]
+    if too_small and all(layer.style == "replicate" for layer in result.layers):
+        raise ValueError(f"plan: world_size={world_size} is larger than every dimension autoshard could split "
+                         f"(e.g. {too_small[0].module}: {too_small[0].note.split(': ', 1)[1]})")
     result.overrides = dict(overrides or {})
     return result
 

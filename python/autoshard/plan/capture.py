@@ -264,7 +264,7 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
             recorder.layer_depth -= 1
             if recorder.layer_depth == 0 and isinstance(info.input, torch.Tensor) and isinstance(output, torch.Tensor):
                 node = recorder.node(info.kind, info.name or "<model>", [recorder.tensor_id(info.input)],
-                                     [recorder.tensor_id(output)], info.planner_args())
+                                     [recorder.tensor_id(output)], info.planner_args(info.input))
                 layers[node] = info.record_call(info.input, output)
             info.input = None
 

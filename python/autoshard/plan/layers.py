@@ -34,13 +34,21 @@ class LayerInfo:
     bias_param: int = -1
     num_embeddings: int = 0
     embedding_dim: int = 0
+    equation: str = ""  # einsum layers
+    weight_shape: Optional[tuple] = None
     input_shape: Optional[tuple] = None
     output_shape: Optional[tuple] = None
     input: Optional[torch.Tensor] = field(default=None, repr=False)
 
-    def planner_args(self) -> List[int]:
+    def planner_args(self, inputs: torch.Tensor) -> List[int]:
         if self.kind == "linear":
             return [self.in_features, self.out_features, self.weight_param, self.bias_param]
+        if self.kind == "einsum":
+            in_letters, weight_letters, out_letters = einsum_letters(self.equation, inputs.dim())
+            args = [self.weight_param, self.bias_param]
+            for letters in (in_letters, weight_letters, out_letters):
+                args += [len(letters)] + letters
+            return args
         return [self.num_embeddings, self.embedding_dim, self.weight_param]
 
     def record_call(self, inputs: torch.Tensor, output: torch.Tensor) -> "LayerInfo":
@@ -61,7 +69,27 @@ def describe_layer(name: str, module: nn.Module, param_index: Dict[int, int]) ->
     if is_conv1d(module):
         return LayerInfo(name, "linear", module.weight.shape[0], module.weight.shape[1], True,
                          index(module.weight), index(getattr(module, "bias", None)))
+    from ..nn.einsum import EinsumDense
+
+    if isinstance(module, EinsumDense):
+        return LayerInfo(name, "einsum", weight_param=index(module.weight), bias_param=index(module.bias),
+                         equation=module.equation, weight_shape=tuple(module.weight.shape))
     if isinstance(module, nn.Embedding):
         return LayerInfo(name, "embedding", weight_param=index(module.weight),
                          num_embeddings=module.num_embeddings, embedding_dim=module.embedding_dim)
     return None
+
+
+def einsum_letters(equation: str, input_ndim: int):
+    """Character codes of an "input,weight->output" equation's letters, with a leading "..."
+    expanded into as many placeholder letters (codes from 1000) as the input has extra dims."""
+    inputs, rest = equation.replace(" ", "").split(",")
+    weight, output = rest.split("->")
+    extra = input_ndim - len(inputs.replace("...", ""))
+    placeholders = [1000 + i for i in range(max(extra, 0))]
+
+    def codes(spec: str) -> List[int]:
+        head, dots, tail = spec.partition("...")
+        return [ord(c) for c in head] + (placeholders if dots else []) + [ord(c) for c in tail]
+
+    return codes(inputs), codes(weight), codes(output)

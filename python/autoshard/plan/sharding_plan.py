@@ -15,7 +15,7 @@ OVERRIDE_STYLES = ("replicate", "column_gather")
 @dataclass
 class LayerPlan:
     module: str
-    kind: str  # "linear" or "embedding"
+    kind: str  # "linear", "embedding" or "einsum"
     style: str
     weight: str  # parameter names
     bias: Optional[str]
@@ -26,9 +26,13 @@ class LayerPlan:
     region: int = -1
     copy_group: int = -1  # column layers reading the same input copy it once
     note: str = ""
+    equation: str = ""  # einsum layers: the equation and the weight letter split
+    letter: str = ""
 
     def weight_dim(self) -> Optional[int]:
         """The weight dimension this layer splits, or None."""
+        if self.kind == "einsum":
+            return None if self.style == "replicate" else self.equation.split(",")[1].split("->")[0].index(self.letter)
         if self.style in ("column", "column_gather", "vocab"):
             return 1 if self.transposed else 0
         if self.style == "row":
@@ -43,7 +47,8 @@ class LayerPlan:
                          parts=tuple(self.parts) if self.parts else None)
 
     def bias_spec(self, rank: int, world_size: int) -> Optional[ShardSpec]:
-        if self.bias is None or self.style not in ("column", "column_gather"):
+        # An einsum layer's bias is laid out by its bias_axes; the layer itself records it.
+        if self.bias is None or self.kind == "einsum" or self.style not in ("column", "column_gather"):
             return None
         full = self.weight_shape[self.weight_dim()]
         return ShardSpec(0, full, rank, world_size, units=self.units or None,
@@ -106,7 +111,7 @@ class ShardingPlan:
             spec = layer.weight_spec(rank, self.world_size)
             full += count
             local += count if spec is None else count // spec.full_size * spec.local_size()
-            if layer.bias is not None:
+            if layer.bias is not None and layer.kind != "einsum":
                 bias = layer.weight_shape[1 if layer.transposed else 0]
                 bias_spec = layer.bias_spec(rank, self.world_size)
                 full += bias
