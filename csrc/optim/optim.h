@@ -17,7 +17,7 @@ struct AdamWScalars {
   double bias_correction2_sqrt;  // (1 - beta2^step) ** 0.5
   double eps;
   double neg_step_size;          // -lr / (1 - beta1^step)
-  bool decay;  // weight_decay != 0
+  bool decay;                    // weight_decay != 0
   bool maximize;
 };
 

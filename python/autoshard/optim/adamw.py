@@ -5,7 +5,7 @@ from typing import Dict, Optional
 import torch
 
 from .. import ops
-from ._common import as_real, check_at_least, check_bool, check_state_tensor, gather_buckets, hyperparameter_name
+from ._common import as_real, check_at_least, check_bool, gather_buckets, hyperparameter_name
 
 _NAME = "AdamW"
 
@@ -35,7 +35,16 @@ def _check_hyperparameters(values: Dict, group_index: Optional[int]) -> None:
 
 
 def _step_count(step) -> int:
+    if step is None:
+        raise ValueError(f"{_NAME}: a parameter's state has no 'step'")
     return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+
+
+def _state_rule(group: Dict, state: Optional[Dict]):
+    """A parameter with state has both moments; parameters step together at equal step counts."""
+    if not state:
+        return (), 1
+    return ("exp_avg", "exp_avg_sq"), _step_count(state.get("step")) + 1
 
 
 class AdamW(torch.optim.Optimizer):
@@ -68,17 +77,6 @@ class AdamW(torch.optim.Optimizer):
             _check_hyperparameters(param_group, len(self.param_groups))
         super().add_param_group(param_group)
 
-    def _bucket_key(self, group: Dict, p: torch.Tensor, name: str) -> int:
-        """The step count this step brings `p` to; parameters step together only at equal counts."""
-        state = self.state.get(p)
-        if not state:
-            return 1
-        for key in ("exp_avg", "exp_avg_sq"):
-            check_state_tensor(_NAME, p, name, state, key)
-        if "step" not in state:
-            raise ValueError(f"{_NAME}: the state of {name} has no 'step'")
-        return _step_count(state["step"]) + 1
-
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step for every parameter that has a gradient; returns closure's loss."""
@@ -86,27 +84,26 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        plan = gather_buckets(_NAME, self.param_groups, _check_hyperparameters, self._bucket_key)
+        plan = gather_buckets(_NAME, self.param_groups, self.state, _check_hyperparameters, _state_rule)
         for group, buckets in plan:
             beta1, beta2 = (float(b) for b in group["betas"])
-            for (_, _, step), params in buckets.items():
-                grads, exp_avgs, exp_avg_sqs, steps = [], [], [], []
-                for p in params:
-                    state = self.state[p]
+            for (_, dtype, step), bucket in buckets.items():
+                exp_avgs, exp_avg_sqs, steps = [], [], []
+                for p, state in zip(bucket.params, bucket.states):
                     if not state:
+                        state = self.state[p]
                         state["step"] = torch.tensor(0.0, dtype=torch.float32)
                         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     elif not isinstance(state["step"], torch.Tensor):
                         state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
-                    grads.append(as_real(p.grad))
-                    exp_avgs.append(as_real(state["exp_avg"]))
-                    exp_avg_sqs.append(as_real(state["exp_avg_sq"]))
+                    exp_avgs.append(state["exp_avg"])
+                    exp_avg_sqs.append(state["exp_avg_sq"])
                     steps.append(state["step"])
                 torch._foreach_add_(steps, 1)
                 ops.fused_adamw_(
-                    [as_real(p) for p in params], grads, exp_avgs, exp_avg_sqs,
-                    float(group["lr"]), beta1, beta2, float(group["weight_decay"]), float(group["eps"]), step,
-                    bool(group["maximize"]),
+                    as_real(bucket.params, dtype), as_real(bucket.grads, dtype), as_real(exp_avgs, dtype),
+                    as_real(exp_avg_sqs, dtype), float(group["lr"]), beta1, beta2, float(group["weight_decay"]),
+                    float(group["eps"]), step, bool(group["maximize"]),
                 )
         return loss

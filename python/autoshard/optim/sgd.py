@@ -5,7 +5,7 @@ from typing import Dict, Optional
 import torch
 
 from .. import ops
-from ._common import as_real, check_at_least, check_bool, check_state_tensor, gather_buckets, hyperparameter_name
+from ._common import as_float, as_real, check_at_least, check_bool, gather_buckets, hyperparameter_name
 
 _NAME = "SGD"
 
@@ -21,7 +21,7 @@ def _check_hyperparameters(values: Dict, group_index: Optional[int], defaults: O
         if key in values:
             check_at_least(_NAME, name(key), values[key])
     if "dampening" in values:
-        check_at_least(_NAME, name("dampening"), values["dampening"], minimum=float("-inf"))
+        as_float(_NAME, name("dampening"), values["dampening"])
     for key in ("nesterov", "maximize"):
         if key in values:
             check_bool(_NAME, name(key), values[key])
@@ -31,6 +31,13 @@ def _check_hyperparameters(values: Dict, group_index: Optional[int], defaults: O
             f"{_NAME}: {name('nesterov')} needs momentum > 0 and dampening == 0, "
             f"got momentum={merged['momentum']}, dampening={merged['dampening']}"
         )
+
+
+def _state_rule(group: Dict, state: Optional[Dict]):
+    """Parameters that have a momentum buffer update it; the others write theirs (first step)."""
+    if float(group["momentum"]) == 0 or not state or state.get("momentum_buffer") is None:
+        return (), False
+    return ("momentum_buffer",), True
 
 
 class SGD(torch.optim.Optimizer):
@@ -63,14 +70,6 @@ class SGD(torch.optim.Optimizer):
             _check_hyperparameters(param_group, len(self.param_groups), self.defaults)
         super().add_param_group(param_group)
 
-    def _bucket_key(self, group: Dict, p: torch.Tensor, name: str) -> bool:
-        """Whether `p` has a momentum buffer to update (else it is written on this first step)."""
-        state = self.state.get(p)
-        if float(group["momentum"]) == 0 or not state or state.get("momentum_buffer") is None:
-            return False
-        check_state_tensor(_NAME, p, name, state, "momentum_buffer")
-        return True
-
     @torch.no_grad()
     def step(self, closure=None):
         """One SGD step for every parameter that has a gradient; returns closure's loss."""
@@ -78,20 +77,20 @@ class SGD(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        plan = gather_buckets(_NAME, self.param_groups, _check_hyperparameters, self._bucket_key)
+        plan = gather_buckets(_NAME, self.param_groups, self.state, _check_hyperparameters, _state_rule)
         for group, buckets in plan:
             momentum = float(group["momentum"])
-            for (_, _, has_buffer), params in buckets.items():
+            for (_, dtype, has_buffers), bucket in buckets.items():
                 buffers = []
                 if momentum != 0:
-                    for p in params:
-                        state = self.state[p]
-                        if not has_buffer:
+                    for p, state in zip(bucket.params, bucket.states):
+                        if not has_buffers:
+                            state = self.state[p]
                             state["momentum_buffer"] = torch.empty_like(p, memory_format=torch.preserve_format)
-                        buffers.append(as_real(state["momentum_buffer"]))
+                        buffers.append(state["momentum_buffer"])
                 ops.fused_sgd_(
-                    [as_real(p) for p in params], [as_real(p.grad) for p in params], buffers,
+                    as_real(bucket.params, dtype), as_real(bucket.grads, dtype), as_real(buffers, dtype),
                     float(group["lr"]), momentum, float(group["dampening"]), float(group["weight_decay"]),
-                    bool(group["nesterov"]), bool(group["maximize"]), not has_buffer,
+                    bool(group["nesterov"]), bool(group["maximize"]), not has_buffers,
                 )
         return loss
