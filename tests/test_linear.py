@@ -16,6 +16,7 @@ from transformers.pytorch_utils import Conv1D
 import autoshard
 from autoshard.nn import ColumnParallelLinear, RowParallelLinear
 from multirank import run_on_ranks
+from checks import expect_errors
 
 IN, HIDDEN, OUT = 10, 11, 7
 BATCH = (2, 3)
@@ -236,17 +237,7 @@ def _layer_errors():
         (lambda: ColumnParallelLinear(IN, 12.0), TypeError, ["out_features", "float"]),
         (lambda: RowParallelLinear(-1, OUT), ValueError, ["in_features", ">= 0", "-1"]),
     ]
-    raised = []
-    for call, error, words in cases:
-        try:
-            call()
-        except error as e:
-            missing = [w for w in words if w not in str(e)]
-            assert not missing, (missing, str(e))
-            raised.append(type(e).__name__)
-        else:
-            raise AssertionError(f"no {error.__name__} for case {len(raised)}")
-    return raised
+    return expect_errors(cases)
 
 
 def test_bad_input_names_the_argument():

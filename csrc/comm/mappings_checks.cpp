@@ -1,21 +1,11 @@
 #include "comm/mappings.h"
+#include "split/split.h"
 
 namespace autoshard::comm {
-namespace {
-
-int64_t checked_dim(const at::Tensor& x, int64_t dim, const char* op) {
-  const int64_t ndim = x.dim();
-  TORCH_CHECK_INDEX(ndim > 0, op, ": x must have at least 1 dimension, got a 0-d tensor");
-  TORCH_CHECK_INDEX(dim >= -ndim && dim < ndim, op, ": dim must be in [", -ndim, ", ", ndim, ") for a ", ndim,
-                    "-d tensor, got ", dim);
-  return dim < 0 ? dim + ndim : dim;
-}
-
-}  // namespace
 
 int64_t checked_gather_dim(const at::Tensor& x, int64_t dim, int64_t length, const c10d::ProcessGroup& group) {
   TORCH_CHECK_VALUE(length >= 0, "gather_from_parallel: length must be >= 0, got ", length);
-  const int64_t d = checked_dim(x, dim, "gather_from_parallel");
+  const int64_t d = checked_split_dim(x, dim, "gather_from_parallel", "x");
   const int64_t rank = group.getRank();
   const int64_t world = group.getSize();
   const int64_t expected = shard_range(length, rank, world).length;
@@ -28,7 +18,7 @@ int64_t checked_gather_dim(const at::Tensor& x, int64_t dim, int64_t length, con
 }
 
 std::pair<int64_t, Range> checked_scatter_piece(const at::Tensor& x, int64_t dim, const c10d::ProcessGroup& group) {
-  const int64_t d = checked_dim(x, dim, "scatter_to_parallel");
+  const int64_t d = checked_split_dim(x, dim, "scatter_to_parallel", "x");
   const int64_t length = x.sym_size(d).guard_int(__FILE__, __LINE__);
   return {d, shard_range(length, group.getRank(), group.getSize())};
 }

@@ -9,8 +9,9 @@
 
 namespace autoshard {
 
-// Wraps a negative dim and rejects 0-d tensors and out-of-range dims, naming `op`.
-int64_t checked_split_dim(const at::Tensor& self, int64_t dim, const char* op);
+// Wraps a negative dim and rejects 0-d tensors and out-of-range dims, naming `op` and the
+// tensor argument (`arg`). Every op that takes a dimension checks it here.
+int64_t checked_split_dim(const at::Tensor& self, int64_t dim, const char* op, const char* arg = "self");
 
 // The split length along `dim`. A symbolic length is specialised: uneven pieces depend on
 // its exact value.

@@ -3,9 +3,9 @@
 
 namespace autoshard {
 
-int64_t checked_split_dim(const at::Tensor& self, int64_t dim, const char* op) {
+int64_t checked_split_dim(const at::Tensor& self, int64_t dim, const char* op, const char* arg) {
   const int64_t ndim = self.dim();
-  TORCH_CHECK_INDEX(ndim > 0, op, ": self must have at least 1 dimension, got a 0-d tensor");
+  TORCH_CHECK_INDEX(ndim > 0, op, ": ", arg, " must have at least 1 dimension, got a 0-d tensor");
   TORCH_CHECK_INDEX(dim >= -ndim && dim < ndim, op, ": dim must be in [", -ndim, ", ", ndim, ") for a ", ndim,
                     "-d tensor, got ", dim);
   return dim < 0 ? dim + ndim : dim;
