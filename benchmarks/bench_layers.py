@@ -65,10 +65,26 @@ def _mlp_case(args, device, dtype):
     return shape, ours, theirs
 
 
+def _vocab_lookup_case(args, device, dtype):
+    """The fused masked lookup of one rank's half of a vocabulary, against the same lookup
+    written in torch ops (bench_embedding.py has the fuller comparison)."""
+    from bench_embedding import torch_lookup
+
+    vocab, dim = 50_000, args.in_features
+    start, rows = 0, vocab // 2
+    table = torch.randn(rows, dim, device=device, dtype=dtype, requires_grad=True)
+    ids = torch.randint(0, vocab, (args.tokens,), device=device)
+    shape = f"{args.tokens} ids, rows [{start}, {rows}) of {vocab} x {dim}"
+    ours = _forward_backward(lambda i: autoshard.ops.vocab_parallel_lookup(i, table, start, -1, vocab), ids, [table])
+    theirs = _forward_backward(lambda i: torch_lookup(i, table, start), ids, [table])
+    return shape, ours, theirs
+
+
 CASES: List[Case] = [
     Case("ColumnParallelLinear vs F.linear", _linear_case(autoshard.nn.ColumnParallelLinear)),
     Case("RowParallelLinear vs F.linear", _linear_case(autoshard.nn.RowParallelLinear)),
     Case("column -> GELU -> row vs the same in F.linear", _mlp_case),
+    Case("vocab-parallel lookup vs masked F.embedding", _vocab_lookup_case),
 ]
 
 
