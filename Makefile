@@ -26,6 +26,10 @@ build: $(VENV)/.built
 test: build
 	$(PY) -m pytest -q tests
 
+# Trains a small GPT-2 on 2 tensor-parallel ranks (gloo on CPU, NCCL on GPUs): a few minutes.
+demo: build
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_gpt.py
+
 bench: build
 	$(PY) benchmarks/bench_split.py
 

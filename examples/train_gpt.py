@@ -1,0 +1,244 @@
+"""Train a small GPT-2 with tensor parallelism.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_gpt.py
+
+Every rank builds the same GPT-2 (same seed), autoshard plans how to split it, parallelize()
+swaps its layers for sharded ones, and the ranks train it together on the same batches:
+each holds a slice of every large weight and the collectives stitch the computation back
+into the unsharded model's. Bytes are the tokens (a vocabulary of 256), so no tokenizer is
+needed, and the text is whatever is already on the machine. At the end the shards are put
+back together into an ordinary GPT-2, which must compute what the sharded model computes.
+
+NCCL when every rank on the machine has a GPU of its own (autoshard.init_distributed() picks
+it), gloo on CPU otherwise.
+"""
+
+import argparse
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.utils import logging as hf_logging
+
+import autoshard
+
+EXAMPLE_DIR = Path(__file__).resolve().parent
+# Plain text found on every Debian/Ubuntu machine; the project's own README otherwise.
+LICENSES = Path("/usr/share/common-licenses")
+README = EXAMPLE_DIR.parent / "README.md"
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (every rank sees the same ones)")
+    parser.add_argument("--seq-len", type=int, default=128, help="bytes per sequence (at most the context, 128)")
+    parser.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (warm-up, then cosine decay)")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--clip", type=float, default=1.0,
+                        help="clip the gradients' global norm to this (0: no clipping); "
+                             "applied when autoshard has clip_grad_norm_")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the batches")
+    parser.add_argument("--text", type=Path, nargs="+", default=None,
+                        help=f"text files, or folders of them, to train on (default: {LICENSES}, else {README})")
+    parser.add_argument("--out", type=Path, default=EXAMPLE_DIR / "out", help="folder for the loss curve")
+    args = parser.parse_args()
+    if not 2 <= args.seq_len <= 128:
+        parser.error(f"--seq-len must be between 2 and the model's context of 128, got {args.seq_len}")
+    if args.steps < 1 or args.batch_size < 1:
+        parser.error("--steps and --batch-size must be positive")
+    return args
+
+
+def model_config() -> GPT2Config:
+    # 5 heads over 2 ranks: autoshard splits whole heads unevenly (3 and 2), which is normal.
+    return GPT2Config(vocab_size=256, n_positions=128, n_embd=240, n_layer=4, n_head=5,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+
+
+def build_model(seed: int, device: torch.device) -> GPT2LMHeadModel:
+    # Every rank must start from the same weights: parallelize() keeps each rank's slice of them.
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(model_config()).to(device)
+
+
+def text_files(paths):
+    if paths is None:
+        paths = [LICENSES] if LICENSES.is_dir() else [README]
+    files = []
+    for path in paths:
+        if path.is_dir():
+            # Some licenses are links to others: read each file once.
+            files += sorted({p.resolve() for p in path.iterdir() if p.is_file()})
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise SystemExit(f"--text: {path} is neither a file nor a folder")
+    if not files:
+        raise SystemExit(f"--text: no files in {[str(p) for p in paths]}")
+    return files
+
+
+def load_bytes(paths) -> torch.Tensor:
+    data = b"\n\n".join(p.read_bytes() for p in text_files(paths))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def batches(data: torch.Tensor, batch_size: int, seq_len: int, seed: int):
+    """Random windows of the text. Tensor parallelism needs the same batch on every rank of
+    the group, so the sampler is seeded identically everywhere rather than split by rank."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, len(data) - seq_len, (batch_size,), generator=generator)
+        yield torch.stack([data[s:s + seq_len] for s in starts.tolist()])
+
+
+def learning_rate(step: int, steps: int, peak: float) -> float:
+    warmup = max(1, steps // 20)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def save_loss_curve(losses, smoothed, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = range(1, len(losses) + 1)
+    ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="loss")
+    ax.plot(steps, smoothed, color="tab:blue", linewidth=2, label="smoothed")
+    ax.axhline(math.log(256), color="gray", linestyle="--", linewidth=1, label="ln 256 (uniform bytes)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats per byte)")
+    ax.set_title(f"GPT-2, tensor parallel over {dist.get_world_size()} ranks")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main():
+    args = parse_args()
+    hf_logging.set_verbosity_error()
+    # Two ranks cannot share one GPU under NCCL: with fewer GPUs than local ranks, train on CPU.
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    on_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
+    rank, world_size = autoshard.init_distributed(None if on_gpus else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpus else torch.device("cpu")
+    leader = rank == 0
+
+    def say(*values):
+        if leader:
+            print(*values, flush=True)
+
+    data = load_bytes(args.text)
+    held_out = data[-max(len(data) // 20, args.seq_len + 1):]
+    train = data[:len(data) - len(held_out)]
+    if len(train) <= args.seq_len:
+        raise SystemExit(f"--text: {len(data):,} bytes is too little text for --seq-len {args.seq_len}")
+
+    model = build_model(args.seed, device)
+    unsharded_bytes = parameter_bytes(model)
+    example = {"input_ids": torch.zeros(args.batch_size, args.seq_len, dtype=torch.long)}
+    plan = autoshard.plan(model, world_size=world_size, example_inputs=example)
+    say(plan)
+    autoshard.parallelize(model, plan)
+    model.train()
+
+    per_rank = [None] * world_size
+    dist.all_gather_object(per_rank, parameter_bytes(model))
+    say(f"\nparameters: {unsharded_bytes / 2**20:.2f} MiB unsharded; "
+        + ", ".join(f"rank {r} holds {b / 2**20:.2f} MiB ({b / unsharded_bytes:.0%})" for r, b in enumerate(per_rank)))
+
+    say(f"text: {len(data):,} bytes ({len(train):,} to train on); {args.steps} steps of "
+        f"{args.batch_size} x {args.seq_len} bytes on {world_size} ranks ({dist.get_backend()}, {device.type})")
+
+    clip = getattr(autoshard, "clip_grad_norm_", None)
+    if clip is None:
+        say("gradient clipping: off (this autoshard has no clip_grad_norm_)")
+    elif args.clip <= 0:
+        clip = None
+        say("gradient clipping: off (--clip 0)")
+    opt = autoshard.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+
+    def train_step(step: int, input_ids: torch.Tensor) -> float:
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(step, args.steps, args.lr)
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        if clip is not None:
+            clip(model.parameters(), args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    losses, smoothed = [], []
+    average, beta = 0.0, 0.95
+    counter = autoshard.CommCounter()
+    stream = batches(train, args.batch_size, args.seq_len, args.seed)
+    tokens_per_step = args.batch_size * args.seq_len
+    bar = tqdm(range(args.steps), disable=not leader, mininterval=1.0, dynamic_ncols=True, desc="training")
+    start = time.perf_counter()
+    for step in bar:
+        input_ids = next(stream).to(device)
+        if step == min(1, args.steps - 1):  # the first step pays for warm-up; any later one is typical
+            with counter:
+                loss = train_step(step, input_ids)
+        else:
+            loss = train_step(step, input_ids)
+        losses.append(loss)
+        average = beta * average + (1 - beta) * loss
+        smoothed.append(average / (1 - beta ** (step + 1)))  # debiased, so the first value is the first loss
+        elapsed = time.perf_counter() - start
+        bar.set_postfix(loss=f"{smoothed[-1]:.3f}", tok_s=f"{tokens_per_step * (step + 1) / elapsed:,.0f}",
+                        refresh=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    bar.close()
+
+    say(f"\nloss: {smoothed[0]:.3f} -> {smoothed[-1]:.3f} (smoothed; ln 256 = {math.log(256):.3f})")
+    say(f"time: {elapsed:.1f} s for {args.steps} steps, {tokens_per_step * args.steps / elapsed:,.0f} tokens/s "
+        f"({elapsed / args.steps * 1000:.0f} ms per step)")
+    say(f"collectives per step: {counter.counts} (planned: "
+        f"forward {plan.collectives('forward')}, backward {plan.collectives('backward')})")
+
+    # The invariant: put the shards back together into an ordinary GPT-2 and compare.
+    full_state = autoshard.full_state_dict(model)  # a collective: every rank calls it
+    check_ids = next(batches(held_out, args.batch_size, args.seq_len, args.seed + 1)).to(device)
+    model.eval()
+    with torch.no_grad():
+        sharded = model(input_ids=check_ids, labels=check_ids)  # a collective too
+    if leader:
+        reference = GPT2LMHeadModel(model_config()).to(device)
+        reference.load_state_dict(full_state)
+        reference.eval()
+        with torch.no_grad():
+            unsharded = reference(input_ids=check_ids, labels=check_ids)
+        difference = (sharded.logits - unsharded.logits).abs().max().item()
+        print(f"held-out loss: {unsharded.loss.item():.3f} (unsharded copy), {sharded.loss.item():.3f} (sharded)")
+        print(f"sharded vs unsharded logits: max abs difference {difference:.2e}")
+        path = args.out / "loss_curve.png"
+        save_loss_curve(losses, smoothed, path)
+        print(f"loss curve: {path}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
