@@ -161,3 +161,9 @@ def test_cli_prints_plan_and_cost(capsys):
     out = capsys.readouterr().out
     assert "ShardingPlan for 2 ranks" in out and "model.layers.1.mlp.down_proj" in out
     assert "all_reduce x5" in out and "planned in" in out
+
+
+def test_one_rank_plans_no_collectives():
+    p = plan(build("gpt2", device="meta"), world_size=1)
+    assert p.comm == []
+    assert p.layer("transformer.h.0.mlp.c_fc").style == "column"

@@ -584,6 +584,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
     std::map<int, int> copy_groups;  // input tensor -> group
     std::map<int, RegionSummary> regions;
     auto comm = [&](const char* phase, const char* kind, int64_t elements) {
+      if (world_size == 1) return;  // a group of one rank communicates nothing
       for (CommCount& c : plan.comm) {
         if (c.phase == phase && c.kind == kind) {
           c.count += 1;
