@@ -41,8 +41,7 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (warm-up, then cosine decay)")
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--clip", type=float, default=1.0,
-                        help="clip the gradients' global norm to this (0: no clipping); "
-                             "applied when autoshard has clip_grad_norm_")
+                        help="clip the gradients' global norm to this (0: no clipping)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the batches")
     parser.add_argument("--text", type=Path, nargs="+", default=None,
                         help=f"text files, or folders of them, to train on (default: {LICENSES}, else {README})")
@@ -168,11 +167,7 @@ def main():
     say(f"text: {len(data):,} bytes ({len(train):,} to train on); {args.steps} steps of "
         f"{args.batch_size} x {args.seq_len} bytes on {world_size} ranks ({dist.get_backend()}, {device.type})")
 
-    clip = getattr(autoshard, "clip_grad_norm_", None)
-    if clip is None:
-        say("gradient clipping: off (this autoshard has no clip_grad_norm_)")
-    elif args.clip <= 0:
-        clip = None
+    if args.clip <= 0:
         say("gradient clipping: off (--clip 0)")
     opt = autoshard.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
 
@@ -181,8 +176,8 @@ def main():
             group["lr"] = learning_rate(step, args.steps, args.lr)
         loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
-        if clip is not None:
-            clip(model.parameters(), args.clip)
+        if args.clip > 0:
+            autoshard.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.item()
