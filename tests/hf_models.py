@@ -42,4 +42,5 @@ def build(kind: str, device="cpu", seed: int = 0, **overrides):
 
 
 def layer_count(kind: str) -> int:
-    return 2
+    config = CONFIGS[kind]
+    return config.get("n_layer", config.get("num_hidden_layers"))

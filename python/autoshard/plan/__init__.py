@@ -1,6 +1,6 @@
 """The automatic sharding plan: capture a model's dataflow on meta, plan it in C++."""
 
-import os
+import fnmatch
 from typing import Dict, Optional
 
 import torch
@@ -128,7 +128,7 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
         if style not in OVERRIDE_STYLES:
             raise ValueError(f"plan: override for {pattern!r} must be one of {OVERRIDE_STYLES}, got {style!r}")
         hits = [node for node, info in graph.layers.items()
-                if _matches(pattern, info.name) or _matches(pattern, graph.param_names[info.weight_param])]
+                if fnmatch.fnmatchcase(info.name, pattern) or fnmatch.fnmatchcase(graph.param_names[info.weight_param], pattern)]
         if not hits:
             raise ValueError(f"plan: override pattern {pattern!r} names no layer or parameter of the model")
         for node in hits:
@@ -143,9 +143,3 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
                          f"(e.g. {too_small[0].module}: {too_small[0].note.split(': ', 1)[1]})")
     result.overrides = dict(overrides or {})
     return result
-
-
-def _matches(pattern: str, name: str) -> bool:
-    import fnmatch
-
-    return fnmatch.fnmatchcase(name, pattern)

@@ -1,6 +1,5 @@
 """ShardingPlan: what the planner decided, per layer and per parameter, and what it costs."""
 
-import fnmatch
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
@@ -8,7 +7,6 @@ from typing import Dict, List, Optional
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
 
-STYLES = ("column", "column_gather", "row", "vocab", "replicate")
 OVERRIDE_STYLES = ("replicate", "column_gather")
 
 
@@ -165,12 +163,3 @@ class ShardingPlan:
             example=data.get("example", {}),
             overrides=data.get("overrides", {}),
         )
-
-    # ---- overrides
-
-    def matching(self, pattern: str) -> List[LayerPlan]:
-        found = [layer for layer in self.layers
-                 if fnmatch.fnmatchcase(layer.module, pattern) or fnmatch.fnmatchcase(layer.weight, pattern)]
-        if not found:
-            raise ValueError(f"ShardingPlan.override: pattern {pattern!r} names no layer or parameter of the plan")
-        return found
