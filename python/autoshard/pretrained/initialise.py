@@ -1,0 +1,73 @@
+"""Giving meta tensors real storage, and values to those no checkpoint holds.
+
+A model built on the meta device has no storage at all. Tensors that a checkpoint fills get
+empty storage first; the rest (non-persistent buffers such as rotary ``inv_freq``, BERT's
+``position_ids``) are computed by the model's own initialisation: for a transformers model,
+``initialize_weights()`` with every loaded tensor and every module that owns nothing to
+compute marked as initialised, which is how transformers' ``from_pretrained`` fills them.
+A tensor that nothing writes is an error, never left holding whatever its memory held.
+"""
+
+from typing import Dict, List
+
+import torch
+from torch import nn
+
+_FLAG = "_is_hf_initialized"
+
+
+def materialize(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+    """Gives a meta tensor (a Parameter or a buffer) empty storage, in place: the object stays
+    the same, so every module that shares it, and an optimizer built on it, sees the storage."""
+    if isinstance(tensor, nn.Parameter):
+        new = nn.Parameter(torch.empty(tensor.shape, device=device, dtype=dtype), requires_grad=tensor.requires_grad)
+    else:
+        new = torch.empty(tensor.shape, device=device, dtype=dtype)
+    torch.utils.swap_tensors(tensor, new)
+
+
+def _initialisers(model: nn.Module) -> List[nn.Module]:
+    """The outermost modules that know how to initialise themselves (transformers models)."""
+    if callable(getattr(model, "initialize_weights", None)) and callable(getattr(model, "_init_weights", None)):
+        return [model]
+    found = []
+    for child in model.children():
+        found += _initialisers(child)
+    return found
+
+
+def initialise_remaining(model: nn.Module, pending: Dict[str, torch.Tensor], loaded: Dict[str, torch.Tensor]) -> None:
+    """Computes the ``pending`` tensors (name -> tensor with fresh storage) with the model's own
+    initialisation, leaving every ``loaded`` tensor untouched; raises naming any tensor that
+    nothing wrote, or any loaded one that the initialisation changed."""
+    if not pending:
+        return
+    versions = {name: t._version for name, t in {**pending, **loaded}.items()}
+    owners = {id(t) for t in pending.values()}
+    # Everything that carries the flag only while this runs (transformers also flags the
+    # modules it initialises): the model is left as it was found.
+    objects = list(model.modules()) + list(loaded.values()) + list(pending.values())
+    unflagged = [obj for obj in objects if not getattr(obj, _FLAG, False)]
+    try:
+        for tensor in loaded.values():
+            setattr(tensor, _FLAG, True)
+        for module in model.modules():
+            own = list(module._parameters.values()) + list(module._buffers.values())
+            if not any(t is not None and id(t) in owners for t in own):
+                setattr(module, _FLAG, True)
+        with torch.no_grad():
+            for initialiser in _initialisers(model):
+                initialiser.initialize_weights()
+    finally:
+        for obj in unflagged:
+            if _FLAG in getattr(obj, "__dict__", {}):
+                delattr(obj, _FLAG)
+    changed = [name for name, t in loaded.items() if t._version != versions[name]]
+    if changed:
+        raise RuntimeError(f"load_pretrained: the model's own initialisation overwrote loaded tensors {changed}")
+    unwritten = [name for name, t in pending.items() if t._version == versions[name]]
+    if unwritten:
+        raise RuntimeError(
+            f"load_pretrained: {unwritten} are on the meta device, the checkpoint does not hold them, and the "
+            "model's initialisation does not compute them; load a checkpoint that holds them, or give the "
+            "model real tensors for them before loading")

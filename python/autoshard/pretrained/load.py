@@ -1,0 +1,198 @@
+"""load_pretrained(): a Hugging Face safetensors checkpoint into a (parallelized) model, each
+rank reading only the byte ranges of its own slices.
+
+The model may still be on the meta device (built under ``torch.device("meta")`` and
+parallelized there): its tensors get storage at their local shape on the target device and
+are read straight into it, so no rank ever holds a tensor it does not keep. Which part of
+each full tensor a rank holds comes from the sharded modules' ``shard_specs``; the byte runs
+that part occupies in the file (one run for a row slice, one per row for a column slice, one
+per fused part for QKV) are computed in C++ (``autoshard.ops.copy_runs``).
+"""
+
+import os
+import re
+from contextlib import ExitStack
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..checkpoint.safetensors_io import SafetensorsReader
+from ..checkpoint.targets import Target, model_targets
+from ..data_parallel import GradientAverager
+from .files import open_checkpoint
+from .initialise import initialise_remaining, materialize
+from .names import match_names
+
+_LISTED = 20  # names shown in an error before "... and N more"
+
+
+def _listing(names: List[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:_LISTED])
+    return shown + (f" ... and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
+
+
+def _non_persistent_buffers(model: nn.Module) -> Dict[str, torch.Tensor]:
+    found: Dict[str, torch.Tensor] = {}
+    seen = set()
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name in getattr(module, "_non_persistent_buffers_set", ()):
+            buffer = module._buffers.get(name)
+            if buffer is not None and id(buffer) not in seen:
+                seen.add(id(buffer))
+                found[f"{module_name}.{name}" if module_name else name] = buffer
+    return found
+
+
+def _ignore_patterns(model: nn.Module, attribute: str) -> Optional[re.Pattern]:
+    # transformers models list checkpoint names their from_pretrained tolerates (tensors that
+    # older versions saved, or that a head does not need).
+    patterns = list(getattr(model, attribute, None) or ())
+    return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
+
+
+def _target_device(model: nn.Module, device) -> torch.device:
+    if device is not None:
+        try:
+            return torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"load_pretrained: device must name a torch device (e.g. 'cpu', 'cuda:0'), "
+                             f"got {device!r}") from None
+    real = {t.device for t in list(model.parameters()) + list(model.buffers()) if t.device.type != "meta"}
+    if len(real) == 1:
+        return real.pop()
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
+
+
+def _check_arguments(model, dtype, strict, progress) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load_pretrained: model must be a torch.nn.Module, got {type(model).__name__}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"load_pretrained: dtype must be None or a floating-point torch.dtype, got {dtype!r}")
+    for name, value in (("strict", strict), ("progress", progress)):
+        if not isinstance(value, bool):
+            raise TypeError(f"load_pretrained: {name} must be a bool, got {type(value).__name__}")
+
+
+def _plan_reads(model: nn.Module, path, where: Dict[str, SafetensorsReader], targets: Dict[str, Target],
+                strict: bool) -> List[Tuple[Target, str, SafetensorsReader]]:
+    """(target, checkpoint key, reader) for every tensor to read; every check is made here,
+    before anything is changed."""
+    by_alias = {alias: target for target in targets.values() for alias in target.aliases}
+    computed = _non_persistent_buffers(model)
+    matched, converted = match_names(model, where, list(by_alias) + list(computed))
+    ignore_unexpected = _ignore_patterns(model, "_keys_to_ignore_on_load_unexpected")
+    ignore_missing = _ignore_patterns(model, "_keys_to_ignore_on_load_missing")
+
+    source: Dict[str, str] = {}  # target name -> checkpoint key; a tied tensor stored twice is read once
+    unexpected = []
+    for key in sorted(where):
+        name = matched.get(key)
+        if name in by_alias:
+            source.setdefault(by_alias[name].name, key)
+        elif name is None and key not in converted and not (ignore_unexpected and ignore_unexpected.search(key)):
+            unexpected.append(key)
+        # else: a buffer the model computes itself (older checkpoints saved some), or a key
+        # that needs a conversion, reported below.
+    missing = [name for name in targets if name not in source
+               and not (ignore_missing and ignore_missing.search(name))]
+    mismatched = []
+    for name, key in source.items():
+        target, info = targets[name], where[key].tensors[key]
+        if tuple(info.shape) != tuple(target.selection.shape):
+            mismatched.append(f"{key!r} in {where[key].path} has shape {list(info.shape)}, "
+                              f"the model's {name!r} needs {list(target.selection.shape)}")
+    if mismatched:
+        raise ValueError("load_pretrained: shapes differ between the checkpoint and the model: " + "; ".join(mismatched))
+    problems = []
+    if converted:
+        problems.append(f"tensors that only a conversion beyond renaming would load (not supported slice by "
+                        f"slice): {_listing(converted)}")
+    if strict and missing:
+        problems.append(f"missing (the model has them, the checkpoint does not): {_listing(missing)}")
+    if strict and unexpected:
+        problems.append(f"unexpected (the checkpoint has them, the model does not): {_listing(unexpected)}")
+    if problems:
+        raise ValueError(f"load_pretrained: the checkpoint at {os.fspath(path)} does not fit the model "
+                         f"({type(model).__name__}): " + "; ".join(problems)
+                         + ("" if not strict or converted else "; pass strict=False to load what matches"))
+    reads = [(targets[name], key, where[key]) for name, key in source.items()]
+    reads.sort(key=lambda r: (r[2].path, r[2].tensors[r[1]].begin))  # each file front to back
+    return reads
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="load_pretrained",
+                disable=not (enabled and first))
+
+
+def _local_bytes(target: Target, reader: SafetensorsReader, key: str) -> int:
+    numel = 1
+    for n in target.selection.local_shape:
+        numel *= n
+    return numel * reader.tensors[key].dtype.itemsize
+
+
+def load_pretrained(model: nn.Module, path, device=None, dtype: Optional[torch.dtype] = None,
+                    strict: bool = True, progress: bool = True) -> nn.Module:
+    """Loads the Hugging Face safetensors checkpoint at ``path`` (a ``.safetensors`` file, or a
+    directory with ``model.safetensors.index.json`` or ``model.safetensors``) into ``model``,
+    parallelized or not, on the meta device or materialized; returns the model.
+
+    Each rank reads only the bytes of the slices it holds. Tensors on the meta device get
+    storage on ``device`` (default: the device of the model's other tensors, else
+    ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU), in ``dtype`` for floating-point
+    ones (default: the model's own); materialized tensors are filled where they are, cast to
+    their dtype. Buffers the checkpoint does not hold (rotary ``inv_freq``, ``position_ids``)
+    are computed by the model's own initialisation. With ``strict``, tensors the model has
+    and the checkpoint lacks, or the reverse, are an error (raised before anything changes).
+    A progress bar over the bytes read shows on rank 0 when ``progress``."""
+    _check_arguments(model, dtype, strict, progress)
+    target_device = _target_device(model, device)
+    with ExitStack() as stack:
+        where = open_checkpoint(path, stack)
+        targets = model_targets(model)
+        reads = _plan_reads(model, path, where, targets, strict)
+
+        def dtype_of(tensor: torch.Tensor) -> torch.dtype:
+            return dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
+
+        swapped = False
+        loaded: Dict[str, torch.Tensor] = {}
+        for target, _, _ in reads:
+            if target.tensor.device.type == "meta":
+                materialize(target.tensor, target_device, dtype_of(target.tensor))
+                swapped = swapped or target.is_parameter
+            loaded[target.name] = target.tensor
+        pending: Dict[str, torch.Tensor] = {}
+        read_names = {target.name for target, _, _ in reads}
+        left = [(t.name, t.tensor) for t in targets.values() if t.name not in read_names]
+        left += list(_non_persistent_buffers(model).items())
+        for name, tensor in left:
+            if tensor.device.type == "meta":
+                materialize(tensor, target_device, dtype_of(tensor) if isinstance(tensor, nn.Parameter) else tensor.dtype)
+                swapped = swapped or isinstance(tensor, nn.Parameter)
+                pending[name] = tensor
+
+        with torch.no_grad(), _progress_bar(sum(_local_bytes(t, rd, k) for t, k, rd in reads), progress) as bar:
+            for target, key, reader in reads:
+                dest = target.tensor
+                staging = dest if dest.is_contiguous() else torch.empty(dest.shape, dtype=dest.dtype,
+                                                                        device=dest.device)
+                reader.read_into(key, staging, target.selection)
+                if staging is not dest:
+                    dest.copy_(staging)
+                bar.update(_local_bytes(target, reader, key))
+    initialise_remaining(model, pending, loaded)
+    averager = getattr(model, "_autoshard_gradient_averager", None)
+    if swapped and isinstance(averager, GradientAverager):
+        # Its gradient hooks were registered on the meta tensors' old storage objects.
+        averager.remove()
+        model._autoshard_gradient_averager = GradientAverager(model.parameters(), averager.group)
+    return model
