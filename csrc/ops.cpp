@@ -3,6 +3,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "checkpoint/slices.h"
 #include "comm/counters.h"
 #include "nn/einsum_equation.h"
 #include "plan/plan_op.h"
@@ -61,6 +62,14 @@ TORCH_LIBRARY(autoshard, m) {
   m.def(
       "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, float lr, float momentum, "
       "float dampening, float weight_decay, bool nesterov, bool maximize, bool first_step) -> ()");
+
+  // --- checkpoint/ : slice arithmetic for loading and saving shards (host-side integers)
+  // The flattened (start, length) runs of a dimension that `rank` holds, in local order.
+  m.def("shard_ranges(int full_size, int world_size, int rank, int? units=None, int[]? parts=None) -> int[]",
+        &autoshard::checkpoint::shard_ranges);
+  // The byte runs [n, 3] = (src offset, dst offset, nbytes) copying the overlap of two
+  // selections of one full tensor; a selection is, per dim, [count, start, length, ...].
+  m.def("copy_runs(int[] shape, int itemsize, int[] src, int[] dst) -> Tensor", &autoshard::checkpoint::copy_runs);
 
   // --- plan/ : a model's dataflow graph (text) in, a decision per layer (text) out
   m.def("plan_graph(str graph, int world_size) -> str", &autoshard::plan::plan_graph);

@@ -46,6 +46,17 @@ def scatter_to_parallel(x: torch.Tensor, dim: int, group_name: str) -> torch.Ten
     return _ops.scatter_to_parallel.default(x, dim, group_name)
 
 
+def shard_ranges(
+    full_size: int, world_size: int, rank: int, units: Optional[int] = None, parts: Optional[Sequence[int]] = None
+) -> List[Tuple[int, int]]:
+    flat = _ops.shard_ranges.default(full_size, world_size, rank, units, None if parts is None else list(parts))
+    return list(zip(flat[0::2], flat[1::2]))
+
+
+def copy_runs(shape: Sequence[int], itemsize: int, src: Sequence[int], dst: Sequence[int]) -> torch.Tensor:
+    return _ops.copy_runs.default(list(shape), itemsize, list(src), list(dst))
+
+
 def comm_counter_kinds() -> List[str]:
     return _ops.comm_counter_kinds.default()
 

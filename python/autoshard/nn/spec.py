@@ -12,7 +12,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..split import shard, split_sizes
+from .. import ops
+from ..split import shard
 
 
 @dataclass(frozen=True)
@@ -46,16 +47,12 @@ class ShardSpec:
 
     def local_ranges(self) -> List[Tuple[int, int]]:
         """(start, length) runs of the full dimension that this rank holds, in local order."""
-        ranges = []
-        offset = 0
-        for size in self.part_sizes():
-            units = self.units or size
-            granule = size // units
-            counts = split_sizes(units, self.world_size)
-            start = sum(counts[: self.rank]) * granule
-            ranges.append((offset + start, counts[self.rank] * granule))
-            offset += size
-        return ranges
+        return ops.shard_ranges(self.full_size, self.world_size, self.rank, self.units, self.parts)
+
+    def full_shape(self, local_shape: Sequence[int]) -> Tuple[int, ...]:
+        shape = list(local_shape)
+        shape[self.dim] = self.full_size
+        return tuple(shape)
 
     def local_size(self) -> int:
         return sum(length for _, length in self.local_ranges())

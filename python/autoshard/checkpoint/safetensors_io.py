@@ -1,0 +1,322 @@
+"""Reading byte ranges of safetensors files, and writing them with block checksums.
+
+A reader never loads a whole file: it reads the runs ``byte_runs`` computes for the part of a
+tensor the caller wants (one run for a row slice, one per row for a column slice), small runs
+through a block-sized window so that a strided slice costs a few large reads rather than one
+system call per row. When the file's block checksums are known (autoshard's own
+checkpoints), every block is read whole and verified before any of its bytes are used.
+"""
+
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .selection import Selection, byte_runs, full_selection
+
+BLOCK_SIZE = 4 << 20  # checksum granularity, and the window small runs are read through
+_DIRECT_READ_BYTES = 1 << 20  # runs at least this long go straight into their destination
+_MAX_HEADER_BYTES = 100 << 20
+
+DTYPES: Dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_NAMES: Dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint file is damaged, truncated or not what its manifest says; names the file."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    begin: int  # byte offsets in the file (header included)
+    end: int
+
+
+@dataclass
+class FileRecord:
+    name: str
+    size: int
+    block_crc32: List[int] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "size": self.size, "block_size": BLOCK_SIZE, "block_crc32": self.block_crc32}
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor (no copy)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"tensor_bytes: expected a contiguous CPU tensor, got one on {tensor.device}")
+    if tensor.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class SafetensorsReader:
+    def __init__(self, path: str, block_crc32: Optional[List[int]] = None):
+        self.path = os.fspath(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as error:
+            raise FileNotFoundError(f"cannot open safetensors file {self.path}: {error.strerror}") from error
+        try:
+            self.size = os.fstat(self._fd).st_size
+            self._block_crc32 = block_crc32
+            if block_crc32 is not None and len(block_crc32) != max(1, -(-self.size // BLOCK_SIZE)):
+                raise CheckpointCorruptError(
+                    f"{self.path}: {self.size} bytes do not match the {len(block_crc32)} checksummed blocks recorded for it")
+            self._verified: set = set()
+            self._window: Optional[Tuple[int, memoryview]] = None
+            self.bytes_read = 0
+            self.tensors, self.metadata = self._parse_header()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "SafetensorsReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _corrupt(self, what: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{self.path}: {what}")
+
+    def _parse_header(self):
+        if self.size < 8:
+            raise self._corrupt("too short to be a safetensors file")
+        (length,) = struct.unpack("<Q", self._read_bytes(0, 8))
+        if length > min(_MAX_HEADER_BYTES, self.size - 8):
+            raise self._corrupt(f"header length {length} does not fit in the file's {self.size} bytes")
+        try:
+            header = json.loads(bytes(self._read_bytes(8, length)))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise self._corrupt(f"unreadable header ({error})") from None
+        if not isinstance(header, dict):
+            raise self._corrupt("the header is not a JSON object")
+        data_start = 8 + length
+        metadata = header.pop("__metadata__", None) or {}
+        tensors = {}
+        for name, entry in header.items():
+            try:
+                dtype = DTYPES[entry["dtype"]]
+                shape = tuple(int(n) for n in entry["shape"])
+                begin, end = (data_start + int(x) for x in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise self._corrupt(f"bad header entry for tensor {name!r}: {entry!r}") from None
+            numel = 1
+            for n in shape:
+                numel *= n
+            if not data_start <= begin <= end <= self.size or end - begin != numel * dtype.itemsize:
+                raise self._corrupt(f"tensor {name!r} ({entry['dtype']} {list(shape)}) does not fit its byte range")
+            tensors[name] = TensorInfo(dtype, shape, begin, end)
+        return tensors, metadata
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.path} holds no tensor named {name!r}") from None
+
+    def read(self, name: str, device="cpu") -> torch.Tensor:
+        info = self.info(name)
+        out = torch.empty(info.shape, dtype=info.dtype, device=device)
+        selection = full_selection(info.shape)
+        self.read_into(name, out, selection, selection)
+        return out
+
+    def read_into(self, name: str, dest: torch.Tensor, dest_selection: Selection,
+                  src_selection: Optional[Selection] = None) -> None:
+        """Copies the overlap of tensor ``name`` (holding ``src_selection`` of the full tensor;
+        None: the whole of it) and ``dest_selection`` into ``dest``, cast to its dtype."""
+        info = self.info(name)
+        if src_selection is None:
+            src_selection = full_selection(info.shape)
+        if src_selection.local_shape != info.shape:
+            raise ValueError(f"{self.path}: tensor {name!r} has shape {list(info.shape)}, "
+                             f"but the selection it is said to hold has shape {list(src_selection.local_shape)}")
+        if src_selection.shape != dest_selection.shape:
+            raise ValueError(f"{self.path}: tensor {name!r} is part of a full tensor of shape "
+                             f"{list(src_selection.shape)}, the destination of one of shape {list(dest_selection.shape)}")
+        if tuple(dest.shape) != dest_selection.local_shape:
+            raise ValueError(f"read_into: dest has shape {list(dest.shape)}, "
+                             f"its selection needs {list(dest_selection.local_shape)}")
+        runs = byte_runs(src_selection, dest_selection, info.dtype.itemsize)
+        if runs.numel() == 0:
+            return
+        direct = dest.device.type == "cpu" and dest.dtype == info.dtype and dest.is_contiguous()
+        staging = dest.detach() if direct else torch.empty(
+            dest.shape, dtype=info.dtype, pin_memory=dest.device.type == "cuda" and torch.cuda.is_available())
+        out = tensor_bytes(staging)
+        for src, dst, nbytes in runs.tolist():
+            self._copy(info.begin + src, out[dst:dst + nbytes])
+        if not direct:
+            with torch.no_grad():
+                dest.copy_(staging, non_blocking=dest.device.type == "cuda")
+            if dest.device.type == "cuda":
+                torch.cuda.current_stream(dest.device).synchronize()  # the staging buffer is freed next
+
+    def _copy(self, offset: int, out: memoryview) -> None:
+        if self._block_crc32 is None and len(out) >= _DIRECT_READ_BYTES:
+            self._read_into(offset, out)
+            return
+        done = 0
+        while done < len(out):
+            block = (offset + done) // BLOCK_SIZE
+            window = self._block(block)
+            start = offset + done - block * BLOCK_SIZE
+            take = min(len(out) - done, len(window) - start)
+            out[done:done + take] = window[start:start + take]
+            done += take
+
+    def _block(self, index: int) -> memoryview:
+        if self._window is not None and self._window[0] == index:
+            return self._window[1]
+        start = index * BLOCK_SIZE
+        data = self._read_bytes(start, min(BLOCK_SIZE, self.size - start))
+        if self._block_crc32 is not None and index not in self._verified:
+            if zlib.crc32(data) != self._block_crc32[index]:
+                raise self._corrupt(f"checksum mismatch in bytes [{start}, {start + len(data)}): the file is damaged")
+            self._verified.add(index)
+        self._window = (index, data)
+        return data
+
+    def _read_bytes(self, offset: int, length: int) -> memoryview:
+        buffer = memoryview(bytearray(length))
+        self._read_into(offset, buffer)
+        return buffer
+
+    def _read_into(self, offset: int, out: memoryview) -> None:
+        done = 0
+        while done < len(out):
+            n = os.preadv(self._fd, [out[done:]], offset + done)
+            if n <= 0:
+                raise self._corrupt(f"ends at byte {offset + done}, before the {len(out)} bytes at {offset} it should hold")
+            done += n
+        self.bytes_read += len(out)
+
+
+class _BlockChecksums:
+    """crc32 of every BLOCK_SIZE block of a byte stream, fed in pieces."""
+
+    def __init__(self):
+        self.crcs: List[int] = []
+        self._crc = 0
+        self._filled = 0
+
+    def update(self, data: memoryview) -> None:
+        while len(data):
+            take = min(len(data), BLOCK_SIZE - self._filled)
+            self._crc = zlib.crc32(data[:take], self._crc)
+            self._filled += take
+            data = data[take:]
+            if self._filled == BLOCK_SIZE:
+                self.crcs.append(self._crc)
+                self._crc, self._filled = 0, 0
+
+    def finish(self) -> List[int]:
+        if self._filled or not self.crcs:
+            self.crcs.append(self._crc)
+        return self.crcs
+
+
+def safetensors_header(tensors: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]],
+                       metadata: Optional[Dict[str, str]] = None) -> Tuple[bytes, Dict[str, Tuple[int, int]]]:
+    """The header bytes (length prefix included, padded to 8 bytes) for tensors written in
+    the given order, and each tensor's data offsets."""
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offsets = {}
+    position = 0
+    for name, (dtype, shape) in tensors.items():
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"safetensors cannot store tensor {name!r} of dtype {dtype}")
+        numel = 1
+        for n in shape:
+            numel *= n
+        offsets[name] = (position, position + numel * dtype.itemsize)
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": list(offsets[name])}
+        position = offsets[name][1]
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded, offsets
+
+
+class SafetensorsWriter:
+    """Streams a safetensors file whose header is known up front; checksums blocks as it goes."""
+
+    _CHUNK = 64 << 20
+
+    def __init__(self, path: str, tensors: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]],
+                 metadata: Optional[Dict[str, str]] = None):
+        self.path = os.fspath(path)
+        self._header, self._offsets = safetensors_header(tensors, metadata)
+        self._order = list(tensors)
+        self._next = 0
+        self._checksums = _BlockChecksums()
+        self._file = open(self.path, "wb")
+        self._size = 0
+        self._write(memoryview(self._header))
+
+    def _write(self, data: memoryview) -> None:
+        for start in range(0, len(data), self._CHUNK):
+            piece = data[start:start + self._CHUNK]
+            self._file.write(piece)
+            self._checksums.update(piece)
+        self._size += len(data)
+
+    def write(self, name: str, data: memoryview) -> None:
+        """Appends (part of) the bytes of tensor ``name``; tensors come in header order."""
+        expected = self._order[self._next] if self._next < len(self._order) else None
+        if name != expected:
+            raise ValueError(f"{self.path}: tensor {name!r} written out of order (expected {expected!r})")
+        self._write(data)
+        if self._size - len(self._header) == self._offsets[name][1]:
+            self._next += 1
+        elif self._size - len(self._header) > self._offsets[name][1]:
+            raise ValueError(f"{self.path}: more bytes written for tensor {name!r} than its shape holds")
+
+    def close(self) -> FileRecord:
+        """Flushes and fsyncs the file; the record to keep in a manifest."""
+        if self._next != len(self._order):
+            self._file.close()
+            raise ValueError(f"{self.path}: closed before tensor {self._order[self._next]!r} was written")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        return FileRecord(os.path.basename(self.path), self._size, self._checksums.finish())
+
+    def abort(self) -> None:
+        self._file.close()
+
+
+def write_safetensors(path: str, tensors: Dict[str, torch.Tensor],
+                      metadata: Optional[Dict[str, str]] = None) -> FileRecord:
+    """Writes contiguous CPU tensors as a standard safetensors file, fsynced; its record."""
+    for name, tensor in tensors.items():
+        if tensor.device.type != "cpu":
+            raise ValueError(f"write_safetensors: tensor {name!r} is on {tensor.device}; snapshot it to CPU first")
+    writer = SafetensorsWriter(path, {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}, metadata)
+    try:
+        for name, tensor in tensors.items():
+            writer.write(name, tensor_bytes(tensor.contiguous()))
+        return writer.close()
+    except BaseException:
+        writer.abort()
+        raise
