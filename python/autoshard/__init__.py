@@ -6,6 +6,7 @@ from .comm import CommCounter
 from .distributed import init_distributed
 from .parallelize import parallelize
 from .plan import ShardingPlan, plan
+from .pretrained import load_pretrained
 from .split import array_split, shard, split_sizes
 from .state import full_state_dict
 
@@ -17,6 +18,7 @@ __all__ = [
     "comm",
     "full_state_dict",
     "init_distributed",
+    "load_pretrained",
     "nn",
     "ops",
     "optim",

@@ -105,9 +105,9 @@ def _plan_reads(model: nn.Module, path, where: Dict[str, SafetensorsReader], tar
         if tuple(info.shape) != tuple(target.selection.shape):
             mismatched.append(f"{key!r} in {where[key].path} has shape {list(info.shape)}, "
                               f"the model's {name!r} needs {list(target.selection.shape)}")
-    if mismatched:
-        raise ValueError("load_pretrained: shapes differ between the checkpoint and the model: " + "; ".join(mismatched))
     problems = []
+    if mismatched:
+        problems.append("shapes differ: " + "; ".join(mismatched[:_LISTED]))
     if converted:
         problems.append(f"tensors that only a conversion beyond renaming would load (not supported slice by "
                         f"slice): {_listing(converted)}")
@@ -118,7 +118,7 @@ def _plan_reads(model: nn.Module, path, where: Dict[str, SafetensorsReader], tar
     if problems:
         raise ValueError(f"load_pretrained: the checkpoint at {os.fspath(path)} does not fit the model "
                          f"({type(model).__name__}): " + "; ".join(problems)
-                         + ("" if not strict or converted else "; pass strict=False to load what matches"))
+                         + ("; pass strict=False to load what matches" if strict and not (converted or mismatched) else ""))
     reads = [(targets[name], key, where[key]) for name, key in source.items()]
     reads.sort(key=lambda r: (r[2].path, r[2].tensors[r[1]].begin))  # each file front to back
     return reads
