@@ -9,12 +9,15 @@ that does more than rename (splitting or fusing tensors) cannot be loaded slice 
 such tensors are reported. Any other module is matched by name exactly.
 """
 
+import sys
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 
 def _transformers_renamer(model, model_names: Iterable[str]) -> Optional[Callable[[str], Tuple[str, bool]]]:
     """key -> (model name, whether the key needs a conversion beyond renaming), or None when
     ``model`` is not a transformers model."""
+    if "transformers" not in sys.modules:
+        return None  # then the model cannot be a transformers model; importing it costs seconds
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
