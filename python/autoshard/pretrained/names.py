@@ -45,10 +45,14 @@ def match_names(model, checkpoint_keys: Iterable[str], model_names: Iterable[str
     conversion beyond renaming would load). Keys are visited in sorted order, as transformers
     does: some of its renaming rules decide on the first key they see."""
     model_names = set(model_names)
-    rename = _transformers_renamer(model, model_names)
+    checkpoint_keys = sorted(checkpoint_keys)
+    # Building transformers' rules takes a while (hundreds of regular expressions): only when
+    # some name differs.
+    exact = all(key in model_names for key in checkpoint_keys)
+    rename = None if exact else _transformers_renamer(model, model_names)
     matched: Dict[str, str] = {}
     converted: List[str] = []
-    for key in sorted(checkpoint_keys):
+    for key in checkpoint_keys:
         if key in model_names or rename is None:
             name, needs_conversion = key, False
         else:
