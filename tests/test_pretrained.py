@@ -90,6 +90,32 @@ def test_equals_from_pretrained(checkpoints, world_size):
         assert {"ColumnParallelLinear", "RowParallelLinear"} <= set(sharded[kind]), (kind, sharded[kind])
 
 
+def _step_on_mesh(path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = build("gpt2", device="meta")
+    autoshard.parallelize(model, mesh=mesh)
+    opt = autoshard.optim.SGD(model.parameters(), lr=0.5)  # built on the meta parameters
+    autoshard.load_pretrained(model, path, progress=False)
+    reference = _reference("gpt2", path)
+    ids = torch.randint(0, 101, (4, 9), generator=torch.Generator().manual_seed(6))
+    half = ids.chunk(2)[mesh.get_local_rank("dp")]  # each replica takes half the batch
+    model(input_ids=half, labels=half).loss.backward()
+    opt.step()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    got, want = autoshard.full_state_dict(model), reference.state_dict()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_mesh_gradients_average_after_loading(checkpoints):
+    # Loading gives the meta parameters storage; the data-parallel gradient averaging that
+    # parallelize set up on them must still run, and the optimizer must step the loaded ones.
+    run_on_ranks(_step_on_mesh, 4, checkpoints["gpt2"], timeout=600)
+
+
 def _check_single_file(path: str, kind: str, directory: str) -> None:
     model = _load_on_meta(kind, path)
     _compare(kind, model, directory)
@@ -190,7 +216,7 @@ def test_buffer_nothing_computes_is_an_error(tmp_path):
 
 def test_dtype_casts_what_meta_tensors_get(checkpoints):
     model = build("llama", device="meta")
-    autoshard.load_pretrained(model, checkpoints["llama"], dtype=torch.bfloat16, progress=False)
+    autoshard.load_pretrained(model, checkpoints["llama"], dtype=torch.bfloat16)
     reference = _reference("llama", checkpoints["llama"])
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32  # computed buffers keep their own

@@ -18,12 +18,19 @@ _FLAG = "_is_hf_initialized"
 
 def materialize(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
     """Gives a meta tensor (a Parameter or a buffer) empty storage, in place: the object stays
-    the same, so every module that shares it, and an optimizer built on it, sees the storage."""
+    the same, so every module that shares it, an optimizer built on it and its hooks carry over."""
     if isinstance(tensor, nn.Parameter):
         new = nn.Parameter(torch.empty(tensor.shape, device=device, dtype=dtype), requires_grad=tensor.requires_grad)
     else:
         new = torch.empty(tensor.shape, device=device, dtype=dtype)
     torch.utils.swap_tensors(tensor, new)
+    # Hooks registered on the meta tensor (parallelize's data-parallel gradient averaging, a
+    # user's) stay with the Python object, but autograd looks for them on the storage that was
+    # swapped out: assigning them again registers them with the new one.
+    for attr in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+        hooks = getattr(tensor, attr, None)
+        if hooks is not None:
+            setattr(tensor, attr, hooks)
 
 
 def _initialisers(model: nn.Module) -> List[nn.Module]:

@@ -20,7 +20,6 @@ from torch import nn
 
 from ..checkpoint.safetensors_io import SafetensorsReader
 from ..checkpoint.targets import Target, model_targets
-from ..data_parallel import GradientAverager
 from .files import open_checkpoint
 from .initialise import initialise_remaining, materialize
 from .names import match_names
@@ -163,12 +162,10 @@ def load_pretrained(model: nn.Module, path, device=None, dtype: Optional[torch.d
         def dtype_of(tensor: torch.Tensor) -> torch.dtype:
             return dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
 
-        swapped = False
         loaded: Dict[str, torch.Tensor] = {}
         for target, _, _ in reads:
             if target.tensor.device.type == "meta":
                 materialize(target.tensor, target_device, dtype_of(target.tensor))
-                swapped = swapped or target.is_parameter
             loaded[target.name] = target.tensor
         pending: Dict[str, torch.Tensor] = {}
         read_names = {target.name for target, _, _ in reads}
@@ -177,7 +174,6 @@ def load_pretrained(model: nn.Module, path, device=None, dtype: Optional[torch.d
         for name, tensor in left:
             if tensor.device.type == "meta":
                 materialize(tensor, target_device, dtype_of(tensor) if isinstance(tensor, nn.Parameter) else tensor.dtype)
-                swapped = swapped or isinstance(tensor, nn.Parameter)
                 pending[name] = tensor
 
         with torch.no_grad(), _progress_bar(sum(_local_bytes(t, rd, k) for t, k, rd in reads), progress) as bar:
@@ -190,9 +186,4 @@ def load_pretrained(model: nn.Module, path, device=None, dtype: Optional[torch.d
                     dest.copy_(staging)
                 bar.update(_local_bytes(target, reader, key))
     initialise_remaining(model, pending, loaded)
-    averager = getattr(model, "_autoshard_gradient_averager", None)
-    if swapped and isinstance(averager, GradientAverager):
-        # Its gradient hooks were registered on the meta tensors' old storage objects.
-        averager.remove()
-        model._autoshard_gradient_averager = GradientAverager(model.parameters(), averager.group)
     return model
