@@ -210,6 +210,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     _check_plan_fits(model, plan, group.size())
     _dry_run(model, plan, group)
     _apply(model, plan, group)
+    model._autoshard_plan = plan  # recorded in checkpoints
     if data_parallel is not None:
         model._autoshard_gradient_averager = GradientAverager(model.parameters(), data_parallel)
     return model
