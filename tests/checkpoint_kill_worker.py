@@ -2,6 +2,7 @@
 adds 1 to every parameter, starts an asynchronous save of step-2 and waits to be killed.
 With argv[2] == "1", rank 1's writer is held back, so that the save cannot commit."""
 
+import importlib
 import os
 import sys
 import time
@@ -10,7 +11,6 @@ import torch
 
 import autoshard
 from autoshard import checkpoint
-from autoshard.checkpoint import save as save_module
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint_models import build_toy, parallelize_toy  # noqa: E402
@@ -26,6 +26,7 @@ def main(directory: str, slow_writer: bool) -> None:
             p.add_(1.0)
         model.temperature.add_(1.0)
     if slow_writer and rank == 1:
+        save_module = importlib.import_module("autoshard.checkpoint.save")  # the module, not the function
         write = save_module.write_safetensors
 
         def stalled(*args, **kwargs):

@@ -4,6 +4,7 @@ parameters, outputs and next training step; killed saves, flipped bytes, failing
 retention, and consolidation into a checkpoint that safetensors and transformers load."""
 
 import json
+import importlib
 import os
 import signal
 import socket
@@ -50,6 +51,12 @@ def _train_step(model, optimizer, kind: str, step: int) -> None:
     optimizer.step()
 
 
+def _full_state(model, sharded: bool = True):
+    """A copy (state dicts share the live parameters' storage, which the next step changes)."""
+    state = autoshard.full_state_dict(model) if sharded else model.state_dict()
+    return {name: value.clone() for name, value in state.items()}
+
+
 def _parallelize(model, kind: str):
     return autoshard.parallelize(model) if kind == "gpt2" else parallelize_toy(model)
 
@@ -61,12 +68,12 @@ def _train_and_save(kind: str, path: str):
     optimizer = autoshard.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
     for step in range(STEPS_BEFORE_SAVE):
         _train_step(model, optimizer, kind, step)
-    saved = autoshard.full_state_dict(model)
+    saved = _full_state(model)
     logits = _logits(model, kind, _ids(kind, 99)).detach()
     handle = checkpoint.save(path, model, optimizer, extra={"step": STEPS_BEFORE_SAVE, "kind": kind}, async_save=True)
     _train_step(model, optimizer, kind, STEPS_BEFORE_SAVE)
     assert handle.wait() == path
-    return saved, logits, autoshard.full_state_dict(model)
+    return saved, logits, _full_state(model)
 
 
 def _load_and_step(kind: str, path: str, sharded: bool = True):
@@ -79,11 +86,10 @@ def _load_and_step(kind: str, path: str, sharded: bool = True):
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1.0, weight_decay=0.0)
     extra = checkpoint.load(path, model, optimizer)
-    state = autoshard.full_state_dict if sharded else (lambda m: {k: v.clone() for k, v in m.state_dict().items()})
-    loaded = state(model)
+    loaded = _full_state(model, sharded)
     logits = _logits(model, kind, _ids(kind, 99)).detach()
     _train_step(model, optimizer, kind, STEPS_BEFORE_SAVE)
-    return extra, loaded, logits, state(model)
+    return extra, loaded, logits, _full_state(model, sharded)
 
 
 @pytest.fixture(scope="module", params=["gpt2", "toy"])
@@ -251,7 +257,7 @@ def test_background_error_surfaces_at_wait_and_at_next_save(tmp_path):
 
 
 def _one_rank_fails_to_write(path: str):
-    from autoshard.checkpoint import save as save_module
+    save_module = importlib.import_module("autoshard.checkpoint.save")  # the module, not the function
 
     original = save_module.write_safetensors
 
