@@ -12,6 +12,7 @@ from .manifest import Manifest, UncommittedCheckpointError, read_manifest
 from .safetensors_io import CheckpointCorruptError, SafetensorsReader, write_safetensors
 from .selection import Selection, full_selection, selection_of
 from .save import CheckpointSaveError, SaveHandle, save, wait_for_pending_save
+from .snapshot import release_snapshot_buffers
 from .targets import Target, model_targets
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "consolidate",
     "load",
     "read_manifest",
+    "release_snapshot_buffers",
     "save",
     "wait_for_pending_save",
     "SafetensorsReader",

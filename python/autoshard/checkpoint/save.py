@@ -273,15 +273,18 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
     except (TypeError, ValueError) as e:
         error = f"rank {comm.rank}: {e}"
     exists = os.path.exists(path) if comm.rank == 0 else False
-    reports = comm.all_gather((error, exists, _describe(held), optimizer_description))
-    errors = [e for e, _, _, _ in reports if e is not None]
+    reports = comm.all_gather((error, exists, _describe(held), optimizer_description, path))
+    errors = [e for e, _, _, _, _ in reports if e is not None]
+    paths = sorted({p for *_, p in reports})
+    if len(paths) > 1:
+        errors.append(f"every rank must pass the same path, got {paths}")
     if errors:
         raise ValueError("; ".join(errors))
     if reports[0][1]:
         raise FileExistsError(f"save: {path!r} already exists; a checkpoint is never overwritten, "
                               "choose a new path or delete the old one first")
 
-    described = [d for _, _, d, _ in reports]
+    described = [d for _, _, d, _, _ in reports]
     writer = _assign_writers(described)
     records = _tensor_records(described, writer)  # on every rank, so that a mismatch raises on all
     manifest = None
@@ -290,7 +293,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
             world_size=comm.size, tensors=records, files={}, aliases=aliases,
             tp_ranks=_tp_ranks(), versions=_versions(),
             plan=getattr(getattr(model, "_autoshard_plan", None), "to_json", lambda: None)(),
-            optimizer=_merge_optimizers([o for _, _, _, o in reports]), extra=json_value(extra, "extra"),
+            optimizer=_merge_optimizers([o for _, _, _, o, _ in reports]), extra=json_value(extra, "extra"),
             metrics=metrics, model_config=_model_config(model))
     mine = [(h.key, h.tensor) for h in held if writer[(h.key, repr(h.selection.to_json()["runs"]))] == comm.rank]
     job = _Job(comm, path, take_snapshot(mine, copy=async_save), manifest, after_commit)

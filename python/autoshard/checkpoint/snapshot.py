@@ -2,18 +2,21 @@
 
 A synchronous save writes CPU tensors as they are (the caller waits anyway). An asynchronous
 save copies them to host memory first, so that training can change the originals while the
-copy is written: CUDA tensors into pinned buffers, which are kept for the next save (pinning
-is slow) and filled by asynchronous copies whose completion the writer waits for; the copies
-are queued on the current stream, so kernels queued after ``save`` returns (the next
-optimizer step) run after them.
+copy is written. The host buffers are kept for the next asynchronous save: filling an
+existing buffer is several times faster than allocating a new one (no page faults), and
+pinning memory for CUDA copies is slow. The price is one host copy of what this rank writes,
+held between saves; ``release_snapshot_buffers()`` frees it. CUDA tensors are copied into
+pinned buffers asynchronously, queued on the current stream, so kernels queued after
+``save`` returns (the next optimizer step) run after the copies; the writer waits for them.
+Only one save is in flight at a time, so a buffer is never refilled while being written.
 """
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
-# stored key -> pinned buffer, reused by the next asynchronous save of the same tensor.
-_pinned: Dict[str, torch.Tensor] = {}
+# stored key -> host buffer, reused by the next asynchronous save of the same tensor.
+_buffers: Dict[str, torch.Tensor] = {}
 
 
 class Snapshot:
@@ -28,10 +31,11 @@ class Snapshot:
         return self.tensors
 
 
-def _pinned_buffer(key: str, like: torch.Tensor) -> torch.Tensor:
-    buffer = _pinned.get(key)
-    if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-        buffer = _pinned[key] = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+def _buffer(key: str, like: torch.Tensor) -> torch.Tensor:
+    pin = like.device.type == "cuda"
+    buffer = _buffers.get(key)
+    if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype or buffer.is_pinned() != pin:
+        buffer = _buffers[key] = torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
     return buffer
 
 
@@ -40,13 +44,15 @@ def take_snapshot(tensors: List[Tuple[str, torch.Tensor]], copy: bool) -> Snapsh
     out: Dict[str, torch.Tensor] = {}
     devices = set()
     for key, tensor in tensors:
-        if tensor.device.type == "cpu":
-            out[key] = tensor.clone(memory_format=torch.contiguous_format) if copy else tensor.contiguous()
-        elif tensor.device.type == "cuda" and copy:
-            out[key] = _pinned_buffer(key, tensor).copy_(tensor, non_blocking=True)
-            devices.add(tensor.device)
+        if copy:
+            out[key] = _buffer(key, tensor).copy_(tensor, non_blocking=tensor.device.type == "cuda")
+            if tensor.device.type == "cuda":
+                devices.add(tensor.device)
         else:
-            out[key] = tensor.to("cpu", memory_format=torch.contiguous_format)
+            out[key] = tensor.to("cpu").contiguous()
+    if copy:
+        for key in set(_buffers) - set(out):  # tensors no longer saved
+            del _buffers[key]
     events = []
     for device in devices:
         event = torch.cuda.Event()
@@ -55,8 +61,9 @@ def take_snapshot(tensors: List[Tuple[str, torch.Tensor]], copy: bool) -> Snapsh
     return Snapshot(out, events)
 
 
-def release_pinned_buffers(keep: Optional[set] = None) -> None:
-    """Drops the pinned buffers of keys not in ``keep`` (all of them by default)."""
-    for key in list(_pinned):
-        if keep is None or key not in keep:
-            del _pinned[key]
+def release_snapshot_buffers() -> None:
+    """Frees the host buffers kept for asynchronous saves (after waiting for the one in flight)."""
+    from .save import wait_for_pending_save
+
+    wait_for_pending_save()
+    _buffers.clear()
