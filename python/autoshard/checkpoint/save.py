@@ -19,8 +19,8 @@ import traceback
 from typing import Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
-from ..nn.spec import sharded_parameters
 from . import manifest as mf
 from .contents import Held, json_value, model_holdings, optimizer_holdings
 from .group import CheckpointGroup, checkpoint_group
@@ -149,15 +149,20 @@ def _merge_optimizers(descriptions: List[Optional[dict]]) -> Optional[dict]:
     return merged
 
 
-def _tp_ranks() -> Optional[List[int]]:
-    import torch.distributed as dist
-
+def _tp_ranks(model: torch.nn.Module) -> Optional[List[int]]:
+    """The global ranks of the group the model's sharded layers split over (None: no sharded layer)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    for _, group in sharded_parameters().values():
-        if group is not None:
+    for module in model.modules():
+        group = getattr(module, "group", None)
+        if getattr(module, "shard_specs", None) and isinstance(group, dist.ProcessGroup):
             return list(dist.get_process_group_ranks(group))
     return None
+
+
+def _plan_json(model: torch.nn.Module) -> Optional[str]:
+    plan = getattr(model, "_autoshard_plan", None)  # set by parallelize
+    return None if plan is None else plan.to_json()
 
 
 def _versions() -> Dict[str, str]:
@@ -291,8 +296,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
     if comm.rank == 0:
         manifest = mf.Manifest(
             world_size=comm.size, tensors=records, files={}, aliases=aliases,
-            tp_ranks=_tp_ranks(), versions=_versions(),
-            plan=getattr(getattr(model, "_autoshard_plan", None), "to_json", lambda: None)(),
+            tp_ranks=_tp_ranks(model), versions=_versions(), plan=_plan_json(model),
             optimizer=_merge_optimizers([o for _, _, _, o, _ in reports]), extra=json_value(extra, "extra"),
             metrics=metrics, model_config=_model_config(model))
     mine = [(h.key, h.tensor) for h in held if writer[(h.key, repr(h.selection.to_json()["runs"]))] == comm.rank]
