@@ -66,12 +66,23 @@ class GradientAverager:
                         for scatter, params in grouped]
         self.bucket_of: Dict[int, int] = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
         self.handles = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in unique.values()]
+        for bucket in self.buckets:
+            if isinstance(bucket, ReduceScatterBucket):
+                self.handles += [p.register_hook(self._before_accumulation(bucket, i))
+                                 for i, p in enumerate(bucket.params)]
         self._reset()
 
     def _reset(self) -> None:
         self._waiting = [{id(p) for p in bucket.params} for bucket in self.buckets]
         self._launched = set()
         self._finish_queued = False
+
+    @staticmethod
+    def _before_accumulation(bucket: ReduceScatterBucket, index: int):
+        def hook(grad: torch.Tensor) -> None:
+            bucket.before_accumulation(index)
+
+        return hook
 
     def _on_gradient(self, param: torch.nn.Parameter) -> None:
         if not self._finish_queued:

@@ -100,25 +100,32 @@ class ReduceScatterBucket:
         self.pieces = [piece_of(p) for p in params]
         self.group = group
         self.padded, self.lengths = _segments(self.pieces)
-        # Gradients that hold an average written by finish(): a second backward before the
-        # optimizer clears them adds a local gradient to it (gradient accumulation).
+        # The gradients into which finish() wrote an average: a later backward that adds to
+        # one of them before the optimizer clears it accumulates gradients.
         self._averaged: List[Optional[weakref.ref]] = [None] * len(params)
         self._work = None
 
+    def before_accumulation(self, index: int) -> None:
+        """Called as backward is about to add a new gradient into params[index].grad, and
+        at launch for a gradient that received none in this pass.
+
+        When that gradient holds an average of earlier passes, only this rank has it, in its
+        own piece (zeros elsewhere): scaled by the world size, the reduce-scatter's sum counts
+        it once per rank, and its average is that average plus the new gradients' average."""
+        held, self._averaged[index] = self._averaged[index], None
+        grad = self.params[index].grad
+        if grad is not None and held is not None and held() is grad:
+            piece = self.pieces[index]
+            piece.of(grad).mul_(piece.world_size)
+
     def launch(self) -> None:
-        world, rank = self.pieces[0].world_size, self.pieces[0].rank
+        for i in range(len(self.params)):
+            self.before_accumulation(i)
+        world = self.pieces[0].world_size
         grads = [p.grad for p in self.params]
         parts = []
         for r in range(world):
-            segment = []
-            for i, (grad, piece) in enumerate(zip(grads, self.pieces)):
-                part = piece.of(grad, r)
-                held = self._averaged[i]
-                if r == rank and held is not None and held() is grad:
-                    # This piece already holds an average, which every rank must contribute
-                    # once; only this rank has it, so it enters world times over.
-                    part = part * world
-                segment.append(part)
+            segment = [piece.of(grad, r) for grad, piece in zip(grads, self.pieces)]
             parts += _pack(segment, self.lengths[r], self.padded, grads[0])
         flat = torch.cat(parts)
         self._out = flat.new_empty(self.padded)
