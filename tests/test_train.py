@@ -241,6 +241,52 @@ def test_three_replicas_partition_unevenly(micro_batches):
         _check_partitioned_traffic(r, dp_size=3, micro_batches=micro_batches)
 
 
+def _state_dict_round_trip(steps: int = 3):
+    """Partitioned AdamW state after a few steps on a 2 x 2 mesh: against torch's state for the
+    unsharded model, through state_dict / load_state_dict, and cut from torch's whole state."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoshard.partitioned_state import piece_of
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    model, reference = build("gpt2", seed=0), build("gpt2", seed=0)
+    try:
+        autoshard.parallelize(model, mesh=mesh)
+        opt, ref_opt = _optimizers("adamw", model, reference)
+        for step in range(steps):
+            ids = _batch(step)
+            half = ids.chunk(2)[dp_rank]
+            for m, o, x in ((model, opt, half), (reference, ref_opt, ids)):
+                o.zero_grad()
+                m(input_ids=x, labels=x).loss.backward()
+                o.step()
+        pairs = [(p, q) for p, q in zip(model.parameters(), reference.parameters()) if piece_of(p) is not None]
+        reloaded = autoshard.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
+        reloaded.load_state_dict(opt.state_dict())
+        from_torch = autoshard.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
+        from_torch.load_state_dict(ref_opt.state_dict())
+        worst = 0.0
+        for p, q in pairs:
+            piece = piece_of(p)
+            for key in ("exp_avg", "exp_avg_sq"):
+                ours, whole = opt.state[p][key], ref_opt.state[q][key]
+                assert ours.shape == (piece.numel,) and whole.shape == q.shape
+                worst = max(worst, float((ours - piece.of(whole)).abs().max()) if ours.numel() else 0.0)
+                assert torch.equal(reloaded.state[p][key], ours)
+                assert torch.equal(from_torch.state[p][key], piece.of(whole))
+            assert float(opt.state[p]["step"]) == float(from_torch.state[p]["step"]) == steps
+        return len(pairs), worst
+    finally:
+        set_default_group(None)
+
+
+def test_partitioned_state_dict_holds_pieces_of_torchs_state():
+    for count, worst in run_on_ranks(_state_dict_round_trip, 4, timeout=600):
+        assert count > 0
+        assert worst < 1e-6
+
+
 def test_clip_grad_norm_bad_input():
     p = torch.nn.Parameter(torch.ones(3))
     p.grad = torch.ones(3)
