@@ -1,6 +1,7 @@
 """Training steps of parallelized models against the unsharded model with torch's own
-optimizers and clipping: fused AdamW and SGD, global-norm clipping, and a 2 x 2 data x tensor
-parallel mesh against full-batch single-process training."""
+optimizers and clipping: fused AdamW and SGD, global-norm clipping, and data x tensor parallel
+meshes (2 x 2, and 3 x 1 with uneven pieces) against full-batch single-process training, with
+the optimizer state of replicated parameters partitioned over the data-parallel replicas."""
 
 import pytest
 import torch

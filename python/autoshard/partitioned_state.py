@@ -29,6 +29,12 @@ from .split import split_sizes
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
+def _collective(name: str, older_name: str):
+    """torch.distributed's function `name`, or what releases before it called it `older_name`
+    (looked up at every call, so that wrappers installed on the module are seen)."""
+    return getattr(dist, name, None) or getattr(dist, older_name)
+
+
 class Piece:
     """Which elements of a flattened parameter each rank of a data-parallel group owns."""
 
@@ -103,6 +109,7 @@ class ReduceScatterBucket:
         # The gradients into which finish() wrote an average: a later backward that adds to
         # one of them before the optimizer clears it accumulates gradients.
         self._averaged: List[Optional[weakref.ref]] = [None] * len(params)
+        self._out: Optional[torch.Tensor] = None
         self._work = None
 
     def before_accumulation(self, index: int) -> None:
@@ -129,7 +136,8 @@ class ReduceScatterBucket:
             parts += _pack(segment, self.lengths[r], self.padded, grads[0])
         flat = torch.cat(parts)
         self._out = flat.new_empty(self.padded)
-        self._work = dist.reduce_scatter_single(self._out, flat, group=self.group, async_op=True)
+        reduce_scatter = _collective("reduce_scatter_single", "reduce_scatter_tensor")
+        self._work = reduce_scatter(self._out, flat, group=self.group, async_op=True)
 
     def finish(self) -> None:
         self._work.wait()
@@ -176,7 +184,8 @@ def all_gather_pieces(params: List[torch.Tensor], bucket_bytes: int = DEFAULT_BU
         flats = [p.detach().view(-1) for p in bucket]
         mine = torch.cat(_pack([piece.of(f) for f, piece in zip(flats, pieces)], lengths[rank], padded, flats[0]))
         out = mine.new_empty(world * padded)
-        work = dist.all_gather_single(out, mine, group=pieces[0].group, async_op=True)
+        all_gather = _collective("all_gather_single", "all_gather_into_tensor")
+        work = all_gather(out, mine, group=pieces[0].group, async_op=True)
         in_flight.append((flats, pieces, padded, out, work))
     for flats, pieces, padded, out, work in in_flight:
         work.wait()
