@@ -457,6 +457,8 @@ def test_parameters_on_mixed_devices_are_refused(name):
                                          r"param_groups\[1\]\['params'\]\[0\] is on meta"):
         opt.add_param_group({"params": (p for p in [on_meta])})
     assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match=r"\['params'\]\[1\] is on meta"):
+        getattr(autoshard.optim, name)([("a", on_cpu), ("b", on_meta)], lr=0.1)
 
 
 def stepped_twice(name):

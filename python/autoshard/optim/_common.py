@@ -92,6 +92,8 @@ def check_one_device(optimizer: str, param_groups: List[Dict], param_group: Dict
     groups = list(param_groups) + [param_group]
     for group_index, group in enumerate(groups):
         for param_index, p in enumerate(group["params"]):
+            if isinstance(p, tuple) and len(p) == 2:  # named parameters: (name, tensor)
+                p = p[1]
             if not isinstance(p, torch.Tensor):
                 continue  # torch names what is not a tensor
             if first is None:
