@@ -165,32 +165,100 @@ def test_consolidate_matches_unsharded_state_and_loads_in_transformers(saved_on_
         torch.testing.assert_close(model(input_ids=_ids("gpt2", 99)).logits.detach(), logits, rtol=1e-5, atol=1e-5)
 
 
-def _save_on_mesh(path: str):
+def _mesh_batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 37, (4, 7), generator=torch.Generator().manual_seed(700 + step))
+
+
+def _loss(model, ids):
+    return torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+
+
+def _mesh_model_and_optimizer(seed: int):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = parallelize_toy(build_toy(0), mesh=mesh)
-    checkpoint.save(path, model)
-    autoshard.distributed.set_default_group(None)
-    return os.path.getsize(os.path.join(path, f"rank-{dist.get_rank():05d}.safetensors")) \
-        if os.path.exists(os.path.join(path, f"rank-{dist.get_rank():05d}.safetensors")) else 0
+    model = parallelize_toy(build_toy(seed), mesh=mesh)  # partitions replicated parameters' state over dp
+    return model, autoshard.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), mesh.get_local_rank("dp")
 
 
-def test_data_parallel_replicas_write_each_piece_once(tmp_path):
+def _mesh_step(model, optimizer, dp_rank: int, step: int) -> None:
+    optimizer.zero_grad()
+    _loss(model, _mesh_batch(step).chunk(2)[dp_rank]).backward()  # each replica: half the batch
+    optimizer.step()
+
+
+def _reference_step(model, optimizer, step: int) -> None:
+    optimizer.zero_grad()
+    _loss(model, _mesh_batch(step)).backward()
+    optimizer.step()
+
+
+def _train_on_mesh_and_save(path: str):
+    """Two AdamW steps on a 2 x 2 dp x tp mesh (replicated parameters' optimizer state
+    partitioned over dp), saved; and the same two steps of torch.optim.AdamW on the full batch."""
+    try:
+        model, optimizer, dp_rank = _mesh_model_and_optimizer(0)
+        reference = build_toy(0)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+        for step in range(2):
+            _mesh_step(model, optimizer, dp_rank, step)
+            _reference_step(reference, reference_optimizer, step)
+        checkpoint.save(path, model, optimizer)
+        written = os.path.exists(os.path.join(path, f"rank-{dist.get_rank():05d}.safetensors"))
+        return written, _named_state(reference, reference_optimizer)
+    finally:
+        autoshard.distributed.set_default_group(None)
+
+
+def _named_state(model, optimizer):
+    names = {id(p): n for n, p in model.named_parameters()}
+    return ({n: v.clone() for n, v in model.state_dict().items()},
+            {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()})
+
+
+def _load_on_mesh_and_step(path: str):
+    try:
+        model, optimizer, dp_rank = _mesh_model_and_optimizer(1)
+        checkpoint.load(path, model, optimizer)
+        _mesh_step(model, optimizer, dp_rank, 2)
+        return _full_state(model)
+    finally:
+        autoshard.distributed.set_default_group(None)
+
+
+def test_mesh_with_partitioned_optimizer_state_reloads_anywhere(tmp_path):
     path = str(tmp_path / "mesh")
-    sizes = run_on_ranks(_save_on_mesh, 4, path, timeout=300)
+    results = run_on_ranks(_train_on_mesh_and_save, 4, path, timeout=300)
+    params, states = results[0][1]
     manifest = checkpoint.read_manifest(path)
-    reference = build_toy(0)
-    for name, value in reference.state_dict().items():
+    for name in params:
         stored = manifest.aliases.get(name, name)
         sharded = name in ("embed.weight", "up.weight", "up.bias", "down.weight", "head.weight")
+        # Each piece once: the tp shards from one replica, a replicated tensor from one rank.
         assert len(manifest.tensors[stored].pieces) == (2 if sharded else 1), name
-    # Replicated tensors are spread over the replicas, not all written by rank 0.
-    assert sum(size > 0 for size in sizes) >= 3, sizes
+        if name in states and not sharded:
+            # Partitioned moments: each dp replica's piece of the flattened tensor.
+            record = manifest.tensors[f"optimizer/{name}/exp_avg"]
+            assert record.shape == [params[name].numel()] and len(record.pieces) == 2, name
+    assert sum(written for written, _ in results) >= 3  # the writing is spread over the ranks
+
+    # Unsharded, into torch.optim.AdamW: equal to full-batch training with torch's AdamW.
     model = build_toy(1)
-    checkpoint.load(path, model)
-    for name, value in reference.state_dict().items():
-        assert torch.equal(model.state_dict()[name], value), name
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    checkpoint.load(path, model, optimizer)
+    got_params, got_states = _named_state(model, optimizer)
+    for name, value in params.items():
+        # 1e-4 as in test_train: AdamW turns rounding differences of tiny gradients into larger ones.
+        torch.testing.assert_close(got_params[name], value, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    for name, state in states.items():
+        for key, value in state.items():
+            torch.testing.assert_close(got_states[name][key], value, rtol=1e-3, atol=1e-8,
+                                       msg=lambda m: f"{name} {key}: {m}")
+    # Back onto a mesh, one more step equals one more full-batch step of torch's AdamW.
+    stepped = run_on_ranks(_load_on_mesh_and_step, 4, path, timeout=300)[0]
+    _reference_step(model, optimizer, 2)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(stepped[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 def test_existing_path_is_never_overwritten(tmp_path):

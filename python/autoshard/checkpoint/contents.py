@@ -2,10 +2,12 @@
 (tied tensors once), and the optimizer's state, each with the part of the global tensor it
 holds (its selection).
 
-Optimizer state is stored under ``optimizer/<parameter name>/<state key>``. A state tensor
-shaped like its parameter (AdamW's moments, SGD's momentum) is sharded with it and shares
-its selection; any other tensor (AdamW's ``step``) is the same on every rank and stored
-whole; non-tensor values go into the manifest as JSON.
+Optimizer state is stored under ``optimizer/<parameter name>/<state key>``, in one of three
+layouts: "param", a tensor shaped like its parameter (AdamW's moments, SGD's momentum),
+sharded with it and sharing its selection; "flat", the piece a data-parallel replica keeps
+of a parameter whose state is partitioned (partitioned_state), stored as part of the
+flattened global tensor; "whole", any other tensor (AdamW's ``step``), the same on every rank.
+Non-tensor values go into the manifest as JSON.
 """
 
 import json
@@ -14,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..partitioned_state import piece_of
 from .selection import Selection, full_selection
 from .targets import Target, model_targets
 
@@ -75,14 +78,21 @@ def optimizer_holdings(optimizer: torch.optim.Optimizer, targets: Dict[str, Targ
                 raise ValueError(f"save: optimizer.param_groups[{g}]['params'][{i}] is not a parameter of the model")
             params.append(name)
             entries = {}
+            piece = piece_of(p)
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
                     stored = optimizer_key(name, key)
                     value = value.detach()
-                    follows = value.shape == p.shape
-                    selection = targets[name].selection if follows else full_selection(value.shape)
+                    if piece is not None and value.dim() == 1 and value.numel() == piece.numel:
+                        layout = "flat"
+                        start = piece.starts[piece.rank]
+                        selection = Selection((p.numel(),), (((start, piece.numel),),))
+                    elif value.shape == p.shape:
+                        layout, selection = "param", targets[name].selection
+                    else:
+                        layout, selection = "whole", full_selection(value.shape)
                     held.append(Held(stored, value, selection))
-                    entries[key] = {"tensor": stored, "follows_param": follows}
+                    entries[key] = {"tensor": stored, "layout": layout}
                 else:
                     entries[key] = {"value": json_value(value, f"the optimizer state {key!r} of {name!r}")}
             if entries:

@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import manifest as mf
+from ..partitioned_state import piece_of
 from .contents import OPTIMIZER_PREFIX
 from .safetensors_io import CheckpointCorruptError, SafetensorsReader
 from .save import wait_for_pending_save
@@ -131,8 +132,11 @@ def _optimizer_plan(optimizer, manifest: mf.Manifest, targets: Dict[str, Target]
                 if record is None:
                     raise CheckpointCorruptError(f"load: the manifest names optimizer state {entry['tensor']!r} "
                                                  "but records no such tensor")
-                if entry["follows_param"]:
-                    _check_shape(f"the optimizer state {key!r} of {name!r}", record, targets[name].selection.shape)
+                what = f"the optimizer state {key!r} of {name!r}"
+                if entry["layout"] == "param":
+                    _check_shape(what, record, targets[name].selection.shape)
+                elif entry["layout"] == "flat":
+                    _check_shape(what + " (flattened)", record, [_volume(targets[name].selection.shape)])
     return [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]], params
 
 
@@ -144,6 +148,38 @@ def _apply_hyperparameters(optimizer, hyperparameters: List[dict]) -> None:
                 current.fill_(value)
             else:
                 group[key] = tuple(value) if isinstance(current, tuple) and isinstance(value, list) else value
+
+
+def _volume(shape) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+def _cut(full: torch.Tensor, selection: Selection) -> torch.Tensor:
+    """The local tensor of ``selection``, cut from the full tensor."""
+    for dim, runs in enumerate(selection.runs):
+        if runs != ((0, full.shape[dim]),):
+            full = torch.cat([full.narrow(dim, start, length) for start, length in runs], dim=dim)
+    return full.contiguous()
+
+
+def _state_through_full(files: "_Files", key: str, record: mf.TensorRecord, p: torch.Tensor,
+                        selection: Selection) -> torch.Tensor:
+    """A parameter's state tensor read whole, then cut to what this rank keeps: its piece when
+    the parameter's state is partitioned (flattened), else the parameter's selection. Used
+    where the stored and the kept layout differ (one side partitioned); such parameters are
+    replicated on that side, so the whole tensor is no larger than the parameter itself."""
+    full = torch.empty(record.shape, dtype=mf.dtype_of(record.dtype))
+    files.fill(key, full, full_selection(record.shape))
+    full = full.reshape(selection.shape)
+    piece = piece_of(p)
+    if piece is not None:
+        kept = full.reshape(-1).narrow(0, piece.starts[piece.rank], piece.numel)
+    else:
+        kept = _cut(full, selection)
+    return kept.to(device=p.device, dtype=p.dtype, copy=True)
 
 
 def _state_tensor(existing, shape, dtype, device) -> torch.Tensor:
@@ -166,7 +202,10 @@ def _load_optimizer_state(optimizer, params, targets: Dict[str, Target], manifes
                 continue
             record = manifest.tensors[entry["tensor"]]
             old = existing.get(key)
-            if entry["follows_param"]:
+            if entry["layout"] == "flat" or (entry["layout"] == "param" and piece_of(p) is not None):
+                state[key] = _state_through_full(files, entry["tensor"], record, p, targets[name].selection)
+                continue
+            if entry["layout"] == "param":
                 tensor = _state_tensor(old, p.shape, p.dtype, p.device)
                 selection = targets[name].selection
             else:
