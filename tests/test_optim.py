@@ -445,6 +445,22 @@ def test_optimizer_settings_are_checked(make, error, pattern):
         make()
 
 
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_parameters_on_mixed_devices_are_refused(name):
+    on_cpu, on_meta = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3, device="meta"))
+    with pytest.raises(ValueError, match=rf"{name}: all parameters must be on one device, but "
+                                         r"param_groups\[0\]\['params'\]\[0\] is on cpu and "
+                                         r"param_groups\[0\]\['params'\]\[1\] is on meta"):
+        getattr(autoshard.optim, name)([on_cpu, on_meta], lr=0.1)
+    opt = getattr(autoshard.optim, name)((p for p in [on_cpu]), lr=0.1)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] is on cpu and "
+                                         r"param_groups\[1\]\['params'\]\[0\] is on meta"):
+        opt.add_param_group({"params": (p for p in [on_meta])})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match=r"\['params'\]\[1\] is on meta"):
+        getattr(autoshard.optim, name)([("a", on_cpu), ("b", on_meta)], lr=0.1)
+
+
 def stepped_twice(name):
     """Two groups of two parameters, each stepped once, with fresh gradients for the next step."""
     params = [torch.nn.Parameter(torch.randn(4)) for _ in range(4)]
@@ -454,6 +470,12 @@ def stepped_twice(name):
         p.grad = torch.randn(4)
     opt.step()
     return params, opt
+
+
+def on_meta_with_grad():
+    p = torch.nn.Parameter(torch.ones(4, device="meta"))
+    p.grad = torch.ones(4, device="meta")
+    return p
 
 
 def snapshot(params, opt):
@@ -478,6 +500,12 @@ def snapshot(params, opt):
          r"SGD: state 'momentum_buffer' of param_groups\[1\]\['params'\]\[0\] has shape \(5,\)"),
         ("SGD", lambda params, opt: opt.param_groups[1].update(nesterov=True, dampening=0.5), ValueError,
          r"SGD: param_groups\[1\]\['nesterov'\] needs momentum > 0 and dampening == 0"),
+        # A parameter on another device, slipped into a group past add_param_group's check.
+        ("AdamW", lambda params, opt: opt.param_groups[1]["params"].append(on_meta_with_grad()), ValueError,
+         r"AdamW: all parameters must be on one device, but param_groups\[0\]\['params'\]\[0\] is on cpu "
+         r"and param_groups\[1\]\['params'\]\[2\] is on meta"),
+        ("SGD", lambda params, opt: opt.param_groups[1]["params"].append(on_meta_with_grad()), ValueError,
+         r"SGD: all parameters must be on one device"),
     ],
 )
 def test_step_checks_every_group_before_changing_any(name, spoil, error, pattern):

@@ -120,6 +120,10 @@ def _bad_plans():
             autoshard.parallelize(model, bad)
         except (ValueError, TypeError) as error:
             errors.append(str(error))
+    try:
+        autoshard.parallelize(model, partition_optimizer_state="yes")
+    except TypeError as error:
+        errors.append(str(error))
     plan = autoshard.plan(model, world_size=dist.get_world_size())
     plan.regions[plan.layer("model.layers.0.self_attn.q_proj").region].attributes["head_dim"] = 8
     try:
@@ -134,7 +138,8 @@ def _bad_plans():
 def test_bad_plans_leave_the_model_untouched():
     errors, untouched = run_on_ranks(_bad_plans, 2)[0]
     assert untouched
-    assert len(errors) == 3
+    assert len(errors) == 4
     assert "world_size=3" in errors[0] and "2 ranks" in errors[0]
     assert "plan must be a ShardingPlan" in errors[1]
-    assert "meta copy" in errors[2] and "left unchanged" in errors[2]
+    assert "partition_optimizer_state must be a bool, got str" in errors[2]
+    assert "meta copy" in errors[3] and "left unchanged" in errors[3]

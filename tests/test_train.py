@@ -1,12 +1,15 @@
 """Training steps of parallelized models against the unsharded model with torch's own
-optimizers and clipping: fused AdamW and SGD, global-norm clipping, and a 2 x 2 data x tensor
-parallel mesh against full-batch single-process training."""
+optimizers and clipping: fused AdamW and SGD, global-norm clipping, and data x tensor parallel
+meshes (2 x 2, and 3 x 1 with uneven pieces) against full-batch single-process training, with
+the optimizer state of replicated parameters partitioned over the data-parallel replicas."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import autoshard
+from autoshard.distributed import set_default_group
+from autoshard.nn.spec import sharded_parameters
 from hf_models import build
 from multirank import run_on_ranks
 
@@ -88,34 +91,201 @@ def test_training_matches_unsharded(model_kind, optimizer_kind, world_size):
         assert abs(got - ref) <= 1e-5 * ref, (got, ref)
 
 
-def _train_on_mesh(steps: int = 10):
+class CollectiveLog:
+    """Counts the data-parallel collectives torch.distributed is asked for, by phase of the
+    training step: wraps the functions autoshard calls, for as long as it is active."""
+
+    WRAPPED = {"all_reduce": "all_reduce", "reduce_scatter_single": "reduce_scatter",
+               "all_gather_single": "all_gather"}
+
+    def __init__(self, dp_group):
+        self.dp_group = dp_group
+        self.phase = None
+        self.totals = {}  # (phase, kind) -> [calls, elements out] for collectives over dp
+
+    def __enter__(self):
+        self.saved = {name: getattr(dist, name) for name in self.WRAPPED}
+        for name, kind in self.WRAPPED.items():
+            setattr(dist, name, self._wrap(self.saved[name], kind))
+        return self
+
+    def __exit__(self, *exc_info):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+    def _wrap(self, fn, kind):
+        def counted(*args, **kwargs):
+            if kwargs.get("group") is self.dp_group:
+                entry = self.totals.setdefault((self.phase, kind), [0, 0])
+                entry[0] += 1
+                entry[1] += args[0].numel()  # the output (all_reduce: the tensor itself)
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def _partition_report(model, opt, dp_size, dp_rank):
+    """What the optimizer state and the data-parallel traffic should be: the elements of
+    sharded and partitioned parameters, and whether every partitioned parameter's state
+    holds exactly this rank's piece."""
+    shards = sharded_parameters()
+    sharded_ids = {id(p) for p in model.parameters() if id(p) in shards and shards[id(p)][0].world_size > 1}
+    sharded = sum(p.numel() for p in model.parameters() if id(p) in sharded_ids)
+    padded_pieces, mismatched, partitioned = 0, [], 0
+    for name, p in model.named_parameters():
+        if id(p) in sharded_ids:
+            shapes = {k: tuple(v.shape) for k, v in opt.state[p].items() if k != "step"}
+            if any(shape != tuple(p.shape) for shape in shapes.values()):
+                mismatched.append((name, "sharded", shapes))
+            continue
+        partitioned += 1
+        share = autoshard.split_sizes(p.numel(), dp_size)
+        padded_pieces += share[0]
+        sizes = {k: v.numel() for k, v in opt.state[p].items() if k != "step"}
+        if not sizes or any(n != share[dp_rank] for n in sizes.values()):
+            mismatched.append((name, share[dp_rank], sizes))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return dict(sharded=sharded, padded_pieces=padded_pieces, partitioned=partitioned, mismatched=mismatched,
+                trainable=trainable)
+
+
+def _train_on_mesh(model_kind, optimizer_kind, shape, partition=True, micro_batches=1, steps=20):
+    """Each data-parallel replica trains on its part of the batch (in `micro_batches`
+    backward passes that accumulate); the reference trains on the whole batch."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    dp_size = shape[0]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    model, reference = build(model_kind, seed=0), build(model_kind, seed=0)
+    try:
+        autoshard.parallelize(model, mesh=mesh, partition_optimizer_state=partition)
+        opt, ref_opt = _optimizers(optimizer_kind, model, reference)
+        norms, live = [], {}
+        with CollectiveLog(mesh.get_group("dp")) as log:
+            for step in range(steps):
+                ids = _batch(step, rows=2 * dp_size)
+                opt.zero_grad()
+                log.phase = "backward"
+                for micro in ids.chunk(dp_size)[dp_rank].chunk(micro_batches):
+                    (model(input_ids=micro, labels=micro).loss / micro_batches).backward()
+                log.phase = "clip"
+                norm = autoshard.clip_grad_norm_(model.parameters(), MAX_NORM)
+                log.phase = "step"
+                opt.step()
+                log.phase = None
+                ref_opt.zero_grad()
+                reference(input_ids=ids, labels=ids).loss.backward()
+                _track_live(reference, live)
+                ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+                ref_opt.step()
+                norms.append((float(norm), float(ref_norm)))
+        worst, noise_driven = _compare(model, reference, _live(live))
+        return dict(norms=norms, worst=worst, noise_driven=noise_driven, traffic=log.totals,
+                    **_partition_report(model, opt, dp_size, dp_rank))
+    finally:
+        set_default_group(None)  # the pool's next job expects the world
+
+
+def _check_mesh_training(results):
+    for r in results:
+        assert r["worst"] < 1e-4
+        assert set(r["noise_driven"]) <= {"c_attn.bias"}, r["noise_driven"]
+        assert any(ref > MAX_NORM for _, ref in r["norms"]), "clipping never acted"
+        for got, ref in r["norms"]:
+            assert abs(got - ref) <= 1e-5 * ref, (got, ref)
+
+
+def _check_partitioned_traffic(r, dp_size, micro_batches=1, steps=20):
+    """Per step and backward pass: replicated parameters' gradients go over dp as one
+    reduce-scatter of their pieces (padded to rank 0's), never in an all-reduce; after each
+    step one all-gather brings the pieces back; clipping adds one scalar all-reduce."""
+    traffic, passes = r["traffic"], steps * micro_batches
+    assert r["partitioned"] > 0 and r["mismatched"] == [], r["mismatched"]
+    assert traffic[("backward", "reduce_scatter")] == [passes, passes * r["padded_pieces"]]
+    if r["sharded"]:
+        calls, elements = traffic[("backward", "all_reduce")]
+        assert elements == passes * r["sharded"], (elements, r["sharded"])
+    else:
+        assert ("backward", "all_reduce") not in traffic
+    assert traffic[("step", "all_gather")] == [steps, steps * dp_size * r["padded_pieces"]]
+    assert traffic[("clip", "all_reduce")] == [steps, steps]
+    assert set(traffic) <= {("backward", "reduce_scatter"), ("backward", "all_reduce"), ("step", "all_gather"),
+                            ("clip", "all_reduce")}, traffic
+
+
+@pytest.mark.parametrize("optimizer_kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("model_kind", ["gpt2", "llama"])
+def test_data_by_tensor_parallel_mesh_matches_full_batch(model_kind, optimizer_kind):
+    """2 x 2 dp x tp mesh, replicated parameters' state partitioned over dp."""
+    results = run_on_ranks(_train_on_mesh, 4, model_kind, optimizer_kind, (2, 2), timeout=900)
+    _check_mesh_training(results)
+    for r in results:
+        _check_partitioned_traffic(r, dp_size=2)
+
+
+def test_mesh_without_partitioning_all_reduces_everything():
+    results = run_on_ranks(_train_on_mesh, 4, "gpt2", "adamw", (2, 2), False, steps=10, timeout=900)
+    _check_mesh_training(results)
+    for r in results:
+        assert set(r["traffic"]) == {("backward", "all_reduce")}, r["traffic"]
+        assert r["traffic"][("backward", "all_reduce")][1] == 10 * r["trainable"]
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_three_replicas_partition_unevenly(micro_batches):
+    """dp = 3, tp = 1: every parameter's state is split in three uneven pieces; with two
+    micro-batches, gradients accumulate over two backward passes before the step."""
+    results = run_on_ranks(_train_on_mesh, 3, "llama", "adamw", (3, 1), True, micro_batches, timeout=900)
+    _check_mesh_training(results)
+    for r in results:
+        _check_partitioned_traffic(r, dp_size=3, micro_batches=micro_batches)
+
+
+def _state_dict_round_trip(steps: int = 3):
+    """Partitioned AdamW state after a few steps on a 2 x 2 mesh: against torch's state for the
+    unsharded model, through state_dict / load_state_dict, and cut from torch's whole state."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoshard.partitioned_state import piece_of
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
     model, reference = build("gpt2", seed=0), build("gpt2", seed=0)
-    autoshard.parallelize(model, mesh=mesh)
-    opt = autoshard.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=2e-3, weight_decay=0.1)
-    live = {}
-    for step in range(steps):
-        ids = _batch(step)
-        half = ids.chunk(2)[dp_rank]  # each replica trains on its half of the batch
-        opt.zero_grad()
-        model(input_ids=half, labels=half).loss.backward()
-        autoshard.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        ref_opt.zero_grad()
-        reference(input_ids=ids, labels=ids).loss.backward()
-        _track_live(reference, live)
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
-        ref_opt.step()
-    return _compare(model, reference, _live(live))[0]
+    try:
+        autoshard.parallelize(model, mesh=mesh)
+        opt, ref_opt = _optimizers("adamw", model, reference)
+        for step in range(steps):
+            ids = _batch(step)
+            half = ids.chunk(2)[dp_rank]
+            for m, o, x in ((model, opt, half), (reference, ref_opt, ids)):
+                o.zero_grad()
+                m(input_ids=x, labels=x).loss.backward()
+                o.step()
+        pairs = [(p, q) for p, q in zip(model.parameters(), reference.parameters()) if piece_of(p) is not None]
+        reloaded = autoshard.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
+        reloaded.load_state_dict(opt.state_dict())
+        from_torch = autoshard.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
+        from_torch.load_state_dict(ref_opt.state_dict())
+        worst = 0.0
+        for p, q in pairs:
+            piece = piece_of(p)
+            for key in ("exp_avg", "exp_avg_sq"):
+                ours, whole = opt.state[p][key], ref_opt.state[q][key]
+                assert ours.shape == (piece.numel,) and whole.shape == q.shape
+                worst = max(worst, float((ours - piece.of(whole)).abs().max()) if ours.numel() else 0.0)
+                assert torch.equal(reloaded.state[p][key], ours)
+                assert torch.equal(from_torch.state[p][key], piece.of(whole))
+            assert float(opt.state[p]["step"]) == float(from_torch.state[p]["step"]) == steps
+        return len(pairs), worst
+    finally:
+        set_default_group(None)
 
 
-def test_data_by_tensor_parallel_mesh_matches_full_batch():
-    worst = run_on_ranks(_train_on_mesh, 4, timeout=600)
-    assert max(worst) < 1e-4
+def test_partitioned_state_dict_holds_pieces_of_torchs_state():
+    for count, worst in run_on_ranks(_state_dict_round_trip, 4, timeout=600):
+        assert count > 0
+        assert worst < 1e-6
 
 
 def test_clip_grad_norm_bad_input():

@@ -1,6 +1,6 @@
 """autoshard: tensor parallelism for PyTorch, as C++/CUDA custom ops."""
 
-from . import comm, nn, ops, optim
+from . import checkpoint, comm, nn, ops, optim
 from .clip import clip_grad_norm_
 from .comm import CommCounter
 from .distributed import init_distributed
@@ -14,6 +14,7 @@ __all__ = [
     "CommCounter",
     "ShardingPlan",
     "array_split",
+    "checkpoint",
     "clip_grad_norm_",
     "comm",
     "full_state_dict",

@@ -1,7 +1,9 @@
 """clip_grad_norm_: the global gradient norm of a tensor-parallel model, as torch computes it
 for the unsharded model. A shard's squares are summed across the tensor-parallel group; a
 replicated parameter (a norm's weight, a row layer's bias) holds the same gradient on every
-rank and is counted once."""
+rank and is counted once; a replicated parameter whose state is partitioned across
+data-parallel replicas holds only its own piece of the averaged gradient, so its pieces'
+squares are summed across the data-parallel group."""
 
 import math
 import numbers
@@ -11,12 +13,21 @@ import torch
 import torch.distributed as dist
 
 from .nn.spec import sharded_parameters
+from .partitioned_state import piece_of
+
+
+def _one_group(groups, what: str):
+    unique = {id(g): g for g in groups}
+    if len(unique) > 1:
+        raise ValueError(f"clip_grad_norm_: the {what} parameters are spread over different process groups")
+    return next(iter(unique.values()), None)
 
 
 def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
                     norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scales the gradients in place so that their global norm is at most `max_norm`;
-    returns the norm before clipping. Every rank of the tensor-parallel group must call it."""
+    returns the norm before clipping. Every rank of the tensor-parallel group (and, with
+    partitioned optimizer state, of the data-parallel group) must call it."""
     if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm >= 0:
         raise ValueError(f"clip_grad_norm_: max_norm must be a number >= 0, got {max_norm!r}")
     if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or not norm_type > 0:
@@ -31,13 +42,13 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     if len(devices) > 1:
         raise ValueError(f"clip_grad_norm_: the gradients are on several devices {sorted(map(str, devices))}")
     device = grads[0].device
-    shards = sharded_parameters()
+    pieces = {key: piece for key, p in unique.items() if (piece := piece_of(p)) is not None}
+    shards = {key: found for key, found in sharded_parameters().items() if key not in pieces}
     sharded = [p.grad for key, p in unique.items() if key in shards]
-    replicated = [p.grad for key, p in unique.items() if key not in shards]
-    groups = {id(shards[key][1]): shards[key][1] for key in unique if key in shards}
-    if len(groups) > 1:
-        raise ValueError("clip_grad_norm_: the parameters are sharded over different process groups")
-    group = next(iter(groups.values())) if groups else None
+    partitioned = [pieces[key].of(p.grad) for key, p in unique.items() if key in pieces]
+    replicated = [p.grad for key, p in unique.items() if key not in shards and key not in pieces]
+    group = _one_group([shards[key][1] for key in unique if key in shards], "sharded")
+    dp_group = _one_group([piece.group for piece in pieces.values()], "partitioned")
 
     def local(tensors, combine):
         if not tensors:
@@ -45,16 +56,21 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
         norms = torch.stack([n.float() for n in torch._foreach_norm(tensors, norm_type)])
         return combine(norms)
 
+    def across(tensors, combine, over, op):
+        part = local(tensors, combine)
+        if tensors and dist.is_initialized():
+            dist.all_reduce(part, op=op, group=over)
+        return part
+
     if math.isinf(norm_type):
-        total = local(sharded, torch.max)
-        if sharded and dist.is_initialized():
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        total = torch.maximum(across(sharded, torch.max, group, dist.ReduceOp.MAX),
+                              across(partitioned, torch.max, dp_group, dist.ReduceOp.MAX))
         total = torch.maximum(total, local(replicated, torch.max))
     else:
-        total = local(sharded, lambda n: n.pow(norm_type).sum())
-        if sharded and dist.is_initialized():
-            dist.all_reduce(total, group=group)
-        total = (total + local(replicated, lambda n: n.pow(norm_type).sum())).pow(1.0 / norm_type)
+        power_sum = lambda n: n.pow(norm_type).sum()
+        total = (across(sharded, power_sum, group, dist.ReduceOp.SUM)
+                 + across(partitioned, power_sum, dp_group, dist.ReduceOp.SUM))
+        total = (total + local(replicated, power_sum)).pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is {total.item()}")
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -1,42 +1,88 @@
 """Gradient averaging across the data-parallel replicas of a tensor-parallel model.
 
 Gradients are packed into buckets in the order backward produces them (the reverse of the
-parameters' order), and each bucket's all-reduce starts as soon as its last gradient is
+parameters' order), and each bucket's collective starts as soon as its last gradient is
 accumulated, so communication overlaps the rest of backward. At the end of backward every
 bucket is waited for and the averages written back into the gradients.
+
+A bucket of tensor-parallel shards is all-reduced. A bucket of parameters whose optimizer
+state is partitioned (see partitioned_state) is reduce-scattered: each rank receives the
+average of only the piece it steps.
 """
 
-from typing import Dict, Iterable, List
+from typing import Collection, Dict, Iterable, List
 
 import torch
 import torch.distributed as dist
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20
+from .partitioned_state import DEFAULT_BUCKET_BYTES, ReduceScatterBucket
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "GradientAverager"]
+
+
+class AllReduceBucket:
+    def __init__(self, params: List[torch.nn.Parameter], group) -> None:
+        self.params = params
+        self.group = group
+        self._in_flight = None
+
+    def launch(self) -> None:
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+        self._in_flight = (flat, dist.all_reduce(flat, group=self.group, async_op=True))
+
+    def finish(self) -> None:
+        flat, work = self._in_flight
+        self._in_flight = None
+        work.wait()
+        flat.div_(self.group.size())
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
 
 
 class GradientAverager:
-    def __init__(self, parameters: Iterable[torch.nn.Parameter], group, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    """Averages the gradients of `parameters` over `group` during backward; those whose ids
+    are in `partitioned` (registered with partitioned_state) are reduce-scattered instead."""
+
+    def __init__(self, parameters: Iterable[torch.nn.Parameter], group, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 partitioned: Collection[int] = ()):
         self.group = group
-        self.size = group.size()
         unique = {id(p): p for p in parameters if p.requires_grad}
-        self.buckets: List[List[torch.nn.Parameter]] = []
-        bucket, filled = [], 0
+        # Each kind of bucket, device and dtype fills its own bucket; a bucket closes when full.
+        open_buckets: Dict[tuple, List[torch.nn.Parameter]] = {}
+        filled: Dict[tuple, int] = {}
+        grouped: List[tuple] = []
         for p in reversed(list(unique.values())):
-            bucket.append(p)
-            filled += p.numel() * p.element_size()
-            if filled >= bucket_bytes:
-                self.buckets.append(bucket)
-                bucket, filled = [], 0
-        if bucket:
-            self.buckets.append(bucket)
-        self.bucket_of: Dict[int, int] = {id(p): b for b, ps in enumerate(self.buckets) for p in ps}
+            key = (id(p) in partitioned, p.device, p.dtype)
+            open_buckets.setdefault(key, []).append(p)
+            filled[key] = filled.get(key, 0) + p.numel() * p.element_size()
+            if filled[key] >= bucket_bytes:
+                grouped.append((key[0], open_buckets.pop(key)))
+                filled[key] = 0
+        grouped += [(key[0], params) for key, params in open_buckets.items()]
+        self.buckets = [ReduceScatterBucket(params, group) if scatter else AllReduceBucket(params, group)
+                        for scatter, params in grouped]
+        self.bucket_of: Dict[int, int] = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
         self.handles = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in unique.values()]
+        for bucket in self.buckets:
+            if isinstance(bucket, ReduceScatterBucket):
+                self.handles += [p.register_hook(self._before_accumulation(bucket, i))
+                                 for i, p in enumerate(bucket.params)]
         self._reset()
 
     def _reset(self) -> None:
-        self._waiting = [{id(p) for p in bucket} for bucket in self.buckets]
-        self._in_flight = {}
+        self._waiting = [{id(p) for p in bucket.params} for bucket in self.buckets]
+        self._launched = set()
         self._finish_queued = False
+
+    @staticmethod
+    def _before_accumulation(bucket: ReduceScatterBucket, index: int):
+        def hook(grad: torch.Tensor) -> None:
+            bucket.before_accumulation(index)
+
+        return hook
 
     def _on_gradient(self, param: torch.nn.Parameter) -> None:
         if not self._finish_queued:
@@ -44,29 +90,23 @@ class GradientAverager:
             self._finish_queued = True
         b = self.bucket_of[id(param)]
         self._waiting[b].discard(id(param))
-        if not self._waiting[b] and b not in self._in_flight:
+        if not self._waiting[b] and b not in self._launched:
             self._launch(b)
 
     def _launch(self, b: int) -> None:
-        params = self.buckets[b]
-        for p in params:
+        bucket = self.buckets[b]
+        for p in bucket.params:
             if p.grad is None:  # unused in this step: it contributes zeros, as on every replica
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        self._in_flight[b] = (flat, dist.all_reduce(flat, group=self.group, async_op=True))
+        bucket.launch()
+        self._launched.add(b)
 
     def _finish(self) -> None:
         for b in range(len(self.buckets)):
-            if b not in self._in_flight:
+            if b not in self._launched:
                 self._launch(b)
-        for b, (flat, work) in self._in_flight.items():
-            work.wait()
-            flat.div_(self.size)
-            offset = 0
-            for p in self.buckets[b]:
-                n = p.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
+        for b in sorted(self._launched):
+            self.buckets[b].finish()
         self._reset()
 
     def remove(self) -> None:

@@ -20,6 +20,7 @@ from .nn.einsum import ShardedEinsumDense
 from .nn.embedding import VocabParallelEmbedding
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .nn.spec import register_sharded_module
+from .partitioned_state import partition_replicated
 from .plan import ShardingPlan, plan as make_plan
 from .plan.capture import meta_shadow, example_inputs_for
 
@@ -185,14 +186,22 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
 
 
 def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Optional[ProcessGroup] = None,
-                mesh=None) -> nn.Module:
+                mesh=None, *, partition_optimizer_state: bool = True) -> nn.Module:
     """Shards `model` in place over `group` (None: the default tensor-parallel group, or the
     "tp" dimension of `mesh`) following `plan` (None: autoshard.plan(model)); returns it.
 
     With a ("dp", "tp") DeviceMesh, each data-parallel replica is tensor-parallel over its
-    "tp" group, and gradients are averaged over "dp" in buckets started during backward."""
+    "tp" group, and gradients are averaged over "dp" in buckets started during backward.
+    With more than one dp replica and `partition_optimizer_state`, the parameters that tp
+    replicates have their optimizer state partitioned over "dp" (see partitioned_state):
+    their gradients are reduce-scattered, autoshard.optim steps each rank's piece, and the
+    pieces are all-gathered after the step. torch.optim's optimizers know nothing of pieces:
+    use them only with partition_optimizer_state=False."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(partition_optimizer_state, bool):
+        raise TypeError(f"parallelize: partition_optimizer_state must be a bool, "
+                        f"got {type(partition_optimizer_state).__name__}")
     data_parallel = None
     if mesh is not None:
         if group is not None:
@@ -210,6 +219,9 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     _check_plan_fits(model, plan, group.size())
     _dry_run(model, plan, group)
     _apply(model, plan, group)
+    model._autoshard_plan = plan  # recorded in checkpoints
     if data_parallel is not None:
-        model._autoshard_gradient_averager = GradientAverager(model.parameters(), data_parallel)
+        partitioned = partition_replicated(model.parameters(), data_parallel) if partition_optimizer_state else ()
+        model._autoshard_gradient_averager = GradientAverager(model.parameters(), data_parallel,
+                                                              partitioned=partitioned)
     return model

@@ -1,11 +1,18 @@
 """What AdamW and SGD share: hyperparameter checks, and gathering a step's tensors into one
-fused call per (param group, device, dtype, ...) after checking all of them, so that a bad
-parameter raises before any parameter or state has changed."""
+fused call per (param group, dtype, ...) after checking all of them, so that a bad
+parameter raises before any parameter or state has changed.
+
+All parameters of one optimizer live on one device. A parameter whose state is partitioned
+across data-parallel replicas (partitioned_state) is stepped through its owned piece: the
+piece of the parameter, the same piece of its gradient, and state tensors of that piece's
+shape; after the step, every replica's pieces are all-gathered."""
 
 import numbers
 from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
+
+from ..partitioned_state import all_gather_pieces, piece_of
 
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -53,24 +60,57 @@ def _raise_for_gradient(optimizer: str, p: torch.Tensor, name: str) -> None:
     raise TypeError(f"{optimizer}: {name} must be a floating-point or complex tensor, got {p.dtype}")
 
 
-def _raise_for_state(optimizer: str, p: torch.Tensor, name: str, key: str, value) -> None:
+def _raise_for_state(optimizer: str, p: torch.Tensor, name: str, key: str, value, partitioned: bool) -> None:
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{optimizer}: the state of {name} has no tensor {key!r} (got {type(value).__name__})")
     if value.device != p.device:
         raise ValueError(f"{optimizer}: state {key!r} of {name} is on {value.device} but the parameter is on {p.device}")
     if value.dtype != p.dtype:
         raise TypeError(f"{optimizer}: state {key!r} of {name} has dtype {value.dtype} but the parameter has dtype {p.dtype}")
+    what = "this rank's piece of the parameter (its state is partitioned)" if partitioned else "the parameter"
     raise ValueError(
-        f"{optimizer}: state {key!r} of {name} has shape {tuple(value.shape)} but the parameter has shape {tuple(p.shape)}"
+        f"{optimizer}: state {key!r} of {name} has shape {tuple(value.shape)} but {what} has shape {tuple(p.shape)}"
     )
 
 
-class Bucket:
-    """Parameters that step together in one fused call, with their gradients and states."""
+def _raise_for_devices(optimizer: str, first: Tuple[str, torch.device], other: Tuple[str, torch.device]) -> None:
+    raise ValueError(f"{optimizer}: all parameters must be on one device, but {first[0]} is on {first[1]} "
+                     f"and {other[0]} is on {other[1]}")
 
-    __slots__ = ("params", "grads", "states")
+
+def check_one_device(optimizer: str, param_groups: List[Dict], param_group: Dict) -> None:
+    """Before `param_group` joins `param_groups`: its parameters are on the device of all the
+    others. Makes its "params" a list, as torch.optim.Optimizer.add_param_group would."""
+    params = param_group.get("params")
+    if isinstance(params, torch.Tensor):
+        param_group["params"] = [params]
+    elif params is not None and not isinstance(params, set):  # torch rejects sets itself
+        param_group["params"] = list(params)
+    else:
+        return
+    first = None
+    groups = list(param_groups) + [param_group]
+    for group_index, group in enumerate(groups):
+        for param_index, p in enumerate(group["params"]):
+            if isinstance(p, tuple) and len(p) == 2:  # named parameters: (name, tensor)
+                p = p[1]
+            if not isinstance(p, torch.Tensor):
+                continue  # torch names what is not a tensor
+            if first is None:
+                first = (param_name(group_index, param_index), p.device)
+            elif p.device != first[1]:
+                _raise_for_devices(optimizer, first, (param_name(group_index, param_index), p.device))
+
+
+class Bucket:
+    """Parameters that step together in one fused call, with their gradients and states.
+    `params` are the tensors stepped: a parameter, or the owned piece of a partitioned one;
+    `keys` the parameters themselves, which key the optimizer state."""
+
+    __slots__ = ("keys", "params", "grads", "states")
 
     def __init__(self) -> None:
+        self.keys: List[torch.Tensor] = []
         self.params: List[torch.Tensor] = []
         self.grads: List[torch.Tensor] = []
         self.states: List[Dict] = []
@@ -84,11 +124,13 @@ StateRule = Callable[[Dict, Optional[Dict]], Tuple[Tuple[str, ...], Hashable]]
 
 def gather_buckets(
     optimizer: str, param_groups: List[Dict], state: Dict, check_group: GroupCheck, state_rule: StateRule
-) -> List[Tuple[Dict, Dict[Hashable, Bucket]]]:
-    """For every group, its parameters with gradients sorted into buckets of one device and
-    dtype (and whatever else state_rule says must match), each becoming one fused call.
-    Checks every group, gradient and state first; changes nothing."""
-    plan = []
+) -> Tuple[List[Tuple[Dict, Dict[Hashable, Bucket]]], List[torch.Tensor]]:
+    """For every group, its parameters with gradients sorted into buckets of one dtype (and
+    whatever else state_rule says must match), each becoming one fused call; and the
+    partitioned parameters among them, for finish_step. Checks every group, gradient and
+    state first; changes nothing."""
+    plan, partitioned = [], []
+    first = None
     for group_index, group in enumerate(param_groups):
         check_group(group, group_index)
         buckets: Dict[Hashable, Bucket] = {}
@@ -97,23 +139,52 @@ def gather_buckets(
             if grad is None:
                 continue
             device, dtype = p.device, p.dtype
+            if first is None:
+                first = (param_name(group_index, param_index), device)
+            elif device != first[1]:
+                _raise_for_devices(optimizer, first, (param_name(group_index, param_index), device))
             if grad.is_sparse or grad.device != device or grad.dtype != dtype or not (dtype in _FLOATING or dtype.is_complex):
                 _raise_for_gradient(optimizer, p, param_name(group_index, param_index))
+            piece = piece_of(p)
+            target = p if piece is None else piece.of(p.detach())
             param_state = state.get(p)
             keys, extra = state_rule(group, param_state)
             for key in keys:
                 value = param_state.get(key)
                 if not (isinstance(value, torch.Tensor) and value.device == device and value.dtype == dtype
-                        and value.shape == p.shape):
-                    _raise_for_state(optimizer, p, param_name(group_index, param_index), key, value)
-            bucket = buckets.get((device, dtype, extra))
+                        and value.shape == target.shape):
+                    _raise_for_state(optimizer, target, param_name(group_index, param_index), key, value,
+                                     piece is not None)
+            bucket = buckets.get((dtype, extra))
             if bucket is None:
-                bucket = buckets[(device, dtype, extra)] = Bucket()
-            bucket.params.append(p)
-            bucket.grads.append(grad)
+                bucket = buckets[(dtype, extra)] = Bucket()
+            bucket.keys.append(p)
+            bucket.params.append(target)
+            bucket.grads.append(grad if piece is None else piece.of(grad))
             bucket.states.append(param_state)
+            if piece is not None:
+                partitioned.append(p)
         plan.append((group, buckets))
-    return plan
+    return plan, partitioned
+
+
+def finish_step(partitioned: List[torch.Tensor]) -> None:
+    """After the owned pieces of partitioned parameters were stepped: every replica gets the
+    whole parameters back."""
+    if partitioned:
+        all_gather_pieces(partitioned)
+
+
+def keep_owned_pieces(optimizer: torch.optim.Optimizer) -> None:
+    """After load_state_dict: a partitioned parameter's state tensors shaped like the whole
+    parameter (saved by torch.optim or without partitioning) keep only this rank's piece."""
+    for p, param_state in optimizer.state.items():
+        piece = piece_of(p)
+        if piece is None:
+            continue
+        for key, value in param_state.items():
+            if key != "step" and isinstance(value, torch.Tensor) and value.shape == p.shape:
+                param_state[key] = piece.of(value.contiguous()).clone()
 
 
 def as_real(tensors: List[torch.Tensor], dtype: torch.dtype) -> List[torch.Tensor]:

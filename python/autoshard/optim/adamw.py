@@ -1,11 +1,12 @@
-"""AdamW whose step is one fused autoshard op per (param group, device, dtype)."""
+"""AdamW whose step is one fused autoshard op per (param group, dtype)."""
 
 from typing import Dict, Optional
 
 import torch
 
 from .. import ops
-from ._common import as_real, check_at_least, check_bool, gather_buckets, hyperparameter_name
+from ._common import (as_real, check_at_least, check_bool, check_one_device, finish_step, gather_buckets,
+                      hyperparameter_name, keep_owned_pieces)
 
 _NAME = "AdamW"
 
@@ -48,13 +49,22 @@ def _state_rule(group: Dict, state: Optional[Dict]):
 
 
 class AdamW(torch.optim.Optimizer):
-    """``torch.optim.AdamW`` (decoupled weight decay), stepping each (param group, device, dtype)
+    """``torch.optim.AdamW`` (decoupled weight decay), stepping each (param group, dtype)
     with one fused multi-tensor op, ``torch.ops.autoshard.fused_adamw_``.
 
     The state is torch's: ``step`` (a float32 scalar tensor), ``exp_avg`` and ``exp_avg_sq``,
     each shaped like its parameter, so a sharded parameter's state is sharded with it and
     state dicts load into and from ``torch.optim.AdamW``. The learning rate is read from the
-    param group at every step, so torch's LR schedulers drive it.
+    param group at every step, so torch's LR schedulers drive it. All parameters must be on
+    one device.
+
+    A parameter whose state ``parallelize`` partitioned across data-parallel replicas is
+    stepped only in the piece this rank owns, and then all-gathered: its ``exp_avg`` and
+    ``exp_avg_sq`` are 1-D, of ``split_sizes(numel, dp_size)[dp_rank]`` elements (this
+    rank's piece of the flattened parameter), and so are they in ``state_dict()``. Such a
+    state dict loads back on the same dp rank of the same dp size; ``load_state_dict`` of one
+    whose tensors are shaped like whole parameters (``torch.optim.AdamW``'s, or one saved
+    without partitioning) keeps this rank's piece of each.
     """
 
     def __init__(
@@ -75,7 +85,14 @@ class AdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: Dict) -> None:
         if isinstance(param_group, dict):
             _check_hyperparameters(param_group, len(self.param_groups))
+            check_one_device(_NAME, self.param_groups, param_group)
         super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: Dict) -> None:
+        """torch's load_state_dict; a partitioned parameter keeps only its own piece of state
+        tensors saved whole (see the class docstring)."""
+        super().load_state_dict(state_dict)
+        keep_owned_pieces(self)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -84,14 +101,14 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        plan = gather_buckets(_NAME, self.param_groups, self.state, _check_hyperparameters, _state_rule)
+        plan, partitioned = gather_buckets(_NAME, self.param_groups, self.state, _check_hyperparameters, _state_rule)
         for group, buckets in plan:
             beta1, beta2 = (float(b) for b in group["betas"])
-            for (_, dtype, step), bucket in buckets.items():
+            for (dtype, step), bucket in buckets.items():
                 exp_avgs, exp_avg_sqs, steps = [], [], []
-                for p, state in zip(bucket.params, bucket.states):
+                for key, p, state in zip(bucket.keys, bucket.params, bucket.states):
                     if not state:
-                        state = self.state[p]
+                        state = self.state[key]
                         state["step"] = torch.tensor(0.0, dtype=torch.float32)
                         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -106,4 +123,5 @@ class AdamW(torch.optim.Optimizer):
                     as_real(exp_avg_sqs, dtype), float(group["lr"]), beta1, beta2, float(group["weight_decay"]),
                     float(group["eps"]), step, bool(group["maximize"]),
                 )
+        finish_step(partitioned)
         return loss

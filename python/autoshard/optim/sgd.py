@@ -1,11 +1,12 @@
-"""SGD whose step is one fused autoshard op per (param group, device, dtype)."""
+"""SGD whose step is one fused autoshard op per (param group, dtype)."""
 
 from typing import Dict, Optional
 
 import torch
 
 from .. import ops
-from ._common import as_float, as_real, check_at_least, check_bool, gather_buckets, hyperparameter_name
+from ._common import (as_float, as_real, check_at_least, check_bool, check_one_device, finish_step, gather_buckets,
+                      hyperparameter_name, keep_owned_pieces)
 
 _NAME = "SGD"
 
@@ -42,11 +43,17 @@ def _state_rule(group: Dict, state: Optional[Dict]):
 
 class SGD(torch.optim.Optimizer):
     """``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay, maximize), stepping each
-    (param group, device, dtype) with one fused multi-tensor op, ``torch.ops.autoshard.fused_sgd_``.
+    (param group, dtype) with one fused multi-tensor op, ``torch.ops.autoshard.fused_sgd_``.
 
     The state is torch's: a ``momentum_buffer`` per parameter when momentum is not 0, shaped
     like its parameter. The learning rate is read from the param group at every step, so
-    torch's LR schedulers drive it.
+    torch's LR schedulers drive it. All parameters must be on one device.
+
+    A parameter whose state ``parallelize`` partitioned across data-parallel replicas is
+    stepped only in the piece this rank owns, and then all-gathered: its ``momentum_buffer``
+    is 1-D, this rank's piece of the flattened parameter (``split_sizes(numel,
+    dp_size)[dp_rank]`` elements); ``load_state_dict`` of a buffer shaped like the whole
+    parameter keeps this rank's piece.
     """
 
     def __init__(
@@ -68,7 +75,14 @@ class SGD(torch.optim.Optimizer):
     def add_param_group(self, param_group: Dict) -> None:
         if isinstance(param_group, dict):
             _check_hyperparameters(param_group, len(self.param_groups), self.defaults)
+            check_one_device(_NAME, self.param_groups, param_group)
         super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: Dict) -> None:
+        """torch's load_state_dict; a partitioned parameter keeps only its own piece of state
+        tensors saved whole (see the class docstring)."""
+        super().load_state_dict(state_dict)
+        keep_owned_pieces(self)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -77,15 +91,15 @@ class SGD(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        plan = gather_buckets(_NAME, self.param_groups, self.state, _check_hyperparameters, _state_rule)
+        plan, partitioned = gather_buckets(_NAME, self.param_groups, self.state, _check_hyperparameters, _state_rule)
         for group, buckets in plan:
             momentum = float(group["momentum"])
-            for (_, dtype, has_buffers), bucket in buckets.items():
+            for (dtype, has_buffers), bucket in buckets.items():
                 buffers = []
                 if momentum != 0:
-                    for p, state in zip(bucket.params, bucket.states):
+                    for key, p, state in zip(bucket.keys, bucket.params, bucket.states):
                         if not has_buffers:
-                            state = self.state[p]
+                            state = self.state[key]
                             state["momentum_buffer"] = torch.empty_like(p, memory_format=torch.preserve_format)
                         buffers.append(state["momentum_buffer"])
                 ops.fused_sgd_(
@@ -93,4 +107,5 @@ class SGD(torch.optim.Optimizer):
                     float(group["lr"]), momentum, float(group["dampening"]), float(group["weight_decay"]),
                     bool(group["nesterov"]), bool(group["maximize"]), not has_buffers,
                 )
+        finish_step(partitioned)
         return loss

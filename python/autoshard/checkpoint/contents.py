@@ -1,0 +1,102 @@
+"""What a rank holds that a checkpoint stores: the model's parameters and persistent buffers
+(tied tensors once), and the optimizer's state, each with the part of the global tensor it
+holds (its selection).
+
+Optimizer state is stored under ``optimizer/<parameter name>/<state key>``, in one of three
+layouts: "param", a tensor shaped like its parameter (AdamW's moments, SGD's momentum),
+sharded with it and sharing its selection; "flat", the piece a data-parallel replica keeps
+of a parameter whose state is partitioned (partitioned_state), stored as part of the
+flattened global tensor; "whole", any other tensor (AdamW's ``step``), the same on every rank.
+Non-tensor values go into the manifest as JSON.
+"""
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..partitioned_state import piece_of
+from .selection import Selection, full_selection
+from .targets import Target, model_targets
+
+OPTIMIZER_PREFIX = "optimizer/"
+
+
+@dataclass
+class Held:
+    key: str  # the name it is stored under
+    tensor: torch.Tensor  # this rank's local tensor
+    selection: Selection
+
+
+def optimizer_key(param_name: str, state_key: str) -> str:
+    return f"{OPTIMIZER_PREFIX}{param_name}/{state_key}"
+
+
+def json_value(value: Any, where: str) -> Any:
+    """``value`` as JSON (tuples become lists, one-element tensors numbers), or an error naming ``where``."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, tuple):
+        value = list(value)
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"save: {where} holds a {type(value).__name__}, which cannot be stored as JSON") from None
+    return value
+
+
+def model_holdings(model: torch.nn.Module) -> Tuple[Dict[str, Target], List[Held], Dict[str, str]]:
+    """The model's targets, what this rank holds of them, and alias -> stored name for tied tensors."""
+    targets = model_targets(model)
+    held, aliases = [], {}
+    for name, target in targets.items():
+        if target.tensor.device.type == "meta":
+            raise ValueError(f"save: {name!r} is on the meta device; only a materialised model can be saved")
+        held.append(Held(name, target.tensor.detach(), target.selection))
+        for alias in target.aliases[1:]:
+            aliases[alias] = name
+    return targets, held, aliases
+
+
+def optimizer_holdings(optimizer: torch.optim.Optimizer, targets: Dict[str, Target]) -> Tuple[List[Held], Dict]:
+    """What this rank holds of the optimizer's state, and its description for the manifest:
+    ``{"type", "param_groups": [{hyperparameters..., "params": [names]}], "state": {name: {key:
+    {"tensor": stored key} or {"value": json}}}}``."""
+    names = {id(t.tensor): name for name, t in targets.items()}
+    groups, state, held = [], {}, []
+    for g, group in enumerate(optimizer.param_groups):
+        described = {}
+        for key, value in group.items():
+            if key != "params":
+                described[key] = json_value(value, f"optimizer.param_groups[{g}][{key!r}]")
+        params = []
+        for i, p in enumerate(group["params"]):
+            name = names.get(id(p))
+            if name is None:
+                raise ValueError(f"save: optimizer.param_groups[{g}]['params'][{i}] is not a parameter of the model")
+            params.append(name)
+            entries = {}
+            piece = piece_of(p)
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    stored = optimizer_key(name, key)
+                    value = value.detach()
+                    if piece is not None and value.dim() == 1 and value.numel() == piece.numel:
+                        layout = "flat"
+                        start = piece.starts[piece.rank]
+                        selection = Selection((p.numel(),), (((start, piece.numel),),))
+                    elif value.shape == p.shape:
+                        layout, selection = "param", targets[name].selection
+                    else:
+                        layout, selection = "whole", full_selection(value.shape)
+                    held.append(Held(stored, value, selection))
+                    entries[key] = {"tensor": stored, "layout": layout}
+                else:
+                    entries[key] = {"value": json_value(value, f"the optimizer state {key!r} of {name!r}")}
+            if entries:
+                state[name] = entries
+        described["params"] = params
+        groups.append(described)
+    return held, {"type": type(optimizer).__name__, "param_groups": groups, "state": state}

@@ -1,0 +1,247 @@
+"""checkpoint.load: fills a model (and optimizer) from a checkpoint saved on any world size
+with any plan. Each target tensor reads, from each saved piece that overlaps it, only the
+overlapping byte ranges, and every block read is checked against the manifest's crc32."""
+
+import contextlib
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from . import manifest as mf
+from ..partitioned_state import piece_of
+from .contents import OPTIMIZER_PREFIX
+from .safetensors_io import CheckpointCorruptError, SafetensorsReader
+from .save import wait_for_pending_save
+from .selection import Selection, full_selection
+from .targets import Target, model_targets
+
+
+def _overlaps(a: Selection, b: Selection) -> bool:
+    for runs_a, runs_b in zip(a.runs, b.runs):
+        if not any(sa < sb + nb and sb < sa + na for sa, na in runs_a for sb, nb in runs_b if na and nb):
+            return False
+    return True
+
+
+class _Files:
+    """Readers of a checkpoint's files, each opened (and its size checked) on first use."""
+
+    def __init__(self, path: str, manifest: mf.Manifest, stack: contextlib.ExitStack):
+        self.path = path
+        self.manifest = manifest
+        self.stack = stack
+        self.readers: Dict[str, SafetensorsReader] = {}
+
+    def reader(self, name: str) -> SafetensorsReader:
+        if name not in self.readers:
+            file_path = os.path.join(self.path, name)
+            entry = self.manifest.files.get(name)
+            if entry is None:
+                raise CheckpointCorruptError(f"load: {os.path.join(self.path, mf.MANIFEST)!r} names {name!r} "
+                                             "but records no size or checksums for it")
+            try:
+                size = os.path.getsize(file_path)
+            except OSError as error:
+                raise CheckpointCorruptError(f"load: cannot read {file_path!r}: {error}") from error
+            if size != entry.size:
+                raise CheckpointCorruptError(f"load: {file_path!r} has {size} bytes; the manifest records {entry.size}")
+            self.readers[name] = self.stack.enter_context(SafetensorsReader(file_path, block_crc32=entry.block_crc32))
+        return self.readers[name]
+
+    def fill(self, key: str, dest: torch.Tensor, dest_selection: Selection) -> None:
+        """Copies the part of stored tensor ``key`` that ``dest_selection`` covers into ``dest``."""
+        record = self.manifest.tensors[key]
+        out = dest if dest.is_contiguous() else torch.empty_like(dest, memory_format=torch.contiguous_format)
+        for piece in record.pieces:
+            source = piece.selection(record.shape)
+            if not _overlaps(source, dest_selection):
+                continue
+            reader = self.reader(piece.file)
+            info = reader.tensors.get(key)
+            if info is None or tuple(info.shape) != source.local_shape:
+                got = None if info is None else tuple(info.shape)
+                raise CheckpointCorruptError(f"load: {os.path.join(self.path, piece.file)!r} should hold {key!r} "
+                                             f"with shape {source.local_shape}, found {got}")
+            reader.read_into(key, out, dest_selection, None if source.is_full() else source)
+        if out is not dest:
+            dest.copy_(out)
+
+
+def _stored_name(target: Target, manifest: mf.Manifest) -> Optional[str]:
+    for name in target.aliases:
+        if name in manifest.tensors:
+            return name
+        if name in manifest.aliases:
+            return manifest.aliases[name]
+    return None
+
+
+def _check_shape(what: str, record: mf.TensorRecord, shape) -> None:
+    if list(record.shape) != list(shape):
+        raise ValueError(f"load: {what} has global shape {list(shape)} in the model but {record.shape} "
+                         "in the checkpoint")
+
+
+def _model_reads(model, manifest: mf.Manifest, strict: bool) -> Tuple[Dict[str, Target], List[tuple]]:
+    targets = model_targets(model)
+    reads, missing, used = [], [], set()
+    for name, target in targets.items():
+        stored = _stored_name(target, manifest)
+        if stored is None:
+            missing.append(name)
+            continue
+        if target.tensor.device.type == "meta":
+            raise ValueError(f"load: {name!r} is on the meta device; materialise the model first "
+                             "(model.to_empty(device=...)) or load Hugging Face weights with autoshard.load_pretrained")
+        _check_shape(repr(name), manifest.tensors[stored], target.selection.shape)
+        used.add(stored)
+        reads.append((stored, target.tensor.detach(), target.selection))
+    unexpected = [k for k in manifest.tensors if not k.startswith(OPTIMIZER_PREFIX) and k not in used]
+    if strict and (missing or unexpected):
+        raise ValueError(f"load: the model and the checkpoint differ: missing from the checkpoint {missing}, "
+                         f"not in the model {unexpected} (strict=False loads the tensors they share)")
+    return targets, reads
+
+
+def _optimizer_plan(optimizer, manifest: mf.Manifest, targets: Dict[str, Target]):
+    """Validates the optimizer against the checkpoint; returns (hyperparameters per group,
+    [(param, name, saved entries or None)])."""
+    saved = manifest.optimizer
+    if saved is None:
+        raise ValueError("load: an optimizer was given but the checkpoint holds no optimizer state")
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"load: the optimizer has {len(optimizer.param_groups)} param groups, the checkpoint "
+                         f"{len(saved['param_groups'])}")
+    names = {id(t.tensor): name for name, t in targets.items()}
+    params = []
+    for g, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
+        group_names = []
+        for i, p in enumerate(group["params"]):
+            if id(p) not in names:
+                raise ValueError(f"load: optimizer.param_groups[{g}]['params'][{i}] is not a parameter of the model")
+            group_names.append(names[id(p)])
+            params.append((p, names[id(p)], saved["state"].get(names[id(p)])))
+        if group_names != saved_group["params"]:
+            raise ValueError(f"load: optimizer.param_groups[{g}] holds parameters {group_names}, the checkpoint's "
+                             f"{saved_group['params']}")
+    for p, name, entries in params:
+        for key, entry in (entries or {}).items():
+            if "tensor" in entry:
+                record = manifest.tensors.get(entry["tensor"])
+                if record is None:
+                    raise CheckpointCorruptError(f"load: the manifest names optimizer state {entry['tensor']!r} "
+                                                 "but records no such tensor")
+                what = f"the optimizer state {key!r} of {name!r}"
+                if entry["layout"] == "param":
+                    _check_shape(what, record, targets[name].selection.shape)
+                elif entry["layout"] == "flat":
+                    _check_shape(what + " (flattened)", record, [_volume(targets[name].selection.shape)])
+    return [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]], params
+
+
+def _apply_hyperparameters(optimizer, hyperparameters: List[dict]) -> None:
+    for group, values in zip(optimizer.param_groups, hyperparameters):
+        for key, value in values.items():
+            current = group.get(key)
+            if isinstance(current, torch.Tensor):
+                current.fill_(value)
+            else:
+                group[key] = tuple(value) if isinstance(current, tuple) and isinstance(value, list) else value
+
+
+def _volume(shape) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+def _cut(full: torch.Tensor, selection: Selection) -> torch.Tensor:
+    """The local tensor of ``selection``, cut from the full tensor."""
+    for dim, runs in enumerate(selection.runs):
+        if runs != ((0, full.shape[dim]),):
+            full = torch.cat([full.narrow(dim, start, length) for start, length in runs], dim=dim)
+    return full.contiguous()
+
+
+def _state_through_full(files: "_Files", key: str, record: mf.TensorRecord, p: torch.Tensor,
+                        selection: Selection) -> torch.Tensor:
+    """A parameter's state tensor read whole, then cut to what this rank keeps: its piece when
+    the parameter's state is partitioned (flattened), else the parameter's selection. Used
+    where the stored and the kept layout differ (one side partitioned); such parameters are
+    replicated on that side, so the whole tensor is no larger than the parameter itself."""
+    full = torch.empty(record.shape, dtype=mf.dtype_of(record.dtype))
+    files.fill(key, full, full_selection(record.shape))
+    full = full.reshape(selection.shape)
+    piece = piece_of(p)
+    if piece is not None:
+        kept = full.reshape(-1).narrow(0, piece.starts[piece.rank], piece.numel)
+    else:
+        kept = _cut(full, selection)
+    return kept.to(device=p.device, dtype=p.dtype, copy=True)
+
+
+def _state_tensor(existing, shape, dtype, device) -> torch.Tensor:
+    if (isinstance(existing, torch.Tensor) and tuple(existing.shape) == tuple(shape) and existing.dtype == dtype
+            and existing.device == device):
+        return existing
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _load_optimizer_state(optimizer, params, targets: Dict[str, Target], manifest: mf.Manifest, files: _Files) -> None:
+    for p, name, entries in params:
+        if not entries:
+            optimizer.state.pop(p, None)
+            continue
+        existing = optimizer.state.get(p, {})
+        state = {}
+        for key, entry in entries.items():
+            if "value" in entry:
+                state[key] = entry["value"]
+                continue
+            record = manifest.tensors[entry["tensor"]]
+            old = existing.get(key)
+            if entry["layout"] == "flat" or (entry["layout"] == "param" and piece_of(p) is not None):
+                state[key] = _state_through_full(files, entry["tensor"], record, p, targets[name].selection)
+                continue
+            if entry["layout"] == "param":
+                tensor = _state_tensor(old, p.shape, p.dtype, p.device)
+                selection = targets[name].selection
+            else:
+                # Scalars (AdamW's step) live on the CPU, as torch's optimizers keep them.
+                device = old.device if isinstance(old, torch.Tensor) else (
+                    torch.device("cpu") if not record.shape else p.device)
+                tensor = _state_tensor(old, record.shape, mf.dtype_of(record.dtype), device)
+                selection = full_selection(record.shape)
+            files.fill(entry["tensor"], tensor, selection)
+            state[key] = tensor
+        optimizer.state[p] = state
+
+
+@torch.no_grad()
+def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, strict: bool = True):
+    """Loads the committed checkpoint at ``path`` into ``model`` (and ``optimizer``'s state and
+    hyperparameters), whatever world size and plan saved it; returns the ``extra`` it was saved
+    with. Refuses an unfinished or corrupt checkpoint with an error naming the file. Each rank
+    reads only what it holds; no collective is issued. The model must be materialised."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"load: path must be a str or os.PathLike, got {type(path).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"load: model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"load: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    path = os.path.abspath(os.fspath(path))
+    wait_for_pending_save()  # a checkpoint still being written becomes loadable
+    manifest = mf.read_manifest(path)
+    targets, reads = _model_reads(model, manifest, strict)
+    optimizer_plan = _optimizer_plan(optimizer, manifest, targets) if optimizer is not None else None
+    with contextlib.ExitStack() as stack:
+        files = _Files(path, manifest, stack)
+        for key, tensor, selection in reads:
+            files.fill(key, tensor, selection)
+        if optimizer_plan is not None:
+            hyperparameters, params = optimizer_plan
+            _load_optimizer_state(optimizer, params, targets, manifest, files)
+            _apply_hyperparameters(optimizer, hyperparameters)
+    return manifest.extra

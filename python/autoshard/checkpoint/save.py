@@ -1,0 +1,321 @@
+"""checkpoint.save: every rank writes its pieces, one rank commits, atomically.
+
+The protocol: rank 0 makes ``<path>.partial/`` (removing a stale one); every rank that owns
+a piece writes ``rank-XXXXX.safetensors`` into it and fsyncs it; the ranks report to rank 0,
+which writes ``manifest.json``, then the ``COMMITTED`` marker, fsyncs the directory, renames
+it to ``<path>`` and fsyncs the parent. A save that fails or dies half way leaves at most a
+``.partial`` directory, which nothing loads; an existing ``<path>`` is never touched.
+
+Each piece is written once: a tensor held whole by every rank (a replicated parameter) or a
+shard held by several data-parallel replicas is written by one of its holders, chosen to
+balance the bytes each rank writes. The ranks must share the file system that holds ``path``.
+"""
+
+import os
+import shutil
+import sys
+import threading
+import traceback
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import manifest as mf
+from .contents import Held, json_value, model_holdings, optimizer_holdings
+from .group import CheckpointGroup, checkpoint_group
+from .safetensors_io import write_safetensors
+from .snapshot import Snapshot, take_snapshot
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed on some rank; the checkpoint was not committed."""
+
+
+class SaveHandle:
+    """What ``save`` returns: ``wait()`` blocks until the checkpoint is committed (at once for a
+    synchronous save) and raises what went wrong in the background."""
+
+    def __init__(self, path: str, thread: Optional[threading.Thread] = None):
+        self.path = path
+        self._thread = thread
+        self._error: Optional[BaseException] = None
+        self._surfaced = False
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> str:
+        """Blocks until the save is finished; returns the checkpoint's path or raises its error."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            self._surfaced = True
+            raise self._error
+        return self.path
+
+    def _settle(self) -> None:
+        """Finishes the save; raises its error unless wait() already did."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None and not self._surfaced:
+            self._surfaced = True
+            raise CheckpointSaveError(f"save: the previous asynchronous save, of {self.path!r}, failed: "
+                                      f"{self._error}") from self._error
+
+
+# The one asynchronous save allowed in flight.
+_in_flight: Optional[SaveHandle] = None
+
+
+def wait_for_pending_save() -> None:
+    """Blocks until the asynchronous save in flight (if any) is finished; raises its error unless
+    its handle's wait() already did."""
+    global _in_flight
+    handle, _in_flight = _in_flight, None
+    if handle is not None:
+        handle._settle()
+
+
+def _check_arguments(path, model, optimizer, extra, async_save) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"save: path must be a str or os.PathLike, got {type(path).__name__}")
+    path = os.path.abspath(os.fspath(path))
+    if path.endswith(mf.PARTIAL_SUFFIX):
+        raise ValueError(f"save: path must not end with {mf.PARTIAL_SUFFIX!r} (kept for unfinished saves), got {path!r}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"save: model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"save: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    if not isinstance(async_save, bool):
+        raise TypeError(f"save: async_save must be a bool, got {type(async_save).__name__}")
+    json_value(extra, "extra")
+    return path
+
+
+def _describe(held: List[Held]) -> List[tuple]:
+    """(key, dtype, global shape, runs) of each held tensor: what the ranks exchange to plan writes."""
+    return [(h.key, mf.dtype_name(h.tensor.dtype), list(h.selection.shape), h.selection.to_json()["runs"])
+            for h in held]
+
+
+def _assign_writers(described: List[List[tuple]]) -> Dict[tuple, int]:
+    """(key, runs as a tuple) -> the rank that writes that piece: the holder that has been given
+    the fewest bytes so far (the same answer on every rank)."""
+    holders: Dict[tuple, List[int]] = {}
+    sizes: Dict[tuple, int] = {}
+    for rank, items in enumerate(described):
+        for key, dtype, shape, runs in items:
+            piece = (key, repr(runs))
+            holders.setdefault(piece, []).append(rank)
+            volume = 1
+            for dim_runs in runs:
+                volume *= sum(length for _, length in dim_runs)
+            sizes[piece] = volume * torch.empty((), dtype=mf.dtype_of(dtype)).element_size()
+    load = [0] * len(described)
+    writer = {}
+    for piece, ranks in holders.items():
+        chosen = min(ranks, key=lambda r: (load[r], r))
+        writer[piece] = chosen
+        load[chosen] += sizes[piece]
+    return writer
+
+
+def _tensor_records(described: List[List[tuple]], writer: Dict[tuple, int]) -> Dict[str, mf.TensorRecord]:
+    records: Dict[str, mf.TensorRecord] = {}
+    for rank, items in enumerate(described):
+        for key, dtype, shape, runs in items:
+            record = records.get(key)
+            if record is None:
+                record = records[key] = mf.TensorRecord(shape, dtype, [])
+            elif record.shape != shape or record.dtype != dtype:
+                raise ValueError(f"save: the ranks disagree on {key!r}: global shape {record.shape} and dtype "
+                                 f"{record.dtype} on one rank, {shape} and {dtype} on rank {rank}")
+            if writer[(key, repr(runs))] == rank:
+                record.pieces.append(mf.Piece(mf.rank_file(rank), runs))
+    return records
+
+
+def _merge_optimizers(descriptions: List[Optional[dict]]) -> Optional[dict]:
+    merged = None
+    for description in descriptions:
+        if description is None:
+            continue
+        if merged is None:
+            merged = {**description, "state": dict(description["state"])}
+        else:
+            for name, entries in description["state"].items():
+                merged["state"].setdefault(name, entries)
+    return merged
+
+
+def _tp_ranks(model: torch.nn.Module) -> Optional[List[int]]:
+    """The global ranks of the group the model's sharded layers split over (None: no sharded layer)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    for module in model.modules():
+        group = getattr(module, "group", None)
+        if getattr(module, "shard_specs", None) and isinstance(group, dist.ProcessGroup):
+            return list(dist.get_process_group_ranks(group))
+    return None
+
+
+def _plan_json(model: torch.nn.Module) -> Optional[str]:
+    plan = getattr(model, "_autoshard_plan", None)  # set by parallelize
+    return None if plan is None else plan.to_json()
+
+
+def _versions() -> Dict[str, str]:
+    autoshard = sys.modules.get("autoshard")
+    return {"autoshard": getattr(autoshard, "__version__", "unknown"), "torch": torch.__version__}
+
+
+def _model_config(model: torch.nn.Module) -> Optional[str]:
+    config = getattr(model, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    return to_json() if callable(to_json) else None
+
+
+class _Job:
+    """The part of a save that runs after the snapshot: write, report, commit."""
+
+    def __init__(self, comm: CheckpointGroup, path: str, snapshot: Snapshot, manifest: Optional[mf.Manifest],
+                 after_commit: Optional[Callable[[], None]]):
+        self.comm = comm
+        self.path = path
+        self.partial = path + mf.PARTIAL_SUFFIX
+        self.snapshot = snapshot
+        self.manifest = manifest  # on rank 0 only
+        self.after_commit = after_commit
+
+    def _agree(self, error: Optional[str]) -> None:
+        """Rank 0's verdict, on every rank."""
+        error = self.comm.broadcast(error)
+        if error is not None:
+            raise CheckpointSaveError(error)
+
+    def run(self) -> None:
+        rank = self.comm.rank
+        error = None
+        if rank == 0:
+            try:
+                if os.path.exists(self.partial):
+                    shutil.rmtree(self.partial)
+                os.makedirs(self.partial)
+            except Exception as e:
+                error = f"save: cannot create {self.partial!r}: {e}"
+        self._agree(error)
+
+        record, error = None, None
+        try:
+            tensors = self.snapshot.ready()
+            if tensors:
+                record = write_safetensors(os.path.join(self.partial, mf.rank_file(rank)), tensors)
+        except Exception as e:
+            error = f"rank {rank} could not write {mf.rank_file(rank)!r} in {self.partial!r}: {e}"
+        finally:
+            self.snapshot = None  # release the host copy as soon as it is written
+        reports = self.comm.gather((record, error))
+
+        error = None
+        if rank == 0:
+            errors = [e for _, e in reports if e is not None]
+            if errors:
+                error = "save: " + "; ".join(errors)
+                shutil.rmtree(self.partial, ignore_errors=True)
+            else:
+                error = self._commit([r for r, _ in reports])
+        self._agree(error)
+
+    def _commit(self, records) -> Optional[str]:
+        try:
+            self.manifest.files = {
+                mf.rank_file(r): mf.FileEntry(rec.size, list(rec.block_crc32))
+                for r, rec in enumerate(records) if rec is not None
+            }
+            mf.write_manifest_and_commit(self.partial, self.manifest)
+            if os.path.exists(self.path):
+                return f"save: {self.path!r} appeared while saving; it was left as it is (the save is in {self.partial!r})"
+            os.rename(self.partial, self.path)
+            mf.fsync_directory(os.path.dirname(self.path))
+        except Exception as e:
+            return f"save: committing {self.path!r} failed: {e}"
+        if self.after_commit is not None:
+            try:
+                self.after_commit()
+            except Exception as e:
+                return f"save: {self.path!r} was committed, but what follows the commit failed: {e}"
+        return None
+
+
+def save(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, extra=None,
+         async_save: bool = False) -> SaveHandle:
+    """Saves the model (and optimizer state, and JSON-able ``extra``) as a sharded checkpoint at
+    ``path``, a directory that must not exist yet. Every rank calls it.
+
+    With ``async_save``, the tensors are copied to host memory and written by a background
+    thread; the returned handle's ``wait()`` blocks until the checkpoint is committed, and an
+    error in the background is raised there or by the next save. One save is in flight at a
+    time: a new save first waits for the previous one."""
+    return save_checkpoint(path, model, optimizer, extra, async_save)
+
+
+def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, metrics=None,
+                    after_commit: Optional[Callable[[], None]] = None) -> SaveHandle:
+    """save(), plus ``metrics`` recorded in the manifest and ``after_commit`` run on rank 0 once
+    the checkpoint is committed (CheckpointManager's retention)."""
+    global _in_flight
+    path = _check_arguments(path, model, optimizer, extra, async_save)
+    wait_for_pending_save()
+    comm = checkpoint_group()
+
+    error, held, aliases, optimizer_description, targets = None, [], {}, None, None
+    try:
+        targets, held, aliases = model_holdings(model)
+        if optimizer is not None:
+            optimizer_held, optimizer_description = optimizer_holdings(optimizer, targets)
+            held += optimizer_held
+    except (TypeError, ValueError) as e:
+        error = f"rank {comm.rank}: {e}"
+    exists = os.path.exists(path) if comm.rank == 0 else False
+    reports = comm.all_gather((error, exists, _describe(held), optimizer_description, path))
+    errors = [e for e, _, _, _, _ in reports if e is not None]
+    paths = sorted({p for *_, p in reports})
+    if len(paths) > 1:
+        errors.append(f"every rank must pass the same path, got {paths}")
+    if errors:
+        raise ValueError("; ".join(errors))
+    if reports[0][1]:
+        raise FileExistsError(f"save: {path!r} already exists; a checkpoint is never overwritten, "
+                              "choose a new path or delete the old one first")
+
+    described = [d for _, _, d, _, _ in reports]
+    writer = _assign_writers(described)
+    records = _tensor_records(described, writer)  # on every rank, so that a mismatch raises on all
+    manifest = None
+    if comm.rank == 0:
+        manifest = mf.Manifest(
+            world_size=comm.size, tensors=records, files={}, aliases=aliases,
+            tp_ranks=_tp_ranks(model), versions=_versions(), plan=_plan_json(model),
+            optimizer=_merge_optimizers([o for _, _, _, o, _ in reports]), extra=json_value(extra, "extra"),
+            metrics=metrics, model_config=_model_config(model))
+    mine = [(h.key, h.tensor) for h in held if writer[(h.key, repr(h.selection.to_json()["runs"]))] == comm.rank]
+    job = _Job(comm, path, take_snapshot(mine, copy=async_save), manifest, after_commit)
+    if not async_save:
+        job.run()
+        return SaveHandle(path)
+
+    handle = SaveHandle(path)
+
+    def background():
+        try:
+            job.run()
+        except BaseException as e:
+            handle._error = e
+            if not isinstance(e, CheckpointSaveError):
+                traceback.print_exc()
+
+    handle._thread = threading.Thread(target=background, name=f"autoshard-save:{os.path.basename(path)}")
+    handle._thread.start()
+    _in_flight = handle
+    return handle
