@@ -6,6 +6,7 @@ same logits and the same full state dict; bad input is refused before anything c
 import json
 import os
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -222,3 +223,11 @@ def test_dtype_casts_what_meta_tensors_get(checkpoints):
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32  # computed buffers keep their own
     for name, value in reference.state_dict().items():
         assert torch.equal(model.state_dict()[name], value.to(torch.bfloat16)), name
+
+
+def test_meta_tensor_held_weakly_is_refused_before_anything_changes(checkpoints):
+    model = build("gpt2", device="meta")
+    held = weakref.ref(model.transformer.ln_f.weight)
+    with pytest.raises(RuntimeError, match="transformer.ln_f.weight.*weak references"):
+        autoshard.load_pretrained(model, checkpoints["gpt2"], progress=False)
+    assert held() is not None and all(p.device.type == "meta" for p in model.parameters())

@@ -65,6 +65,16 @@ def piece_of(param: torch.Tensor) -> Optional[Piece]:
     return _PIECES.get(param)
 
 
+def unregister_piece(param: torch.Tensor) -> Optional[Piece]:
+    """Takes `param` out of the registry (returning its piece): torch will not swap the storage
+    of a tensor held weakly, as loading a model built on meta does."""
+    return _PIECES.pop(param, None)
+
+
+def register_piece(param: torch.Tensor, piece: Piece) -> None:
+    _PIECES[param] = piece
+
+
 def partition_replicated(parameters: Iterable[torch.nn.Parameter], group) -> Set[int]:
     """Partitions the state of every trainable parameter that tensor parallelism replicates
     (absent from all shard_specs, or split over a single rank) across `group`; returns their ids.

@@ -8,12 +8,31 @@ compute marked as initialised, which is how transformers' ``from_pretrained`` fi
 A tensor that nothing writes is an error, never left holding whatever its memory held.
 """
 
+import weakref
 from typing import Dict, List
 
 import torch
 from torch import nn
 
+from ..partitioned_state import piece_of, register_piece, unregister_piece
+
 _FLAG = "_is_hf_initialized"
+
+
+def _held_weakly(tensor: torch.Tensor) -> bool:
+    """Whether something other than autoshard's own registries holds a weak reference to it."""
+    known = 1 if piece_of(tensor) is not None else 0
+    return weakref.getweakrefcount(tensor) > known
+
+
+def check_movable(tensors: Dict[str, torch.Tensor]) -> None:
+    """Raises, before anything changes, if a meta tensor cannot get storage in place (torch
+    refuses to swap the storage of a tensor that something holds a weak reference to)."""
+    held = [name for name, t in tensors.items() if t.device.type == "meta" and _held_weakly(t)]
+    if held:
+        raise RuntimeError(f"load_pretrained: {held} are on the meta device and something holds weak references "
+                           "to them, so they cannot be given storage in place; drop those references, or "
+                           "materialize the model (model.to_empty(device=...)) before loading")
 
 
 def materialize(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
@@ -23,7 +42,14 @@ def materialize(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) 
         new = nn.Parameter(torch.empty(tensor.shape, device=device, dtype=dtype), requires_grad=tensor.requires_grad)
     else:
         new = torch.empty(tensor.shape, device=device, dtype=dtype)
-    torch.utils.swap_tensors(tensor, new)
+    # The registry of parameters whose optimizer state is partitioned over data-parallel
+    # replicas holds them weakly, which torch's swap refuses: step out of it and back in.
+    piece = unregister_piece(tensor)
+    try:
+        torch.utils.swap_tensors(tensor, new)
+    finally:
+        if piece is not None:
+            register_piece(tensor, piece)
     # Hooks registered on the meta tensor (parallelize's data-parallel gradient averaging, a
     # user's) stay with the Python object, but autograd looks for them on the storage that was
     # swapped out: assigning them again registers them with the new one.

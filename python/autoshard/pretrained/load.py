@@ -21,7 +21,7 @@ from torch import nn
 from ..checkpoint.safetensors_io import SafetensorsReader
 from ..checkpoint.targets import Target, model_targets
 from .files import open_checkpoint
-from .initialise import initialise_remaining, materialize
+from .initialise import check_movable, initialise_remaining, materialize
 from .names import match_names
 
 _LISTED = 20  # names shown in an error before "... and N more"
@@ -158,6 +158,8 @@ def load_pretrained(model: nn.Module, path, device=None, dtype: Optional[torch.d
         where = open_checkpoint(path, stack)
         targets = model_targets(model)
         reads = _plan_reads(model, path, where, targets, strict)
+
+        check_movable({**{t.name: t.tensor for t in targets.values()}, **_non_persistent_buffers(model)})
 
         def dtype_of(tensor: torch.Tensor) -> torch.dtype:
             return dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
