@@ -70,6 +70,9 @@ TORCH_LIBRARY(autoshard, m) {
   // The byte runs [n, 3] = (src offset, dst offset, nbytes) copying the overlap of two
   // selections of one full tensor; a selection is, per dim, [count, start, length, ...].
   m.def("copy_runs(int[] shape, int itemsize, int[] src, int[] dst) -> Tensor", &autoshard::checkpoint::copy_runs);
+  // Copies the part of each such run (source offsets in file bytes) that lies in `src`, a
+  // window holding file bytes [src_offset, src_offset + src.numel()), into `dst` (uint8).
+  m.def("copy_byte_runs_(Tensor(a!) dst, Tensor src, Tensor runs, int src_offset) -> ()");
 
   // --- plan/ : a model's dataflow graph (text) in, a decision per layer (text) out
   m.def("plan_graph(str graph, int world_size) -> str", &autoshard::plan::plan_graph);

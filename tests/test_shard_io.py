@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.library import opcheck
 
 from autoshard import ops
 from autoshard.checkpoint import (CheckpointCorruptError, SafetensorsReader, full_selection, model_targets,
@@ -95,6 +96,7 @@ def test_slice_arithmetic_rejects_bad_input():
         (lambda: ops.copy_runs([4], 4, [1, 2, 3], [1, 0, 4]), ValueError, ["src", "outside"]),
         (lambda: ops.copy_runs([4, 2], 4, [1, 0, 4], [1, 0, 4]), ValueError, ["fewer dims"]),
         (lambda: Selection((4,), (((3, 2),),)), ValueError, ["outside"]),
+        (lambda: Selection((4,), (((0, 2), (1, 2)),)), ValueError, ["overlap"]),
         (lambda: byte_runs(full_selection((4,)), full_selection((5,)), 4), ValueError, ["full shapes"]),
     ])
 
@@ -197,3 +199,20 @@ def test_model_targets_name_tied_tensors_once():
     assert targets["0.weight"].aliases == ["0.weight", "1.weight"]
     assert "1.weight" not in targets and "2.running_mean" in targets and "2.num_batches_tracked" in targets
     assert all(t.selection.is_full() for t in targets.values())
+
+
+def test_copy_byte_runs_copies_the_part_of_each_run_inside_the_window():
+    rng = np.random.default_rng(0)
+    file_bytes = torch.from_numpy(rng.integers(0, 256, 4000, dtype=np.uint8))
+    runs = torch.tensor([[10, 0, 50], [95, 50, 30], [300, 80, 400], [1900, 480, 20]])
+    expected = torch.cat([file_bytes[s:s + n] for s, _, n in runs.tolist()])
+    dst = torch.zeros(500, dtype=torch.uint8)
+    for window_start in range(0, 4000, 128):  # windows cut runs anywhere
+        ops.copy_byte_runs_(dst, file_bytes[window_start:window_start + 128].clone(), runs, window_start)
+    assert torch.equal(dst, expected)
+    opcheck(torch.ops.autoshard.copy_byte_runs_.default, (torch.zeros(500, dtype=torch.uint8), file_bytes[:256].clone(), runs, 0))
+    expect_errors([
+        (lambda: ops.copy_byte_runs_(torch.zeros(10, dtype=torch.uint8), file_bytes, runs, 0), ValueError, ["run 0", "10 bytes"]),
+        (lambda: ops.copy_byte_runs_(torch.zeros(10), file_bytes, runs, 0), ValueError, ["dst", "uint8"]),
+        (lambda: ops.copy_byte_runs_(dst, file_bytes, runs[:, :2], 0), ValueError, ["runs", "[n, 3]"]),
+    ])

@@ -57,6 +57,10 @@ def copy_runs(shape: Sequence[int], itemsize: int, src: Sequence[int], dst: Sequ
     return _ops.copy_runs.default(list(shape), itemsize, list(src), list(dst))
 
 
+def copy_byte_runs_(dst: torch.Tensor, src: torch.Tensor, runs: torch.Tensor, src_offset: int) -> None:
+    _ops.copy_byte_runs_.default(dst, src, runs, src_offset)
+
+
 def comm_counter_kinds() -> List[str]:
     return _ops.comm_counter_kinds.default()
 

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .. import ops
 from .selection import Selection, byte_runs, full_selection
 
 BLOCK_SIZE = 4 << 20  # checksum granularity, and the window small runs are read through
@@ -76,7 +77,7 @@ class SafetensorsReader:
                 raise CheckpointCorruptError(
                     f"{self.path}: {self.size} bytes do not match the {len(block_crc32)} checksummed blocks recorded for it")
             self._verified: set = set()
-            self._window: Optional[Tuple[int, memoryview]] = None
+            self._window: Optional[Tuple[int, torch.Tensor]] = None
             self.bytes_read = 0
             self.tensors, self.metadata = self._parse_header()
         except BaseException:
@@ -162,29 +163,37 @@ class SafetensorsReader:
         direct = dest.device.type == "cpu" and dest.dtype == info.dtype and dest.is_contiguous()
         staging = dest.detach() if direct else torch.empty(
             dest.shape, dtype=info.dtype, pin_memory=dest.device.type == "cuda" and torch.cuda.is_available())
-        out = tensor_bytes(staging)
-        for src, dst, nbytes in runs.tolist():
-            self._copy(info.begin + src, out[dst:dst + nbytes])
+        self._copy_runs(runs, info.begin, staging)
         if not direct:
             with torch.no_grad():
                 dest.copy_(staging, non_blocking=dest.device.type == "cuda")
             if dest.device.type == "cuda":
                 torch.cuda.current_stream(dest.device).synchronize()  # the staging buffer is freed next
 
-    def _copy(self, offset: int, out: memoryview) -> None:
-        if self._block_crc32 is None and len(out) >= _DIRECT_READ_BYTES:
-            self._read_into(offset, out)
+    def _copy_runs(self, runs: torch.Tensor, base: int, staging: torch.Tensor) -> None:
+        """Fills ``staging`` from the file: runs (src, dst, nbytes) with src relative to ``base``."""
+        runs = runs.clone()
+        runs[:, 0] += base
+        out = staging.detach().reshape(-1).view(torch.uint8) if staging.numel() else staging.new_empty(0, dtype=torch.uint8)
+        if self._block_crc32 is None:  # long runs go straight into place; unverified bytes need no window
+            direct = runs[:, 2] >= _DIRECT_READ_BYTES
+            view = tensor_bytes(out)
+            for src, dst, nbytes in runs[direct].tolist():
+                self._read_into(src, view[dst:dst + nbytes])
+            runs = runs[~direct].contiguous()
+        if runs.numel() == 0:
             return
-        done = 0
-        while done < len(out):
-            block = (offset + done) // BLOCK_SIZE
-            window = self._block(block)
-            start = offset + done - block * BLOCK_SIZE
-            take = min(len(out) - done, len(window) - start)
-            out[done:done + take] = window[start:start + take]
-            done += take
+        # The runs are disjoint and sorted in the file, so those touching a block are a slice.
+        starts, ends = runs[:, 0].contiguous(), runs[:, 0] + runs[:, 2]
+        for block in range(int(starts[0]) // BLOCK_SIZE, (int(ends[-1]) - 1) // BLOCK_SIZE + 1):
+            block_start = block * BLOCK_SIZE
+            first = int(torch.searchsorted(ends, block_start, right=True))
+            last = int(torch.searchsorted(starts, block_start + BLOCK_SIZE))
+            if first < last:
+                ops.copy_byte_runs_(out, self._block(block), runs[first:last], block_start)
 
-    def _block(self, index: int) -> memoryview:
+    def _block(self, index: int) -> torch.Tensor:
+        """Block ``index`` of the file (verified when checksums are known), as a uint8 tensor."""
         if self._window is not None and self._window[0] == index:
             return self._window[1]
         start = index * BLOCK_SIZE
@@ -193,8 +202,9 @@ class SafetensorsReader:
             if zlib.crc32(data) != self._block_crc32[index]:
                 raise self._corrupt(f"checksum mismatch in bytes [{start}, {start + len(data)}): the file is damaged")
             self._verified.add(index)
-        self._window = (index, data)
-        return data
+        window = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+        self._window = (index, window)
+        return window
 
     def _read_bytes(self, offset: int, length: int) -> memoryview:
         buffer = memoryview(bytearray(length))

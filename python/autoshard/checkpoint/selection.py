@@ -30,6 +30,10 @@ class Selection:
             for start, length in runs:
                 if start < 0 or length < 0 or start + length > size:
                     raise ValueError(f"Selection: run ({start}, {length}) of dim {dim} lies outside [0, {size})")
+            ordered = sorted(run for run in runs if run[1])
+            for (start, length), (next_start, _) in zip(ordered, ordered[1:]):
+                if start + length > next_start:  # a local tensor holds each element once
+                    raise ValueError(f"Selection: runs of dim {dim} overlap: {runs}")
 
     @property
     def local_shape(self) -> Tuple[int, ...]:
