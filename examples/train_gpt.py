@@ -6,8 +6,10 @@ Every rank builds the same GPT-2 (same seed), autoshard plans how to split it, p
 swaps its layers for sharded ones, and the ranks train it together on the same batches:
 each holds a slice of every large weight and the collectives stitch the computation back
 into the unsharded model's. Bytes are the tokens (a vocabulary of 256), so no tokenizer is
-needed, and the text is whatever is already on the machine. At the end the shards are put
-back together into an ordinary GPT-2, which must compute what the sharded model computes.
+needed, and the text is whatever is already on the machine. Sharded checkpoints are saved in
+the background while training goes on. At the end the last checkpoint is consolidated into an
+ordinary Hugging Face GPT-2 directory, and the GPT-2 that transformers loads from it must
+compute what the sharded model computes.
 
 NCCL when every rank on the machine has a GPU of its own (autoshard.init_distributed() picks
 it), gloo on CPU otherwise.
@@ -16,6 +18,7 @@ it), gloo on CPU otherwise.
 import argparse
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -45,10 +48,15 @@ def parse_args():
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the batches")
     parser.add_argument("--text", type=Path, nargs="+", default=None,
                         help=f"text files, or folders of them, to train on (default: {LICENSES}, else {README})")
-    parser.add_argument("--out", type=Path, default=EXAMPLE_DIR / "out", help="folder for the loss curve")
+    parser.add_argument("--save-every", type=int, default=100,
+                        help="save a sharded checkpoint every this many steps, and after the last one")
+    parser.add_argument("--out", type=Path, default=EXAMPLE_DIR / "out",
+                        help="folder for the loss curve and the checkpoints (its checkpoints/ and hf/ are replaced)")
     args = parser.parse_args()
     if not 2 <= args.seq_len <= 128:
         parser.error(f"--seq-len must be between 2 and the model's context of 128, got {args.seq_len}")
+    if args.save_every < 1:
+        parser.error(f"--save-every must be at least 1, got {args.save_every}")
     if args.steps < 1 or args.batch_size < 1:
         parser.error("--steps and --batch-size must be positive")
     return args
@@ -171,6 +179,15 @@ def main():
         say("gradient clipping: off (--clip 0)")
     opt = autoshard.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
 
+    # The demo's own output folders start empty, so that every run saves its own checkpoints.
+    checkpoints, hf_dir = args.out / "checkpoints", args.out / "hf"
+    if leader:
+        for folder in (checkpoints, hf_dir):
+            shutil.rmtree(folder, ignore_errors=True)
+    dist.barrier()
+    manager = autoshard.checkpoint.CheckpointManager(checkpoints, max_to_keep=2)
+    save_blocked = []  # seconds the loop waited for each asynchronous save to start
+
     def train_step(step: int, input_ids: torch.Tensor) -> float:
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, args.steps, args.lr)
@@ -202,6 +219,10 @@ def main():
         elapsed = time.perf_counter() - start
         bar.set_postfix(loss=f"{smoothed[-1]:.3f}", tok_s=f"{tokens_per_step * (step + 1) / elapsed:,.0f}",
                         refresh=False)
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+            began = time.perf_counter()
+            manager.save(step + 1, model, opt, extra={"step": step + 1, "loss": smoothed[-1]}, async_save=True)
+            save_blocked.append(time.perf_counter() - began)
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
@@ -213,15 +234,20 @@ def main():
     say(f"collectives per step: {counter.counts} (planned: "
         f"forward {plan.collectives('forward')}, backward {plan.collectives('backward')})")
 
-    # The invariant: put the shards back together into an ordinary GPT-2 and compare.
-    full_state = autoshard.full_state_dict(model)  # a collective: every rank calls it
+    manager.wait()
+    say(f"checkpoints: {', '.join(f'step-{n}' for n in manager.steps())} kept in {checkpoints}; each asynchronous "
+        f"save held the training loop for {1000 * max(save_blocked):.0f} ms at most")
+
+    # The invariant: the last checkpoint, consolidated into an ordinary Hugging Face GPT-2
+    # directory and loaded by transformers, computes what the sharded model computes.
     check_ids = next(batches(held_out, args.batch_size, args.seq_len, args.seed + 1)).to(device)
     model.eval()
     with torch.no_grad():
         sharded = model(input_ids=check_ids, labels=check_ids)  # a collective too
     if leader:
-        reference = GPT2LMHeadModel(model_config()).to(device)
-        reference.load_state_dict(full_state)
+        autoshard.checkpoint.consolidate(manager.latest(), hf_dir)
+        print(f"consolidated step-{manager.latest_step()} into {hf_dir}")
+        reference = GPT2LMHeadModel.from_pretrained(hf_dir).to(device)
         reference.eval()
         with torch.no_grad():
             unsharded = reference(input_ids=check_ids, labels=check_ids)

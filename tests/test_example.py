@@ -11,7 +11,8 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
 
 def test_train_gpt_learns_and_equals_the_unsharded_model(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(EXAMPLE), "--steps", "20", "--seq-len", "32", "--batch-size", "4", "--out", str(tmp_path)]
+               str(EXAMPLE), "--steps", "20", "--seq-len", "32", "--batch-size", "4", "--save-every", "10",
+               "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     output = result.stdout + result.stderr
@@ -41,6 +42,11 @@ def test_train_gpt_learns_and_equals_the_unsharded_model(tmp_path):
     # the logits.
     assert counts.get("all_gather") == 1, line.group(0)
     assert counts.get("all_reduce") == 18, line.group(0)
+
+    # Saved asynchronously at steps 10 and 20, both kept; the last one consolidated for transformers.
+    assert re.search(r"checkpoints: step-10, step-20 kept in ", result.stdout), result.stdout
+    assert (tmp_path / "checkpoints" / "step-20" / "COMMITTED").exists()
+    assert "consolidated step-20 into" in result.stdout and (tmp_path / "hf" / "model.safetensors").exists()
 
     difference = re.search(r"max abs difference ([\d.e+-]+)", result.stdout)
     assert difference, result.stdout
