@@ -460,3 +460,20 @@ def test_bad_input(tmp_path):
         on_meta = build_toy(0)
     expect_errors([(lambda: checkpoint.load(tmp_path / "ok", on_meta), ValueError, ["meta", "to_empty"]),
                    (lambda: checkpoint.save(tmp_path / "y", on_meta), ValueError, ["meta"])])
+
+
+def test_a_refused_load_changes_nothing(tmp_path):
+    # Three 4 MiB weights span several checksum blocks; the damaged byte is in the last one,
+    # which a load that wrote as it read would reach only after overwriting the others.
+    def build(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(3)])
+
+    checkpoint.save(tmp_path / "ckpt", build(0))
+    shard = tmp_path / "ckpt" / "rank-00000.safetensors"
+    _flip_byte(shard, os.path.getsize(shard) - 5)
+    untouched = build(1)
+    before = {k: v.clone() for k, v in untouched.state_dict().items()}
+    with pytest.raises(CheckpointCorruptError, match="rank-00000.safetensors"):
+        checkpoint.load(tmp_path / "ckpt", untouched)
+    assert all(torch.equal(before[k], v) for k, v in untouched.state_dict().items())

@@ -49,10 +49,10 @@ class _Files:
             self.readers[name] = self.stack.enter_context(SafetensorsReader(file_path, block_crc32=entry.block_crc32))
         return self.readers[name]
 
-    def fill(self, key: str, dest: torch.Tensor, dest_selection: Selection) -> None:
-        """Copies the part of stored tensor ``key`` that ``dest_selection`` covers into ``dest``."""
+    def _sources(self, key: str, dest_selection: Selection):
+        """(reader, the piece's selection or None when whole) for each saved piece of ``key``
+        that overlaps ``dest_selection``."""
         record = self.manifest.tensors[key]
-        out = dest if dest.is_contiguous() else torch.empty_like(dest, memory_format=torch.contiguous_format)
         for piece in record.pieces:
             source = piece.selection(record.shape)
             if not _overlaps(source, dest_selection):
@@ -63,7 +63,18 @@ class _Files:
                 got = None if info is None else tuple(info.shape)
                 raise CheckpointCorruptError(f"load: {os.path.join(self.path, piece.file)!r} should hold {key!r} "
                                              f"with shape {source.local_shape}, found {got}")
-            reader.read_into(key, out, dest_selection, None if source.is_full() else source)
+            yield reader, None if source.is_full() else source
+
+    def verify(self, key: str, dest_selection: Selection) -> None:
+        """Checks every block that filling ``dest_selection`` of ``key`` will read."""
+        for reader, source in self._sources(key, dest_selection):
+            reader.verify(key, dest_selection, source)
+
+    def fill(self, key: str, dest: torch.Tensor, dest_selection: Selection) -> None:
+        """Copies the part of stored tensor ``key`` that ``dest_selection`` covers into ``dest``."""
+        out = dest if dest.is_contiguous() else torch.empty_like(dest, memory_format=torch.contiguous_format)
+        for reader, source in self._sources(key, dest_selection):
+            reader.read_into(key, out, dest_selection, source)
         if out is not dest:
             dest.copy_(out)
 
@@ -189,6 +200,19 @@ def _state_tensor(existing, shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _optimizer_reads(params, targets: Dict[str, Target], manifest: mf.Manifest):
+    """(stored key, selection read) of every optimizer state tensor the load reads."""
+    for p, name, entries in params:
+        for entry in (entries or {}).values():
+            if "tensor" not in entry:
+                continue
+            record = manifest.tensors[entry["tensor"]]
+            if entry["layout"] == "param" and piece_of(p) is None:
+                yield entry["tensor"], targets[name].selection
+            else:
+                yield entry["tensor"], full_selection(record.shape)
+
+
 def _load_optimizer_state(optimizer, params, targets: Dict[str, Target], manifest: mf.Manifest, files: _Files) -> None:
     for p, name, entries in params:
         if not entries:
@@ -238,6 +262,13 @@ def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     optimizer_plan = _optimizer_plan(optimizer, manifest, targets) if optimizer is not None else None
     with contextlib.ExitStack() as stack:
         files = _Files(path, manifest, stack)
+        # Every block the load will read is checked first (and then read again from the page
+        # cache), so that a damaged checkpoint is refused before the model or optimizer changes.
+        for key, _, selection in reads:
+            files.verify(key, selection)
+        if optimizer_plan is not None:
+            for key, selection in _optimizer_reads(optimizer_plan[1], targets, manifest):
+                files.verify(key, selection)
         for key, tensor, selection in reads:
             files.fill(key, tensor, selection)
         if optimizer_plan is not None:

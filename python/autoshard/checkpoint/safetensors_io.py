@@ -141,10 +141,7 @@ class SafetensorsReader:
         self.read_into(name, out, selection, selection)
         return out
 
-    def read_into(self, name: str, dest: torch.Tensor, dest_selection: Selection,
-                  src_selection: Optional[Selection] = None) -> None:
-        """Copies the overlap of tensor ``name`` (holding ``src_selection`` of the full tensor;
-        None: the whole of it) and ``dest_selection`` into ``dest``, cast to its dtype."""
+    def _runs(self, name: str, dest_selection: Selection, src_selection: Optional[Selection]):
         info = self.info(name)
         if src_selection is None:
             src_selection = full_selection(info.shape)
@@ -154,10 +151,31 @@ class SafetensorsReader:
         if src_selection.shape != dest_selection.shape:
             raise ValueError(f"{self.path}: tensor {name!r} is part of a full tensor of shape "
                              f"{list(src_selection.shape)}, the destination of one of shape {list(dest_selection.shape)}")
+        return info, byte_runs(src_selection, dest_selection, info.dtype.itemsize)
+
+    def verify(self, name: str, dest_selection: Selection, src_selection: Optional[Selection] = None) -> None:
+        """Checks the blocks that ``read_into`` with these arguments would read, writing
+        nothing, so that a caller can refuse a damaged file before it changes anything."""
+        info, runs = self._runs(name, dest_selection, src_selection)
+        if self._block_crc32 is None or runs.numel() == 0:
+            return
+        starts = runs[:, 0] + info.begin
+        firsts = (starts // BLOCK_SIZE).tolist()
+        lasts = ((starts + runs[:, 2] - 1) // BLOCK_SIZE).tolist()
+        blocks = set()
+        for first, last in zip(firsts, lasts):
+            blocks.update(range(first, last + 1))
+        for block in sorted(blocks - self._verified):
+            self._block(block)
+
+    def read_into(self, name: str, dest: torch.Tensor, dest_selection: Selection,
+                  src_selection: Optional[Selection] = None) -> None:
+        """Copies the overlap of tensor ``name`` (holding ``src_selection`` of the full tensor;
+        None: the whole of it) and ``dest_selection`` into ``dest``, cast to its dtype."""
         if tuple(dest.shape) != dest_selection.local_shape:
             raise ValueError(f"read_into: dest has shape {list(dest.shape)}, "
                              f"its selection needs {list(dest_selection.local_shape)}")
-        runs = byte_runs(src_selection, dest_selection, info.dtype.itemsize)
+        info, runs = self._runs(name, dest_selection, src_selection)
         if runs.numel() == 0:
             return
         direct = dest.device.type == "cpu" and dest.dtype == info.dtype and dest.is_contiguous()
