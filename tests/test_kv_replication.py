@@ -191,3 +191,26 @@ def test_checkpoint_saved_on_4_ranks_reloads_on_1(tmp_path):
     params = dict(model.named_parameters())
     for name, moment in moments.items():
         assert torch.equal(opt.state[params[name]]["exp_avg"], moment), name
+
+
+def _load_pretrained_and_run(path):
+    model = _build(6, 2, device="meta")
+    autoshard.parallelize(model)
+    autoshard.load_pretrained(model, path, progress=False)
+    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(4))
+    spec = model.model.layers[0].self_attn.k_proj.shard_specs["weight"]
+    return model(input_ids=ids).logits, autoshard.full_state_dict(model), spec.local_ranges()
+
+
+def test_load_pretrained_gives_each_rank_its_kv_heads(tmp_path):
+    reference = _build(6, 2, seed=11)
+    reference.save_pretrained(str(tmp_path), max_shard_size="20KB")
+    results = run_on_ranks(_load_pretrained_and_run, 4, str(tmp_path), timeout=300)
+    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(4))
+    expected = reference(input_ids=ids).logits
+    want = reference.state_dict()
+    assert [ranges for _, _, ranges in results] == [[(0, 8)], [(0, 16)], [(8, 8)], [(8, 8)]]
+    for logits, state, _ in results:
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        for name, value in want.items():
+            assert torch.equal(state[name], value), name
