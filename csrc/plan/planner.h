@@ -9,6 +9,12 @@
 // heads stay whole, and KV heads for grouped-query attention). A region whose axis reaches
 // something that would need it whole (a norm over features, an op autoshard cannot follow)
 // is replicated; one that reaches a model output gathers there. Decisions repeat until stable.
+//
+// KV heads meet query heads through a repeat (repeat_kv's expand and reshape) or a grouped
+// attention; the two sides are kept as a coarse and a fine region. Where their common units
+// cover the ranks they become one region, as before; otherwise the query heads are split alone
+// and each rank holds the KV heads its query heads use (LayerDecision::repeat), whose
+// gradients the holders sum in backward (one all-reduce per KV projection, in the plan's count).
 #include <string>
 #include <vector>
 
