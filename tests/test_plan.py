@@ -27,7 +27,10 @@ def test_plan_reaches_megatron_minimum(kind, world_size):
     forward, backward = p.collectives("forward"), p.collectives("backward")
     # Two all-reduces per block and one for the token embedding; the head gathers once.
     assert forward.get("all_reduce", 0) + forward.get("all_gather", 0) <= 2 * blocks + 2
-    assert backward.get("all_reduce", 0) <= 2 * blocks + 1
+    # A KV projection whose heads are shared by several ranks adds the all-reduce of its gradient.
+    shared_kv = sum(1 for layer in p.layers if layer.repeat)
+    assert shared_kv == 0 or world_size == 4  # 3 KV heads: shared only on 4 ranks
+    assert backward.get("all_reduce", 0) <= 2 * blocks + 1 + shared_kv
     assert forward.get("all_gather", 0) == 1
     # Strictly fewer than gathering after every Linear.
     assert sum(forward.values()) < len(linear_layers(model))
@@ -77,12 +80,17 @@ def test_tied_embeddings_stay_tied(kind):
         assert {layer.style for layer in layers} == {"vocab", "column_gather"}
 
 
-def test_fewer_kv_heads_than_ranks_replicates_attention():
-    model = build("llama", device="meta")  # 3 KV heads
+def test_fewer_kv_heads_than_ranks_replicate_kv_heads_not_attention():
+    model = build("llama", device="meta")  # 6 query heads over 3 KV heads
     p = plan(model, world_size=4)
-    q = p.layer("model.layers.0.self_attn.q_proj")
-    assert q.style == "replicate" and "3 whole unit" in q.note
-    assert p.layer("model.layers.0.mlp.gate_proj").style == "column"
+    q, k = p.layer("model.layers.0.self_attn.q_proj"), p.layer("model.layers.0.self_attn.k_proj")
+    assert (q.style, q.units, q.repeat) == ("column", 6, 0)
+    assert (k.style, k.units, k.repeat) == ("column", 3, 2)
+    # Query heads 0-1, 2-3, 4, 5 use KV heads 0, 1, 2, 2 (8 features each).
+    assert [k.weight_spec(r, 4).local_ranges() for r in range(4)] == [[(0, 8)], [(8, 8)], [(16, 8)], [(16, 8)]]
+    # On 3 ranks, as before: 3 units of 2 query heads and 1 KV head.
+    p2 = plan(model, world_size=3)
+    assert (p2.layer("model.layers.0.self_attn.k_proj").units, p2.layer("model.layers.0.self_attn.k_proj").repeat) == (3, 0)
 
 
 def test_plan_json_round_trip_and_table():

@@ -20,6 +20,16 @@ struct Layout {
   AxisFactor factor;
   int region = -1;
   int source = -1;  // the column layer whose output this is, unchanged (for fused splits)
+  // The size the axis right after the sharded one was broadcast to from 1 (repeat_kv's
+  // expand), so that a reshape merging the two repeats each unit that many times.
+  int64_t repeat_next = 0;
+};
+
+// A coarse region (KV heads) whose units each feed `ratio` consecutive units of a fine region
+// (the query heads that share a KV head), met through a repeat or a grouped attention.
+struct Link {
+  int coarse = -1;
+  int fine = -1;
 };
 
 struct Region {
@@ -101,6 +111,78 @@ class Propagation {
   std::map<int, std::vector<int64_t>> parts;
   std::map<int, int64_t> letters;  // einsum layers: the weight letter split
   std::vector<Region> regions;
+  std::vector<Link> links;
+  // Coarse region root -> its fine region root, for links kept apart by settle_links: the
+  // KV heads are then replicated on the ranks whose query heads use them.
+  std::map<int, int> kv_fine;
+
+  // Decides every link once the pass has run: a pair whose combined units (their gcd, as if
+  // one region) still cover the ranks becomes one region, as does any pair that cannot be
+  // split on the query heads alone; the others keep their KV heads replicated where needed.
+  void settle_links(int64_t world_size) {
+    std::map<int, std::set<int>> fines_of;
+    for (const Link& l : links) fines_of[find(l.coarse)].insert(find(l.fine));
+    std::map<int, std::set<int64_t>> ratios_of_fine;
+    for (const auto& [coarse, fines] : fines_of) {
+      if (fines.size() != 1 || coarse == *fines.begin()) continue;
+      const int fine = *fines.begin();
+      const Region& c = regions[coarse];
+      const Region& f = regions[fine];
+      if (std::gcd(c.units, f.units) >= world_size || c.conflict || f.conflict || f.units < world_size ||
+          c.units <= 0 || f.units % c.units || !uniform_groups(f.units, f.units / c.units, world_size) ||
+          !only_plain_columns(coarse)) {
+        continue;
+      }
+      kv_fine[coarse] = fine;
+      ratios_of_fine[fine].insert(f.units / c.units);
+    }
+    // One attention's KV projections must all repeat alike.
+    for (auto it = kv_fine.begin(); it != kv_fine.end();) {
+      it = ratios_of_fine[it->second].size() == 1 ? std::next(it) : kv_fine.erase(it);
+    }
+    for (const Link& l : links) {
+      const int coarse = find(l.coarse);
+      if (!kv_fine.count(coarse)) unite(coarse, l.fine);
+    }
+    std::map<int, int> rooted;
+    for (const auto& [coarse, fine] : kv_fine) rooted[find(coarse)] = find(fine);
+    kv_fine = rooted;
+  }
+
+  // Whether splitting `units` fine units over the ranks (split_sizes) gives every rank query
+  // heads that its run of KV heads serves in equal consecutive groups, as repeat_kv and a
+  // grouped attention compute locally (fine unit u uses coarse unit u / ratio).
+  static bool uniform_groups(int64_t units, int64_t ratio, int64_t world_size) {
+    int64_t start = 0;
+    for (int64_t r = 0; r < world_size; ++r) {
+      const int64_t count = units / world_size + (r < units % world_size ? 1 : 0);
+      const int64_t first = start / ratio, last = (start + count - 1) / ratio;
+      const int64_t kv = last - first + 1;
+      if (count == 0 || count % kv) return false;
+      const int64_t group = count / kv;
+      for (int64_t i = 0; i < count; ++i) {
+        if ((start + i) / ratio - first != i / group) return false;
+      }
+      start += count;
+    }
+    return true;
+  }
+
+ private:
+  // A region kept coarse must hold nothing but plain column Linear layers (the KV projections).
+  bool only_plain_columns(int coarse) {
+    bool any = false;
+    for (size_t n = 0; n < graph_.nodes.size(); ++n) {
+      if (node_region[n] < 0 || find(node_region[n]) != coarse) continue;
+      if (roles[n] != Style::Column || graph_.nodes[n].kind != Kind::Linear || parts.count(static_cast<int>(n))) {
+        return false;
+      }
+      any = true;
+    }
+    return any;
+  }
+
+ public:
 
  private:
   int new_region(int64_t size) {
@@ -146,14 +228,17 @@ class Propagation {
     for (int id : node.outputs) layouts[id] = Layout{};
   }
 
-  void set_sharded(int id, AxisFactor factor, int region, int source = -1) {
+  void set_sharded(int id, AxisFactor factor, int region, int source = -1, int64_t repeat_next = 0) {
     Layout l;
     l.sharded = true;
     l.factor = factor;
     l.region = region;
     l.source = source;
+    l.repeat_next = repeat_next;
     layouts[id] = l;
   }
+
+  void link(int coarse, int fine) { links.push_back({coarse, fine}); }
 
   void visit(int n, const std::set<int>& vocab_embeddings) {
     const Node& node = graph_.nodes[n];
@@ -258,6 +343,13 @@ class Propagation {
     if (!x.sharded) return;
     const ReshapeResult r = map_reshape(shape(in), shape(out), x.factor);
     if (!r.ok) return conflict(x.region, node.label + ": " + r.why);
+    if (x.repeat_next > 1 && r.factor.outer == x.factor.outer && r.factor.size == x.factor.size * x.repeat_next) {
+      // repeat_kv: each KV head becomes repeat_next query heads' worth, a finer region.
+      const int fine = new_region(r.factor.size);
+      regions[fine].localize.push_back(r.factor.size);
+      link(x.region, fine);
+      return set_sharded(out, r.factor, fine);
+    }
     constrain(x.region, r.factor.size);
     if (r.factor.size != x.factor.size) regions[find(x.region)].localize.push_back(r.factor.size);
     const bool unchanged = r.factor.size == x.factor.size && r.factor.outer == x.factor.outer;
@@ -288,7 +380,9 @@ class Propagation {
     AxisFactor f = x.factor;
     f.axis += static_cast<int>(shape(out).size() - shape(in).size());
     if (shape(out)[f.axis] != shape(in)[x.factor.axis]) return conflict(x.region, node.label + " broadcasts the sharded axis");
-    set_sharded(out, f, x.region, x.source);
+    const size_t next_in = static_cast<size_t>(x.factor.axis) + 1, next_out = static_cast<size_t>(f.axis) + 1;
+    const bool repeats = next_in < shape(in).size() && shape(in)[next_in] == 1 && shape(out)[next_out] > 1;
+    set_sharded(out, f, x.region, x.source, repeats ? shape(out)[next_out] : x.repeat_next);
   }
 
   // Aligns input axis `axis` of an input with `ndim` dims to the output's (numpy broadcasting).
@@ -315,6 +409,7 @@ class Propagation {
       }
       unite(merged.region, l.region);
       if (merged.source != l.source) merged.source = -1;
+      if (merged.repeat_next != l.repeat_next) merged.repeat_next = 0;
     }
     if (!merged.sharded) return true;
     for (int id : node.inputs) {
@@ -335,7 +430,7 @@ class Propagation {
     for (int id : node.outputs) {
       layouts[id] = Layout{};
       if (ok && merged.sharded && shape(id).size() == shape(node.outputs[0]).size()) {
-        set_sharded(id, merged.factor, merged.region, merged.source);
+        set_sharded(id, merged.factor, merged.region, merged.source, merged.repeat_next);
       }
     }
   }
@@ -412,6 +507,10 @@ class Propagation {
     for (int id : qkv.inputs) {
       const Layout& l = layouts[id];
       if (!l.sharded || l.factor.axis != q.factor.axis) return conflict(q.region, node.label + " needs q, k and v sharded alike");
+      if (l.factor.size < q.factor.size && q.factor.size % l.factor.size == 0 && l.factor.outer == q.factor.outer) {
+        link(l.region, q.region);  // grouped-query attention: fewer KV heads than query heads
+        continue;
+      }
       unite(q.region, l.region);
       constrain(q.region, l.factor.size);
     }
@@ -542,11 +641,15 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
     TORCH_CHECK(iteration <= count + 1, "plan: decisions did not settle");
     Propagation pass(graph, forced);
     pass.run(vocab);
+    pass.settle_links(world_size);
     bool changed = false;
     for (size_t n = 0; n < count; ++n) {
       const Style role = pass.roles[n];
       if (role != Style::Column && role != Style::Vocab) continue;
-      Region& region = pass.regions[pass.find(pass.node_region[n])];
+      const int root = pass.find(pass.node_region[n]);
+      const auto kv = pass.kv_fine.find(root);
+      // KV heads replicated where needed: the query heads' region decides for both.
+      Region& region = pass.regions[kv == pass.kv_fine.end() ? root : kv->second];
       if (region.conflict) {
         changed |= force(static_cast<int>(n), Force::Replicate, "replicated: its output " + region.reason);
       } else if (region.units < world_size) {
@@ -607,15 +710,28 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
       d.style = pass.roles[n];
       d.note = notes[n];
       if (d.style != Style::Replicate) {
-        const int root = pass.find(pass.node_region[n]);
-        d.region = root;
+        int root = pass.find(pass.node_region[n]);
         d.units = d.style == Style::Vocab ? node.args.at(0) : pass.regions[root].units;
+        if (pass.kv_fine.count(root)) {
+          // A KV projection: its units are KV heads, each serving `repeat` query-head units
+          // of the attention's region; the ranks holding one sum its gradient in backward.
+          root = pass.kv_fine.at(root);
+          d.repeat = pass.regions[root].units / d.units;
+          const int64_t weight = node.args.at(0) * node.args.at(1), bias = node.args.at(3) >= 0 ? node.args.at(1) : 0;
+          comm("backward", "all_reduce", weight + bias);
+          regions[root].repeat = d.repeat;
+          regions[root].coarse_units = d.units;
+          const auto& coarse = pass.regions[pass.find(pass.node_region[n])].localize;
+          regions[root].coarse_localize.insert(regions[root].coarse_localize.end(), coarse.begin(), coarse.end());
+          regions[root].coarse_localize.push_back(node.args.at(1));
+        }
+        d.region = root;
         if (pass.parts.count(static_cast<int>(n))) d.parts = pass.parts.at(static_cast<int>(n));
         if (pass.letters.count(static_cast<int>(n))) d.letter = pass.letters.at(static_cast<int>(n));
         if (d.style == Style::Column || d.style == Style::Row) {
           RegionSummary& summary = regions[root];
           summary.id = root;
-          summary.units = d.units;
+          summary.units = pass.regions[root].units;
           summary.localize = pass.regions[root].localize;
         }
       }
@@ -635,9 +751,13 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
       }
       plan.layers.push_back(std::move(d));
     }
+    auto sort_unique = [](std::vector<int64_t>& v) {
+      std::sort(v.begin(), v.end());
+      v.erase(std::unique(v.begin(), v.end()), v.end());
+    };
     for (auto& [id, summary] : regions) {
-      std::sort(summary.localize.begin(), summary.localize.end());
-      summary.localize.erase(std::unique(summary.localize.begin(), summary.localize.end()), summary.localize.end());
+      sort_unique(summary.localize);
+      sort_unique(summary.coarse_localize);
       plan.regions.push_back(summary);
     }
     return plan;
@@ -651,11 +771,13 @@ std::string format_plan(const Plan& plan) {
     out << "layer " << d.node << ' ' << names[static_cast<int>(d.style)] << ' ' << d.region << ' ' << d.units << ' '
         << d.copy_group << " parts " << d.parts.size();
     for (int64_t p : d.parts) out << ' ' << p;
-    out << " letter " << d.letter << " note " << d.note << '\n';
+    out << " letter " << d.letter << " repeat " << d.repeat << " note " << d.note << '\n';
   }
   for (const RegionSummary& r : plan.regions) {
     out << "region " << r.id << ' ' << r.units << " localize " << r.localize.size();
     for (int64_t v : r.localize) out << ' ' << v;
+    out << " repeat " << r.repeat << ' ' << r.coarse_units << ' ' << r.coarse_localize.size();
+    for (int64_t v : r.coarse_localize) out << ' ' << v;
     out << '\n';
   }
   for (const CommCount& c : plan.comm) {

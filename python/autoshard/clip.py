@@ -1,7 +1,7 @@
 """clip_grad_norm_: the global gradient norm of a tensor-parallel model, as torch computes it
 for the unsharded model. A shard's squares are summed across the tensor-parallel group; a
 replicated parameter (a norm's weight, a row layer's bias) holds the same gradient on every
-rank and is counted once; a replicated parameter whose state is partitioned across
+rank and is counted once, as is a KV head that several ranks hold; a replicated parameter whose state is partitioned across
 data-parallel replicas holds only its own piece of the averaged gradient, so its pieces'
 squares are summed across the data-parallel group."""
 
@@ -44,7 +44,9 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     device = grads[0].device
     pieces = {key: piece for key, p in unique.items() if (piece := piece_of(p)) is not None}
     shards = {key: found for key, found in sharded_parameters().items() if key not in pieces}
-    sharded = [p.grad for key, p in unique.items() if key in shards]
+    # A KV head held by several ranks (ShardSpec.repeat) is counted by one of them.
+    owned = {key: shards[key][0].owned_part(p.grad) for key, p in unique.items() if key in shards}
+    sharded = [g for g in owned.values() if g is not None]
     partitioned = [pieces[key].of(p.grad) for key, p in unique.items() if key in pieces]
     replicated = [p.grad for key, p in unique.items() if key not in shards and key not in pieces]
     group = _one_group([shards[key][1] for key in unique if key in shards], "sharded")
@@ -56,19 +58,21 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
         norms = torch.stack([n.float() for n in torch._foreach_norm(tensors, norm_type)])
         return combine(norms)
 
-    def across(tensors, combine, over, op):
+    def across(tensors, combine, over, op, participate=None):
+        # Every rank of `over` must take part; a rank whose KV shards are all owned elsewhere
+        # may hold no tensor here while the others do.
         part = local(tensors, combine)
-        if tensors and dist.is_initialized():
+        if (tensors if participate is None else participate) and dist.is_initialized():
             dist.all_reduce(part, op=op, group=over)
         return part
 
     if math.isinf(norm_type):
-        total = torch.maximum(across(sharded, torch.max, group, dist.ReduceOp.MAX),
+        total = torch.maximum(across(sharded, torch.max, group, dist.ReduceOp.MAX, bool(owned)),
                               across(partitioned, torch.max, dp_group, dist.ReduceOp.MAX))
         total = torch.maximum(total, local(replicated, torch.max))
     else:
         power_sum = lambda n: n.pow(norm_type).sum()
-        total = (across(sharded, power_sum, group, dist.ReduceOp.SUM)
+        total = (across(sharded, power_sum, group, dist.ReduceOp.SUM, bool(owned))
                  + across(partitioned, power_sum, dp_group, dist.ReduceOp.SUM))
         total = (total + local(replicated, power_sum)).pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):

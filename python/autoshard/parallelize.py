@@ -112,7 +112,8 @@ def _sharded_layer(layer, module: nn.Module, group: ProcessGroup) -> nn.Module:
     parts = layer.parts or None
     if layer.style in ("column", "column_gather"):
         return ColumnParallelLinear.from_linear(module, group, gather_output=layer.style == "column_gather",
-                                                units=units, parts=parts)
+                                                units=layer.units if layer.repeat else units, parts=parts,
+                                                repeat=layer.repeat or None)
     return RowParallelLinear.from_linear(module, group, input_is_parallel=True, units=units, parts=parts)
 
 

@@ -54,7 +54,9 @@ def model_holdings(model: torch.nn.Module) -> Tuple[Dict[str, Target], List[Held
     for name, target in targets.items():
         if target.tensor.device.type == "meta":
             raise ValueError(f"save: {name!r} is on the meta device; only a materialised model can be saved")
-        held.append(Held(name, target.tensor.detach(), target.selection))
+        owned = target.owned(target.tensor.detach())
+        if owned is not None:
+            held.append(Held(name, *owned))
         for alias in target.aliases[1:]:
             aliases[alias] = name
     return targets, held, aliases
@@ -86,12 +88,15 @@ def optimizer_holdings(optimizer: torch.optim.Optimizer, targets: Dict[str, Targ
                     if piece is not None and value.dim() == 1 and value.numel() == piece.numel:
                         layout = "flat"
                         start = piece.starts[piece.rank]
-                        selection = Selection((p.numel(),), (((start, piece.numel),),))
+                        held.append(Held(stored, value, Selection((p.numel(),), (((start, piece.numel),),))))
                     elif value.shape == p.shape:
-                        layout, selection = "param", targets[name].selection
+                        layout = "param"
+                        owned = targets[name].owned(value)
+                        if owned is not None:
+                            held.append(Held(stored, *owned))
                     else:
-                        layout, selection = "whole", full_selection(value.shape)
-                    held.append(Held(stored, value, selection))
+                        layout = "whole"
+                        held.append(Held(stored, value, full_selection(value.shape)))
                     entries[key] = {"tensor": stored, "layout": layout}
                 else:
                     entries[key] = {"value": json_value(value, f"the optimizer state {key!r} of {name!r}")}

@@ -2,11 +2,11 @@
 the full tensor each one holds on this rank."""
 
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..nn.spec import sharded_parameters
+from ..nn.spec import ShardSpec, sharded_parameters
 from .selection import Selection, selection_of
 
 
@@ -17,6 +17,20 @@ class Target:
     selection: Selection  # which part of the full tensor it holds
     is_parameter: bool
     aliases: List[str] = field(default_factory=list)  # every name of a tied tensor, `name` first
+    spec: Optional[ShardSpec] = None
+
+    def owned(self, local: torch.Tensor) -> Optional[Tuple[torch.Tensor, Selection]]:
+        """The part of `local` (shaped like this target's tensor) that this rank saves, and its
+        selection: all of it, except where several ranks hold the same KV heads, which the
+        lowest-ranked holder saves; None when another rank saves all of it."""
+        if self.spec is None or not self.spec.overlaps:
+            return local, self.selection
+        part = self.spec.owned_part(local)
+        if part is None:
+            return None
+        runs = list(self.selection.runs)
+        runs[self.spec.dim] = tuple(self.spec.owned_ranges())
+        return part, Selection(self.selection.shape, tuple(runs))
 
 
 def model_targets(model: torch.nn.Module, persistent_only: bool = True) -> Dict[str, Target]:
@@ -31,7 +45,7 @@ def model_targets(model: torch.nn.Module, persistent_only: bool = True) -> Dict[
             return
         spec = specs.get(id(tensor), (None, None))[0] if is_parameter else None
         full_shape = spec.full_shape(tensor.shape) if spec is not None else tuple(tensor.shape)
-        target = Target(name, tensor, selection_of(spec, full_shape), is_parameter, [name])
+        target = Target(name, tensor, selection_of(spec, full_shape), is_parameter, [name], spec)
         targets[name] = by_id[id(tensor)] = target
 
     for name, param in model.named_parameters(remove_duplicate=False):

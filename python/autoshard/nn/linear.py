@@ -65,7 +65,7 @@ class _ParallelLinear(nn.Module):
     split_dim: int
     split_name: str
 
-    def _setup(self, in_features, out_features, bias, group, device, dtype, units, parts) -> None:
+    def _setup(self, in_features, out_features, bias, group, device, dtype, units, parts, repeat=None) -> None:
         owner = type(self).__name__
         self.in_features = _as_int(in_features, "in_features", owner)
         self.out_features = _as_int(out_features, "out_features", owner)
@@ -79,10 +79,13 @@ class _ParallelLinear(nn.Module):
         split_size = self.out_features if self.split_dim == 0 else self.in_features
         units = None if units is None else _as_int(units, "units", owner)
         parts = None if parts is None else tuple(_as_int(p, "parts", owner) for p in parts)
+        repeat = None if repeat is None else _as_int(repeat, "repeat", owner)
+        if repeat is not None and units is None:
+            raise ValueError(f"{owner}: repeat={repeat} needs units (the KV heads)")
         spec = ShardSpec(dim=self.split_dim, full_size=split_size, rank=self._rank, world_size=self._world,
-                         units=units, parts=parts)
+                         units=units, parts=parts, repeat=repeat)
         for size in spec.part_sizes():
-            pieces = units or size
+            pieces = (units or size) * (repeat or 1)
             if pieces < self._world:
                 what = f"{size}" if units is None else f"{size} ({units} whole units)"
                 raise ValueError(
@@ -126,6 +129,26 @@ class _ParallelLinear(nn.Module):
             spec = self.shard_specs.get("bias")
             self.bias.copy_(_take(spec, bias) if spec is not None else bias)
 
+    def _weights_summed_over_holders(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The weight and bias as forward uses them when other ranks hold some of the same KV
+        heads (``repeat``): equal values, but backward sums their gradients over the group,
+        each rank's at its place in the full layer and zeros elsewhere (one all-reduce of the
+        layer's full size, weight and bias together, that never leaves the device), so every
+        holder gets the whole gradient and the copies stay equal under any optimizer."""
+        spec = self.shard_specs["weight"]
+        ((start, length),) = spec.local_ranges()
+        after = spec.full_size - start - length
+        pad = [0, 0] * (self.weight.dim() - 1 - spec.dim) + [start, after]
+        pieces = [F.pad(self.weight, pad).reshape(-1)]
+        if self.bias is not None:
+            pieces.append(F.pad(self.bias, [start, after]))
+        full = ops.copy_to_parallel(torch.cat(pieces), self._group_name)
+        full_shape = spec.full_shape(self.weight.shape)
+        weight_numel = pieces[0].numel()
+        weight = full[:weight_numel].view(full_shape).narrow(spec.dim, start, length)
+        bias = None if self.bias is None else full[weight_numel:].narrow(0, start, length)
+        return weight, bias
+
     @classmethod
     def _from_layer(cls, layer, group, units, parts, **options):
         owner = cls.__name__
@@ -143,9 +166,10 @@ class _ParallelLinear(nn.Module):
             module.bias = nn.Parameter(local_bias, requires_grad=bias.requires_grad)
         return module
 
-    def _linear_weight(self) -> torch.Tensor:
+    def _linear_weight(self, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         # [out, in] for F.linear; a transposed view costs no copy (matmul reads it as is).
-        return self.weight.t() if self.transposed_weight else self.weight
+        weight = self.weight if weight is None else weight
+        return weight.t() if self.transposed_weight else weight
 
     def _check_input(self, x: torch.Tensor, expected: int, what: str) -> None:
         if not isinstance(x, torch.Tensor):
@@ -162,6 +186,8 @@ class _ParallelLinear(nn.Module):
             extra += f", units={spec.units}"
         if spec.parts is not None:
             extra += f", parts={spec.parts}"
+        if spec.repeat is not None:
+            extra += f", repeat={spec.repeat}"
         if self.transposed_weight:
             extra += ", transposed_weight=True"
         return f"local_{self.split_name}={spec.local_size()} (rank {self._rank} of {self._world}){extra}"
@@ -175,6 +201,9 @@ class ColumnParallelLinear(_ParallelLinear):
 
     ``units`` and ``parts`` (keyword-only) split in whole units (attention heads) and split
     fused layouts (QKV) part by part, as ``ShardSpec`` does; both need ``gather_output=False``.
+    ``repeat`` (with ``units``: a KV projection whose KV heads are fewer than the ranks need)
+    holds the KV heads this rank's ``units * repeat`` query-head share uses, as ``ShardSpec``
+    describes; ranks holding the same KV head sum its gradient in backward.
     """
 
     split_dim = 0
@@ -182,13 +211,13 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  group: Optional[ProcessGroup] = None, device=None, dtype=None, *, units: Optional[int] = None,
-                 parts: Optional[Sequence[int]] = None):
+                 parts: Optional[Sequence[int]] = None, repeat: Optional[int] = None):
         super().__init__()
         self.gather_output = bool(gather_output)
         # Column layers that read the same tensor (q, k and v) may share one input copy, so
         # that backward all-reduces their summed input gradient once (see parallelize).
         self.input_copy = None
-        self._setup(in_features, out_features, bias, group, device, dtype, units, parts)
+        self._setup(in_features, out_features, bias, group, device, dtype, units, parts, repeat)
         self.local_out_features = self.shard_specs["weight"].local_size()
         if self.gather_output and not self._plain_split:
             raise ValueError("ColumnParallelLinear: gather_output=True needs a plain split (units=None, parts=None): "
@@ -196,17 +225,22 @@ class ColumnParallelLinear(_ParallelLinear):
 
     @classmethod
     def from_linear(cls, layer, group: Optional[ProcessGroup] = None, gather_output: bool = False, *,
-                    units: Optional[int] = None, parts: Optional[Sequence[int]] = None) -> "ColumnParallelLinear":
+                    units: Optional[int] = None, parts: Optional[Sequence[int]] = None,
+                    repeat: Optional[int] = None) -> "ColumnParallelLinear":
         """This rank's slice of ``layer`` (an ``nn.Linear`` or a transformers ``Conv1D``), on
         the layer's device and dtype; a meta layer gives a meta module."""
-        return cls._from_layer(layer, group, units, parts, gather_output=gather_output)
+        return cls._from_layer(layer, group, units, parts, gather_output=gather_output, repeat=repeat)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x, self.in_features, "in_features")
         if self._world == 1:
             return F.linear(x, self._linear_weight(), self.bias)
         x = self.input_copy(x) if self.input_copy is not None else ops.copy_to_parallel(x, self._group_name)
-        y = F.linear(x, self._linear_weight(), self.bias)
+        if self.shard_specs["weight"].overlaps:
+            weight, bias = self._weights_summed_over_holders()
+            y = F.linear(x, self._linear_weight(weight), bias)
+        else:
+            y = F.linear(x, self._linear_weight(), self.bias)
         if self.gather_output:
             y = ops.gather_from_parallel(y, -1, self.out_features, self._group_name)
         return y

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import ops
-from ..split import shard
+from ..split import shard, split_sizes
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,11 @@ class ShardSpec:
     # A fused layout (QKV in one Linear): the dimension is these consecutive parts, each split
     # on its own, and the local tensor is the concatenation of this rank's piece of each.
     parts: Optional[Tuple[int, ...]] = None
+    # KV heads shared by query heads (grouped-query attention on more ranks than KV heads):
+    # the dimension's `units` each serve `repeat` consecutive finer units (query heads); those
+    # `units * repeat` are split over the ranks with split_sizes, and a rank holds the run of
+    # units its finer units use. Neighbouring ranks' runs may overlap.
+    repeat: Optional[int] = None
 
     def __post_init__(self):
         parts = self.part_sizes()
@@ -41,13 +46,57 @@ class ShardSpec:
                     raise ValueError(f"ShardSpec: part of size {size} does not split into {self.units} whole units")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"ShardSpec: rank must be in [0, {self.world_size}), got {self.rank}")
+        if self.repeat is not None:
+            if self.units is None or self.parts is not None or self.repeat <= 0:
+                raise ValueError(f"ShardSpec: repeat must be a positive int given with units and without parts, "
+                                 f"got repeat={self.repeat}, units={self.units}, parts={self.parts}")
+            if self.units * self.repeat < self.world_size:
+                raise ValueError(f"ShardSpec: units * repeat = {self.units * self.repeat} finer units cannot give "
+                                 f"each of {self.world_size} ranks one")
+
+    def _unit_run(self, rank: int) -> Tuple[int, int]:
+        """[first, end) of the units `rank` holds, for a spec with repeat."""
+        fine = split_sizes(self.units * self.repeat, self.world_size)
+        start = sum(fine[:rank])
+        return start // self.repeat, -(-(start + fine[rank]) // self.repeat)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether a unit may be held by several ranks (each holder keeps the same values)."""
+        return self.repeat is not None
 
     def part_sizes(self) -> Tuple[int, ...]:
         return tuple(self.parts) if self.parts is not None else (self.full_size,)
 
     def local_ranges(self) -> List[Tuple[int, int]]:
         """(start, length) runs of the full dimension that this rank holds, in local order."""
+        if self.repeat is not None:
+            first, end = self._unit_run(self.rank)
+            width = self.full_size // self.units
+            return [(first * width, (end - first) * width)]
         return ops.shard_ranges(self.full_size, self.world_size, self.rank, self.units, self.parts)
+
+    def owned_ranges(self) -> List[Tuple[int, int]]:
+        """The part of local_ranges() this rank stands for where several ranks hold the same
+        units (the lowest-ranked holder of each), as (start, length) in full coordinates:
+        over all ranks these runs cover the dimension exactly once."""
+        if self.repeat is None:
+            return self.local_ranges()
+        first, end = self._unit_run(self.rank)
+        if self.rank > 0:
+            first = max(first, self._unit_run(self.rank - 1)[1])
+        width = self.full_size // self.units
+        return [(first * width, (end - first) * width)] if end > first else []
+
+    def owned_part(self, local: torch.Tensor) -> Optional[torch.Tensor]:
+        """The view of `local` (this rank's tensor) that owned_ranges() describes, or None."""
+        owned = self.owned_ranges()
+        if self.repeat is None:
+            return local
+        if not owned:
+            return None
+        ((start, length),) = owned
+        return local.narrow(self.dim, start - self.local_ranges()[0][0], length)
 
     def full_shape(self, local_shape: Sequence[int]) -> Tuple[int, ...]:
         shape = list(local_shape)

@@ -6,7 +6,6 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from .. import ops
 from .capture import CapturedGraph, capture, trace_text
 from .sharding_plan import OVERRIDE_STYLES, LayerPlan, RegionPlan, ShardingPlan
 
@@ -33,7 +32,8 @@ def _common_module(names) -> str:
     return ".".join(common)
 
 
-def _localized_attributes(graph: CapturedGraph, module_name: str, values, units: int, world_size: int) -> Dict[str, int]:
+def _localized_attributes(graph: CapturedGraph, module_name: str, region: RegionPlan, values,
+                          world_size: int) -> Dict[str, int]:
     """The integer attributes of `module_name` that hold one of `values` and that shape its
     computation: changing one changes the module's traced graph (or breaks it)."""
     module = graph.shadow.get_submodule(module_name)
@@ -45,7 +45,7 @@ def _localized_attributes(graph: CapturedGraph, module_name: str, values, units:
     for attr, value in list(vars(module).items()):
         if type(value) is not int or value not in values or value <= 1:
             continue
-        local = value // units * ops.split_sizes(units, world_size)[0]
+        local = next((v for r in range(world_size) if (v := region.local_value(value, r, world_size)) != value), value)
         if local == value:
             continue
         if baseline is None:
@@ -65,6 +65,7 @@ def _localized_attributes(graph: CapturedGraph, module_name: str, values, units:
 def _parse(text: str, graph: CapturedGraph, world_size: int, element_size: int) -> ShardingPlan:
     layers, regions, comm = [], {}, []
     localize: Dict[int, list] = {}
+    kv: Dict[int, tuple] = {}
     for line in text.splitlines():
         words = line.split()
         if words[0] == "layer":
@@ -72,6 +73,7 @@ def _parse(text: str, graph: CapturedGraph, world_size: int, element_size: int) 
             count = int(words[7])
             parts = [int(w) for w in words[8:8 + count]]
             letter = int(words[9 + count])
+            repeat = int(words[11 + count])
             note = line.split(" note ", 1)[1].strip() if " note " in line else ""
             info = graph.layers[node]
             if info.kind == "linear":
@@ -86,10 +88,13 @@ def _parse(text: str, graph: CapturedGraph, world_size: int, element_size: int) 
                 bias=names[info.bias_param] if info.bias_param >= 0 else None, weight_shape=shape,
                 transposed=info.transposed, units=units if style != "replicate" else 0, parts=parts,
                 region=region, copy_group=group, note=note,
-                equation=info.equation, letter=chr(letter) if letter else "",
+                equation=info.equation, letter=chr(letter) if letter else "", repeat=repeat,
             ))
         elif words[0] == "region":
-            localize[int(words[1])] = [int(w) for w in words[5:5 + int(words[4])]]
+            count = int(words[4])
+            localize[int(words[1])] = [int(w) for w in words[5:5 + count]]
+            rest = words[6 + count:]
+            kv[int(words[1])] = (int(rest[0]), int(rest[1]), [int(w) for w in rest[3:3 + int(rest[2])]])
             regions[int(words[1])] = int(words[2])
         elif words[0] == "comm":
             comm.append({"phase": words[1], "kind": words[2], "count": int(words[3]),
@@ -98,8 +103,13 @@ def _parse(text: str, graph: CapturedGraph, world_size: int, element_size: int) 
     for region, units in regions.items():
         members = [layer.module for layer in layers if layer.region == region]
         module = _common_module(members)
-        attributes = _localized_attributes(graph, module, set(localize[region]), units, world_size) if world_size > 1 else {}
-        region_plans[region] = RegionPlan(units=units, module=module, attributes=attributes)
+        repeat, coarse_units, coarse_sizes = kv[region]
+        region_plan = RegionPlan(units=units, module=module, repeat=repeat, coarse_units=coarse_units,
+                                 coarse_sizes=coarse_sizes)
+        values = set(localize[region]) | set(coarse_sizes) | ({repeat} if repeat else set())
+        if world_size > 1:
+            region_plan.attributes = _localized_attributes(graph, module, region_plan, values, world_size)
+        region_plans[region] = region_plan
     return ShardingPlan(world_size=world_size, layers=layers, regions=region_plans, comm=comm,
                         example={"description": graph.description, "inputs": graph.example_inputs,
                                  "output_shapes": [list(s) for s in graph.output_shapes]})

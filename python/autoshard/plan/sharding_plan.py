@@ -26,6 +26,9 @@ class LayerPlan:
     note: str = ""
     equation: str = ""  # einsum layers: the equation and the weight letter split
     letter: str = ""
+    # KV projections with fewer KV heads than the ranks need: each of `units` KV heads serves
+    # `repeat` query-head units of the region, and ranks hold the KV heads their queries use.
+    repeat: int = 0
 
     def weight_dim(self) -> Optional[int]:
         """The weight dimension this layer splits, or None."""
@@ -42,7 +45,7 @@ class LayerPlan:
         if dim is None:
             return None
         return ShardSpec(dim, self.weight_shape[dim], rank, world_size, units=self.units or None,
-                         parts=tuple(self.parts) if self.parts else None)
+                         parts=tuple(self.parts) if self.parts else None, repeat=self.repeat or None)
 
     def bias_spec(self, rank: int, world_size: int) -> Optional[ShardSpec]:
         # An einsum layer's bias is laid out by its bias_axes; the layer itself records it.
@@ -50,7 +53,7 @@ class LayerPlan:
             return None
         full = self.weight_shape[self.weight_dim()]
         return ShardSpec(0, full, rank, world_size, units=self.units or None,
-                         parts=tuple(self.parts) if self.parts else None)
+                         parts=tuple(self.parts) if self.parts else None, repeat=self.repeat or None)
 
 
 @dataclass
@@ -60,9 +63,22 @@ class RegionPlan:
     # Integer attributes of that module that hold a global size the sharded model must see
     # locally (GPT-2's split_size, OPT's num_heads), each a whole number of units.
     attributes: Dict[str, int] = field(default_factory=dict)
+    # With KV heads replicated where needed: how many of the region's units share one KV head,
+    # the KV units, and the sizes seen on the KV side (KV heads and features).
+    repeat: int = 0
+    coarse_units: int = 0
+    coarse_sizes: List[int] = field(default_factory=list)
 
     def local_value(self, value: int, rank: int, world_size: int) -> int:
-        return value // self.units * split_sizes(self.units, world_size)[rank]
+        local_units = split_sizes(self.units, world_size)[rank]
+        if self.repeat:
+            spec = ShardSpec(0, self.coarse_units, rank, world_size, units=self.coarse_units, repeat=self.repeat)
+            local_kv = spec.local_size()
+            if value in self.coarse_sizes:
+                return value // self.coarse_units * local_kv
+            if value == self.repeat:  # query heads per KV head (repeat_kv's n_rep), on this rank
+                return local_units // local_kv
+        return value // self.units * local_units
 
 
 @dataclass
@@ -128,6 +144,8 @@ class ShardingPlan:
             else:
                 sizes = "/".join(str(layer.weight_spec(r, self.world_size).local_size()) for r in range(self.world_size))
                 sizes += f" of {spec0.full_size}" + (f" in parts {tuple(layer.parts)}" if layer.parts else "")
+                if layer.repeat:
+                    sizes += f" (KV heads shared, {layer.repeat} units each)"
             units = str(layer.units) if layer.units else "-"
             rows.append([layer.module, layer.style, units, sizes, layer.note])
         widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
