@@ -64,8 +64,10 @@ TORCH_LIBRARY(autoshard, m) {
       "float dampening, float weight_decay, bool nesterov, bool maximize, bool first_step) -> ()");
 
   // --- checkpoint/ : slice arithmetic for loading and saving shards (host-side integers)
-  // The flattened (start, length) runs of a dimension that `rank` holds, in local order.
-  m.def("shard_ranges(int full_size, int world_size, int rank, int? units=None, int[]? parts=None) -> int[]",
+  // The flattened (start, length) runs of a dimension that `rank` holds, in local order;
+  // with `repeat`, the run of KV heads (units) its share of units * repeat query heads uses.
+  m.def("shard_ranges(int full_size, int world_size, int rank, int? units=None, int[]? parts=None, "
+        "int? repeat=None) -> int[]",
         &autoshard::checkpoint::shard_ranges);
   // The byte runs [n, 3] = (src offset, dst offset, nbytes) copying the overlap of two
   // selections of one full tensor; a selection is, per dim, [count, start, length, ...].

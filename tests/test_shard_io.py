@@ -87,12 +87,25 @@ def test_shard_ranges_follow_array_split(full_size, world_size, units, parts):
         assert ops.shard_ranges(full_size, world_size, rank, units, parts) == expected
 
 
+@pytest.mark.parametrize("kv_heads,q_heads,world_size", [(2, 6, 4), (2, 6, 3), (3, 6, 4), (2, 4, 4), (1, 4, 2)])
+def test_shard_ranges_give_each_rank_the_kv_heads_its_query_heads_use(kv_heads, q_heads, world_size):
+    head_dim = 8
+    for rank in range(world_size):
+        queries = np.array_split(np.arange(q_heads), world_size)[rank]
+        used = sorted({int(h) // (q_heads // kv_heads) for h in queries})
+        assert used == list(range(used[0], used[-1] + 1))
+        expected = [(used[0] * head_dim, len(used) * head_dim)]
+        assert ops.shard_ranges(kv_heads * head_dim, world_size, rank, kv_heads, None, q_heads // kv_heads) == expected
+
+
 def test_slice_arithmetic_rejects_bad_input():
     expect_errors([
         (lambda: ops.shard_ranges(10, 0, 0), ValueError, ["world_size"]),
         (lambda: ops.shard_ranges(10, 2, 2), ValueError, ["rank"]),
         (lambda: ops.shard_ranges(10, 2, 0, 3), ValueError, ["whole units"]),
         (lambda: ops.shard_ranges(10, 2, 0, None, [4, 4]), ValueError, ["parts", "full_size"]),
+        (lambda: ops.shard_ranges(16, 4, 0, 1, None, 2), ValueError, ["units * repeat", "4 ranks"]),
+        (lambda: ops.shard_ranges(16, 2, 0, None, None, 2), ValueError, ["repeat", "units"]),
         (lambda: ops.copy_runs([4], 4, [1, 2, 3], [1, 0, 4]), ValueError, ["src", "outside"]),
         (lambda: ops.copy_runs([4, 2], 4, [1, 0, 4], [1, 0, 4]), ValueError, ["fewer dims"]),
         (lambda: Selection((4,), (((3, 2),),)), ValueError, ["outside"]),

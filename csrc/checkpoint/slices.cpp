@@ -9,11 +9,35 @@
 
 namespace autoshard::checkpoint {
 
+namespace {
+
+std::vector<int64_t> repeated_unit_run(int64_t full_size, int64_t world_size, int64_t rank, int64_t units,
+                                       int64_t repeat) {
+  TORCH_CHECK_VALUE(units > 0 && repeat > 0, "shard_ranges: repeat needs positive units and repeat, got units=",
+                    units, ", repeat=", repeat);
+  TORCH_CHECK_VALUE(full_size % units == 0, "shard_ranges: full_size ", full_size, " does not split into ", units,
+                    " whole units");
+  TORCH_CHECK_VALUE(units * repeat >= world_size, "shard_ranges: units * repeat = ", units * repeat,
+                    " finer units cannot give each of ", world_size, " ranks one");
+  const Range fine = shard_range(units * repeat, rank, world_size);
+  const int64_t first = fine.start / repeat;
+  const int64_t end = (fine.start + fine.length + repeat - 1) / repeat;
+  const int64_t width = full_size / units;
+  return {first * width, (end - first) * width};
+}
+
+}  // namespace
+
 std::vector<int64_t> shard_ranges(int64_t full_size, int64_t world_size, int64_t rank,
-                                  std::optional<int64_t> units, at::OptionalIntArrayRef parts) {
+                                  std::optional<int64_t> units, at::OptionalIntArrayRef parts,
+                                  std::optional<int64_t> repeat) {
   TORCH_CHECK_VALUE(world_size > 0, "shard_ranges: world_size must be positive, got ", world_size);
   TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "shard_ranges: rank must be in [0, ", world_size, "), got ", rank);
   TORCH_CHECK_VALUE(full_size >= 0, "shard_ranges: full_size must be >= 0, got ", full_size);
+  if (repeat.has_value()) {
+    TORCH_CHECK_VALUE(units.has_value() && !parts.has_value(), "shard_ranges: repeat goes with units and without parts");
+    return repeated_unit_run(full_size, world_size, rank, *units, *repeat);
+  }
   std::vector<int64_t> part_sizes = parts.has_value() ? parts->vec() : std::vector<int64_t>{full_size};
   int64_t total = 0;
   for (int64_t size : part_sizes) {

@@ -47,9 +47,10 @@ def scatter_to_parallel(x: torch.Tensor, dim: int, group_name: str) -> torch.Ten
 
 
 def shard_ranges(
-    full_size: int, world_size: int, rank: int, units: Optional[int] = None, parts: Optional[Sequence[int]] = None
+    full_size: int, world_size: int, rank: int, units: Optional[int] = None, parts: Optional[Sequence[int]] = None,
+    repeat: Optional[int] = None,
 ) -> List[Tuple[int, int]]:
-    flat = _ops.shard_ranges.default(full_size, world_size, rank, units, None if parts is None else list(parts))
+    flat = _ops.shard_ranges.default(full_size, world_size, rank, units, None if parts is None else list(parts), repeat)
     return list(zip(flat[0::2], flat[1::2]))
 
 

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import ops
-from ..split import shard, split_sizes
+from ..split import shard
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,6 @@ class ShardSpec:
                 raise ValueError(f"ShardSpec: units * repeat = {self.units * self.repeat} finer units cannot give "
                                  f"each of {self.world_size} ranks one")
 
-    def _unit_run(self, rank: int) -> Tuple[int, int]:
-        """[first, end) of the units `rank` holds, for a spec with repeat."""
-        fine = split_sizes(self.units * self.repeat, self.world_size)
-        start = sum(fine[:rank])
-        return start // self.repeat, -(-(start + fine[rank]) // self.repeat)
-
     @property
     def overlaps(self) -> bool:
         """Whether a unit may be held by several ranks (each holder keeps the same values)."""
@@ -70,11 +64,10 @@ class ShardSpec:
 
     def local_ranges(self) -> List[Tuple[int, int]]:
         """(start, length) runs of the full dimension that this rank holds, in local order."""
-        if self.repeat is not None:
-            first, end = self._unit_run(self.rank)
-            width = self.full_size // self.units
-            return [(first * width, (end - first) * width)]
-        return ops.shard_ranges(self.full_size, self.world_size, self.rank, self.units, self.parts)
+        return self._ranges_of(self.rank)
+
+    def _ranges_of(self, rank: int) -> List[Tuple[int, int]]:
+        return ops.shard_ranges(self.full_size, self.world_size, rank, self.units, self.parts, self.repeat)
 
     def owned_ranges(self) -> List[Tuple[int, int]]:
         """The part of local_ranges() this rank stands for where several ranks hold the same
@@ -82,11 +75,12 @@ class ShardSpec:
         over all ranks these runs cover the dimension exactly once."""
         if self.repeat is None:
             return self.local_ranges()
-        first, end = self._unit_run(self.rank)
+        ((start, length),) = self.local_ranges()
+        end = start + length
         if self.rank > 0:
-            first = max(first, self._unit_run(self.rank - 1)[1])
-        width = self.full_size // self.units
-        return [(first * width, (end - first) * width)] if end > first else []
+            ((previous_start, previous_length),) = self._ranges_of(self.rank - 1)
+            start = max(start, previous_start + previous_length)
+        return [(start, end - start)] if end > start else []
 
     def owned_part(self, local: torch.Tensor) -> Optional[torch.Tensor]:
         """The view of `local` (this rank's tensor) that owned_ranges() describes, or None."""
