@@ -26,7 +26,7 @@ void copy_bytes(char* __restrict dst, const char* __restrict src, int64_t bytes)
   for (; k < bytes; ++k) dst[k] = src[k];
 }
 
-void parallel_memcpy(char* dst, const char* src, int64_t bytes) {
+void parallel_copy(char* dst, const char* src, int64_t bytes) {
   at::parallel_for(0, bytes, kGrainBytes, [&](int64_t begin, int64_t end) {
     copy_bytes(dst + begin, src + begin, end - begin);
   });
@@ -52,7 +52,7 @@ std::vector<at::Tensor> copy_ranges_cpu(const at::Tensor& self, int64_t dim, con
   if (outer == 1) {
     // Few large blocks: parallelise inside each block.
     for (size_t i = 0; i < ranges.size(); ++i) {
-      parallel_memcpy(static_cast<char*>(pieces[i].data_ptr()), src + ranges[i].start * inner_bytes,
+      parallel_copy(static_cast<char*>(pieces[i].data_ptr()), src + ranges[i].start * inner_bytes,
                       ranges[i].length * inner_bytes);
     }
     return pieces;
