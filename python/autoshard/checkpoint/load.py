@@ -3,6 +3,7 @@ with any plan. Each target tensor reads, from each saved piece that overlaps it,
 overlapping byte ranges, and every block read is checked against the manifest's crc32."""
 
 import contextlib
+import math
 import os
 from typing import Dict, List, Optional, Tuple
 
@@ -147,7 +148,7 @@ def _optimizer_plan(optimizer, manifest: mf.Manifest, targets: Dict[str, Target]
                 if entry["layout"] == "param":
                     _check_shape(what, record, targets[name].selection.shape)
                 elif entry["layout"] == "flat":
-                    _check_shape(what + " (flattened)", record, [_volume(targets[name].selection.shape)])
+                    _check_shape(what + " (flattened)", record, [math.prod(targets[name].selection.shape)])
     return [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]], params
 
 
@@ -159,13 +160,6 @@ def _apply_hyperparameters(optimizer, hyperparameters: List[dict]) -> None:
                 current.fill_(value)
             else:
                 group[key] = tuple(value) if isinstance(current, tuple) and isinstance(value, list) else value
-
-
-def _volume(shape) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
 
 
 def _cut(full: torch.Tensor, selection: Selection) -> torch.Tensor:

@@ -11,6 +11,7 @@ shard held by several data-parallel replicas is written by one of its holders, c
 balance the bytes each rank writes. The ranks must share the file system that holds ``path``.
 """
 
+import math
 import os
 import shutil
 import sys
@@ -108,9 +109,7 @@ def _assign_writers(described: List[List[tuple]]) -> Dict[tuple, int]:
         for key, dtype, shape, runs in items:
             piece = (key, repr(runs))
             holders.setdefault(piece, []).append(rank)
-            volume = 1
-            for dim_runs in runs:
-                volume *= sum(length for _, length in dim_runs)
+            volume = math.prod(sum(length for _, length in dim_runs) for dim_runs in runs)
             sizes[piece] = volume * torch.empty((), dtype=mf.dtype_of(dtype)).element_size()
     load = [0] * len(described)
     writer = {}
