@@ -1,20 +1,35 @@
-# `make test` and `make demo` set everything up themselves: a virtual environment, torch and
-# the other dependencies, the extension build, then the tests or the demo.
+# `make test` and `make demo` set everything up themselves: a virtual environment, pinned torch
+# and the other pinned dependencies, the extension build, then the tests or the demo.
+#
+#   make test                          # torch 2.13.0 CPU (the default, from the local wheel cache)
+#   make test TORCH="torch==2.14.1"    # another torch, e.g. a CUDA build on a GPU machine
+#   make cuda-check                    # compile (and link) the CUDA kernels without running them
 PYTHON ?= python3
+TORCH ?= torch==2.13.0+cpu
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 export MAX_JOBS ?= 2
-# ccache, when installed, makes rebuilds after small edits cheap.
+# ccache, when installed, makes rebuilds after small edits cheap, also across checkouts.
 export PATH := $(if $(wildcard /usr/lib/ccache),/usr/lib/ccache:)$(PATH)
+export CCACHE_BASEDIR ?= $(CURDIR)
 
-SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py pyproject.toml
+# The CUDA compile check: a torch whose CUDA matches this machine's nvcc (13.0).
+CUDA_CHECK_TORCH ?= torch==2.14.1
+CUDA_VENV := .venv-cuda
+CUDA_CHECK_DIR := build/cuda-check
 
-.PHONY: build test demo bench clean
+SOURCES := $(shell find csrc build_tools -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py') setup.py pyproject.toml
 
-$(VENV)/.deps: requirements-dev.txt
+# The torch spec in use is remembered in the environment, so that changing TORCH reinstalls.
+TORCH_STAMP := $(VENV)/.torch-spec
+$(shell mkdir -p $(VENV) && [ "$$(cat $(TORCH_STAMP) 2>/dev/null)" = "$(TORCH)" ] || echo "$(TORCH)" > $(TORCH_STAMP))
+
+.PHONY: build test demo bench conformance cuda-check clean
+
+$(VENV)/.deps: requirements-dev.txt constraints.txt $(TORCH_STAMP)
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet -r requirements-dev.txt
+	$(PIP) install --quiet --disable-pip-version-check "$(TORCH)" -r requirements-dev.txt -c constraints.txt
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(SOURCES)
@@ -32,6 +47,20 @@ demo: build
 
 bench: build
 	$(PY) benchmarks/bench_split.py
+
+# Builds a copy of the sources against a CUDA build of torch in a second environment, with the
+# CUDA kernels required, then checks that every op has a CUDA kernel registered. Nothing runs
+# on a GPU; this keeps CUDA compile errors from landing unseen on machines without one.
+cuda-check:
+	[ -x $(CUDA_VENV)/bin/python ] || $(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/pip install --quiet --disable-pip-version-check "$(CUDA_CHECK_TORCH)" numpy ninja setuptools wheel -c constraints.txt
+	rm -rf $(CUDA_CHECK_DIR)/src && mkdir -p $(CUDA_CHECK_DIR)/src
+	cp -r csrc python build_tools setup.py pyproject.toml README.md $(CUDA_CHECK_DIR)/src/
+	find $(CUDA_CHECK_DIR)/src/python -name '_C*.so' -delete
+	cd $(CUDA_CHECK_DIR)/src && AUTOSHARD_BUILD_CUDA=1 $(CURDIR)/$(CUDA_VENV)/bin/python setup.py build_ext --inplace \
+		> $(CURDIR)/$(CUDA_CHECK_DIR)/build.log 2>&1 || { tail -60 $(CURDIR)/$(CUDA_CHECK_DIR)/build.log; exit 1; }
+	grep '^autoshard: ' $(CUDA_CHECK_DIR)/build.log
+	$(CUDA_VENV)/bin/python build_tools/check_cuda_kernels.py $(CUDA_CHECK_DIR)/src/python
 
 clean:
 	rm -rf build python/autoshard/_C*.so python/autoshard/_build_info.py $(VENV)/.built

@@ -1,12 +1,16 @@
 """Builds autoshard's one extension library, ``autoshard._C``.
 
-CUDA kernels are compiled whenever nvcc and a CUDA build of torch are present, even with
-no GPU visible; ``AUTOSHARD_BUILD_CUDA=0`` skips them and ``=1`` insists on them.
+CUDA kernels are compiled when nvcc and torch agree on the CUDA version (major.minor) and the
+CUDA headers on the include path come from that same version, even with no GPU visible;
+otherwise they are skipped with one printed line. ``AUTOSHARD_BUILD_CUDA=0`` skips them and
+``=1`` insists on them (a mismatch is then an error). The decision is
+``build_tools/cuda_toolchain.py``.
 """
 
 import glob
 import os
 import shutil
+import sys
 
 import torch
 from setuptools import find_packages, setup
@@ -30,23 +34,26 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGE_DIR = os.path.join(HERE, "python", "autoshard")
+sys.path.insert(0, HERE)
+from build_tools import cuda_toolchain  # noqa: E402
 
 
 def build_cuda() -> bool:
-    flag = os.environ.get("AUTOSHARD_BUILD_CUDA", "").strip()
-    available = CUDA_HOME is not None and torch.version.cuda is not None
-    if flag == "0":
-        return False
-    if flag == "1":
-        if not available:
-            raise RuntimeError(
-                "AUTOSHARD_BUILD_CUDA=1 needs nvcc (CUDA_HOME) and a CUDA build of torch; "
-                f"found CUDA_HOME={CUDA_HOME!r}, torch.version.cuda={torch.version.cuda!r}"
-            )
-        return True
-    if flag:
-        raise RuntimeError(f"AUTOSHARD_BUILD_CUDA must be 0 or 1, got {flag!r}")
-    return available
+    """Decides once, prints the reason on one line, and returns whether to compile CUDA."""
+    nvcc = None
+    header_dirs = []
+    if CUDA_HOME is not None:
+        candidate = os.path.join(CUDA_HOME, "bin", "nvcc")
+        nvcc = candidate if os.path.exists(candidate) else shutil.which("nvcc")
+        header_dirs = [os.path.join(CUDA_HOME, "include")] + cuda_library_headers()
+    decision = cuda_toolchain.decide(
+        os.environ.get("AUTOSHARD_BUILD_CUDA", ""),
+        nvcc=cuda_toolchain.nvcc_version(nvcc),
+        torch_cuda=torch.version.cuda,
+        header_versions={d: cuda_toolchain.header_cuda_version(d) for d in header_dirs},
+    )
+    print(f"autoshard: {decision.reason}", flush=True)
+    return decision.build
 
 
 def sources(pattern: str) -> list:
@@ -93,7 +100,6 @@ extension_kwargs = dict(
     include_dirs=[os.path.join(HERE, "csrc")] + (cuda_library_headers() if with_cuda else []),
     extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
     extra_link_args=["-fopenmp"],
-    define_macros=[("AUTOSHARD_WITH_CUDA", "1" if with_cuda else "0")],
 )
 extension = CUDAExtension(**extension_kwargs) if with_cuda else CppExtension(**extension_kwargs)
 
