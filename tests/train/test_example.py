@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 
 
 def test_train_gpt_learns_and_equals_the_unsharded_model(tmp_path):
