@@ -8,7 +8,7 @@ described in exactly one place.
 
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -122,12 +122,18 @@ def register_sharded_module(module: torch.nn.Module) -> None:
     _SHARDED_MODULES.add(module)
 
 
-def sharded_parameters() -> Dict[int, Tuple[ShardSpec, object]]:
-    """id(parameter) -> (its ShardSpec, the module's process group or None) for live modules."""
+def module_shards(modules: Iterable[torch.nn.Module]) -> Dict[int, Tuple[ShardSpec, object]]:
+    """id(parameter) -> (its ShardSpec, the module's process group or None), for the sharded
+    parameters of `modules`, read from their shard_specs as they are now."""
     found = {}
-    for module in list(_SHARDED_MODULES):
+    for module in modules:
         for name, spec in getattr(module, "shard_specs", {}).items():
             param = getattr(module, name, None)
             if isinstance(param, torch.Tensor):
                 found[id(param)] = (spec, getattr(module, "group", None))
     return found
+
+
+def sharded_parameters() -> Dict[int, Tuple[ShardSpec, object]]:
+    """module_shards() of every live sharded module."""
+    return module_shards(list(_SHARDED_MODULES))
