@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..nn.spec import ShardSpec, sharded_parameters
-from .selection import Selection, selection_of
+from ..tensor_io import Selection, selection_of
 
 
 @dataclass
