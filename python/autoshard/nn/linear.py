@@ -12,7 +12,6 @@ slice and ``shard_specs`` describe the parameter as it is stored.
 """
 
 import operator
-import sys
 from dataclasses import replace
 from typing import Optional, Sequence, Tuple
 
@@ -22,6 +21,7 @@ from torch import nn
 
 from .. import ops
 from ..distributed import ProcessGroup, resolve
+from .conv1d import is_conv1d
 from .spec import ShardSpec, register_sharded_module
 
 
@@ -32,20 +32,11 @@ def _as_int(value, argument: str, owner: str) -> int:
         raise TypeError(f"{owner}: {argument} must be an int, got {type(value).__name__}") from None
 
 
-def _is_hf_conv1d(layer) -> bool:
-    # A Conv1D instance implies transformers is imported, so this never imports it.
-    for module_name in ("transformers.pytorch_utils", "transformers.modeling_utils"):
-        conv1d = getattr(sys.modules.get(module_name), "Conv1D", None)
-        if isinstance(conv1d, type) and isinstance(layer, conv1d):
-            return True
-    return False
-
-
 def _source_shape(layer, owner: str) -> Tuple[int, int, bool]:
     """(in_features, out_features, transposed) of an nn.Linear or a transformers Conv1D."""
     if isinstance(layer, nn.Linear):
         return layer.in_features, layer.out_features, False
-    if _is_hf_conv1d(layer):
+    if is_conv1d(layer):
         in_features, out_features = layer.weight.shape
         return in_features, out_features, True
     raise TypeError(f"{owner}.from_linear: layer must be a torch.nn.Linear or a transformers Conv1D, "
