@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import all_reduce_
-from .nn.spec import sharded_parameters
+from .model_state import shards_of
 from .partitioned_state import piece_of
 
 
@@ -44,7 +44,7 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
         raise ValueError(f"clip_grad_norm_: the gradients are on several devices {sorted(map(str, devices))}")
     device = grads[0].device
     pieces = {key: piece for key, p in unique.items() if (piece := piece_of(p)) is not None}
-    shards = {key: found for key, found in sharded_parameters().items() if key not in pieces}
+    shards = {key: found for key, found in shards_of(unique.values()).items() if key not in pieces}
     # A KV head held by several ranks (ShardSpec.repeat) is counted by one of them.
     owned = {key: shards[key][0].owned_part(p.grad) for key, p in unique.items() if key in shards}
     sharded = [g for g in owned.values() if g is not None]

@@ -17,13 +17,12 @@ ops pad and unpad them (autoshard.comm).
 """
 
 import weakref
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .comm import all_gather_uneven, reduce_scatter_uneven, wait
-from .nn.spec import sharded_parameters
+from .model_state import ParallelState, parameter_state
 from .split import split_sizes
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -51,37 +50,27 @@ class Partition:
         return tensor.view(-1).narrow(0, self.starts[r], self.sizes[r])
 
 
-_PIECES: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
-
-
 def piece_of(param: torch.Tensor) -> Optional[Partition]:
-    """The piece this rank owns of a parameter whose state is partitioned; None for others."""
-    return _PIECES.get(param)
+    """The piece this rank owns of a parameter whose state is partitioned (kept by the state
+    of the model it belongs to); None for others."""
+    state = parameter_state(param)
+    return None if state is None else state.partition_of(param)
 
 
-def unregister_piece(param: torch.Tensor) -> Optional[Partition]:
-    """Takes `param` out of the registry (returning its piece): torch will not swap the storage
-    of a tensor held weakly, as loading a model built on meta does."""
-    return _PIECES.pop(param, None)
-
-
-def register_piece(param: torch.Tensor, piece: Partition) -> None:
-    _PIECES[param] = piece
-
-
-def partition_replicated(parameters: Iterable[torch.nn.Parameter], group) -> Set[int]:
-    """Partitions the state of every trainable parameter that tensor parallelism replicates
-    (absent from all shard_specs, or split over a single rank) across `group`; returns their ids.
-    Non-contiguous parameters have no flat view to split and stay replicated."""
-    shards = sharded_parameters()
+def partition_replicated(state: ParallelState, group) -> Set[int]:
+    """Partitions across `group` the state of every trainable parameter of `state`'s model that
+    tensor parallelism replicates (absent from all shard_specs, or split over a single rank);
+    records the partitions in `state` and returns their ids. Non-contiguous parameters have no
+    flat view to split and stay replicated."""
+    shards = state.shards()
     chosen = set()
-    for p in parameters:
+    for p in state.model.parameters():
         if not p.requires_grad or id(p) in chosen or not p.is_contiguous():
             continue
         spec = shards.get(id(p), (None,))[0]
         if spec is not None and spec.world_size > 1:
             continue
-        _PIECES[p] = Partition(p.numel(), group)
+        state.partitions[id(p)] = Partition(p.numel(), group)
         chosen.add(id(p))
     return chosen
 
@@ -152,7 +141,7 @@ def all_gather_pieces(params: List[torch.Tensor], bucket_bytes: int = DEFAULT_BU
     of the data-parallel group calls it with the same parameters in the same order."""
     families: Dict[tuple, List[torch.Tensor]] = {}
     for p in params:
-        families.setdefault((id(_PIECES[p].group), p.device, p.dtype), []).append(p)
+        families.setdefault((id(piece_of(p).group), p.device, p.dtype), []).append(p)
     buckets: List[List[torch.Tensor]] = []
     for family in families.values():
         bucket, filled = [], 0
@@ -165,7 +154,7 @@ def all_gather_pieces(params: List[torch.Tensor], bucket_bytes: int = DEFAULT_BU
         if bucket:
             buckets.append(bucket)
     for bucket in buckets:
-        pieces = [_PIECES[p] for p in bucket]
+        pieces = [piece_of(p) for p in bucket]
         rank, world = pieces[0].rank, pieces[0].world_size
         flats = [p.detach().view(-1) for p in bucket]
         lengths = _segment_lengths(pieces)

@@ -5,11 +5,10 @@ the optimizer state of replicated parameters partitioned over the data-parallel 
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import autoshard
 from autoshard.distributed import set_default_group
-from autoshard.nn.spec import sharded_parameters
+from autoshard.model_state import state_of
 from hf_models import build
 from multirank import run_on_ranks
 
@@ -115,7 +114,7 @@ def _partition_report(model, opt, dp_size, dp_rank):
     """What the optimizer state and the data-parallel traffic should be: the elements of
     sharded and partitioned parameters, and whether every partitioned parameter's state
     holds exactly this rank's piece."""
-    shards = sharded_parameters()
+    shards = state_of(model).shards()
     sharded_ids = {id(p) for p in model.parameters() if id(p) in shards and shards[id(p)][0].world_size > 1}
     sharded = sum(p.numel() for p in model.parameters() if id(p) in sharded_ids)
     padded_pieces, mismatched, partitioned = 0, [], 0

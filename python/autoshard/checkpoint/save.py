@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import manifest as mf
+from ..model_state import state_of
 from .contents import Held, json_value, model_holdings, optimizer_holdings
 from .group import CheckpointGroup, checkpoint_group
 from .pending import CheckpointSaveError, SaveHandle, track, wait_for_pending_save
@@ -110,8 +111,8 @@ def _tp_ranks(model: torch.nn.Module) -> Optional[List[int]]:
 
 
 def _plan_json(model: torch.nn.Module) -> Optional[str]:
-    plan = getattr(model, "_autoshard_plan", None)  # set by parallelize
-    return None if plan is None else plan.to_json()
+    state = state_of(model)  # attached by parallelize
+    return None if state is None or state.plan is None else state.plan.to_json()
 
 
 def _versions() -> Dict[str, str]:

@@ -22,7 +22,8 @@ from torch import nn
 from .. import ops
 from ..distributed import ProcessGroup, resolve
 from .conv1d import is_conv1d
-from .spec import ShardSpec, register_sharded_module
+from ..model_state import attach_layer_state
+from .spec import ShardSpec
 
 
 def _as_int(value, argument: str, owner: str) -> int:
@@ -84,7 +85,6 @@ class _ParallelLinear(nn.Module):
                     f"every rank needs a piece, so {self.split_name} must be at least the group size"
                 )
         self.shard_specs = {"weight": spec}
-        register_sharded_module(self)
         local = spec.local_size()
         shape = (local, self.in_features) if self.split_dim == 0 else (self.out_features, local)
         factory = {"device": device, "dtype": dtype}
@@ -96,6 +96,7 @@ class _ParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
+        attach_layer_state(self)
 
     @property
     def _plain_split(self) -> bool:
@@ -155,6 +156,7 @@ class _ParallelLinear(nn.Module):
             spec = module.shard_specs.get("bias")
             local_bias = _take(spec, bias) if spec is not None else bias.detach().clone()
             module.bias = nn.Parameter(local_bias, requires_grad=bias.requires_grad)
+        attach_layer_state(module)
         return module
 
     def _linear_weight(self, weight: Optional[torch.Tensor] = None) -> torch.Tensor:

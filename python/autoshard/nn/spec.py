@@ -6,7 +6,6 @@ full state dict and gradient clipping all read these records, so a module's layo
 described in exactly one place.
 """
 
-import weakref
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -113,15 +112,6 @@ class ShardSpec:
         return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
 
 
-# Every module that holds sharded parameters, so that gradient clipping and checkpointing can
-# tell a shard from a replicated parameter by looking, at that moment, at the modules' specs.
-_SHARDED_MODULES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-
-
-def register_sharded_module(module: torch.nn.Module) -> None:
-    _SHARDED_MODULES.add(module)
-
-
 def module_shards(modules: Iterable[torch.nn.Module]) -> Dict[int, Tuple[ShardSpec, object]]:
     """id(parameter) -> (its ShardSpec, the module's process group or None), for the sharded
     parameters of `modules`, read from their shard_specs as they are now."""
@@ -133,7 +123,3 @@ def module_shards(modules: Iterable[torch.nn.Module]) -> Dict[int, Tuple[ShardSp
                 found[id(param)] = (spec, getattr(module, "group", None))
     return found
 
-
-def sharded_parameters() -> Dict[int, Tuple[ShardSpec, object]]:
-    """module_shards() of every live sharded module."""
-    return module_shards(list(_SHARDED_MODULES))
