@@ -26,9 +26,25 @@ TORCH_LIBRARY(autoshard, m) {
   m.def("reduce_from_parallel(Tensor x, str group_name) -> Tensor");  // all-reduce (sum); grad identity
   m.def("gather_from_parallel(Tensor x, int dim, int length, str group_name) -> Tensor");
   m.def("scatter_to_parallel(Tensor x, int dim, str group_name) -> Tensor");  // this rank's piece
-  // Running totals of the collectives issued by this process: (count, bytes) per kind.
+  // Every other collective autoshard issues. Pieces of unequal sizes (rank r's holding
+  // sizes[r] elements) are padded for the wire and unpadded inside the op.
+  // Sums (reduce_op "sum") or takes the maximum ("max") of x over the group, in place.
+  m.def("all_reduce_(Tensor(a!) x, str reduce_op, str group_name) -> ()");
+  // Every rank's piece concatenated along dim, in rank order.
+  m.def("all_gather_uneven(Tensor x, int dim, int[] sizes, str group_name) -> Tensor");
+  // x (1-d) holds the ranks' pieces back to back; returns this rank's piece of their sum.
+  // With async_op the collective is only started: torch.ops._c10d_functional.wait_tensor
+  // waits for the result, as for torch's functional collectives.
+  m.def("reduce_scatter_uneven(Tensor x, int[] sizes, str group_name, bool async_op=False) -> Tensor");
+  // The tensors flattened into one new 1-d buffer and summed over the group (async_op: as above).
+  m.def("all_reduce_bucket(Tensor[] tensors, str group_name, bool async_op=False) -> Tensor");
+  // Rank src's x on every rank, in place.
+  m.def("broadcast_(Tensor(a!) x, int src, str group_name) -> ()");
+  // Running totals of the collectives issued by this process: (count, bytes) per kind; and
+  // the same per process group, group by group.
   m.def("comm_counter_kinds() -> str[]", &autoshard::comm::comm_counter_kinds);
   m.def("comm_counters() -> int[]", &autoshard::comm::comm_counters);
+  m.def("comm_group_counters() -> (str[] group_names, int[] counters)", &autoshard::comm::comm_group_counters);
 
   // --- nn/ embedding: this rank holds rows [vocab_start, vocab_start + weight.size(0)) of a
   // [vocab_size, dim] table. The lookup gives the held rows and zeros for every other id (so

@@ -3,9 +3,10 @@ import sys
 
 import pytest
 
-_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
+# The helpers every test folder shares (multirank, hf_models, checks, ...) live in support/.
+_SUPPORT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
+if _SUPPORT_DIR not in sys.path:
+    sys.path.insert(0, _SUPPORT_DIR)
 
 
 def pytest_configure(config):

@@ -1,63 +1,148 @@
 #include "comm/collectives.h"
 
+#include <algorithm>
+#include <numeric>
+
 #include <c10/core/DeviceGuard.h>
 
 #include "comm/counters.h"
 #include "split/split_rule.h"
 
 namespace autoshard::comm {
+namespace {
 
-void all_reduce_sum_(at::Tensor& tensor, c10d::ProcessGroup& group) {
+int64_t widest_of(const std::vector<int64_t>& sizes) {
+  return sizes.empty() ? 0 : *std::max_element(sizes.begin(), sizes.end());
+}
+
+bool even(const std::vector<int64_t>& sizes) {
+  return std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == sizes.front(); });
+}
+
+// `piece` along `dim`, padded with zeros to `widest` there (itself when already that wide).
+// The pad never reaches a result; zeroing it keeps what goes over the wire defined.
+at::Tensor padded_piece(const at::Tensor& piece, int64_t dim, int64_t widest) {
+  const int64_t mine = piece.size(dim);
+  if (mine == widest) return piece.contiguous();
+  std::vector<int64_t> shape = piece.sizes().vec();
+  shape[dim] = widest;
+  at::Tensor padded = at::empty(shape, piece.options());
+  padded.narrow(dim, 0, mine).copy_(piece);
+  padded.narrow(dim, mine, widest - mine).zero_();
+  return padded;
+}
+
+}  // namespace
+
+void all_reduce_(at::Tensor& tensor, c10d::ReduceOp::RedOpType op, c10d::ProcessGroup& group) {
   if (group.getSize() == 1 || tensor.numel() == 0) return;
   const c10::DeviceGuard device_guard(tensor.device());
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions options;
-  options.reduceOp = c10d::ReduceOp::SUM;
+  options.reduceOp = c10d::ReduceOp(op);
   group.allreduce(tensors, options)->wait();
-  count_collective(Collective::kAllReduce, static_cast<int64_t>(tensor.nbytes()));
+  count_collective(Collective::kAllReduce, static_cast<int64_t>(tensor.nbytes()), group.getGroupName());
 }
 
-at::Tensor all_gather_uneven(const at::Tensor& local, int64_t dim, int64_t length, c10d::ProcessGroup& group) {
+at::Tensor all_gather_uneven(const at::Tensor& local, int64_t dim, const std::vector<int64_t>& sizes,
+                             c10d::ProcessGroup& group) {
   const int64_t world = group.getSize();
   if (world == 1) return local.clone(at::MemoryFormat::Contiguous);
-  const std::vector<int64_t> sizes = split_sizes(length, world);
-  const int64_t widest = sizes.front();  // the first ranks hold the extra elements
-  const bool even = sizes.back() == widest;
+  const int64_t length = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
   std::vector<int64_t> shape = local.sizes().vec();
   shape[dim] = length;
   if (c10::multiply_integers(shape) == 0) return at::empty(shape, local.options());
 
   const c10::DeviceGuard device_guard(local.device());
-  const int64_t mine = local.size(dim);
-  shape[dim] = widest;
-  at::Tensor padded;
-  if (mine == widest) {
-    padded = local.contiguous();  // only read by the collective
-  } else {
-    padded = at::empty(shape, local.options());
-    padded.narrow(dim, 0, mine).copy_(local);
-    // The pad never reaches the result; zeroing it keeps what goes over the wire defined.
-    padded.narrow(dim, mine, widest - mine).zero_();
-  }
+  const int64_t widest = widest_of(sizes);
+  const at::Tensor padded = padded_piece(local, dim, widest);
   // Flat buffers: backends differ in how they cut the output into per-rank pieces, but all
   // agree on a 1-d output of world times the input's elements.
   at::Tensor flat_input = padded.view({-1});
   at::Tensor flat_output = at::empty({world * padded.numel()}, local.options());
   group.all_gather_single(flat_output, flat_input)->wait();
-  count_collective(Collective::kAllGather, static_cast<int64_t>(padded.nbytes()));
+  count_collective(Collective::kAllGather, static_cast<int64_t>(padded.nbytes()), group.getGroupName());
   std::vector<int64_t> gathered_shape{world};
-  gathered_shape.insert(gathered_shape.end(), shape.begin(), shape.end());
+  gathered_shape.insert(gathered_shape.end(), padded.sizes().begin(), padded.sizes().end());
   const at::Tensor gathered = flat_output.view(gathered_shape);
 
-  if (even && dim == 0) {
+  if (even(sizes) && dim == 0) {
     // [world, widest, ...] laid out in rank order is already the concatenation along dim 0.
-    shape[0] = length;
     return gathered.view(shape);
   }
   std::vector<at::Tensor> pieces;
   pieces.reserve(world);
   for (int64_t r = 0; r < world; ++r) pieces.push_back(gathered.select(0, r).narrow(dim, 0, sizes[r]));
   return at::cat(pieces, dim);
+}
+
+at::Tensor all_gather_split(const at::Tensor& local, int64_t dim, int64_t length, c10d::ProcessGroup& group) {
+  if (group.getSize() == 1) return local.clone(at::MemoryFormat::Contiguous);
+  return all_gather_uneven(local, dim, split_sizes(length, group.getSize()), group);
+}
+
+at::Tensor reduce_scatter_uneven(const at::Tensor& flat, const std::vector<int64_t>& sizes,
+                                 c10d::ProcessGroup& group, bool async_op) {
+  const int64_t world = group.getSize();
+  const int64_t rank = group.getRank();
+  if (world == 1) return flat.clone(at::MemoryFormat::Contiguous);
+  const int64_t widest = widest_of(sizes);
+  if (widest == 0) return at::empty({0}, flat.options());
+  const c10::DeviceGuard device_guard(flat.device());
+  at::Tensor input;
+  if (even(sizes)) {
+    input = flat.contiguous();
+  } else {
+    input = at::zeros({world, widest}, flat.options());
+    int64_t offset = 0;
+    for (int64_t r = 0; r < world; ++r) {
+      input.select(0, r).narrow(0, 0, sizes[r]).copy_(flat.narrow(0, offset, sizes[r]));
+      offset += sizes[r];
+    }
+    input = input.view({-1});
+  }
+  at::Tensor output = at::empty({widest}, flat.options());
+  c10d::ReduceScatterOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  auto work = group.reduce_scatter_single(output, input, options);
+  count_collective(Collective::kReduceScatter, static_cast<int64_t>(input.nbytes()), group.getGroupName());
+  at::Tensor mine = sizes[rank] == widest ? output : output.narrow(0, 0, sizes[rank]);
+  if (async_op) {
+    c10d::register_work(mine, work);
+  } else {
+    work->wait();
+  }
+  return mine;
+}
+
+at::Tensor all_reduce_bucket(at::TensorList tensors, c10d::ProcessGroup& group, bool async_op) {
+  std::vector<at::Tensor> flats;
+  flats.reserve(tensors.size());
+  for (const auto& t : tensors) flats.push_back(t.reshape({-1}));
+  at::Tensor bucket = at::cat(flats);
+  if (group.getSize() == 1 || bucket.numel() == 0) return bucket;
+  const c10::DeviceGuard device_guard(bucket.device());
+  std::vector<at::Tensor> buffers{bucket};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  auto work = group.allreduce(buffers, options);
+  count_collective(Collective::kAllReduce, static_cast<int64_t>(bucket.nbytes()), group.getGroupName());
+  if (async_op) {
+    c10d::register_work(bucket, work);
+  } else {
+    work->wait();
+  }
+  return bucket;
+}
+
+void broadcast_(at::Tensor& tensor, int64_t src, c10d::ProcessGroup& group) {
+  if (group.getSize() == 1 || tensor.numel() == 0) return;
+  const c10::DeviceGuard device_guard(tensor.device());
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::BroadcastOptions options;
+  options.rootRank = src;
+  group.broadcast(tensors, options)->wait();
+  count_collective(Collective::kBroadcast, static_cast<int64_t>(tensor.nbytes()), group.getGroupName());
 }
 
 }  // namespace autoshard::comm

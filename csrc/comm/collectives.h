@@ -1,19 +1,42 @@
 #pragma once
-// The two collectives the mappings need, issued on the group's backend for the tensors'
-// device (gloo on CPU; NCCL, or gloo, on CUDA) and waited for before returning. On CUDA,
-// NCCL's wait only orders the current stream after the collective: the host does not block
-// and no data passes through host memory. A group of one issues nothing.
+// Every collective autoshard issues, on the group's backend for the tensors' device (gloo on
+// CPU; NCCL, or gloo, on CUDA), and counted where it is issued. Unless said otherwise each
+// one is waited for before returning. On CUDA, NCCL's wait only orders the current stream
+// after the collective: the host does not block and no data passes through host memory.
+// A group of one issues nothing.
+//
+// Uneven pieces (rank r holding sizes[r] elements) go over the wire padded to the largest
+// one; the padding is added and dropped here, and nowhere else.
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 namespace autoshard::comm {
 
-// Sums the contiguous `tensor` over the group, in place.
-void all_reduce_sum_(at::Tensor& tensor, c10d::ProcessGroup& group);
+// Sums (or takes the maximum of) the contiguous `tensor` over the group, in place.
+void all_reduce_(at::Tensor& tensor, c10d::ReduceOp::RedOpType op, c10d::ProcessGroup& group);
+inline void all_reduce_sum_(at::Tensor& tensor, c10d::ProcessGroup& group) {
+  all_reduce_(tensor, c10d::ReduceOp::SUM, group);
+}
 
-// Concatenates along `dim` the pieces of all ranks, rank r holding split_sizes(length,
-// world)[r] elements there. Pieces are padded to the largest for the collective and unpadded
-// after it. The result is a new contiguous tensor.
-at::Tensor all_gather_uneven(const at::Tensor& local, int64_t dim, int64_t length, c10d::ProcessGroup& group);
+// Concatenates along `dim` the pieces of all ranks, rank r holding sizes[r] elements there.
+// The result is a new contiguous tensor.
+at::Tensor all_gather_uneven(const at::Tensor& local, int64_t dim, const std::vector<int64_t>& sizes,
+                             c10d::ProcessGroup& group);
+
+// The same for pieces that follow split_sizes(length, world).
+at::Tensor all_gather_split(const at::Tensor& local, int64_t dim, int64_t length, c10d::ProcessGroup& group);
+
+// `flat` (1-d) holds every rank's piece back to back, rank r's of sizes[r] elements; returns
+// this rank's piece of the sum over the group. With `async_op` the collective is only
+// started: the result is registered with c10d, to be waited for with wait_tensor.
+at::Tensor reduce_scatter_uneven(const at::Tensor& flat, const std::vector<int64_t>& sizes,
+                                 c10d::ProcessGroup& group, bool async_op);
+
+// The tensors flattened into one new 1-d buffer, summed over the group (started only with
+// `async_op`, as above).
+at::Tensor all_reduce_bucket(at::TensorList tensors, c10d::ProcessGroup& group, bool async_op);
+
+// Rank `src`'s contiguous `tensor` on every rank, in place.
+void broadcast_(at::Tensor& tensor, int64_t src, c10d::ProcessGroup& group);
 
 }  // namespace autoshard::comm

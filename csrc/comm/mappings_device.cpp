@@ -24,7 +24,7 @@ at::Tensor reduce_from_parallel(const at::Tensor& x, c10::string_view group_name
 
 at::Tensor gather_from_parallel(const at::Tensor& x, int64_t dim, int64_t length, c10::string_view group_name) {
   const auto group = resolve_group(group_name, "gather_from_parallel");
-  return all_gather_uneven(x, checked_gather_dim(x, dim, length, *group), length, *group);
+  return all_gather_split(x, checked_gather_dim(x, dim, length, *group), length, *group);
 }
 
 at::Tensor scatter_to_parallel(const at::Tensor& x, int64_t dim, c10::string_view group_name) {

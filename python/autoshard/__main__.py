@@ -15,14 +15,14 @@ def _plan_command(args) -> int:
     from .plan import plan
 
     logging.set_verbosity_error()
-    overrides = {}
+    config_values = {}
     if args.config:
         with open(args.config) as f:
-            overrides = json.load(f)
+            config_values = json.load(f)
     for item in args.set or []:
         key, _, value = item.partition("=")
-        overrides[key] = json.loads(value) if value[:1] in "0123456789[{tf-" else value
-    config = AutoConfig.for_model(args.model_type, **overrides)
+        config_values[key] = json.loads(value) if value[:1] in "0123456789[{tf-" else value
+    config = AutoConfig.for_model(args.model_type, **config_values)
     start = time.perf_counter()
     with torch.device("meta"):
         for auto in (AutoModelForCausalLM, AutoModelForMaskedLM, AutoModel):

@@ -20,8 +20,3 @@ def load() -> None:
     except ImportError as error:
         raise ImportError(f"autoshard's compiled library failed to load ({error}): {_REBUILD}") from error
 
-
-def cuda_kernels_built() -> bool:
-    from . import _build_info
-
-    return bool(_build_info.WITH_CUDA)

@@ -12,7 +12,8 @@ from typing import Iterable, Union
 import torch
 import torch.distributed as dist
 
-from .nn.spec import sharded_parameters
+from .comm import all_reduce_
+from .model_state import shards_of
 from .partitioned_state import piece_of
 
 
@@ -43,7 +44,7 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
         raise ValueError(f"clip_grad_norm_: the gradients are on several devices {sorted(map(str, devices))}")
     device = grads[0].device
     pieces = {key: piece for key, p in unique.items() if (piece := piece_of(p)) is not None}
-    shards = {key: found for key, found in sharded_parameters().items() if key not in pieces}
+    shards = {key: found for key, found in shards_of(unique.values()).items() if key not in pieces}
     # A KV head held by several ranks (ShardSpec.repeat) is counted by one of them.
     owned = {key: shards[key][0].owned_part(p.grad) for key, p in unique.items() if key in shards}
     sharded = [g for g in owned.values() if g is not None]
@@ -63,17 +64,17 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
         # may hold no tensor here while the others do.
         part = local(tensors, combine)
         if (tensors if participate is None else participate) and dist.is_initialized():
-            dist.all_reduce(part, op=op, group=over)
+            all_reduce_(part, op, over)
         return part
 
     if math.isinf(norm_type):
-        total = torch.maximum(across(sharded, torch.max, group, dist.ReduceOp.MAX, bool(owned)),
-                              across(partitioned, torch.max, dp_group, dist.ReduceOp.MAX))
+        total = torch.maximum(across(sharded, torch.max, group, "max", bool(owned)),
+                              across(partitioned, torch.max, dp_group, "max"))
         total = torch.maximum(total, local(replicated, torch.max))
     else:
         power_sum = lambda n: n.pow(norm_type).sum()
-        total = (across(sharded, power_sum, group, dist.ReduceOp.SUM, bool(owned))
-                 + across(partitioned, power_sum, dp_group, dist.ReduceOp.SUM))
+        total = (across(sharded, power_sum, group, "sum", bool(owned))
+                 + across(partitioned, power_sum, dp_group, "sum"))
         total = (total + local(replicated, power_sum)).pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is {total.item()}")

@@ -11,10 +11,15 @@ backward are issued (and counted) in C++ too::
 Pieces along a split dimension follow ``split_sizes(length, world_size)``: rank r holds
 ``split_sizes(length, world_size)[r]`` elements, uneven sizes included. A group of one
 rank issues no collective at all.
+
+The other collectives autoshard issues (clipping's norms, data-parallel gradient buckets,
+partitioned optimizer state, gathering full tensors) are C++ ops too, wrapped below, so that
+``CommCounter`` sees every one of them. Pieces of unequal sizes are padded for the wire inside
+those ops, and nowhere else.
 """
 
 import operator
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -78,30 +83,83 @@ def scatter_to_parallel(x: torch.Tensor, dim: int, group: Optional[ProcessGroup]
     return ops.scatter_to_parallel(x, _as_int(dim, "dim", "scatter_to_parallel"), group_name(group))
 
 
-def _totals() -> Dict[str, List[int]]:
+def all_reduce_(x: torch.Tensor, op: str = "sum", group: Optional[ProcessGroup] = None) -> torch.Tensor:
+    """Sums (``op="sum"``) or takes the maximum (``op="max"``) of ``x`` over the group, in
+    place; returns ``x``."""
+    _check_tensor(x, "all_reduce_")
+    ops.all_reduce_(x, op, group_name(group))
+    return x
+
+
+def all_gather_uneven(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Optional[ProcessGroup] = None) -> torch.Tensor:
+    """Every rank's piece concatenated along ``dim`` in rank order; rank r's piece holds
+    ``sizes[r]`` elements there (this rank's is ``x``)."""
+    _check_tensor(x, "all_gather_uneven")
+    return ops.all_gather_uneven(x, _as_int(dim, "dim", "all_gather_uneven"), sizes, group_name(group))
+
+
+def reduce_scatter_uneven(x: torch.Tensor, sizes: Sequence[int], group: Optional[ProcessGroup] = None,
+                          async_op: bool = False) -> torch.Tensor:
+    """``x`` (1-d) holds every rank's piece back to back, rank r's of ``sizes[r]`` elements;
+    returns this rank's piece of their sum over the group. With ``async_op`` the collective is
+    only started: pass the result to ``wait`` before reading it."""
+    _check_tensor(x, "reduce_scatter_uneven")
+    return ops.reduce_scatter_uneven(x, sizes, group_name(group), async_op)
+
+
+def all_reduce_bucket(tensors: Sequence[torch.Tensor], group: Optional[ProcessGroup] = None,
+                      async_op: bool = False) -> torch.Tensor:
+    """The tensors flattened into one new 1-d buffer, summed over the group (``async_op``: as
+    for reduce_scatter_uneven)."""
+    tensors = list(tensors)
+    if not tensors:  # the dispatcher cannot route an op without a tensor argument
+        raise ValueError("all_reduce_bucket: tensors must not be empty")
+    return ops.all_reduce_bucket(tensors, group_name(group), async_op)
+
+
+def broadcast_(x: torch.Tensor, src: int, group: Optional[ProcessGroup] = None) -> torch.Tensor:
+    """Rank ``src``'s ``x`` on every rank, in place; returns ``x``."""
+    _check_tensor(x, "broadcast_")
+    ops.broadcast_(x, _as_int(src, "src", "broadcast_"), group_name(group))
+    return x
+
+
+def wait(x: torch.Tensor) -> torch.Tensor:
+    """Waits for the collective started with ``async_op=True`` that produces ``x``."""
+    return torch.ops._c10d_functional.wait_tensor(x)
+
+
+Tally = Dict[str, Dict[str, List[int]]]  # group name -> kind -> [count, bytes]
+
+
+def _totals() -> Tally:
     kinds = ops.comm_counter_kinds()
-    flat = ops.comm_counters()
-    return {kind: [flat[2 * i], flat[2 * i + 1]] for i, kind in enumerate(kinds)}
+    names, flat = ops.comm_group_counters()
+    width = 2 * len(kinds)
+    return {name: {kind: [flat[g * width + 2 * i], flat[g * width + 2 * i + 1]] for i, kind in enumerate(kinds)}
+            for g, name in enumerate(names)}
 
 
 class CommCounter:
     """Counts the collectives autoshard issues in this process while inside ``with``, forward
-    and backward alike::
+    and backward alike, by kind, bytes and process group::
 
         with autoshard.CommCounter() as comm:
             model(x).sum().backward()
         comm.counts  # {"all_reduce": 2}
         comm.bytes   # {"all_reduce": 8192}: payload this rank contributed
+        comm.counts_of(group), comm.bytes_of(group)  # the same over one group only
 
     Kinds that did not occur are left out. Counters nest freely (an inner one does not hide
     anything from an outer one), and re-entering the same counter adds to what it has
     counted so far. Reading ``counts`` inside the block gives the counts up to that point.
-    A gather's bytes are those of the padded piece that goes over the wire.
+    A gather's bytes are those of the padded piece that goes over the wire, a reduce-scatter's
+    those of its padded input.
     """
 
     def __init__(self):
-        self._counted: Dict[str, List[int]] = {}
-        self._start: Optional[Dict[str, List[int]]] = None
+        self._counted: Tally = {}
+        self._start: Optional[Tally] = None
         self._depth = 0
 
     def __enter__(self) -> "CommCounter":
@@ -116,23 +174,49 @@ class CommCounter:
             self._counted = self._current()
             self._start = None
 
-    def _current(self) -> Dict[str, List[int]]:
-        result = {kind: list(value) for kind, value in self._counted.items()}
+    def _current(self) -> Tally:
+        result = {name: {kind: list(value) for kind, value in kinds.items()} for name, kinds in self._counted.items()}
         if self._start is not None:
-            for kind, (count, size) in _totals().items():
-                start_count, start_size = self._start.get(kind, (0, 0))
-                before = result.setdefault(kind, [0, 0])
-                before[0] += count - start_count
-                before[1] += size - start_size
+            for name, kinds in _totals().items():
+                started = self._start.get(name, {})
+                mine = result.setdefault(name, {})
+                for kind, (count, size) in kinds.items():
+                    start_count, start_size = started.get(kind, (0, 0))
+                    before = mine.setdefault(kind, [0, 0])
+                    before[0] += count - start_count
+                    before[1] += size - start_size
         return result
+
+    def _sum(self, index: int, name: Optional[str] = None) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for group, kinds in self._current().items():
+            if name is not None and group != name:
+                continue
+            for kind, value in kinds.items():
+                if value[0]:
+                    out[kind] = out.get(kind, 0) + value[index]
+        return out
 
     @property
     def counts(self) -> Dict[str, int]:
-        return {kind: count for kind, (count, _) in self._current().items() if count}
+        return self._sum(0)
 
     @property
     def bytes(self) -> Dict[str, int]:
-        return {kind: size for kind, (count, size) in self._current().items() if count}
+        return self._sum(1)
+
+    @property
+    def groups(self) -> List[str]:
+        """The names of the groups that saw a collective while counting."""
+        return sorted(name for name, kinds in self._current().items() if any(c for c, _ in kinds.values()))
+
+    def counts_of(self, group: Optional[ProcessGroup] = None) -> Dict[str, int]:
+        """``counts`` over ``group`` (None: the default tensor-parallel group) alone."""
+        return self._sum(0, group_name(group))
+
+    def bytes_of(self, group: Optional[ProcessGroup] = None) -> Dict[str, int]:
+        """``bytes`` over ``group`` (None: the default tensor-parallel group) alone."""
+        return self._sum(1, group_name(group))
 
     def __repr__(self) -> str:
         return f"CommCounter(counts={self.counts}, bytes={self.bytes})"

@@ -13,8 +13,8 @@ average of only the piece it steps.
 from typing import Collection, Dict, Iterable, List
 
 import torch
-import torch.distributed as dist
 
+from .comm import all_reduce_bucket, wait
 from .partitioned_state import DEFAULT_BUCKET_BYTES, ReduceScatterBucket
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GradientAverager"]
@@ -27,13 +27,11 @@ class AllReduceBucket:
         self._in_flight = None
 
     def launch(self) -> None:
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
-        self._in_flight = (flat, dist.all_reduce(flat, group=self.group, async_op=True))
+        self._in_flight = all_reduce_bucket([p.grad for p in self.params], self.group, async_op=True)
 
     def finish(self) -> None:
-        flat, work = self._in_flight
+        flat = wait(self._in_flight)
         self._in_flight = None
-        work.wait()
         flat.div_(self.group.size())
         offset = 0
         for p in self.params:

@@ -46,6 +46,26 @@ def scatter_to_parallel(x: torch.Tensor, dim: int, group_name: str) -> torch.Ten
     return _ops.scatter_to_parallel.default(x, dim, group_name)
 
 
+def all_reduce_(x: torch.Tensor, reduce_op: str, group_name: str) -> None:
+    _ops.all_reduce_.default(x, reduce_op, group_name)
+
+
+def all_gather_uneven(x: torch.Tensor, dim: int, sizes: Sequence[int], group_name: str) -> torch.Tensor:
+    return _ops.all_gather_uneven.default(x, dim, list(sizes), group_name)
+
+
+def reduce_scatter_uneven(x: torch.Tensor, sizes: Sequence[int], group_name: str, async_op: bool = False) -> torch.Tensor:
+    return _ops.reduce_scatter_uneven.default(x, list(sizes), group_name, async_op)
+
+
+def all_reduce_bucket(tensors: Sequence[torch.Tensor], group_name: str, async_op: bool = False) -> torch.Tensor:
+    return _ops.all_reduce_bucket.default(list(tensors), group_name, async_op)
+
+
+def broadcast_(x: torch.Tensor, src: int, group_name: str) -> None:
+    _ops.broadcast_.default(x, src, group_name)
+
+
 def shard_ranges(
     full_size: int, world_size: int, rank: int, units: Optional[int] = None, parts: Optional[Sequence[int]] = None,
     repeat: Optional[int] = None,
@@ -68,6 +88,10 @@ def comm_counter_kinds() -> List[str]:
 
 def comm_counters() -> List[int]:
     return _ops.comm_counters.default()
+
+
+def comm_group_counters() -> Tuple[List[str], List[int]]:
+    return _ops.comm_group_counters.default()
 
 
 def vocab_parallel_lookup(

@@ -19,7 +19,7 @@ from .distributed import ProcessGroup, resolve, set_default_group
 from .nn.einsum import ShardedEinsumDense
 from .nn.embedding import VocabParallelEmbedding
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
-from .nn.spec import register_sharded_module
+from .model_state import ParallelState, attach_layer_state
 from .partitioned_state import partition_replicated
 from .plan import ShardingPlan, plan as make_plan
 from .plan.capture import meta_shadow, example_inputs_for
@@ -90,7 +90,7 @@ def _shard_embedding_subclass(module: nn.Embedding, group: ProcessGroup) -> nn.M
     module.weight = sharded.weight
     for attr in ("vocab_start", "group", "shard_specs", "padding_idx"):
         setattr(module, attr, getattr(sharded, attr))
-    register_sharded_module(module)
+    attach_layer_state(module)
     return module
 
 
@@ -220,9 +220,8 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     _check_plan_fits(model, plan, group.size())
     _dry_run(model, plan, group)
     _apply(model, plan, group)
-    model._autoshard_plan = plan  # recorded in checkpoints
+    state = ParallelState(model, plan, group, mesh, data_parallel).attach()
     if data_parallel is not None:
-        partitioned = partition_replicated(model.parameters(), data_parallel) if partition_optimizer_state else ()
-        model._autoshard_gradient_averager = GradientAverager(model.parameters(), data_parallel,
-                                                              partitioned=partitioned)
+        partitioned = partition_replicated(state, data_parallel) if partition_optimizer_state else ()
+        state.gradient_averager = GradientAverager(model.parameters(), data_parallel, partitioned=partitioned)
     return model

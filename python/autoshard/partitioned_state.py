@@ -12,30 +12,23 @@ split by ``split_sizes(numel, dp_size)`` and dp rank ``r`` owns piece ``r``.
 - After the step the pieces are all-gathered, so that every replica holds the whole
   parameter again.
 
-Pieces of unequal sizes go over the wire padded to the largest one (rank 0's), and the
-padding is dropped inside.
+Pieces of unequal sizes go over the wire padded to the largest one (rank 0's); the collective
+ops pad and unpad them (autoshard.comm).
 """
 
 import weakref
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set
 
 import torch
-import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 
-from .nn.spec import sharded_parameters
+from .comm import all_gather_uneven, reduce_scatter_uneven, wait
+from .model_state import ParallelState, parameter_state
 from .split import split_sizes
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
-def _collective(name: str, older_name: str):
-    """torch.distributed's function `name`, or what releases before it called it `older_name`
-    (looked up at every call, so that wrappers installed on the module are seen)."""
-    return getattr(dist, name, None) or getattr(dist, older_name)
-
-
-class Piece:
+class Partition:
     """Which elements of a flattened parameter each rank of a data-parallel group owns."""
 
     __slots__ = ("group", "rank", "world_size", "sizes", "starts")
@@ -57,70 +50,51 @@ class Piece:
         return tensor.view(-1).narrow(0, self.starts[r], self.sizes[r])
 
 
-_PIECES: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+def piece_of(param: torch.Tensor) -> Optional[Partition]:
+    """The piece this rank owns of a parameter whose state is partitioned (kept by the state
+    of the model it belongs to); None for others."""
+    state = parameter_state(param)
+    return None if state is None else state.partition_of(param)
 
 
-def piece_of(param: torch.Tensor) -> Optional[Piece]:
-    """The piece this rank owns of a parameter whose state is partitioned; None for others."""
-    return _PIECES.get(param)
-
-
-def unregister_piece(param: torch.Tensor) -> Optional[Piece]:
-    """Takes `param` out of the registry (returning its piece): torch will not swap the storage
-    of a tensor held weakly, as loading a model built on meta does."""
-    return _PIECES.pop(param, None)
-
-
-def register_piece(param: torch.Tensor, piece: Piece) -> None:
-    _PIECES[param] = piece
-
-
-def partition_replicated(parameters: Iterable[torch.nn.Parameter], group) -> Set[int]:
-    """Partitions the state of every trainable parameter that tensor parallelism replicates
-    (absent from all shard_specs, or split over a single rank) across `group`; returns their ids.
-    Non-contiguous parameters have no flat view to split and stay replicated."""
-    shards = sharded_parameters()
+def partition_replicated(state: ParallelState, group) -> Set[int]:
+    """Partitions across `group` the state of every trainable parameter of `state`'s model that
+    tensor parallelism replicates (absent from all shard_specs, or split over a single rank);
+    records the partitions in `state` and returns their ids. Non-contiguous parameters have no
+    flat view to split and stay replicated."""
+    shards = state.shards()
     chosen = set()
-    for p in parameters:
+    for p in state.model.parameters():
         if not p.requires_grad or id(p) in chosen or not p.is_contiguous():
             continue
         spec = shards.get(id(p), (None,))[0]
         if spec is not None and spec.world_size > 1:
             continue
-        _PIECES[p] = Piece(p.numel(), group)
+        state.partitions[id(p)] = Partition(p.numel(), group)
         chosen.add(id(p))
     return chosen
 
 
-def _segments(pieces: List[Piece]) -> Tuple[int, List[int]]:
-    """The padded length of one rank's segment, and each rank's unpadded length."""
-    world = pieces[0].world_size
-    lengths = [sum(piece.sizes[r] for piece in pieces) for r in range(world)]
-    return max(lengths), lengths
-
-
-def _pack(parts: List[torch.Tensor], length: int, padded: int, like: torch.Tensor) -> List[torch.Tensor]:
-    if padded > length:
-        parts.append(like.new_zeros(padded - length))
-    return parts
+def _segment_lengths(pieces: List[Partition]) -> List[int]:
+    """Each rank's segment length: its piece of every parameter, back to back."""
+    return [sum(piece.sizes[r] for piece in pieces) for r in range(pieces[0].world_size)]
 
 
 class ReduceScatterBucket:
     """Gradients of partitioned parameters, reduce-scattered together during backward.
 
-    The input holds, for each rank in turn, that rank's piece of every gradient (padded to
-    one length), so that the output is exactly this rank's pieces, back to back."""
+    The input holds, for each rank in turn, that rank's piece of every gradient, so that the
+    output is exactly this rank's pieces, back to back."""
 
     def __init__(self, params: List[torch.nn.Parameter], group) -> None:
         self.params = params
         self.pieces = [piece_of(p) for p in params]
         self.group = group
-        self.padded, self.lengths = _segments(self.pieces)
+        self.lengths = _segment_lengths(self.pieces)
         # The gradients into which finish() wrote an average: a later backward that adds to
         # one of them before the optimizer clears it accumulates gradients.
         self._averaged: List[Optional[weakref.ref]] = [None] * len(params)
         self._out: Optional[torch.Tensor] = None
-        self._work = None
 
     def before_accumulation(self, index: int) -> None:
         """Called as backward is about to add a new gradient into params[index].grad, and
@@ -140,18 +114,11 @@ class ReduceScatterBucket:
             self.before_accumulation(i)
         world = self.pieces[0].world_size
         grads = [p.grad for p in self.params]
-        parts = []
-        for r in range(world):
-            segment = [piece.of(grad, r) for grad, piece in zip(grads, self.pieces)]
-            parts += _pack(segment, self.lengths[r], self.padded, grads[0])
-        flat = torch.cat(parts)
-        self._out = flat.new_empty(self.padded)
-        reduce_scatter = _collective("reduce_scatter_single", "reduce_scatter_tensor")
-        self._work = reduce_scatter(self._out, flat, group=self.group, async_op=True)
+        flat = torch.cat([piece.of(grad, r) for r in range(world) for grad, piece in zip(grads, self.pieces)])
+        self._out = reduce_scatter_uneven(flat, self.lengths, self.group, async_op=True)
 
     def finish(self) -> None:
-        self._work.wait()
-        out, self._work = self._out, None
+        out, self._out = wait(self._out), None
         out.div_(self.pieces[0].world_size)
         owned, received, elsewhere = [], [], []
         offset = 0
@@ -174,7 +141,7 @@ def all_gather_pieces(params: List[torch.Tensor], bucket_bytes: int = DEFAULT_BU
     of the data-parallel group calls it with the same parameters in the same order."""
     families: Dict[tuple, List[torch.Tensor]] = {}
     for p in params:
-        families.setdefault((id(_PIECES[p].group), p.device, p.dtype), []).append(p)
+        families.setdefault((id(piece_of(p).group), p.device, p.dtype), []).append(p)
     buckets: List[List[torch.Tensor]] = []
     for family in families.values():
         bucket, filled = [], 0
@@ -186,26 +153,19 @@ def all_gather_pieces(params: List[torch.Tensor], bucket_bytes: int = DEFAULT_BU
                 bucket, filled = [], 0
         if bucket:
             buckets.append(bucket)
-    in_flight = []
     for bucket in buckets:
-        pieces = [_PIECES[p] for p in bucket]
-        padded, lengths = _segments(pieces)
+        pieces = [piece_of(p) for p in bucket]
         rank, world = pieces[0].rank, pieces[0].world_size
         flats = [p.detach().view(-1) for p in bucket]
-        mine = torch.cat(_pack([piece.of(f) for f, piece in zip(flats, pieces)], lengths[rank], padded, flats[0]))
-        out = mine.new_empty(world * padded)
-        all_gather = _collective("all_gather_single", "all_gather_into_tensor")
-        work = all_gather(out, mine, group=pieces[0].group, async_op=True)
-        in_flight.append((flats, pieces, padded, out, work))
-    for flats, pieces, padded, out, work in in_flight:
-        work.wait()
+        lengths = _segment_lengths(pieces)
+        mine = torch.cat([piece.of(f) for f, piece in zip(flats, pieces)])
+        out = all_gather_uneven(mine, 0, lengths, pieces[0].group)
         targets, sources = [], []
-        for r in range(pieces[0].world_size):
-            if r == pieces[0].rank:
-                continue
-            offset = r * padded
+        offset = 0
+        for r in range(world):
             for flat, piece in zip(flats, pieces):
-                targets.append(piece.of(flat, r))
-                sources.append(out.narrow(0, offset, piece.sizes[r]))
+                if r != rank:
+                    targets.append(piece.of(flat, r))
+                    sources.append(out.narrow(0, offset, piece.sizes[r]))
                 offset += piece.sizes[r]
         torch._foreach_copy_(targets, sources)

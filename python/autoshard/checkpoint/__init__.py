@@ -9,11 +9,12 @@ from .consolidate import consolidate
 from .load import load
 from .manager import CheckpointManager
 from .manifest import Manifest, UncommittedCheckpointError, read_manifest
-from .safetensors_io import CheckpointCorruptError, SafetensorsReader, write_safetensors
-from .selection import Selection, full_selection, selection_of
-from .save import CheckpointSaveError, SaveHandle, save, wait_for_pending_save
+from .pending import CheckpointSaveError, SaveHandle, wait_for_pending_save
+from .save import save
 from .snapshot import release_snapshot_buffers
 from .targets import Target, model_targets
+from ..tensor_io import (CheckpointCorruptError, SafetensorsReader, Selection, full_selection, selection_of,
+                         write_safetensors)
 
 __all__ = [
     "CheckpointCorruptError",

@@ -17,9 +17,8 @@ import torch
 
 from . import manifest as mf
 from .contents import OPTIMIZER_PREFIX
-from .load import _Files
-from .safetensors_io import SafetensorsWriter, tensor_bytes
-from .selection import Selection
+from .files import CheckpointFiles
+from ..tensor_io import SafetensorsWriter, Selection, tensor_bytes
 
 _ROW_BLOCK_BYTES = 64 << 20
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -75,7 +74,7 @@ def _row_blocks(shape: List[int], itemsize: int):
         yield Selection(tuple(shape), (((start, length),),) + rest)
 
 
-def _write_file(path: str, names: List[str], files: _Files, tensors: Dict[str, mf.TensorRecord]) -> None:
+def _write_file(path: str, names: List[str], files: CheckpointFiles, tensors: Dict[str, mf.TensorRecord]) -> None:
     writer = SafetensorsWriter(path, {n: (mf.dtype_of(tensors[n].dtype), tuple(tensors[n].shape)) for n in names},
                                {"format": "pt"})
     try:
@@ -122,7 +121,7 @@ def consolidate(path, out_dir, max_shard_size=None) -> List[str]:
         raise FileExistsError(f"consolidate: {clashes[0]!r} already exists; choose an empty out_dir")
     os.makedirs(out_dir, exist_ok=True)
     with contextlib.ExitStack() as stack:
-        files = _Files(path, manifest, stack)
+        files = CheckpointFiles(path, manifest, stack)
         for file_name, group in zip(file_names, groups):
             _write_file(os.path.join(out_dir, file_name), group, files, manifest.tensors)
     if len(groups) > 1:

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..partitioned_state import piece_of
-from .selection import Selection, full_selection
+from ..tensor_io import Selection, full_selection
 from .targets import Target, model_targets
 
 OPTIMIZER_PREFIX = "optimizer/"

@@ -7,15 +7,28 @@ the main thread) the first time a checkpoint needs one. Without torch.distribute
 process is a world of one and every collective is the identity.
 """
 
+import pickle
 from typing import Any, List, Optional
 
+import torch
 import torch.distributed as dist
+
+from ..comm import all_gather_uneven, broadcast_
 
 _cached = None  # (the default group it was made for, the checkpoint group)
 
 
+def _encode(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _decode(data: torch.Tensor) -> Any:
+    return pickle.loads(data.numpy().tobytes())
+
+
 class CheckpointGroup:
-    """Rank, size and the three object collectives a save needs (on a dedicated gloo group)."""
+    """Rank, size and the three object collectives a save needs (on a dedicated gloo group),
+    sent as pickled bytes through autoshard's collective ops."""
 
     def __init__(self, group: Optional[dist.ProcessGroup]):
         self.group = group
@@ -25,25 +38,26 @@ class CheckpointGroup:
     def all_gather(self, obj: Any) -> List[Any]:
         if self.group is None:
             return [obj]
-        out: List[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        data = _encode(obj)
+        lengths = all_gather_uneven(torch.tensor([data.numel()]), 0, [1] * self.size, self.group).tolist()
+        gathered = all_gather_uneven(data, 0, lengths, self.group)
+        return [_decode(piece) for piece in gathered.split(lengths)]
 
     def gather(self, obj: Any) -> Optional[List[Any]]:
         """Every rank's obj on rank 0 (None elsewhere)."""
-        if self.group is None:
-            return [obj]
-        out: Optional[List[Any]] = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.group)
-        return out
+        gathered = self.all_gather(obj)
+        return gathered if self.rank == 0 else None
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's obj on every rank."""
         if self.group is None:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        data = _encode(obj) if self.rank == 0 else None
+        length = torch.tensor([0 if data is None else data.numel()])
+        broadcast_(length, 0, self.group)
+        if data is None:
+            data = torch.empty(int(length), dtype=torch.uint8)
+        return _decode(broadcast_(data, 0, self.group))
 
     def barrier(self) -> None:
         self.broadcast(None)

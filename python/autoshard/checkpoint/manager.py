@@ -12,7 +12,8 @@ import torch
 from . import manifest as mf
 from .group import checkpoint_group
 from .load import load
-from .save import SaveHandle, save_checkpoint, wait_for_pending_save
+from .pending import SaveHandle, wait_for_pending_save
+from .save import save_checkpoint
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 

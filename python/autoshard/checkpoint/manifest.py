@@ -16,8 +16,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .selection import Selection
-from .safetensors_io import CheckpointCorruptError
+from ..tensor_io import CheckpointCorruptError, Selection
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -45,7 +44,9 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 @dataclass
-class Piece:
+class StoredPiece:
+    """Part of a tensor as saved: the rank file holding it and the part of the global tensor."""
+
     file: str
     runs: List[List[List[int]]]  # per dim, [start, length] runs of the global tensor
 
@@ -57,7 +58,7 @@ class Piece:
 class TensorRecord:
     shape: List[int]
     dtype: str
-    pieces: List[Piece]
+    pieces: List[StoredPiece]
 
     def volume(self) -> int:
         n = 1
@@ -97,7 +98,7 @@ class Manifest:
         if version != FORMAT_VERSION:
             raise ValueError(f"format version {version!r}, expected {FORMAT_VERSION}")
         data["tensors"] = {
-            name: TensorRecord(t["shape"], t["dtype"], [Piece(**p) for p in t["pieces"]])
+            name: TensorRecord(t["shape"], t["dtype"], [StoredPiece(**p) for p in t["pieces"]])
             for name, t in data["tensors"].items()
         }
         data["files"] = {name: FileEntry(**f) for name, f in data["files"].items()}

@@ -15,67 +15,18 @@ import math
 import os
 import shutil
 import sys
-import threading
-import traceback
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import manifest as mf
+from ..model_state import state_of
 from .contents import Held, json_value, model_holdings, optimizer_holdings
 from .group import CheckpointGroup, checkpoint_group
-from .safetensors_io import write_safetensors
+from .pending import CheckpointSaveError, SaveHandle, track, wait_for_pending_save
 from .snapshot import Snapshot, take_snapshot
-
-
-class CheckpointSaveError(RuntimeError):
-    """A save failed on some rank; the checkpoint was not committed."""
-
-
-class SaveHandle:
-    """What ``save`` returns: ``wait()`` blocks until the checkpoint is committed (at once for a
-    synchronous save) and raises what went wrong in the background."""
-
-    def __init__(self, path: str, thread: Optional[threading.Thread] = None):
-        self.path = path
-        self._thread = thread
-        self._error: Optional[BaseException] = None
-        self._surfaced = False
-
-    def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
-
-    def wait(self) -> str:
-        """Blocks until the save is finished; returns the checkpoint's path or raises its error."""
-        if self._thread is not None:
-            self._thread.join()
-        if self._error is not None:
-            self._surfaced = True
-            raise self._error
-        return self.path
-
-    def _settle(self) -> None:
-        """Finishes the save; raises its error unless wait() already did."""
-        if self._thread is not None:
-            self._thread.join()
-        if self._error is not None and not self._surfaced:
-            self._surfaced = True
-            raise CheckpointSaveError(f"save: the previous asynchronous save, of {self.path!r}, failed: "
-                                      f"{self._error}") from self._error
-
-
-# The one asynchronous save allowed in flight.
-_in_flight: Optional[SaveHandle] = None
-
-
-def wait_for_pending_save() -> None:
-    """Blocks until the asynchronous save in flight (if any) is finished; raises its error unless
-    its handle's wait() already did."""
-    global _in_flight
-    handle, _in_flight = _in_flight, None
-    if handle is not None:
-        handle._settle()
+from ..tensor_io import write_safetensors
 
 
 def _check_arguments(path, model, optimizer, extra, async_save) -> str:
@@ -131,7 +82,7 @@ def _tensor_records(described: List[List[tuple]], writer: Dict[tuple, int]) -> D
                 raise ValueError(f"save: the ranks disagree on {key!r}: global shape {record.shape} and dtype "
                                  f"{record.dtype} on one rank, {shape} and {dtype} on rank {rank}")
             if writer[(key, repr(runs))] == rank:
-                record.pieces.append(mf.Piece(mf.rank_file(rank), runs))
+                record.pieces.append(mf.StoredPiece(mf.rank_file(rank), runs))
     return records
 
 
@@ -160,8 +111,8 @@ def _tp_ranks(model: torch.nn.Module) -> Optional[List[int]]:
 
 
 def _plan_json(model: torch.nn.Module) -> Optional[str]:
-    plan = getattr(model, "_autoshard_plan", None)  # set by parallelize
-    return None if plan is None else plan.to_json()
+    state = state_of(model)  # attached by parallelize
+    return None if state is None or state.plan is None else state.plan.to_json()
 
 
 def _versions() -> Dict[str, str]:
@@ -263,7 +214,6 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
                     after_commit: Optional[Callable[[], None]] = None) -> SaveHandle:
     """save(), plus ``metrics`` recorded in the manifest and ``after_commit`` run on rank 0 once
     the checkpoint is committed (CheckpointManager's retention)."""
-    global _in_flight
     path = _check_arguments(path, model, optimizer, extra, async_save)
     wait_for_pending_save()
     comm = checkpoint_group()
@@ -303,18 +253,4 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
     if not async_save:
         job.run()
         return SaveHandle(path)
-
-    handle = SaveHandle(path)
-
-    def background():
-        try:
-            job.run()
-        except BaseException as e:
-            handle._error = e
-            if not isinstance(e, CheckpointSaveError):
-                traceback.print_exc()
-
-    handle._thread = threading.Thread(target=background, name=f"autoshard-save:{os.path.basename(path)}")
-    handle._thread.start()
-    _in_flight = handle
-    return handle
+    return track(SaveHandle.in_background(path, job.run))

@@ -15,6 +15,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from .pending import wait_for_pending_save
+
 # stored key -> host buffer, reused by the next asynchronous save of the same tensor.
 _buffers: Dict[str, torch.Tensor] = {}
 
@@ -63,7 +65,5 @@ def take_snapshot(tensors: List[Tuple[str, torch.Tensor]], copy: bool) -> Snapsh
 
 def release_snapshot_buffers() -> None:
     """Frees the host buffers kept for asynchronous saves (after waiting for the one in flight)."""
-    from .save import wait_for_pending_save
-
     wait_for_pending_save()
     _buffers.clear()

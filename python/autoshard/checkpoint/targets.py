@@ -6,8 +6,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..nn.spec import ShardSpec, sharded_parameters
-from .selection import Selection, selection_of
+from ..nn.spec import ShardSpec, module_shards
+from ..tensor_io import Selection, selection_of
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Target:
 
 def model_targets(model: torch.nn.Module, persistent_only: bool = True) -> Dict[str, Target]:
     """Name -> Target for every parameter and (persistent) buffer, tied tensors once."""
-    specs = sharded_parameters()
+    specs = module_shards(model.modules())
     targets: Dict[str, Target] = {}
     by_id: Dict[int, Target] = {}
 

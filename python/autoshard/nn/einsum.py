@@ -15,7 +15,8 @@ from torch import nn
 
 from .. import comm, ops
 from ..distributed import resolve
-from .spec import ShardSpec, register_sharded_module
+from ..model_state import attach_layer_state
+from .spec import ShardSpec
 
 Shape = Tuple[Optional[int], ...]
 
@@ -213,7 +214,6 @@ class ShardedEinsumDense(nn.Module):
         self._input_dim = input_dims[axis]
         self._output_dim = output_dims[axis]
         self.shard_specs = {"weight": spec}
-        register_sharded_module(self)
         self.input_copy = None  # may be shared with other column layers reading the same input
         self.weight = nn.Parameter(spec.take(layer.weight.detach()), requires_grad=layer.weight.requires_grad)
         if layer.bias is None:
@@ -228,6 +228,7 @@ class ShardedEinsumDense(nn.Module):
             self.bias = nn.Parameter(bias_spec.take(layer.bias.detach()), requires_grad=layer.bias.requires_grad)
         else:
             self.bias = nn.Parameter(layer.bias.detach(), requires_grad=layer.bias.requires_grad)
+        attach_layer_state(self)
 
     @classmethod
     def from_einsum_dense(

@@ -13,7 +13,8 @@ from torch import nn
 
 from .. import comm, ops
 from ..distributed import resolve
-from .spec import ShardSpec, register_sharded_module
+from ..model_state import attach_layer_state
+from .spec import ShardSpec
 
 
 def _as_int(value, argument: str) -> int:
@@ -78,10 +79,10 @@ class VocabParallelEmbedding(nn.Module):
         spec = ShardSpec(dim=0, full_size=num_embeddings, rank=comm.rank(self.group),
                          world_size=comm.world_size(self.group))
         self.shard_specs = {"weight": spec}
-        register_sharded_module(self)
         ((self.vocab_start, rows),) = spec.local_ranges()
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim, device=device, dtype=dtype))
         self.reset_parameters()
+        attach_layer_state(self)
 
     @property
     def vocab_end(self) -> int:
@@ -119,6 +120,7 @@ class VocabParallelEmbedding(nn.Module):
         )
         local = layer.shard_specs["weight"].take(full.detach())
         layer.weight = nn.Parameter(local, requires_grad=full.requires_grad)
+        attach_layer_state(layer)
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

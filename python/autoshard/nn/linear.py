@@ -12,7 +12,6 @@ slice and ``shard_specs`` describe the parameter as it is stored.
 """
 
 import operator
-import sys
 from dataclasses import replace
 from typing import Optional, Sequence, Tuple
 
@@ -22,7 +21,9 @@ from torch import nn
 
 from .. import ops
 from ..distributed import ProcessGroup, resolve
-from .spec import ShardSpec, register_sharded_module
+from .conv1d import is_conv1d
+from ..model_state import attach_layer_state
+from .spec import ShardSpec
 
 
 def _as_int(value, argument: str, owner: str) -> int:
@@ -32,20 +33,11 @@ def _as_int(value, argument: str, owner: str) -> int:
         raise TypeError(f"{owner}: {argument} must be an int, got {type(value).__name__}") from None
 
 
-def _is_hf_conv1d(layer) -> bool:
-    # A Conv1D instance implies transformers is imported, so this never imports it.
-    for module_name in ("transformers.pytorch_utils", "transformers.modeling_utils"):
-        conv1d = getattr(sys.modules.get(module_name), "Conv1D", None)
-        if isinstance(conv1d, type) and isinstance(layer, conv1d):
-            return True
-    return False
-
-
 def _source_shape(layer, owner: str) -> Tuple[int, int, bool]:
     """(in_features, out_features, transposed) of an nn.Linear or a transformers Conv1D."""
     if isinstance(layer, nn.Linear):
         return layer.in_features, layer.out_features, False
-    if _is_hf_conv1d(layer):
+    if is_conv1d(layer):
         in_features, out_features = layer.weight.shape
         return in_features, out_features, True
     raise TypeError(f"{owner}.from_linear: layer must be a torch.nn.Linear or a transformers Conv1D, "
@@ -93,7 +85,6 @@ class _ParallelLinear(nn.Module):
                     f"every rank needs a piece, so {self.split_name} must be at least the group size"
                 )
         self.shard_specs = {"weight": spec}
-        register_sharded_module(self)
         local = spec.local_size()
         shape = (local, self.in_features) if self.split_dim == 0 else (self.out_features, local)
         factory = {"device": device, "dtype": dtype}
@@ -105,6 +96,7 @@ class _ParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
+        attach_layer_state(self)
 
     @property
     def _plain_split(self) -> bool:
@@ -164,6 +156,7 @@ class _ParallelLinear(nn.Module):
             spec = module.shard_specs.get("bias")
             local_bias = _take(spec, bias) if spec is not None else bias.detach().clone()
             module.bias = nn.Parameter(local_bias, requires_grad=bias.requires_grad)
+        attach_layer_state(module)
         return module
 
     def _linear_weight(self, weight: Optional[torch.Tensor] = None) -> torch.Tensor:

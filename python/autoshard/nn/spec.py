@@ -6,9 +6,8 @@ full state dict and gradient clipping all read these records, so a module's layo
 described in exactly one place.
 """
 
-import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -113,21 +112,14 @@ class ShardSpec:
         return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
 
 
-# Every module that holds sharded parameters, so that gradient clipping and checkpointing can
-# tell a shard from a replicated parameter by looking, at that moment, at the modules' specs.
-_SHARDED_MODULES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-
-
-def register_sharded_module(module: torch.nn.Module) -> None:
-    _SHARDED_MODULES.add(module)
-
-
-def sharded_parameters() -> Dict[int, Tuple[ShardSpec, object]]:
-    """id(parameter) -> (its ShardSpec, the module's process group or None) for live modules."""
+def module_shards(modules: Iterable[torch.nn.Module]) -> Dict[int, Tuple[ShardSpec, object]]:
+    """id(parameter) -> (its ShardSpec, the module's process group or None), for the sharded
+    parameters of `modules`, read from their shard_specs as they are now."""
     found = {}
-    for module in list(_SHARDED_MODULES):
+    for module in modules:
         for name, spec in getattr(module, "shard_specs", {}).items():
             param = getattr(module, name, None)
             if isinstance(param, torch.Tensor):
                 found[id(param)] = (spec, getattr(module, "group", None))
     return found
+

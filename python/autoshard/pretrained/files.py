@@ -8,7 +8,7 @@ import os
 from contextlib import ExitStack
 from typing import Dict, List
 
-from ..checkpoint.safetensors_io import SafetensorsReader
+from ..tensor_io import SafetensorsReader
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

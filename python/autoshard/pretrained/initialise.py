@@ -14,15 +14,13 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from ..partitioned_state import piece_of, register_piece, unregister_piece
+from ..model_state import keep_state_across_swap
 
 _FLAG = "_is_hf_initialized"
 
 
 def _held_weakly(tensor: torch.Tensor) -> bool:
-    """Whether something other than autoshard's own registries holds a weak reference to it."""
-    known = 1 if piece_of(tensor) is not None else 0
-    return weakref.getweakrefcount(tensor) > known
+    return weakref.getweakrefcount(tensor) > 0
 
 
 def check_movable(tensors: Dict[str, torch.Tensor]) -> None:
@@ -42,14 +40,9 @@ def materialize(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) 
         new = nn.Parameter(torch.empty(tensor.shape, device=device, dtype=dtype), requires_grad=tensor.requires_grad)
     else:
         new = torch.empty(tensor.shape, device=device, dtype=dtype)
-    # The registry of parameters whose optimizer state is partitioned over data-parallel
-    # replicas holds them weakly, which torch's swap refuses: step out of it and back in.
-    piece = unregister_piece(tensor)
-    try:
-        torch.utils.swap_tensors(tensor, new)
-    finally:
-        if piece is not None:
-            register_piece(tensor, piece)
+    # The swap exchanges the objects' __dict__ too: the reference to the model's state stays.
+    keep_state_across_swap(tensor, new)
+    torch.utils.swap_tensors(tensor, new)
     # Hooks registered on the meta tensor (parallelize's data-parallel gradient averaging, a
     # user's) stay with the Python object, but autograd looks for them on the storage that was
     # swapped out: assigning them again registers them with the new one.

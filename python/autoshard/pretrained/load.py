@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint.safetensors_io import SafetensorsReader
-from ..checkpoint.targets import Target, model_targets
+from ..checkpoint import Target, model_targets
+from ..tensor_io import SafetensorsReader
 from .files import open_checkpoint
 from .initialise import check_movable, initialise_remaining, materialize
 from .names import match_names

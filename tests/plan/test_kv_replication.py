@@ -81,10 +81,10 @@ def test_owned_ranges_cover_each_kv_head_once():
 def _gathered_grads(model):
     """Every parameter's full gradient, by the model's own names (each rank's local grads
     gathered at their places, as full_state_dict does for values)."""
-    from autoshard.nn.spec import sharded_parameters
+    from autoshard.model_state import state_of
     from autoshard.state import gather_full
 
-    shards = sharded_parameters()
+    shards = state_of(model).shards()
     grads = {}
     for name, p in model.named_parameters():
         if id(p) in shards:

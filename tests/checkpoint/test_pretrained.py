@@ -96,19 +96,22 @@ def _step_on_mesh(path: str) -> None:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = build("gpt2", device="meta")
-    autoshard.parallelize(model, mesh=mesh)
-    opt = autoshard.optim.SGD(model.parameters(), lr=0.5)  # built on the meta parameters
-    autoshard.load_pretrained(model, path, progress=False)
-    reference = _reference("gpt2", path)
-    ids = torch.randint(0, 101, (4, 9), generator=torch.Generator().manual_seed(6))
-    half = ids.chunk(2)[mesh.get_local_rank("dp")]  # each replica takes half the batch
-    model(input_ids=half, labels=half).loss.backward()
-    opt.step()
-    reference(input_ids=ids, labels=ids).loss.backward()
-    torch.optim.SGD(reference.parameters(), lr=0.5).step()
-    got, want = autoshard.full_state_dict(model), reference.state_dict()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    try:
+        autoshard.parallelize(model, mesh=mesh)
+        opt = autoshard.optim.SGD(model.parameters(), lr=0.5)  # built on the meta parameters
+        autoshard.load_pretrained(model, path, progress=False)
+        reference = _reference("gpt2", path)
+        ids = torch.randint(0, 101, (4, 9), generator=torch.Generator().manual_seed(6))
+        half = ids.chunk(2)[mesh.get_local_rank("dp")]  # each replica takes half the batch
+        model(input_ids=half, labels=half).loss.backward()
+        opt.step()
+        reference(input_ids=ids, labels=ids).loss.backward()
+        torch.optim.SGD(reference.parameters(), lr=0.5).step()
+        got, want = autoshard.full_state_dict(model), reference.state_dict()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    finally:
+        autoshard.distributed.set_default_group(None)  # the pool's next job expects the world
 
 
 def test_mesh_gradients_average_after_loading(checkpoints):

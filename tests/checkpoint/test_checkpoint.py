@@ -25,7 +25,7 @@ from checks import expect_errors
 from hf_models import build
 from multirank import run_on_ranks
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+SUPPORT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
 STEPS_BEFORE_SAVE = 2
 
 
@@ -367,7 +367,7 @@ def test_killed_async_save_leaves_previous_checkpoint_intact(tmp_path, slow_writ
     without, wherever the save happens to be)."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    script = os.path.join(TESTS_DIR, "checkpoint_kill_worker.py")
+    script = os.path.join(SUPPORT_DIR, "checkpoint_kill_worker.py")
     procs = [subprocess.Popen([sys.executable, script, str(tmp_path), str(int(slow_writer))],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
     partial = tmp_path / "step-2.partial"

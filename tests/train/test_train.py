@@ -5,11 +5,10 @@ the optimizer state of replicated parameters partitioned over the data-parallel 
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import autoshard
 from autoshard.distributed import set_default_group
-from autoshard.nn.spec import sharded_parameters
+from autoshard.model_state import state_of
 from hf_models import build
 from multirank import run_on_ranks
 
@@ -91,44 +90,31 @@ def test_training_matches_unsharded(model_kind, optimizer_kind, world_size):
         assert abs(got - ref) <= 1e-5 * ref, (got, ref)
 
 
-class CollectiveLog:
-    """Counts the data-parallel collectives torch.distributed is asked for, by phase of the
-    training step: wraps the functions autoshard calls, for as long as it is active."""
-
-    WRAPPED = {"all_reduce": "all_reduce", "reduce_scatter_single": "reduce_scatter",
-               "all_gather_single": "all_gather"}
+class PhaseCounters:
+    """A CommCounter per phase of the training step, read over the data-parallel group."""
 
     def __init__(self, dp_group):
         self.dp_group = dp_group
-        self.phase = None
-        self.totals = {}  # (phase, kind) -> [calls, elements out] for collectives over dp
+        self.counters = {}
 
-    def __enter__(self):
-        self.saved = {name: getattr(dist, name) for name in self.WRAPPED}
-        for name, kind in self.WRAPPED.items():
-            setattr(dist, name, self._wrap(self.saved[name], kind))
-        return self
+    def __call__(self, phase):
+        return self.counters.setdefault(phase, autoshard.CommCounter())
 
-    def __exit__(self, *exc_info):
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
-
-    def _wrap(self, fn, kind):
-        def counted(*args, **kwargs):
-            if kwargs.get("group") is self.dp_group:
-                entry = self.totals.setdefault((self.phase, kind), [0, 0])
-                entry[0] += 1
-                entry[1] += args[0].numel()  # the output (all_reduce: the tensor itself)
-            return fn(*args, **kwargs)
-
-        return counted
+    def totals(self):
+        """(phase, kind) -> [calls, bytes] of the collectives over dp."""
+        out = {}
+        for phase, counter in self.counters.items():
+            sizes = counter.bytes_of(self.dp_group)
+            for kind, calls in counter.counts_of(self.dp_group).items():
+                out[(phase, kind)] = [calls, sizes[kind]]
+        return out
 
 
 def _partition_report(model, opt, dp_size, dp_rank):
     """What the optimizer state and the data-parallel traffic should be: the elements of
     sharded and partitioned parameters, and whether every partitioned parameter's state
     holds exactly this rank's piece."""
-    shards = sharded_parameters()
+    shards = state_of(model).shards()
     sharded_ids = {id(p) for p in model.parameters() if id(p) in shards and shards[id(p)][0].world_size > 1}
     sharded = sum(p.numel() for p in model.parameters() if id(p) in sharded_ids)
     padded_pieces, mismatched, partitioned = 0, [], 0
@@ -162,26 +148,25 @@ def _train_on_mesh(model_kind, optimizer_kind, shape, partition=True, micro_batc
         autoshard.parallelize(model, mesh=mesh, partition_optimizer_state=partition)
         opt, ref_opt = _optimizers(optimizer_kind, model, reference)
         norms, live = [], {}
-        with CollectiveLog(mesh.get_group("dp")) as log:
-            for step in range(steps):
-                ids = _batch(step, rows=2 * dp_size)
-                opt.zero_grad()
-                log.phase = "backward"
+        log = PhaseCounters(mesh.get_group("dp"))
+        for step in range(steps):
+            ids = _batch(step, rows=2 * dp_size)
+            opt.zero_grad()
+            with log("backward"):
                 for micro in ids.chunk(dp_size)[dp_rank].chunk(micro_batches):
                     (model(input_ids=micro, labels=micro).loss / micro_batches).backward()
-                log.phase = "clip"
+            with log("clip"):
                 norm = autoshard.clip_grad_norm_(model.parameters(), MAX_NORM)
-                log.phase = "step"
+            with log("step"):
                 opt.step()
-                log.phase = None
-                ref_opt.zero_grad()
-                reference(input_ids=ids, labels=ids).loss.backward()
-                _track_live(reference, live)
-                ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
-                ref_opt.step()
-                norms.append((float(norm), float(ref_norm)))
+            ref_opt.zero_grad()
+            reference(input_ids=ids, labels=ids).loss.backward()
+            _track_live(reference, live)
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+            ref_opt.step()
+            norms.append((float(norm), float(ref_norm)))
         worst, noise_driven = _compare(model, reference, _live(live))
-        return dict(norms=norms, worst=worst, noise_driven=noise_driven, traffic=log.totals,
+        return dict(norms=norms, worst=worst, noise_driven=noise_driven, traffic=log.totals(),
                     **_partition_report(model, opt, dp_size, dp_rank))
     finally:
         set_default_group(None)  # the pool's next job expects the world
@@ -198,18 +183,19 @@ def _check_mesh_training(results):
 
 def _check_partitioned_traffic(r, dp_size, micro_batches=1, steps=20):
     """Per step and backward pass: replicated parameters' gradients go over dp as one
-    reduce-scatter of their pieces (padded to rank 0's), never in an all-reduce; after each
-    step one all-gather brings the pieces back; clipping adds one scalar all-reduce."""
+    reduce-scatter of their pieces (each rank's padded to rank 0's), never in an all-reduce;
+    after each step one all-gather brings the pieces back; clipping adds one scalar
+    all-reduce. Bytes are what this rank puts on the wire (fp32: 4 per element)."""
     traffic, passes = r["traffic"], steps * micro_batches
     assert r["partitioned"] > 0 and r["mismatched"] == [], r["mismatched"]
-    assert traffic[("backward", "reduce_scatter")] == [passes, passes * r["padded_pieces"]]
+    assert traffic[("backward", "reduce_scatter")] == [passes, passes * dp_size * r["padded_pieces"] * 4]
     if r["sharded"]:
-        calls, elements = traffic[("backward", "all_reduce")]
-        assert elements == passes * r["sharded"], (elements, r["sharded"])
+        calls, size = traffic[("backward", "all_reduce")]
+        assert size == passes * r["sharded"] * 4, (size, r["sharded"])
     else:
         assert ("backward", "all_reduce") not in traffic
-    assert traffic[("step", "all_gather")] == [steps, steps * dp_size * r["padded_pieces"]]
-    assert traffic[("clip", "all_reduce")] == [steps, steps]
+    assert traffic[("step", "all_gather")] == [steps, steps * r["padded_pieces"] * 4]
+    assert traffic[("clip", "all_reduce")] == [steps, steps * 4]
     assert set(traffic) <= {("backward", "reduce_scatter"), ("backward", "all_reduce"), ("step", "all_gather"),
                             ("clip", "all_reduce")}, traffic
 
@@ -229,7 +215,7 @@ def test_mesh_without_partitioning_all_reduces_everything():
     _check_mesh_training(results)
     for r in results:
         assert set(r["traffic"]) == {("backward", "all_reduce")}, r["traffic"]
-        assert r["traffic"][("backward", "all_reduce")][1] == 10 * r["trainable"]
+        assert r["traffic"][("backward", "all_reduce")][1] == 10 * r["trainable"] * 4
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 
 
 def test_train_gpt_learns_and_equals_the_unsharded_model(tmp_path):
@@ -39,9 +39,9 @@ def test_train_gpt_learns_and_equals_the_unsharded_model(tmp_path):
     counts = {kind: int(n) for kind, n in re.findall(r"'(\w+)': (\d+)", line.group(1).split("(planned")[0])}
     # Megatron's minimum: one all-reduce per attention and per MLP in forward and in backward over 4
     # blocks, plus the vocab-parallel lookup's and the gathered head's input gradient; one gather of
-    # the logits.
+    # the logits. Clipping adds one all-reduce of the shards' squared norms.
     assert counts.get("all_gather") == 1, line.group(0)
-    assert counts.get("all_reduce") == 18, line.group(0)
+    assert counts.get("all_reduce") == 18 + 1, line.group(0)
 
     # Saved asynchronously at steps 10 and 20, both kept; the last one consolidated for transformers.
     assert re.search(r"checkpoints: step-10, step-20 kept in ", result.stdout), result.stdout

@@ -12,8 +12,7 @@ from torch.library import opcheck
 from autoshard import ops
 from autoshard.checkpoint import (CheckpointCorruptError, SafetensorsReader, full_selection, model_targets,
                                   selection_of, write_safetensors)
-from autoshard.checkpoint.selection import Selection, byte_runs
-from autoshard.checkpoint.safetensors_io import BLOCK_SIZE
+from autoshard.tensor_io import BLOCK_SIZE, Selection, byte_runs
 from autoshard.nn.spec import ShardSpec
 from checks import expect_errors
 

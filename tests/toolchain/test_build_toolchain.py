@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from build_tools import cuda_toolchain as ct  # noqa: E402
 
 WHEEL = "/env/site-packages/nvidia/cu13/include"

@@ -17,14 +17,8 @@ from torch.library import opcheck
 import autoshard
 from autoshard import comm, ops
 from multirank import run_on_ranks
+from seeded import seeded
 from checks import expect_errors
-
-
-def seeded(shape, seed, dtype=torch.float32, device="cpu"):
-    generator = torch.Generator().manual_seed(seed)
-    if dtype == torch.int64:
-        return torch.randint(-1000, 1000, shape, generator=generator).to(device)
-    return torch.randn(shape, generator=generator, dtype=dtype).to(device)
 
 
 def piece_shape(shape, dim, size):
@@ -190,8 +184,10 @@ def test_opcheck_counter_ops():
     # aot_dispatch's comparison of outputs has no rule for strings; the rest applies.
     opcheck(torch.ops.autoshard.comm_counter_kinds.default, (),
             test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    assert ops.comm_counter_kinds() == ["all_reduce", "all_gather"]
-    assert len(ops.comm_counters()) == 4
+    opcheck(torch.ops.autoshard.comm_group_counters.default, (),
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    assert ops.comm_counter_kinds() == ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
+    assert len(ops.comm_counters()) == 8
 
 
 def _counter_semantics():
