@@ -92,7 +92,8 @@ TORCH_LIBRARY(autoshard, m) {
   // window holding file bytes [src_offset, src_offset + src.numel()), into `dst` (uint8).
   m.def("copy_byte_runs_(Tensor(a!) dst, Tensor src, Tensor runs, int src_offset) -> ()");
 
-  // --- plan/ : a model's dataflow graph (text) in, a decision per layer (text) out
+  // --- plan/ : a model's dataflow graph (text, see plan/graph.h) in, the plan out as a versioned JSON
+  // document of named records (see plan/emit.cpp)
   m.def("plan_graph(str graph, int world_size) -> str", &autoshard::plan::plan_graph);
 }
 

@@ -18,7 +18,7 @@ Kind parse_kind(const std::string& name) {
       {"source", Kind::Source},       {"opaque", Kind::Opaque},
   };
   auto it = kinds.find(name);
-  TORCH_CHECK_VALUE(it != kinds.end(), "plan: unknown node kind '", name, "' in the graph");
+  TORCH_CHECK_VALUE(it != kinds.end(), "[plan.bad_graph] plan: unknown node kind '", name, "' in the graph");
   return it->second;
 }
 
@@ -26,12 +26,12 @@ template <typename T>
 std::vector<T> read_list(std::istringstream& in, const char* expected, int line) {
   std::string word;
   in >> word;
-  TORCH_CHECK_VALUE(word == expected, "plan: graph line ", line, ": expected '", expected, "', got '", word, "'");
+  TORCH_CHECK_VALUE(word == expected, "[plan.bad_graph] plan: graph line ", line, ": expected '", expected, "', got '", word, "'");
   size_t count = 0;
   in >> count;
   std::vector<T> values(count);
   for (auto& v : values) in >> v;
-  TORCH_CHECK_VALUE(!in.fail(), "plan: graph line ", line, ": malformed '", expected, "' list");
+  TORCH_CHECK_VALUE(!in.fail(), "[plan.bad_graph] plan: graph line ", line, ": malformed '", expected, "' list");
   return values;
 }
 
@@ -43,7 +43,7 @@ Graph parse_graph(const std::string& text) {
   std::string line;
   int number = 0;
   auto tensor_slot = [&](int id) -> TensorInfo& {
-    TORCH_CHECK_VALUE(id >= 0, "plan: negative tensor id ", id);
+    TORCH_CHECK_VALUE(id >= 0, "[plan.bad_graph] plan: negative tensor id ", id);
     if (static_cast<size_t>(id) >= graph.tensors.size()) graph.tensors.resize(id + 1);
     return graph.tensors[id];
   };
@@ -77,20 +77,20 @@ Graph parse_graph(const std::string& text) {
       node.inputs = read_list<int>(in, "in", number);
       node.outputs = read_list<int>(in, "out", number);
       node.args = read_list<int64_t>(in, "args", number);
-      for (int id : node.inputs) TORCH_CHECK_VALUE(tensor_slot(id).known, "plan: graph line ", number, " reads undeclared tensor ", id);
-      for (int id : node.outputs) TORCH_CHECK_VALUE(tensor_slot(id).known, "plan: graph line ", number, " writes undeclared tensor ", id);
+      for (int id : node.inputs) TORCH_CHECK_VALUE(tensor_slot(id).known, "[plan.bad_graph] plan: graph line ", number, " reads undeclared tensor ", id);
+      for (int id : node.outputs) TORCH_CHECK_VALUE(tensor_slot(id).known, "[plan.bad_graph] plan: graph line ", number, " writes undeclared tensor ", id);
       graph.nodes.push_back(std::move(node));
     } else if (record == "force") {
       int node = 0;
       std::string style;
       in >> node >> style;
-      TORCH_CHECK_VALUE(style == "replicate" || style == "column_gather", "plan: an override must be 'replicate' or ",
+      TORCH_CHECK_VALUE(style == "replicate" || style == "column_gather", "[plan.bad_override] plan: an override must be 'replicate' or ",
                         "'column_gather', got '", style, "'");
       graph.forced.emplace_back(node, style);
     } else {
-      TORCH_CHECK_VALUE(false, "plan: graph line ", number, ": unknown record '", record, "'");
+      TORCH_CHECK_VALUE(false, "[plan.bad_graph] plan: graph line ", number, ": unknown record '", record, "'");
     }
-    TORCH_CHECK_VALUE(!in.fail(), "plan: graph line ", number, " is malformed: ", line);
+    TORCH_CHECK_VALUE(!in.fail(), "[plan.bad_graph] plan: graph line ", number, " is malformed: ", line);
   }
   return graph;
 }

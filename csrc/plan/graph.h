@@ -11,8 +11,8 @@ namespace autoshard::plan {
 enum class Kind {
   Linear,     // a Linear-like layer: args {in_features, out_features, weight_param, bias_param}
   Embedding,  // args {num_embeddings, embedding_dim, weight_param}
-  Einsum,     // an einsum layer: args {weight_param, bias_param, n, input letters..., n, weight
-              // letters..., n, output letters...} with letters as character codes
+  Einsum,     // an einsum layer: args {weight_param, bias_param, n, then per weight letter:
+              // character code, role (0 output, 1 contracted, 2 batch), input dim, output dim}
   View,       // any reshape; the axis mapping follows from the two shapes
   Permute,    // args: the permutation
   Expand,     // broadcast of size-1 dims (and new leading dims)

@@ -1,4 +1,4 @@
-// The planner as an op: graph text in, plan text out (see graph.h and planner.h for both
+// The planner as an op: graph text in, a JSON plan out (see graph.h and emit.cpp for both
 // formats). It takes no tensors, so it is registered for every backend at once.
 #include "plan/plan_op.h"
 
@@ -8,7 +8,7 @@
 namespace autoshard::plan {
 
 std::string plan_graph(const std::string& graph, int64_t world_size) {
-  return format_plan(make_plan(parse_graph(graph), world_size));
+  return plan_to_json(make_plan(parse_graph(graph), world_size));
 }
 
 }  // namespace autoshard::plan

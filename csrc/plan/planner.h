@@ -35,7 +35,9 @@ struct LayerDecision {
   // A KV projection whose KV heads are fewer than the ranks need: each of its `units` serves
   // `repeat` consecutive units of its region, and a rank holds the units its share uses.
   int64_t repeat = 0;
-  std::string note;            // why, when it is not the obvious choice
+  std::string reason;          // a code saying why, when it is not the obvious choice (see settle.cpp)
+  std::string note;            // the same, in words
+  int64_t whole_units = 0;     // reason "too_few_units": the units there were
 };
 
 struct RegionSummary {
@@ -56,18 +58,35 @@ struct CommCount {
   int64_t elements = 0;  // summed over collectives, at the graph's example shapes
 };
 
+// Replicated parameters whose gradient is a partial sum on each rank (read inside a sharded
+// region), summed over the ranks in backward: one all-reduce per bucket.
+struct PartialBucket {
+  std::vector<int64_t> params;  // parameter indices, in the order backward produces them
+  int64_t elements = 0;
+};
+
+// Where a sharded tensor of the graph is split: its axis `axis` is `outer` x `size`, and
+// `size` is split like the region's units (or like its KV heads, for `coarse` tensors).
+struct TensorLayout {
+  int tensor = -1;
+  int region = -1;
+  bool coarse = false;
+  int axis = -1;
+  int64_t outer = 1;
+  int64_t size = 0;
+};
+
 struct Plan {
   std::vector<LayerDecision> layers;
   std::vector<RegionSummary> regions;
   std::vector<CommCount> comm;
+  std::vector<PartialBucket> partial;
+  std::vector<TensorLayout> tensors;  // every sharded tensor; the others are replicated
 };
 
 Plan make_plan(const Graph& graph, int64_t world_size);
 
-// Line format of the result, read by the Python layer:
-//   layer <node> <style> <region> <units> <copy group> parts <n> <size>... letter <code> repeat <r> note <text>
-//   region <id> <units> localize <n> <size>... repeat <r> <coarse units> <n> <size>...
-//   comm <phase> <kind> <count> <elements>
-std::string format_plan(const Plan& plan);
+// The plan as a versioned JSON document with named fields (see emit.cpp).
+std::string plan_to_json(const Plan& plan);
 
 }  // namespace autoshard::plan

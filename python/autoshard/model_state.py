@@ -39,6 +39,8 @@ class ParallelState:
         self.data_parallel_group = data_parallel_group
         self.partitions: Dict[int, object] = {}  # id(parameter) -> its Partition
         self.gradient_averager = None
+        # Sums replicated parameters' partial gradients over the group (partial_gradients.py).
+        self.partial_gradients = None
 
     @property
     def model(self) -> Optional[nn.Module]:

@@ -13,7 +13,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from . import ops
+from . import ops, partial_gradients
 from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, resolve, set_default_group
 from .nn.einsum import ShardedEinsumDense
@@ -22,7 +22,9 @@ from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .model_state import ParallelState, attach_layer_state
 from .partitioned_state import partition_replicated
 from .plan import ShardingPlan, plan as make_plan
-from .plan.capture import meta_shadow, example_inputs_for
+from .plan.capture import example_inputs_for, meta_shadow, trace_shapes
+from .plan.layers import describe_layer
+from .plan.prediction import ShapeMismatch, check_model_trace
 
 
 class SharedInputCopy:
@@ -166,13 +168,26 @@ def _example_inputs(model: nn.Module, plan: ShardingPlan):
     return tuple(make(s) for s in spec["args"]), {k: make(s) for k, s in spec["kwargs"].items()}
 
 
+def _is_layer(module: nn.Module) -> bool:
+    return hasattr(module, "shard_specs") or describe_layer("", module, {}) is not None
+
+
 def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     shadow = meta_shadow(model, always_copy=True)
+    prediction = getattr(plan, "_prediction", None)
     try:
         _apply(shadow, plan, group)
         args, kwargs = _example_inputs(shadow, plan)
+        if prediction is not None:
+            # Every intermediate shape against the plan's prediction for this rank.
+            traced, error = trace_shapes(shadow, args, kwargs, _is_layer)
+            check_model_trace(prediction, traced, group.rank())
+            if error is not None:
+                raise error
         with torch.no_grad():
             outputs = shadow(*args, **kwargs)
+    except ShapeMismatch as error:
+        raise ValueError(f"parallelize: {error}; the plan was refused and the model left unchanged") from None
     except Exception as error:
         raise ValueError(f"parallelize: the plan does not run on a meta copy of the model "
                          f"({type(error).__name__}: {error}); the model was left unchanged") from error
@@ -221,7 +236,16 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     _dry_run(model, plan, group)
     _apply(model, plan, group)
     state = ParallelState(model, plan, group, mesh, data_parallel).attach()
+    # Replicated parameters read inside sharded regions: their gradients are summed over the
+    # group (and averaged over "dp" with them, so the data-parallel averager leaves them out).
+    if group.size() > 1:
+        state.partial_gradients = partial_gradients.install(model, plan.partial_gradients, group.group_name,
+                                                            data_parallel)
     if data_parallel is not None:
-        partitioned = partition_replicated(state, data_parallel) if partition_optimizer_state else ()
-        state.gradient_averager = GradientAverager(model.parameters(), data_parallel, partitioned=partitioned)
+        reducer = state.partial_gradients
+        summed = {id(p) for bucket in (reducer.buckets if reducer else ()) for p in bucket.params}
+        partitioned = (partition_replicated(state, data_parallel, exclude=summed)
+                       if partition_optimizer_state else ())
+        params = [p for p in model.parameters() if id(p) not in summed]
+        state.gradient_averager = GradientAverager(params, data_parallel, partitioned=partitioned)
     return model

@@ -57,15 +57,15 @@ def piece_of(param: torch.Tensor) -> Optional[Partition]:
     return None if state is None else state.partition_of(param)
 
 
-def partition_replicated(state: ParallelState, group) -> Set[int]:
+def partition_replicated(state: ParallelState, group, exclude: Set[int] = frozenset()) -> Set[int]:
     """Partitions across `group` the state of every trainable parameter of `state`'s model that
-    tensor parallelism replicates (absent from all shard_specs, or split over a single rank);
-    records the partitions in `state` and returns their ids. Non-contiguous parameters have no
-    flat view to split and stay replicated."""
+    tensor parallelism replicates (absent from all shard_specs, or split over a single rank),
+    except those whose ids are in `exclude`; records the partitions in `state` and returns their
+    ids. Non-contiguous parameters have no flat view to split and stay replicated."""
     shards = state.shards()
     chosen = set()
     for p in state.model.parameters():
-        if not p.requires_grad or id(p) in chosen or not p.is_contiguous():
+        if not p.requires_grad or id(p) in chosen or id(p) in exclude or not p.is_contiguous():
             continue
         spec = shards.get(id(p), (None,))[0]
         if spec is not None and spec.world_size > 1:

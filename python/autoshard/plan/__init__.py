@@ -1,12 +1,14 @@
 """The automatic sharding plan: capture a model's dataflow on meta, plan it in C++."""
 
 import fnmatch
+import json
 from typing import Dict, Optional
 
 import torch
 from torch import nn
 
-from .capture import CapturedGraph, capture, trace_text
+from .capture import CapturedGraph, capture
+from .prediction import Prediction, ShapeMismatch, localize_attributes
 from .sharding_plan import OVERRIDE_STYLES, LayerPlan, RegionPlan, ShardingPlan
 
 __all__ = ["LayerPlan", "RegionPlan", "ShardingPlan", "plan"]
@@ -32,87 +34,50 @@ def _common_module(names) -> str:
     return ".".join(common)
 
 
-def _localized_attributes(graph: CapturedGraph, module_name: str, region: RegionPlan, values,
-                          world_size: int) -> Dict[str, int]:
-    """The integer attributes of `module_name` that hold one of `values` and that shape its
-    computation: changing one changes the module's traced graph (or breaks it)."""
-    module = graph.shadow.get_submodule(module_name)
-    if module_name not in graph.module_inputs:
-        return {}
-    args, kwargs = graph.module_inputs[module_name]
-    baseline = None
-    found = {}
-    for attr, value in list(vars(module).items()):
-        if type(value) is not int or value not in values or value <= 1:
-            continue
-        local = next((v for r in range(world_size) if (v := region.local_value(value, r, world_size)) != value), value)
-        if local == value:
-            continue
-        if baseline is None:
-            baseline = trace_text(module, args, kwargs)
-        setattr(module, attr, local)
-        try:
-            changed = trace_text(module, args, kwargs) != baseline
-        except Exception:
-            changed = True
-        finally:
-            setattr(module, attr, value)
-        if changed:
-            found[attr] = value
-    return found
-
-
-def _parse(text: str, graph: CapturedGraph, world_size: int, element_size: int) -> ShardingPlan:
-    layers, regions, comm = [], {}, []
-    localize: Dict[int, list] = {}
-    kv: Dict[int, tuple] = {}
-    for line in text.splitlines():
-        words = line.split()
-        if words[0] == "layer":
-            node, style, region, units, group = int(words[1]), words[2], int(words[3]), int(words[4]), int(words[5])
-            count = int(words[7])
-            parts = [int(w) for w in words[8:8 + count]]
-            letter = int(words[9 + count])
-            repeat = int(words[11 + count])
-            note = line.split(" note ", 1)[1].strip() if " note " in line else ""
-            info = graph.layers[node]
-            if info.kind == "linear":
-                shape = [info.in_features, info.out_features] if info.transposed else [info.out_features, info.in_features]
-            elif info.kind == "einsum":
-                shape = list(info.weight_shape)
-            else:
-                shape = [info.num_embeddings, info.embedding_dim]
-            names = graph.param_names
-            layers.append(LayerPlan(
-                module=info.name, kind=info.kind, style=style, weight=names[info.weight_param],
-                bias=names[info.bias_param] if info.bias_param >= 0 else None, weight_shape=shape,
-                transposed=info.transposed, units=units if style != "replicate" else 0, parts=parts,
-                region=region, copy_group=group, note=note,
-                equation=info.equation, letter=chr(letter) if letter else "", repeat=repeat,
-            ))
-        elif words[0] == "region":
-            count = int(words[4])
-            localize[int(words[1])] = [int(w) for w in words[5:5 + count]]
-            rest = words[6 + count:]
-            kv[int(words[1])] = (int(rest[0]), int(rest[1]), [int(w) for w in rest[3:3 + int(rest[2])]])
-            regions[int(words[1])] = int(words[2])
-        elif words[0] == "comm":
-            comm.append({"phase": words[1], "kind": words[2], "count": int(words[3]),
-                         "bytes": int(words[4]) * element_size})
+def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: int) -> ShardingPlan:
+    """The planner's JSON document (csrc/plan/emit.cpp) as a ShardingPlan."""
+    data = json.loads(document)
+    if data.get("version") != 1:
+        raise RuntimeError(f"plan: the planner answered with document version {data.get('version')!r}, "
+                           f"this layer reads version {1}; rebuild the extension")
+    names = graph.param_names
+    layers = []
+    for record in data["layers"]:
+        info = graph.layers[record["node"]]
+        if info.kind == "linear":
+            shape = [info.in_features, info.out_features] if info.transposed else [info.out_features, info.in_features]
+        elif info.kind == "einsum":
+            shape = list(info.weight_shape)
+        else:
+            shape = [info.num_embeddings, info.embedding_dim]
+        style = record["style"]
+        layers.append(LayerPlan(
+            module=info.name, kind=info.kind, style=style, weight=names[info.weight_param],
+            bias=names[info.bias_param] if info.bias_param >= 0 else None, weight_shape=shape,
+            transposed=info.transposed, units=record["units"] if style != "replicate" else 0, parts=record["parts"],
+            region=record["region"], copy_group=record["copy_group"], note=record["note"],
+            equation=info.equation, letter=record["letter"], repeat=record["repeat"], reason=record["reason"],
+        ))
+        layers[-1]._whole_units = record["whole_units"]
+    comm = [{"phase": c["phase"], "kind": c["kind"], "count": c["count"], "bytes": c["elements"] * element_size}
+            for c in data["comm"]]
+    partial = [{"params": [names[i] for i in bucket["params"]], "bytes": bucket["elements"] * element_size}
+               for bucket in data["partial_gradients"]]
     region_plans = {}
-    for region, units in regions.items():
+    for record in data["regions"]:
+        region = record["id"]
         members = [layer.module for layer in layers if layer.region == region]
-        module = _common_module(members)
-        repeat, coarse_units, coarse_sizes = kv[region]
-        region_plan = RegionPlan(units=units, module=module, repeat=repeat, coarse_units=coarse_units,
-                                 coarse_sizes=coarse_sizes)
-        values = set(localize[region]) | set(coarse_sizes) | ({repeat} if repeat else set())
-        if world_size > 1:
-            region_plan.attributes = _localized_attributes(graph, module, region_plan, values, world_size)
-        region_plans[region] = region_plan
-    return ShardingPlan(world_size=world_size, layers=layers, regions=region_plans, comm=comm,
-                        example={"description": graph.description, "inputs": graph.example_inputs,
-                                 "output_shapes": [list(s) for s in graph.output_shapes]})
+        region_plans[region] = RegionPlan(units=record["units"], module=_common_module(members),
+                                          repeat=record["repeat"], coarse_units=record["coarse_units"],
+                                          coarse_sizes=record["coarse_localize"])
+        region_plans[region]._localize = record["localize"]
+    result = ShardingPlan(world_size=world_size, layers=layers, regions=region_plans, comm=comm,
+                          partial_gradients=partial,
+                          example={"description": graph.description, "inputs": graph.example_inputs,
+                                   "output_shapes": [list(s) for s in graph.output_shapes]})
+    result._prediction = Prediction(graph, data["tensors"])
+    result._prediction.plan = result
+    return result
 
 
 def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None,
@@ -145,11 +110,14 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
             if style == "column_gather" and graph.layers[node].kind != "linear":
                 raise ValueError(f"plan: override {pattern!r}: only Linear layers can be column_gather")
             forced.append(f"force {node} {style}")
-    text = torch.ops.autoshard.plan_graph(graph.text + "\n".join(forced) + "\n", world_size)
-    result = _parse(text, graph, world_size, _element_size(model))
-    too_small = [layer for layer in result.layers if "whole unit(s)" in layer.note]
+    document = torch.ops.autoshard.plan_graph(graph.text + "\n".join(forced) + "\n", world_size)
+    result = _parse(document, graph, world_size, _element_size(model))
+    too_small = [layer for layer in result.layers if layer.reason == "too_few_units"]
     if too_small and all(layer.style == "replicate" for layer in result.layers):
         raise ValueError(f"plan: world_size={world_size} is larger than every dimension autoshard could split "
-                         f"(e.g. {too_small[0].module}: {too_small[0].note.split(': ', 1)[1]})")
+                         f"(e.g. {too_small[0].module}: only {too_small[0]._whole_units} whole unit(s) (heads) "
+                         f"to split across {world_size} ranks)")
+    if world_size > 1:
+        localize_attributes(result, result._prediction)
     result.overrides = dict(overrides or {})
     return result

@@ -52,6 +52,9 @@ class CapturedGraph:
     module_inputs: Dict[str, Tuple[tuple, dict]] = field(default_factory=dict)  # first call of each module
     description: str = ""
     example_inputs: Optional[Dict[str, Any]] = None  # shapes and dtypes, to make them again
+    shapes: List[Tuple[int, ...]] = field(default_factory=list)  # tensor id -> global shape
+    nodes: List[Tuple[str, Tuple[int, ...], Tuple[int, ...]]] = field(default_factory=list)  # (op label, input ids, output ids)
+    module_nodes: Dict[str, Tuple[int, int]] = field(default_factory=dict)  # first call: [first, end) nodes
 
 
 def _normalize_dim(dim: int, ndim: int) -> int:
@@ -65,6 +68,8 @@ class _Recorder(TorchDispatchMode):
         self.ids: Dict[int, int] = {}
         self.keep: List[torch.Tensor] = []  # holds every recorded tensor so ids stay unique
         self.lines: List[str] = []
+        self.shapes: List[Tuple[int, ...]] = []
+        self.nodes: List[Tuple[str, Tuple[int, ...], Tuple[int, ...]]] = []
         self.node_count = 0
         self.layer_depth = 0
 
@@ -73,6 +78,7 @@ class _Recorder(TorchDispatchMode):
         if key not in self.ids:
             self.ids[key] = len(self.keep)
             self.keep.append(t)
+            self.shapes.append(tuple(int(s) for s in t.shape))
             shape = " ".join(str(int(s)) for s in t.shape)
             self.lines.append(f"tensor {self.ids[key]} {t.dim()} {shape}".rstrip())
             if key in self.param_index:
@@ -88,6 +94,7 @@ class _Recorder(TorchDispatchMode):
             f"node {kind} {label} in {len(inputs)} {' '.join(map(str, inputs))} "
             f"out {len(outputs)} {' '.join(map(str, outputs))} args {len(args)} {' '.join(str(int(a)) for a in args)}"
         )
+        self.nodes.append((label, tuple(inputs), tuple(outputs)))
         self.node_count += 1
         return self.node_count - 1
 
@@ -241,12 +248,19 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
     layer_by_module: Dict[int, LayerInfo] = {}
     handles = []
     module_inputs: Dict[str, Tuple[tuple, dict]] = {}
+    module_nodes: Dict[str, Tuple[int, int]] = {}
     for name, module in shadow.named_modules():
         def remember(mod, a, kw, name=name):
             if name not in module_inputs:
                 module_inputs[name] = (_replayable(a), _replayable(dict(kw)))
+                module_nodes[name] = (recorder.node_count, -1)
+
+        def finished(mod, a, out, name=name):
+            if name in module_nodes and module_nodes[name][1] < 0:
+                module_nodes[name] = (module_nodes[name][0], recorder.node_count)
 
         handles.append(module.register_forward_pre_hook(remember, with_kwargs=True))
+        handles.append(module.register_forward_hook(finished))
     for name, module in shadow.named_modules(remove_duplicate=False):
         info = describe_layer(name, module, param_index)
         if info is None:
@@ -264,7 +278,7 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
             recorder.layer_depth -= 1
             if recorder.layer_depth == 0 and isinstance(info.input, torch.Tensor) and isinstance(output, torch.Tensor):
                 node = recorder.node(info.kind, info.name or "<model>", [recorder.tensor_id(info.input)],
-                                     [recorder.tensor_id(output)], info.planner_args(info.input))
+                                     [recorder.tensor_id(output)], info.planner_args(info.input, output))
                 layers[node] = info.record_call(info.input, output)
             info.input = None
 
@@ -300,6 +314,9 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
         module_inputs=module_inputs,
         description=", ".join(f"{k} {tuple(v.shape)}" for k, v in _named_tensors(args, kwargs)),
         example_inputs=example if all(a is not None for a in example["args"]) else None,
+        shapes=recorder.shapes,
+        nodes=recorder.nodes,
+        module_nodes=module_nodes,
     )
 
 
@@ -332,3 +349,34 @@ def trace_text(module: nn.Module, args: tuple, kwargs: dict) -> str:
     with torch.no_grad(), recorder:
         module(*args, **kwargs)
     return "\n".join(recorder.lines)
+
+
+def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer):
+    """(op label, output shapes) of every node of one call of `module`, recorded as capture()
+    records them: the modules for which `is_layer(module)` holds are one node each (labelled
+    "layer"); and the error that stopped the call, or None."""
+    recorder = _Recorder({})
+    handles = []
+    for sub in module.modules():
+        if sub is module or not is_layer(sub):
+            continue
+
+        def pre(mod, inputs):
+            recorder.layer_depth += 1
+
+        def post(mod, inputs, output):
+            recorder.layer_depth -= 1
+            if recorder.layer_depth == 0 and isinstance(output, torch.Tensor):
+                recorder.nodes.append(("layer", (), (recorder.tensor_id(output),)))
+
+        handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
+    error = None
+    try:
+        with torch.no_grad(), recorder:
+            module(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the caller reports where the trace stopped
+        error = e
+    finally:
+        for h in handles:
+            h.remove()
+    return [(label, [recorder.shapes[i] for i in outputs]) for label, _, outputs in recorder.nodes], error

@@ -11,16 +11,15 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+from .. import ops
+from ..nn.linear import _is_hf_conv1d
+
 
 def is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's Conv1D: y = x @ weight + bias with weight stored as [in, out]."""
-    weight = getattr(module, "weight", None)
-    return (
-        type(module).__name__ == "Conv1D"
-        and isinstance(weight, torch.Tensor)
-        and weight.dim() == 2
-        and getattr(module, "nf", None) == weight.shape[1]
-    )
+    """Hugging Face's Conv1D (y = x @ weight + bias, weight stored as [in, out]), recognised
+    exactly as ColumnParallelLinear.from_linear recognises it, so that the planner never plans
+    a layer that from_linear would refuse."""
+    return _is_hf_conv1d(module)
 
 
 @dataclass
@@ -40,15 +39,11 @@ class LayerInfo:
     output_shape: Optional[tuple] = None
     input: Optional[torch.Tensor] = field(default=None, repr=False)
 
-    def planner_args(self, inputs: torch.Tensor) -> List[int]:
+    def planner_args(self, inputs: torch.Tensor, output: torch.Tensor) -> List[int]:
         if self.kind == "linear":
             return [self.in_features, self.out_features, self.weight_param, self.bias_param]
         if self.kind == "einsum":
-            in_letters, weight_letters, out_letters = einsum_letters(self.equation, inputs.dim())
-            args = [self.weight_param, self.bias_param]
-            for letters in (in_letters, weight_letters, out_letters):
-                args += [len(letters)] + letters
-            return args
+            return [self.weight_param, self.bias_param] + einsum_axes(self.equation, inputs.dim(), output.dim())
         return [self.num_embeddings, self.embedding_dim, self.weight_param]
 
     def record_call(self, inputs: torch.Tensor, output: torch.Tensor) -> "LayerInfo":
@@ -80,16 +75,18 @@ def describe_layer(name: str, module: nn.Module, param_index: Dict[int, int]) ->
     return None
 
 
-def einsum_letters(equation: str, input_ndim: int):
-    """Character codes of an "input,weight->output" equation's letters, with a leading "..."
-    expanded into as many placeholder letters (codes from 1000) as the input has extra dims."""
-    inputs, rest = equation.replace(" ", "").split(",")
-    weight, output = rest.split("->")
-    extra = input_ndim - len(inputs.replace("...", ""))
-    placeholders = [1000 + i for i in range(max(extra, 0))]
+_ROLES = {"output": 0, "contracted": 1, "batch": 2}
 
-    def codes(spec: str) -> List[int]:
-        head, dots, tail = spec.partition("...")
-        return [ord(c) for c in head] + (placeholders if dots else []) + [ord(c) for c in tail]
 
-    return codes(inputs), codes(weight), codes(output)
+def einsum_axes(equation: str, input_ndim: int, output_ndim: int) -> List[int]:
+    """The planner's description of an einsum layer's weight letters, from the C++ equation
+    parser: a count, then per weight letter its character code, its role (0 output,
+    1 contracted, 2 batch) and its dims in the input and the output (from the start; -1 where
+    absent)."""
+    letters, roles, input_dims, output_dims = ops.einsum_weight_axes(equation)
+    args = [len(letters)]
+    for letter, role, in_dim, out_dim in zip(letters, roles, input_dims, output_dims):
+        args += [ord(letter), _ROLES[role],
+                 -1 if in_dim is None else in_dim % input_ndim,
+                 -1 if out_dim is None else out_dim % output_ndim]
+    return args

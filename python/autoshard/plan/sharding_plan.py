@@ -4,6 +4,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
+from .. import ops
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
 
@@ -29,11 +30,14 @@ class LayerPlan:
     # KV projections with fewer KV heads than the ranks need: each of `units` KV heads serves
     # `repeat` query-head units of the region, and ranks hold the KV heads their queries use.
     repeat: int = 0
+    # Why the planner chose this style when it is not the obvious one, as a code (see
+    # csrc/plan/settle.cpp: "conflict", "too_few_units", "model_output", ...); note says it in words.
+    reason: str = ""
 
     def weight_dim(self) -> Optional[int]:
         """The weight dimension this layer splits, or None."""
         if self.kind == "einsum":
-            return None if self.style == "replicate" else self.equation.split(",")[1].split("->")[0].index(self.letter)
+            return None if self.style == "replicate" else ops.einsum_weight_axes(self.equation)[0].index(self.letter)
         if self.style in ("column", "column_gather", "vocab"):
             return 1 if self.transposed else 0
         if self.style == "row":
@@ -89,6 +93,9 @@ class ShardingPlan:
     comm: List[Dict[str, object]]  # {"phase", "kind", "count", "bytes"} per step at the example shapes
     example: Dict[str, object] = field(default_factory=dict)  # what the comm figures were measured on
     overrides: Dict[str, str] = field(default_factory=dict)
+    # Replicated parameters read inside a sharded region get a partial gradient on each rank,
+    # summed over the group in backward: one all-reduce per bucket {"params": names, "bytes"}.
+    partial_gradients: List[Dict[str, object]] = field(default_factory=list)
 
     # ---- queries
 
@@ -158,6 +165,9 @@ class ShardingPlan:
                 local = {k: "/".join(str(region.local_value(v, r, self.world_size)) for r in range(self.world_size))
                          for k, v in region.attributes.items()}
                 lines.append(f"  {region.module}: local attributes {local}")
+        for bucket in self.partial_gradients:
+            lines.append(f"  partial gradients summed over the ranks in backward (one all-reduce, "
+                         f"{bucket['bytes'] / 2**20:.3f} MiB): {', '.join(bucket['params'])}")
         shape = self.example.get("description", "the example inputs")
         lines.append(f"collectives per step on {shape}:")
         for c in self.comm:
@@ -180,4 +190,5 @@ class ShardingPlan:
             comm=data["comm"],
             example=data.get("example", {}),
             overrides=data.get("overrides", {}),
+            partial_gradients=data.get("partial_gradients", []),
         )

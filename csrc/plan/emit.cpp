@@ -1,0 +1,224 @@
+// From the settled pass to a Plan, and the Plan as the JSON document the Python layer reads.
+//
+// The document (version 1), every record with named fields:
+//   {"version": 1,
+//    "layers": [{"node", "style", "region", "units", "copy_group", "parts", "letter", "repeat",
+//                "reason", "note", "whole_units"}],
+//    "regions": [{"id", "units", "localize", "repeat", "coarse_units", "coarse_localize"}],
+//    "comm": [{"phase", "kind", "count", "elements"}],
+//    "partial_gradients": [{"params", "elements"}],
+//    "tensors": [{"tensor", "region", "coarse", "axis", "outer", "size"}]}
+#include "plan/emit.h"
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <sstream>
+
+namespace autoshard::plan {
+namespace {
+
+int64_t numel(const std::vector<int64_t>& shape) {
+  return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<int64_t>());
+}
+
+// Partial gradients are summed in buckets of at most this many elements (100 MiB of fp32),
+// each started once all of its gradients are ready.
+constexpr int64_t kBucketElements = int64_t{25} << 20;
+
+void sort_unique(std::vector<int64_t>& v) {
+  std::sort(v.begin(), v.end());
+  v.erase(std::unique(v.begin(), v.end()), v.end());
+}
+
+}  // namespace
+
+Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& why, int64_t world_size) {
+  Plan plan;
+  std::map<int, int> copy_groups;  // input tensor -> group
+  std::map<int, RegionSummary> regions;
+  auto comm = [&](const char* phase, const char* kind, int64_t elements) {
+    if (world_size == 1) return;  // a group of one rank communicates nothing
+    for (CommCount& c : plan.comm) {
+      if (c.phase == phase && c.kind == kind) {
+        c.count += 1;
+        c.elements += elements;
+        return;
+      }
+    }
+    plan.comm.push_back({phase, kind, 1, elements});
+  };
+  // A model input needs no gradient, so the copy of one issues no backward all-reduce.
+  std::vector<bool> produced(graph.tensors.size(), false);
+  for (const Node& node : graph.nodes) {
+    for (int id : node.outputs) produced[id] = true;
+  }
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    if (!is_layer(node)) continue;
+    LayerDecision d;
+    d.node = static_cast<int>(n);
+    d.style = pass.roles[n];
+    d.reason = why[n].reason;
+    d.note = why[n].note;
+    d.whole_units = why[n].whole_units;
+    if (d.style != Style::Replicate) {
+      int root = pass.find(pass.node_region[n]);
+      d.units = d.style == Style::Vocab ? node.args.at(0) : pass.regions[root].units;
+      if (pass.kv_fine.count(root)) {
+        // A KV projection: its units are KV heads, each serving `repeat` query-head units
+        // of the attention's region; the ranks holding one sum its gradient in backward.
+        root = pass.kv_fine.at(root);
+        d.repeat = pass.regions[root].units / d.units;
+        const int64_t weight = node.args.at(0) * node.args.at(1), bias = node.args.at(3) >= 0 ? node.args.at(1) : 0;
+        comm("backward", "all_reduce", weight + bias);
+        regions[root].repeat = d.repeat;
+        regions[root].coarse_units = d.units;
+        const auto& coarse = pass.regions[pass.find(pass.node_region[n])].localize;
+        regions[root].coarse_localize.insert(regions[root].coarse_localize.end(), coarse.begin(), coarse.end());
+        regions[root].coarse_localize.push_back(node.args.at(1));
+      }
+      d.region = root;
+      if (pass.parts.count(static_cast<int>(n))) d.parts = pass.parts.at(static_cast<int>(n));
+      if (pass.letters.count(static_cast<int>(n))) d.letter = pass.letters.at(static_cast<int>(n));
+      if (d.style == Style::Column || d.style == Style::Row) {
+        RegionSummary& summary = regions[root];
+        summary.id = root;
+        summary.units = pass.regions[root].units;
+        summary.localize = pass.regions[root].localize;
+      }
+    }
+    const int64_t out_elements = numel(graph.tensor(node.outputs.at(0)).shape);
+    switch (d.style) {
+      case Style::Row:
+      case Style::Vocab: comm("forward", "all_reduce", out_elements); break;
+      case Style::ColumnGather: comm("forward", "all_gather", out_elements); [[fallthrough]];
+      case Style::Column: {
+        const int input = node.inputs.at(0);
+        auto [it, fresh] = copy_groups.emplace(input, static_cast<int>(copy_groups.size()));
+        d.copy_group = it->second;
+        if (fresh && produced[input]) comm("backward", "all_reduce", numel(graph.tensor(input).shape));
+        break;
+      }
+      case Style::Replicate: break;
+    }
+    plan.layers.push_back(std::move(d));
+  }
+  for (auto& [id, summary] : regions) {
+    sort_unique(summary.localize);
+    sort_unique(summary.coarse_localize);
+    plan.regions.push_back(summary);
+  }
+
+  // Partial gradients, in the order backward produces them (the reverse of the parameters').
+  if (world_size > 1) {
+    for (auto it = pass.partial_params.rbegin(); it != pass.partial_params.rend(); ++it) {
+      const int64_t elements = numel(graph.tensor(it->second).shape);
+      if (plan.partial.empty() || plan.partial.back().elements + elements > kBucketElements) {
+        plan.partial.emplace_back();
+      }
+      plan.partial.back().params.push_back(it->first);
+      plan.partial.back().elements += elements;
+    }
+    for (const PartialBucket& bucket : plan.partial) comm("backward", "all_reduce", bucket.elements);
+  }
+
+  // Every sharded tensor, named by the region the plan reports it under.
+  std::map<int, int> coarse_to_fine;
+  for (const auto& [coarse, fine] : pass.kv_fine) coarse_to_fine[coarse] = fine;
+  for (size_t t = 0; t < graph.tensors.size(); ++t) {
+    const Layout& l = pass.layouts[t];
+    if (!l.sharded) continue;
+    TensorLayout layout;
+    layout.tensor = static_cast<int>(t);
+    const int root = pass.find(l.region);
+    layout.coarse = coarse_to_fine.count(root) > 0;
+    layout.region = layout.coarse ? coarse_to_fine.at(root) : root;
+    layout.axis = l.factor.axis;
+    layout.outer = l.factor.outer;
+    layout.size = l.factor.size;
+    plan.tensors.push_back(layout);
+  }
+  return plan;
+}
+
+namespace {
+
+void write_string(std::ostringstream& out, const std::string& s) {
+  out << '"';
+  for (char c : s) {
+    switch (c) {
+      case '"': out << "\\\""; break;
+      case '\\': out << "\\\\"; break;
+      case '\n': out << "\\n"; break;
+      case '\t': out << "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          out << "\\u00" << "0123456789abcdef"[(c >> 4) & 0xf] << "0123456789abcdef"[c & 0xf];
+        } else {
+          out << c;
+        }
+    }
+  }
+  out << '"';
+}
+
+void write_ints(std::ostringstream& out, const std::vector<int64_t>& values) {
+  out << '[';
+  for (size_t i = 0; i < values.size(); ++i) out << (i ? "," : "") << values[i];
+  out << ']';
+}
+
+}  // namespace
+
+std::string plan_to_json(const Plan& plan) {
+  static const char* styles[] = {"replicate", "column", "column_gather", "row", "vocab"};
+  std::ostringstream out;
+  out << "{\"version\":1,\"layers\":[";
+  for (size_t i = 0; i < plan.layers.size(); ++i) {
+    const LayerDecision& d = plan.layers[i];
+    out << (i ? "," : "") << "{\"node\":" << d.node << ",\"style\":\"" << styles[static_cast<int>(d.style)]
+        << "\",\"region\":" << d.region << ",\"units\":" << d.units << ",\"copy_group\":" << d.copy_group
+        << ",\"parts\":";
+    write_ints(out, d.parts);
+    out << ",\"letter\":";
+    write_string(out, d.letter ? std::string(1, static_cast<char>(d.letter)) : std::string());
+    out << ",\"repeat\":" << d.repeat << ",\"reason\":";
+    write_string(out, d.reason);
+    out << ",\"note\":";
+    write_string(out, d.note);
+    out << ",\"whole_units\":" << d.whole_units << '}';
+  }
+  out << "],\"regions\":[";
+  for (size_t i = 0; i < plan.regions.size(); ++i) {
+    const RegionSummary& r = plan.regions[i];
+    out << (i ? "," : "") << "{\"id\":" << r.id << ",\"units\":" << r.units << ",\"localize\":";
+    write_ints(out, r.localize);
+    out << ",\"repeat\":" << r.repeat << ",\"coarse_units\":" << r.coarse_units << ",\"coarse_localize\":";
+    write_ints(out, r.coarse_localize);
+    out << '}';
+  }
+  out << "],\"comm\":[";
+  for (size_t i = 0; i < plan.comm.size(); ++i) {
+    const CommCount& c = plan.comm[i];
+    out << (i ? "," : "") << "{\"phase\":\"" << c.phase << "\",\"kind\":\"" << c.kind << "\",\"count\":" << c.count
+        << ",\"elements\":" << c.elements << '}';
+  }
+  out << "],\"partial_gradients\":[";
+  for (size_t i = 0; i < plan.partial.size(); ++i) {
+    out << (i ? "," : "") << "{\"params\":";
+    write_ints(out, plan.partial[i].params);
+    out << ",\"elements\":" << plan.partial[i].elements << '}';
+  }
+  out << "],\"tensors\":[";
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    const TensorLayout& t = plan.tensors[i];
+    out << (i ? "," : "") << "{\"tensor\":" << t.tensor << ",\"region\":" << t.region
+        << ",\"coarse\":" << (t.coarse ? "true" : "false") << ",\"axis\":" << t.axis << ",\"outer\":" << t.outer
+        << ",\"size\":" << t.size << '}';
+  }
+  out << "]}";
+  return out.str();
+}
+
+}  // namespace autoshard::plan

@@ -1,0 +1,117 @@
+// The backward side of a pass: what each replicated tensor's gradient is on every rank.
+//
+// A sharded tensor's gradient is sharded alike, and a column layer's input copy sums its
+// input's gradient over the ranks, so both are exact by construction. A replicated tensor
+// read by an op whose output is sharded (a norm's weight applied to every head, a scale, a
+// replicated weight multiplying each head) only receives, on each rank, the part of its
+// gradient that comes from that rank's shard: a partial sum. Such a gradient stays partial
+// backward through replicated ops, and a parameter that receives only partial gradients
+// gets them summed over the ranks (the plan's partial-gradient all-reduce). A gradient that
+// would be partly whole and partly partial (the parameter is also used outside the region,
+// or the partial gradient reaches an activation) cannot be fixed by a sum: the regions that
+// make it partial are replicated instead.
+#include <set>
+
+#include "plan/propagation.h"
+
+namespace autoshard::plan {
+namespace {
+
+struct GradState {
+  bool whole = false;
+  std::set<int> partial;  // regions whose shards make it partial
+
+  bool any() const { return whole || !partial.empty(); }
+  void join(const GradState& other) {
+    whole = whole || other.whole;
+    partial.insert(other.partial.begin(), other.partial.end());
+  }
+};
+
+}  // namespace
+
+void Propagation::settle_gradients() {
+  const size_t tensor_count = graph_.tensors.size();
+  // Which tensors carry a gradient at all: parameters and whatever is computed from one.
+  std::vector<bool> needs_grad(tensor_count, false);
+  for (size_t t = 0; t < tensor_count; ++t) needs_grad[t] = graph_.tensors[t].param >= 0;
+  for (const Node& node : graph_.nodes) {
+    bool any = is_layer(node);
+    for (int id : node.inputs) any = any || needs_grad[id];
+    if (any) {
+      for (int id : node.outputs) needs_grad[id] = true;
+    }
+  }
+  std::vector<GradState> grad(tensor_count);
+  for (size_t t = 0; t < tensor_count; ++t) grad[t].whole = graph_.tensors[t].is_output;
+  std::map<int64_t, GradState> param_grad;
+  std::map<int64_t, int> param_tensor;
+  auto refuse = [&](const GradState& state, const std::string& why) {
+    for (int r : state.partial) conflict(r, why);
+  };
+
+  for (size_t i = graph_.nodes.size(); i-- > 0;) {
+    const Node& node = graph_.nodes[i];
+    GradState out;
+    int sharded_region = -1;
+    for (int id : node.outputs) {
+      if (layouts[id].sharded) {
+        sharded_region = find(layouts[id].region);
+      } else if (needs_grad[id]) {
+        out.join(grad[id]);
+      }
+    }
+    if (is_layer(node)) {
+      const Style role = roles[i];
+      if (role == Style::Column || role == Style::ColumnGather) {
+        // The input copy sums the input's gradient over the ranks: whole again. A gathered
+        // output's gradient is cut to this rank's piece, which must be whole to begin with.
+        if (role == Style::ColumnGather) refuse(out, "gives a partial gradient to " + node.label + "'s output");
+        GradState whole;
+        whole.whole = true;
+        grad[node.inputs.at(0)].join(whole);
+      } else if (role == Style::Row || role == Style::Vocab) {
+        refuse(out, "gives a partial gradient to " + node.label + "'s output");
+      } else {
+        // A replicated layer passes its output's gradient on to its input and parameters; a
+        // partial one would need its weights summed too, which the plan does not do.
+        refuse(out, "gives a partial gradient to " + node.label + ", which is replicated");
+        for (int id : node.inputs) {
+          if (!layouts[id].sharded) grad[id].join(out);
+        }
+      }
+      continue;
+    }
+    GradState contribution = out;
+    if (sharded_region >= 0) {
+      contribution = GradState{};
+      contribution.partial.insert(sharded_region);
+    }
+    for (int id : node.inputs) {
+      if (!layouts[id].sharded && needs_grad[id]) grad[id].join(contribution);
+    }
+  }
+
+  for (size_t t = 0; t < tensor_count; ++t) {
+    const GradState& state = grad[t];
+    if (!needs_grad[t] || layouts[t].sharded || !state.any()) continue;
+    const int64_t param = graph_.tensors[t].param;
+    if (param >= 0) {
+      param_grad[param].join(state);
+      param_tensor[param] = static_cast<int>(t);
+    } else if (state.whole && !state.partial.empty()) {
+      refuse(state, "would make a gradient partly partial (a replicated activation meets its shards)");
+    }
+  }
+  partial_params.clear();
+  for (const auto& [param, state] : param_grad) {
+    if (state.partial.empty()) continue;
+    if (state.whole) {
+      refuse(state, "would make a parameter's gradient partly partial (it is also used outside the region)");
+      continue;
+    }
+    partial_params[param] = param_tensor.at(param);
+  }
+}
+
+}  // namespace autoshard::plan

@@ -1,0 +1,261 @@
+// The forward pass of the planner: regions, layers, and the ops that move the sharded axis
+// (reshapes, permutes, broadcasts); the ops that combine tensors are in propagation_ops.cpp.
+#include "plan/propagation.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include <c10/util/Exception.h>
+
+namespace autoshard::plan {
+EinsumLetters::EinsumLetters(const Node& node) {
+  weight_param = node.args.at(0);
+  bias_param = node.args.at(1);
+  const int64_t n = node.args.at(2);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(node.args.size()) == 3 + 4 * n,
+                    "[plan.bad_graph] plan: einsum node ", node.label, " has malformed letters");
+  for (int64_t i = 0; i < n; ++i) {
+    const auto* a = &node.args.at(3 + 4 * i);
+    axes.push_back({a[0], a[1], a[2], a[3]});
+  }
+}
+
+bool is_layer(const Node& node) {
+  return node.kind == Kind::Linear || node.kind == Kind::Embedding || node.kind == Kind::Einsum;
+}
+
+int64_t weight_param(const Node& node) {
+  return node.kind == Kind::Einsum ? EinsumLetters(node).weight_param : node.args.at(2);
+}
+
+int64_t bias_param(const Node& node) {
+  if (node.kind == Kind::Einsum) return EinsumLetters(node).bias_param;
+  return node.kind == Kind::Linear ? node.args.at(3) : -1;
+}
+
+Propagation::Propagation(const Graph& graph, const std::vector<Force>& forced) : graph_(graph), forced_(forced) {
+  layouts.resize(graph.tensors.size());
+  roles.assign(graph.nodes.size(), Style::Replicate);
+  node_region.assign(graph.nodes.size(), -1);
+}
+
+void Propagation::run(const std::set<int>& vocab_embeddings) {
+  for (size_t n = 0; n < graph_.nodes.size(); ++n) visit(static_cast<int>(n), vocab_embeddings);
+  for (size_t t = 0; t < graph_.tensors.size(); ++t) {
+    const Layout& l = layouts[t];
+    if (graph_.tensors[t].is_output && l.sharded) {
+      regions[find(l.region)].reaches_output = true;
+    }
+  }
+}
+
+int Propagation::find(int r) {
+  while (regions[r].parent != r) r = regions[r].parent = regions[regions[r].parent].parent;
+  return r;
+}
+
+int Propagation::new_region(int64_t size) {
+  Region r;
+  r.parent = static_cast<int>(regions.size());
+  r.units = size;
+  regions.push_back(r);
+  return r.parent;
+}
+
+void Propagation::constrain(int region, int64_t size) {
+  Region& r = regions[find(region)];
+  r.units = std::gcd(r.units, size);
+}
+
+void Propagation::unite(int a, int b) {
+  a = find(a);
+  b = find(b);
+  if (a == b) return;
+  Region& ra = regions[a];
+  Region& rb = regions[b];
+  rb.parent = a;
+  ra.units = std::gcd(ra.units, rb.units);
+  ra.reaches_output = ra.reaches_output || rb.reaches_output;
+  if (!ra.conflict && rb.conflict) ra.reason = rb.reason;
+  ra.conflict = ra.conflict || rb.conflict;
+  ra.localize.insert(ra.localize.end(), rb.localize.begin(), rb.localize.end());
+}
+
+void Propagation::conflict(int region, const std::string& why) {
+  const int root = find(region);
+  for (int r : {root, kv_fine.count(root) ? kv_fine.at(root) : root}) {
+    Region& target = regions[find(r)];
+    if (!target.conflict) target.reason = why;
+    target.conflict = true;
+  }
+}
+
+
+// Every sharded input stops here; outputs are replicated.
+void Propagation::block(const Node& node, const std::string& why) {
+  for (int id : node.inputs) {
+    if (layouts[id].sharded) conflict(layouts[id].region, why);
+  }
+  for (int id : node.outputs) layouts[id] = Layout{};
+}
+
+void Propagation::set_sharded(int id, AxisFactor factor, int region, int source, int64_t repeat_next) {
+  Layout l;
+  l.sharded = true;
+  l.factor = factor;
+  l.region = region;
+  l.source = source;
+  l.repeat_next = repeat_next;
+  layouts[id] = l;
+}
+
+
+void Propagation::visit(int n, const std::set<int>& vocab_embeddings) {
+  const Node& node = graph_.nodes[n];
+  switch (node.kind) {
+    case Kind::Linear: return visit_linear(n, node);
+    case Kind::Embedding: return visit_embedding(n, node, vocab_embeddings.count(n) > 0);
+    case Kind::Einsum: return visit_einsum(n, node);
+    case Kind::View: return visit_view(node);
+    case Kind::Permute: return visit_permute(node);
+    case Kind::Expand: return visit_expand(node);
+    case Kind::Pointwise: return visit_pointwise(node);
+    case Kind::Reduce: return visit_reduce(node);
+    case Kind::Matmul: return visit_matmul(node);
+    case Kind::Attention: return visit_attention(node);
+    case Kind::Split: return visit_split(node);
+    case Kind::Cat: return visit_cat(node);
+    case Kind::Slice: return visit_slice(node);
+    case Kind::Source: return block(node, "");
+    case Kind::Opaque: return block(node, "reaches " + node.label + ", which autoshard cannot follow");
+  }
+}
+
+void Propagation::visit_linear(int n, const Node& node) {
+  const Layout x = layouts[node.inputs.at(0)];
+  const int out = node.outputs.at(0);
+  const int64_t in_features = node.args.at(0), out_features = node.args.at(1);
+  layouts[out] = Layout{};
+  if (forced_[n] == Force::Replicate) {
+    if (x.sharded) conflict(x.region, "feeds " + node.label + ", which is replicated");
+    return;
+  }
+  if (!x.sharded) {
+    node_region[n] = new_region(out_features);
+    if (forced_[n] == Force::Gather) {
+      roles[n] = Style::ColumnGather;
+      return;
+    }
+    roles[n] = Style::Column;
+    set_sharded(out, {static_cast<int>(shape(out).size()) - 1, 1, out_features}, node_region[n], n);
+    return;
+  }
+  const bool contracts = x.factor.axis == static_cast<int>(shape(node.inputs[0]).size()) - 1 &&
+                         x.factor.outer == 1 && x.factor.size == in_features;
+  if (!contracts) {
+    conflict(x.region, "reaches " + node.label + " on an axis it does not contract");
+    return;
+  }
+  roles[n] = Style::Row;
+  node_region[n] = x.region;
+}
+
+// An einsum layer over a replicated input splits the first letter its weight brings to the
+// output (a head axis); over a sharded input it contracts that letter, as a row layer does.
+void Propagation::visit_einsum(int n, const Node& node) {
+  const EinsumLetters eq(node);
+  const Layout x = layouts[node.inputs.at(0)];
+  const int out = node.outputs.at(0);
+  layouts[out] = Layout{};
+  if (forced_[n] == Force::Replicate) {
+    if (x.sharded) conflict(x.region, "feeds " + node.label + ", which is replicated");
+    return;
+  }
+  if (!x.sharded) {
+    const EinsumLetters::Axis* first = nullptr;
+    for (const auto& axis : eq.axes) {
+      if (axis.role == EinsumLetters::Output && (!first || axis.output_dim < first->output_dim)) first = &axis;
+    }
+    if (!first) return;
+    const int64_t size = shape(out).at(first->output_dim);
+    node_region[n] = new_region(size);
+    letters[n] = first->letter;
+    if (forced_[n] == Force::Gather) {
+      roles[n] = Style::ColumnGather;
+    } else {
+      roles[n] = Style::Column;
+      set_sharded(out, {static_cast<int>(first->output_dim), 1, size}, node_region[n], n);
+    }
+    return;
+  }
+  const EinsumLetters::Axis* contracted = nullptr;
+  for (const auto& axis : eq.axes) {
+    if (axis.input_dim == x.factor.axis && axis.role == EinsumLetters::Contracted) contracted = &axis;
+  }
+  if (!contracted || x.factor.outer != 1) {
+    return conflict(x.region, "reaches " + node.label + " on a letter it does not contract");
+  }
+  roles[n] = Style::Row;
+  node_region[n] = x.region;
+  letters[n] = contracted->letter;
+}
+
+void Propagation::visit_embedding(int n, const Node& node, bool vocab_parallel) {
+  block(node, "is used as embedding indices");
+  if (vocab_parallel && forced_[n] != Force::Replicate) {
+    roles[n] = Style::Vocab;
+    node_region[n] = new_region(node.args.at(0));
+  }
+}
+
+void Propagation::visit_view(const Node& node) {
+  const int in = node.inputs.at(0), out = node.outputs.at(0);
+  const Layout x = layouts[in];
+  layouts[out] = Layout{};
+  if (!x.sharded) return;
+  const ReshapeResult r = map_reshape(shape(in), shape(out), x.factor);
+  if (!r.ok) return conflict(x.region, node.label + ": " + r.why);
+  if (x.repeat_next > 1 && r.factor.outer == x.factor.outer && r.factor.size == x.factor.size * x.repeat_next) {
+    // repeat_kv: each KV head becomes repeat_next query heads' worth, a finer region.
+    const int fine = new_region(r.factor.size);
+    regions[fine].localize.push_back(r.factor.size);
+    link(x.region, fine);
+    return set_sharded(out, r.factor, fine);
+  }
+  constrain(x.region, r.factor.size);
+  if (r.factor.size != x.factor.size) regions[find(x.region)].localize.push_back(r.factor.size);
+  const bool unchanged = r.factor.size == x.factor.size && r.factor.outer == x.factor.outer;
+  set_sharded(out, r.factor, x.region, unchanged ? x.source : -1);
+}
+
+void Propagation::visit_permute(const Node& node) {
+  const Layout x = layouts[node.inputs.at(0)];
+  const int out = node.outputs.at(0);
+  layouts[out] = Layout{};
+  if (!x.sharded) return;
+  for (size_t j = 0; j < node.args.size(); ++j) {
+    if (node.args[j] == x.factor.axis) {
+      AxisFactor f = x.factor;
+      f.axis = static_cast<int>(j);
+      set_sharded(out, f, x.region, x.source);
+      return;
+    }
+  }
+  conflict(x.region, node.label + ": malformed permutation");
+}
+
+void Propagation::visit_expand(const Node& node) {
+  const int in = node.inputs.at(0), out = node.outputs.at(0);
+  const Layout x = layouts[in];
+  layouts[out] = Layout{};
+  if (!x.sharded) return;
+  AxisFactor f = x.factor;
+  f.axis += static_cast<int>(shape(out).size() - shape(in).size());
+  if (shape(out)[f.axis] != shape(in)[x.factor.axis]) return conflict(x.region, node.label + " broadcasts the sharded axis");
+  const size_t next_in = static_cast<size_t>(x.factor.axis) + 1, next_out = static_cast<size_t>(f.axis) + 1;
+  const bool repeats = next_in < shape(in).size() && shape(in)[next_in] == 1 && shape(out)[next_out] > 1;
+  set_sharded(out, f, x.region, x.source, repeats ? shape(out)[next_out] : x.repeat_next);
+}
+
+
+}  // namespace autoshard::plan

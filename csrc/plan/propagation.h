@@ -1,0 +1,123 @@
+#pragma once
+// One pass of the planner over the graph: which tensors are sharded (and on which axis, in
+// which region), what role each layer takes, given the decisions forced so far. settle.cpp
+// repeats passes until no decision changes; emit.cpp turns the last pass into a Plan.
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "plan/graph.h"
+#include "plan/planner.h"
+#include "plan/reshape.h"
+
+namespace autoshard::plan {
+
+enum class Force { None, Replicate, Gather };
+
+struct Layout {
+  bool sharded = false;
+  AxisFactor factor;
+  int region = -1;
+  int source = -1;  // the column layer whose output this is, unchanged (for fused splits)
+  // The size the axis right after the sharded one was broadcast to from 1 (repeat_kv's
+  // expand), so that a reshape merging the two repeats each unit that many times.
+  int64_t repeat_next = 0;
+};
+
+// A coarse region (KV heads) whose units each feed `ratio` consecutive units of a fine region
+// (the query heads that share a KV head), met through a repeat or a grouped attention.
+struct Link {
+  int coarse = -1;
+  int fine = -1;
+};
+
+struct Region {
+  int parent = 0;
+  int64_t units = 0;  // gcd of every sharded size the region passes through
+  bool conflict = false;
+  bool reaches_output = false;
+  std::string reason;
+  std::vector<int64_t> localize;
+};
+
+// An einsum layer's weight letters as the C++ equation parser describes them
+// (autoshard.ops.einsum_weight_axes): per letter, its role and its dims in the input and the
+// output (-1 where absent).
+struct EinsumLetters {
+  enum Role : int64_t { Output = 0, Contracted = 1, Batch = 2 };
+  struct Axis {
+    int64_t letter, role, input_dim, output_dim;
+  };
+  int64_t weight_param, bias_param;
+  std::vector<Axis> axes;
+
+  explicit EinsumLetters(const Node& node);
+};
+
+bool is_layer(const Node& node);
+int64_t weight_param(const Node& node);
+int64_t bias_param(const Node& node);
+
+class Propagation {
+ public:
+  Propagation(const Graph& graph, const std::vector<Force>& forced);
+
+  void run(const std::set<int>& vocab_embeddings);
+  int find(int r);
+  // Decides every KV link once the pass has run (links.cpp).
+  void settle_links(int64_t world_size);
+  // Follows gradients backward (gradients.cpp): finds the replicated parameters whose
+  // gradient is a partial sum on each rank, and refuses regions that would make a gradient
+  // partly whole and partly partial.
+  void settle_gradients();
+  // Marks a region (and, for KV heads kept apart, the query heads' region) as conflicting.
+  void conflict(int region, const std::string& why);
+
+  std::vector<Layout> layouts;
+  std::vector<Style> roles;
+  std::vector<int> node_region;
+  std::map<int, std::vector<int64_t>> parts;
+  std::map<int, int64_t> letters;  // einsum layers: the weight letter split
+  std::vector<Region> regions;
+  std::vector<Link> links;
+  // Coarse region root -> its fine region root, for links kept apart by settle_links: the
+  // KV heads are then replicated on the ranks whose query heads use them.
+  std::map<int, int> kv_fine;
+  // Parameters (by index) whose gradient is partial on every rank, with the tensor each is
+  // read as (for its size), set by settle_gradients.
+  std::map<int64_t, int> partial_params;
+
+  static bool uniform_groups(int64_t units, int64_t ratio, int64_t world_size);
+
+ private:
+  bool only_plain_columns(int coarse);
+  int new_region(int64_t size);
+  void constrain(int region, int64_t size);
+  void unite(int a, int b);
+  const std::vector<int64_t>& shape(int id) const { return graph_.tensor(id).shape; }
+  void block(const Node& node, const std::string& why);
+  void set_sharded(int id, AxisFactor factor, int region, int source = -1, int64_t repeat_next = 0);
+  void link(int coarse, int fine) { links.push_back({coarse, fine}); }
+  bool merge_elementwise(const Node& node, Layout& merged, int skip_axis_check = -1);
+
+  void visit(int n, const std::set<int>& vocab_embeddings);
+  void visit_linear(int n, const Node& node);
+  void visit_einsum(int n, const Node& node);
+  void visit_embedding(int n, const Node& node, bool vocab_parallel);
+  void visit_view(const Node& node);
+  void visit_permute(const Node& node);
+  void visit_expand(const Node& node);
+  void visit_pointwise(const Node& node);
+  void visit_reduce(const Node& node);
+  void visit_matmul(const Node& node);
+  void visit_attention(const Node& node);
+  void visit_split(const Node& node);
+  void visit_cat(const Node& node);
+  void visit_slice(const Node& node);
+
+  const Graph& graph_;
+  const std::vector<Force>& forced_;
+};
+
+}  // namespace autoshard::plan

@@ -1,0 +1,202 @@
+// The forward pass of the planner, continued: ops that combine, reduce, multiply, split and
+// concatenate tensors.
+#include <algorithm>
+
+#include "plan/propagation.h"
+
+namespace autoshard::plan {
+namespace {
+
+// Aligns input axis `axis` of an input with `ndim` dims to the output's (numpy broadcasting).
+int aligned(int axis, size_t ndim, size_t out_ndim) { return axis + static_cast<int>(out_ndim - ndim); }
+
+}  // namespace
+
+// Elementwise ops and concatenation: every sharded input must agree on one output axis,
+// and a replicated input may only be broadcast along it (size 1 or absent).
+bool Propagation::merge_elementwise(const Node& node, Layout& merged, int skip_axis_check) {
+  const size_t out_ndim = shape(node.outputs.at(0)).size();
+  for (int id : node.inputs) {
+    const Layout& l = layouts[id];
+    if (!l.sharded) continue;
+    AxisFactor f = l.factor;
+    f.axis = aligned(f.axis, shape(id).size(), out_ndim);
+    if (!merged.sharded) {
+      merged = l;
+      merged.factor = f;
+      continue;
+    }
+    if (f.axis != merged.factor.axis || f.outer != merged.factor.outer || f.size != merged.factor.size) {
+      conflict(l.region, node.label + " combines tensors sharded differently");
+      conflict(merged.region, node.label + " combines tensors sharded differently");
+      return false;
+    }
+    unite(merged.region, l.region);
+    if (merged.source != l.source) merged.source = -1;
+    if (merged.repeat_next != l.repeat_next) merged.repeat_next = 0;
+  }
+  if (!merged.sharded) return true;
+  for (int id : node.inputs) {
+    if (layouts[id].sharded) continue;
+    const auto& s = shape(id);
+    const int axis = merged.factor.axis - static_cast<int>(out_ndim - s.size());
+    if (axis >= 0 && axis != skip_axis_check && s[axis] != 1) {
+      conflict(merged.region, node.label + " combines the sharded axis with a replicated tensor");
+      return false;
+    }
+  }
+  return true;
+}
+
+void Propagation::visit_pointwise(const Node& node) {
+  Layout merged;
+  const bool ok = merge_elementwise(node, merged);
+  for (int id : node.outputs) {
+    layouts[id] = Layout{};
+    if (ok && merged.sharded && shape(id).size() == shape(node.outputs[0]).size()) {
+      set_sharded(id, merged.factor, merged.region, merged.source, merged.repeat_next);
+    }
+  }
+}
+
+void Propagation::visit_reduce(const Node& node) {
+  const int in = node.inputs.at(0);
+  const Layout x = layouts[in];
+  for (int id : node.outputs) layouts[id] = Layout{};
+  for (size_t i = 1; i < node.inputs.size(); ++i) {
+    if (layouts[node.inputs[i]].sharded) conflict(layouts[node.inputs[i]].region, node.label + " takes a sharded parameter");
+  }
+  if (!x.sharded) return;
+  int removed_before = 0;
+  for (int64_t axis : node.args) {
+    if (axis == x.factor.axis) return conflict(x.region, node.label + " reduces over the sharded axis");
+    if (axis < x.factor.axis) ++removed_before;
+  }
+  for (int id : node.outputs) {
+    AxisFactor f = x.factor;
+    if (shape(id).size() != shape(in).size()) f.axis -= removed_before;
+    if (f.axis < static_cast<int>(shape(id).size()) && shape(id)[f.axis] == shape(in)[x.factor.axis]) {
+      set_sharded(id, f, x.region);
+    }
+  }
+}
+
+void Propagation::visit_matmul(const Node& node) {
+  const int a = node.inputs.at(0), b = node.inputs.at(1), out = node.outputs.at(0);
+  const Layout la = layouts[a], lb = layouts[b];
+  layouts[out] = Layout{};
+  const int nd = static_cast<int>(shape(out).size());
+  const int a_nd = static_cast<int>(shape(a).size()), b_nd = static_cast<int>(shape(b).size());
+  auto is_batch = [&](const Layout& l, int ndim) { return l.sharded && l.factor.axis < ndim - 2; };
+  if (la.sharded && lb.sharded) {
+    if (is_batch(la, a_nd) && is_batch(lb, b_nd)) {
+      Layout merged;
+      if (!merge_elementwise(node, merged)) return;
+      AxisFactor f = la.factor;
+      f.axis = aligned(la.factor.axis, a_nd, nd);
+      set_sharded(out, f, la.region);
+      return;
+    }
+    conflict(la.region, node.label + " multiplies two tensors sharded on different axes");
+    return conflict(lb.region, node.label + " multiplies two tensors sharded on different axes");
+  }
+  const Layout& l = la.sharded ? la : lb;
+  if (!l.sharded) return;
+  const int ndim = la.sharded ? a_nd : b_nd;
+  const int other = la.sharded ? b : a;
+  const int contracted = la.sharded ? ndim - 1 : ndim - 2;
+  if (l.factor.axis == contracted) return conflict(l.region, node.label + " contracts the sharded axis");
+  AxisFactor f = l.factor;
+  if (l.factor.axis < ndim - 2) {
+    const auto& s = shape(other);
+    const int axis = aligned(l.factor.axis, ndim, nd) - (nd - static_cast<int>(s.size()));
+    if (axis >= 0 && s[axis] != 1) return conflict(l.region, node.label + " multiplies by a replicated batch");
+    f.axis = aligned(l.factor.axis, ndim, nd);
+  } else {
+    f.axis = la.sharded ? nd - 2 : nd - 1;
+  }
+  set_sharded(out, f, l.region);
+}
+
+void Propagation::visit_attention(const Node& node) {
+  Layout merged;
+  Node qkv = node;
+  qkv.inputs.resize(std::min<size_t>(3, node.inputs.size()));
+  for (int id : node.outputs) layouts[id] = Layout{};
+  const Layout q = layouts[qkv.inputs.at(0)];
+  if (!q.sharded) return block(node, node.label + " attends over replicated queries");
+  if (q.factor.axis != static_cast<int>(shape(qkv.inputs[0]).size()) - 3) {
+    return conflict(q.region, node.label + " is not sharded over heads");
+  }
+  for (int id : qkv.inputs) {
+    const Layout& l = layouts[id];
+    if (!l.sharded || l.factor.axis != q.factor.axis) return conflict(q.region, node.label + " needs q, k and v sharded alike");
+    if (l.factor.size < q.factor.size && q.factor.size % l.factor.size == 0 && l.factor.outer == q.factor.outer) {
+      link(l.region, q.region);  // grouped-query attention: fewer KV heads than query heads
+      continue;
+    }
+    unite(q.region, l.region);
+    constrain(q.region, l.factor.size);
+  }
+  for (size_t i = 3; i < node.inputs.size(); ++i) {
+    const int id = node.inputs[i];
+    const auto& s = shape(id);
+    const int axis = q.factor.axis - static_cast<int>(shape(qkv.inputs[0]).size() - s.size());
+    if (layouts[id].sharded || (axis >= 0 && s[axis] != 1)) return conflict(q.region, node.label + " has a mask per head");
+  }
+  set_sharded(node.outputs.at(0), q.factor, q.region);
+}
+
+void Propagation::visit_split(const Node& node) {
+  const int in = node.inputs.at(0);
+  const Layout x = layouts[in];
+  const int64_t dim = node.args.at(0);
+  for (int id : node.outputs) layouts[id] = Layout{};
+  if (!x.sharded) return;
+  if (dim != x.factor.axis) {
+    for (int id : node.outputs) set_sharded(id, x.factor, x.region);
+    return;
+  }
+  // Splitting a fused layer's output (QKV in one Linear): each part is sharded on its own,
+  // which the layer's weight layout must mirror.
+  if (x.source < 0 || x.factor.outer != 1 || parts.count(x.source)) {
+    return conflict(x.region, node.label + " splits the sharded axis of something that is not a layer's output");
+  }
+  std::vector<int64_t>& layer_parts = parts[x.source];
+  for (int id : node.outputs) {
+    const int64_t size = shape(id)[dim];
+    layer_parts.push_back(size);
+    constrain(x.region, size);
+    regions[find(x.region)].localize.push_back(size);
+    set_sharded(id, {x.factor.axis, 1, size}, x.region);
+  }
+}
+
+void Propagation::visit_cat(const Node& node) {
+  Layout merged;
+  const int64_t dim = node.args.at(0);
+  const bool ok = merge_elementwise(node, merged, static_cast<int>(dim));
+  const int out = node.outputs.at(0);
+  layouts[out] = Layout{};
+  if (!ok || !merged.sharded) return;
+  if (merged.factor.axis == dim) return conflict(merged.region, node.label + " concatenates along the sharded axis");
+  set_sharded(out, merged.factor, merged.region);
+}
+
+void Propagation::visit_slice(const Node& node) {
+  const int in = node.inputs.at(0), out = node.outputs.at(0);
+  const Layout x = layouts[in];
+  layouts[out] = Layout{};
+  if (!x.sharded) return;
+  const int64_t dim = node.args.at(0), start = node.args.at(1), stop = node.args.at(2), drop = node.args.at(3);
+  if (dim == x.factor.axis) {
+    const int64_t length = shape(in)[dim];
+    if (start <= 0 && stop >= length && !drop) return set_sharded(out, x.factor, x.region, x.source);
+    return conflict(x.region, node.label + " slices the sharded axis");
+  }
+  AxisFactor f = x.factor;
+  if (drop && dim < f.axis) f.axis -= 1;
+  set_sharded(out, f, x.region);
+}
+
+}  // namespace autoshard::plan

@@ -1,0 +1,135 @@
+// Settling the decisions: passes repeat, each forcing the layers whose regions cannot be
+// split (replicated) or must end in a gather, until no decision changes.
+//
+// Reason codes given to a forced layer (LayerDecision::reason):
+//   override_replicate, override_gather   the user asked for it
+//   conflict            its region reaches something that needs the axis whole (note says what)
+//   too_few_units       its region has fewer whole units (heads) than ranks
+//   model_output        its output is a model output: gathered
+//   weight_read_elsewhere, weight_shared  its weight is read outside the layer, or shared
+//                       with a layer split differently
+#include <algorithm>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include <c10/util/Exception.h>
+
+#include "plan/emit.h"
+#include "plan/propagation.h"
+
+namespace autoshard::plan {
+namespace {
+
+// The largest embedding tables are the token tables; position and type tables stay replicated.
+std::set<int> token_tables(const Graph& graph) {
+  int64_t largest = 0;
+  for (const Node& node : graph.nodes) {
+    if (node.kind == Kind::Embedding) largest = std::max(largest, node.args.at(0));
+  }
+  std::set<int> chosen;
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    if (node.kind == Kind::Embedding && node.args.at(0) == largest) chosen.insert(static_cast<int>(n));
+  }
+  return chosen;
+}
+
+std::string units_note(int64_t units, int64_t world) {
+  std::ostringstream s;
+  s << "only " << units << " whole unit(s) (heads) to split across " << world << " ranks";
+  return s.str();
+}
+
+}  // namespace
+
+Plan make_plan(const Graph& graph, int64_t world_size) {
+  TORCH_CHECK_VALUE(world_size > 0, "[plan.world_size] plan: world_size must be a positive integer, got ", world_size);
+  const size_t count = graph.nodes.size();
+  std::vector<Force> forced(count, Force::None);
+  std::vector<Why> why(count);
+  const std::set<int> vocab = token_tables(graph);
+  for (const auto& [node, style] : graph.forced) {
+    TORCH_CHECK_VALUE(node >= 0 && static_cast<size_t>(node) < count && is_layer(graph.nodes[node]),
+                      "[plan.override_not_layer] plan: override names node ", node, ", which is not a layer");
+    const bool replicate = style == "replicate";
+    forced[node] = replicate ? Force::Replicate : Force::Gather;
+    why[node] = replicate ? Why{"override_replicate", "replicated: by override"}
+                          : Why{"override_gather", "gathered: by override"};
+  }
+
+  // Which layers hold each parameter, and which parameters other ops read directly.
+  std::map<int64_t, std::vector<int>> layers_of_param;
+  std::set<int64_t> params_read_elsewhere;
+  for (size_t n = 0; n < count; ++n) {
+    const Node& node = graph.nodes[n];
+    if (is_layer(node)) {
+      layers_of_param[weight_param(node)].push_back(static_cast<int>(n));
+      if (bias_param(node) >= 0) layers_of_param[bias_param(node)].push_back(static_cast<int>(n));
+    } else {
+      for (int id : node.inputs) {
+        if (graph.tensor(id).param >= 0) params_read_elsewhere.insert(graph.tensor(id).param);
+      }
+    }
+  }
+
+  auto force = [&](int n, Force f, Why w) {
+    if (forced[n] == f || forced[n] == Force::Replicate) return false;
+    forced[n] = f;
+    why[n] = std::move(w);
+    return true;
+  };
+
+  for (size_t iteration = 0;; ++iteration) {
+    TORCH_CHECK(iteration <= count + 1, "[plan.unsettled] plan: decisions did not settle");
+    Propagation pass(graph, forced);
+    pass.run(vocab);
+    pass.settle_links(world_size);
+    pass.settle_gradients();
+    bool changed = false;
+    for (size_t n = 0; n < count; ++n) {
+      const Style role = pass.roles[n];
+      if (role != Style::Column && role != Style::Vocab) continue;
+      const int root = pass.find(pass.node_region[n]);
+      const auto kv = pass.kv_fine.find(root);
+      // KV heads replicated where needed: the query heads' region decides for both.
+      Region& region = pass.regions[kv == pass.kv_fine.end() ? root : kv->second];
+      const int node = static_cast<int>(n);
+      if (region.conflict) {
+        changed |= force(node, Force::Replicate, {"conflict", "replicated: its output " + region.reason});
+      } else if (region.units < world_size) {
+        changed |= force(node, Force::Replicate,
+                         {"too_few_units", "replicated: " + units_note(region.units, world_size), region.units});
+      } else if (region.reaches_output) {
+        changed |= force(node, Force::Gather, {"model_output", "gathered: its output is a model output"});
+      }
+    }
+    // A parameter shared by several layers (tied embeddings) is sharded only if every layer
+    // shards it on the same dimension into the same pieces: a token table and a column layer
+    // over the vocabulary. A parameter read outside its layers stays whole.
+    for (const auto& [param, layers] : layers_of_param) {
+      bool agree = !params_read_elsewhere.count(param);
+      std::set<int64_t> units;
+      for (int n : layers) {
+        const Style role = pass.roles[n];
+        if (role == Style::Replicate || role == Style::Row) agree = agree && layers.size() == 1;
+        if (role == Style::Vocab) units.insert(graph.nodes[n].args.at(0));
+        if (role == Style::Column || role == Style::ColumnGather) {
+          units.insert(pass.regions[pass.find(pass.node_region[n])].units);
+          agree = agree && (layers.size() == 1 || !pass.parts.count(n));
+        }
+      }
+      agree = agree && units.size() <= 1;
+      if (agree) continue;
+      const bool elsewhere = params_read_elsewhere.count(param) > 0;
+      for (int n : layers) {
+        changed |= force(n, Force::Replicate,
+                         elsewhere ? Why{"weight_read_elsewhere", "replicated: its weight is also read outside the layer"}
+                                   : Why{"weight_shared", "replicated: it shares its weight with a layer split differently"});
+      }
+    }
+    if (!changed) return emit_plan(graph, pass, why, world_size);
+  }
+}
+
+}  // namespace autoshard::plan

@@ -1,0 +1,118 @@
+"""Summing the partial gradients of replicated parameters over the tensor-parallel group.
+
+A parameter that the plan replicates but that is read inside a sharded region (an RMSNorm
+over head_dim applied to every head, a temperature, a replicated weight multiplying each
+head) receives on each rank only the gradient of that rank's shard. The plan lists these
+parameters in buckets (``ShardingPlan.partial_gradients``); during backward, once every
+gradient of a bucket has been accumulated, the bucket's new contributions are summed over the
+group with one all-reduce (a C++ op, counted by ``CommCounter``) and each gradient gets the
+rest of its sum added. Only what this backward pass contributed is summed, so gradients
+accumulated over several passes stay exact.
+
+With data parallelism (a ("dp", "tp") mesh) the same bucket is then averaged over "dp" here
+too, and these parameters are left out of the data-parallel averager.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+
+from . import comm, ops
+
+
+class _Bucket:
+    def __init__(self, params: List[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.contributions: Dict[int, torch.Tensor] = {}
+        self.arrived = set()
+        self.done = False
+
+    def reset(self) -> None:
+        self.contributions.clear()
+        self.arrived.clear()
+        self.done = False
+
+
+class PartialGradientReducer:
+    """Hooks on `buckets` (lists of parameters) that sum their gradients over the group
+    named `group_name` during backward, and average them over `dp_group` when given."""
+
+    def __init__(self, buckets: List[List[torch.nn.Parameter]], group_name: str, dp_group=None) -> None:
+        self.group_name = group_name
+        self.dp_group = dp_group
+        self.buckets = [_Bucket(list(params)) for params in buckets if params]
+        self.handles = []
+        self._finish_queued = False
+        for bucket in self.buckets:
+            for index, p in enumerate(bucket.params):
+                self.handles.append(p.register_hook(self._record(bucket, index)))
+                self.handles.append(p.register_post_accumulate_grad_hook(self._arrived(bucket, index)))
+
+    @staticmethod
+    def _record(bucket: _Bucket, index: int):
+        def hook(grad: torch.Tensor) -> None:
+            # What this pass adds to the gradient, before it is accumulated.
+            bucket.contributions[index] = grad.detach()
+
+        return hook
+
+    def _arrived(self, bucket: _Bucket, index: int):
+        def hook(param: torch.nn.Parameter) -> None:
+            if not self._finish_queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+                self._finish_queued = True
+            bucket.arrived.add(index)
+            if len(bucket.arrived) == len(bucket.params) and not bucket.done:
+                self._reduce(bucket)
+
+        return hook
+
+    def _reduce(self, bucket: _Bucket) -> None:
+        parts = []
+        for index, p in enumerate(bucket.params):
+            got = bucket.contributions.get(index)
+            parts.append((got if got is not None else torch.zeros_like(p)).reshape(-1))
+        with torch.no_grad():
+            flat = torch.cat(parts)
+            total = ops.reduce_from_parallel(flat, self.group_name)
+            if self.dp_group is not None:
+                total = total + 0  # a tensor of our own for the in-place collective
+                comm.all_reduce_(total, "sum", self.dp_group)
+                total.div_(self.dp_group.size())
+            rest = total - flat
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                piece = rest[offset:offset + n].view_as(p).to(p.dtype)
+                if p.grad is None:
+                    p.grad = piece.clone()
+                else:
+                    p.grad.add_(piece)
+                offset += n
+        bucket.done = True
+
+    def _finish(self) -> None:
+        # A bucket some of whose parameters got no gradient in this pass (on every rank alike)
+        # is summed with zeros for them.
+        for bucket in self.buckets:
+            if bucket.arrived and not bucket.done:
+                self._reduce(bucket)
+            bucket.reset()
+        self._finish_queued = False
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def install(model: torch.nn.Module, buckets: List[Dict[str, object]], group_name: str,
+            dp_group=None) -> Optional[PartialGradientReducer]:
+    """Hooks the plan's partial-gradient buckets (parameter names) on `model`'s parameters."""
+    if not buckets:
+        return None
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = [name for bucket in buckets for name in bucket["params"] if name not in params]
+    if missing:
+        raise ValueError(f"parallelize: the plan sums the partial gradients of {missing}, which the model lacks")
+    trainable = [[params[name] for name in bucket["params"] if params[name].requires_grad] for bucket in buckets]
+    return PartialGradientReducer(trainable, group_name, dp_group)
