@@ -50,6 +50,13 @@ PARTIAL_GRAD = "replicated parameter inside the sharded head/feature region gets
 QK_NORM = Xfail(GradientMismatch, "QK-norm: the RMSNorm weight over head_dim is " + PARTIAL_GRAD)
 # Defect 2: an integer attribute equal to a head count by coincidence is made local.
 ROTARY = Xfail(LogitsMismatch, "rotary_dim equals the KV head count and is localised: fewer features rotated")
+QK_LAYERNORM = Xfail(GradientMismatch, "qk_layernorm: the LayerNorm weight and bias over head_dim are a " + PARTIAL_GRAD)
+# StableLM's default partial_rotary_factor=0.25 gives rotary_ndims=2 at head_dim 8, equal to
+# num_key_value_groups (6 query / 3 KV heads) on 4 ranks, where KV heads are shared: it is made 1
+# on the ranks holding one query head, which rotate half the features. Logits off by ~2.6e-3.
+STABLELM_ROTARY = Xfail(LogitsMismatch, "rotary_ndims equals num_key_value_groups and is localised to 1 on ranks 2-3")
+# head_dim equal to the query head count is made local too, and the sharded view then fails.
+HEAD_DIM = Xfail(Refused, "head_dim equals the query head count and is localised: the meta dry run fails")
 
 L, H, KV, I = 2, 6, 3, 70  # layers, heads, KV heads, intermediate size
 LLAMA_LIKE = dict(hidden_size=48, intermediate_size=I, num_hidden_layers=L, num_attention_heads=H,
@@ -63,9 +70,10 @@ TABLE = [
     Arch("llama", hf("llama", **LLAMA_LIKE), token_ids(), small=True),
     Arch("gemma", hf("gemma", **LLAMA_LIKE, head_dim=8), token_ids()),
     Arch("gemma2", hf("gemma2", **LLAMA_LIKE, head_dim=8, sliding_window=4), token_ids()),
+    Arch("gemma3", hf("gemma3_text", **LLAMA_LIKE, head_dim=8, sliding_window=4), token_ids(), xfail=QK_NORM),
     Arch("mistral", hf("mistral", **{**LLAMA_LIKE, "num_key_value_heads": 2}), token_ids()),
     Arch("qwen2", hf("qwen2", **LLAMA_LIKE), token_ids()),
-    Arch("qwen3", hf("qwen3", **LLAMA_LIKE, head_dim=8), token_ids(), xfail=QK_NORM),
+    Arch("qwen3", hf("qwen3", **LLAMA_LIKE, head_dim=8), token_ids(), small=True, xfail=QK_NORM),
     Arch("phi", hf("phi", **LLAMA_LIKE, partial_rotary_factor=0.5), token_ids()),
     Arch("phi3", hf("phi3", **LLAMA_LIKE, pad_token_id=0), token_ids()),
     Arch("falcon", hf("falcon", hidden_size=48, num_hidden_layers=L, num_attention_heads=H, multi_query=False,
@@ -79,13 +87,14 @@ TABLE = [
     Arch("starcoder2", hf("starcoder2", **LLAMA_LIKE), token_ids()),
     Arch("opt", hf("opt", hidden_size=48, num_hidden_layers=L, num_attention_heads=H, ffn_dim=I,
                    max_position_embeddings=32, word_embed_proj_dim=48), token_ids()),
-    Arch("stablelm", hf("stablelm", **LLAMA_LIKE), token_ids()),
+    Arch("stablelm", hf("stablelm", **LLAMA_LIKE), token_ids(), xfail={4: STABLELM_ROTARY}),
     Arch("persimmon", hf("persimmon", hidden_size=48, intermediate_size=I, num_hidden_layers=L,
-                         num_attention_heads=H), token_ids()),
+                         num_attention_heads=H), token_ids(), xfail=QK_LAYERNORM),
     Arch("cohere", hf("cohere", **LLAMA_LIKE), token_ids()),
     Arch("granite", hf("granite", **LLAMA_LIKE), token_ids()),
-    Arch("mixtral", hf("mixtral", **LLAMA_LIKE, num_local_experts=3, num_experts_per_tok=2), token_ids(),
-         fp64=False),  # grouped_mm has no float64 kernel
+    Arch("mixtral", hf("mixtral", **LLAMA_LIKE, num_local_experts=3, num_experts_per_tok=2,
+                        experts_implementation="eager"), token_ids(),  # grouped_mm runs no fp32 on meta
+         refused="plan: the model's forward failed on the meta device .*nonzero"),  # routing is data-dependent
     Arch("gpt_bigcode", hf("gpt_bigcode", n_embd=48, n_layer=L, n_head=H, n_positions=32, multi_query=False),
          token_ids()),
     Arch("codegen", hf("codegen", n_embd=64, n_layer=L, n_head=8, n_positions=32, rotary_dim=4), token_ids()),
@@ -116,12 +125,19 @@ TABLE = [
     # ---- our own: the control, then one model per defect class of the soundness issue
     Arch("own_plain", own(), token_ids(97), small=True),
     Arch("own_qk_norm", own(qk_norm=True), token_ids(97), small=True, xfail=QK_NORM),
-    Arch("own_partial_rotary", own(heads=8, kv_heads=4, rotary_dim=4), token_ids(97), small=True, xfail=ROTARY),
+    # On main the planner replicates attention around a per-head parameter: exact, not sharded.
+    Arch("own_partial_rotary", own(heads=12, kv_heads=4, rotary_dim=4), token_ids(97), small=True, xfail=ROTARY),
+    Arch("own_head_dim_equals_heads", own(heads=8, kv_heads=4, head_dim=8), token_ids(97), xfail=HEAD_DIM),
     Arch("own_head_scale", own(head_scale=True), token_ids(97), small=True),
     Arch("own_score_gain", own(score_gain=True), token_ids(97)),
-    Arch("own_head_dim_gain", own(head_dim_gain=True), token_ids(97), small=True),
-    Arch("own_mlp_scalar_gain", own(scalar_gain=True), token_ids(97), small=True),
+    Arch("own_head_dim_gain", own(head_dim_gain=True), token_ids(97), small=True,
+         xfail=Xfail(GradientMismatch, "q * gain over head_dim: the gain is a " + PARTIAL_GRAD)),
+    Arch("own_mlp_scalar_gain", own(scalar_gain=True), token_ids(97), small=True,
+         xfail=Xfail(GradientMismatch, "scalar gain on the MLP's hidden features: " + PARTIAL_GRAD)),
 ]
+
+# Our own models written to exhibit the defect classes; each is in the small matrix.
+DEFECT_MODELS = {"own_qk_norm", "own_partial_rotary", "own_head_scale", "own_head_dim_gain", "own_mlp_scalar_gain"}
 
 BY_NAME = {arch.name: arch for arch in TABLE}
 assert len(BY_NAME) == len(TABLE), "architecture names must be unique"
