@@ -93,7 +93,7 @@ TABLE = [
     Arch("cohere", hf("cohere", **LLAMA_LIKE), token_ids()),
     Arch("granite", hf("granite", **LLAMA_LIKE), token_ids()),
     Arch("mixtral", hf("mixtral", **LLAMA_LIKE, num_local_experts=3, num_experts_per_tok=2,
-                        experts_implementation="eager"), token_ids(),  # grouped_mm runs no fp32 on meta
+                        experts_implementation="eager"), token_ids(),  # grouped_mm: no fp32 on meta
          refused="plan: the model's forward failed on the meta device .*nonzero"),  # routing is data-dependent
     Arch("gpt_bigcode", hf("gpt_bigcode", n_embd=48, n_layer=L, n_head=H, n_positions=32, multi_query=False),
          token_ids()),
@@ -125,9 +125,9 @@ TABLE = [
     # ---- our own: the control, then one model per defect class of the soundness issue
     Arch("own_plain", own(), token_ids(97), small=True),
     Arch("own_qk_norm", own(qk_norm=True), token_ids(97), small=True, xfail=QK_NORM),
-    # On main the planner replicates attention around a per-head parameter: exact, not sharded.
     Arch("own_partial_rotary", own(heads=12, kv_heads=4, rotary_dim=4), token_ids(97), small=True, xfail=ROTARY),
     Arch("own_head_dim_equals_heads", own(heads=8, kv_heads=4, head_dim=8), token_ids(97), xfail=HEAD_DIM),
+    # On main the planner replicates attention around a per-head parameter: exact, not sharded.
     Arch("own_head_scale", own(head_scale=True), token_ids(97), small=True),
     Arch("own_score_gain", own(score_gain=True), token_ids(97)),
     Arch("own_head_dim_gain", own(head_dim_gain=True), token_ids(97), small=True,
