@@ -4,6 +4,7 @@
 #   make test                          # torch 2.13.0 CPU (the default, from the local wheel cache)
 #   make test TORCH="torch==2.14.1"    # another torch, e.g. a CUDA build on a GPU machine
 #   make cuda-check                    # compile (and link) the CUDA kernels without running them
+#   make conformance                   # the full conformance matrix (tests/conformance, 2/3/4 ranks)
 PYTHON ?= python3
 TORCH ?= torch==2.13.0+cpu
 VENV := .venv
@@ -44,6 +45,11 @@ test: build
 # Trains a small GPT-2 on 2 tensor-parallel ranks (gloo on CPU, NCCL on GPUs): a few minutes.
 demo: build
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_gpt.py
+
+# The full conformance matrix: every architecture of tests/conformance at 2, 3 and 4 ranks
+# (make test runs its small part).
+conformance: build
+	$(PY) -m pytest -q tests/conformance --conformance-full
 
 bench: build
 	$(PY) benchmarks/bench_split.py

@@ -1,0 +1,83 @@
+"""Builders and example inputs for the conformance table: Hugging Face models from tiny
+configs (random weights, nothing downloaded) and our own models. Every builder is called
+under the same seed on every rank, so each rank builds the same model."""
+
+import functools
+
+import torch
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
+                          AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq)
+from transformers.utils import logging
+
+import conformance_models
+
+logging.set_verbosity_error()
+
+VOCAB = 101
+BATCH, SEQ = 2, 7  # 7 tokens: no size of the example divides evenly either
+
+_HEADS = {
+    "causal": AutoModelForCausalLM,
+    "masked": AutoModelForMaskedLM,
+    "seq2seq": AutoModelForSeq2SeqLM,
+    "speech": AutoModelForSpeechSeq2Seq,
+    "base": AutoModel,
+}
+
+
+def _hf_model(kind: str, head: str, config: dict):
+    cfg = AutoConfig.for_model(kind, **config)
+    cfg._attn_implementation = "eager"
+    return _HEADS[head].from_config(cfg)
+
+
+def hf(kind: str, head: str = "causal", **config):
+    """A builder of the Hugging Face `kind` model from a tiny config, with the given head."""
+    return functools.partial(_hf_model, kind, head, {"vocab_size": VOCAB, **config})
+
+
+def own(**options):
+    """A builder of our TinyDecoder with the given options (see conformance_models)."""
+    return functools.partial(conformance_models.tiny_decoder, **options)
+
+
+def _ids(generator, vocab=VOCAB, seq=SEQ):
+    # Token 0 is avoided: some models treat it as padding.
+    return torch.randint(1, vocab, (BATCH, seq), generator=generator)
+
+
+def _token_ids(vocab, generator):
+    return {"input_ids": _ids(generator, vocab)}
+
+
+def token_ids(vocab=VOCAB):
+    """input_ids of shape (2, 7)."""
+    return functools.partial(_token_ids, vocab)
+
+
+def _seq2seq_ids(generator):
+    return {"input_ids": _ids(generator), "decoder_input_ids": _ids(generator, seq=5)}
+
+
+def seq2seq_ids():
+    """input_ids (2, 7) for the encoder, decoder_input_ids (2, 5) for the decoder."""
+    return _seq2seq_ids
+
+
+def _audio_features(mel_bins, frames, generator):
+    return {"input_features": torch.randn(BATCH, mel_bins, frames, generator=generator),
+            "decoder_input_ids": _ids(generator, seq=5)}
+
+
+def audio_features(mel_bins, frames):
+    """Log-mel features (2, mel_bins, frames) and decoder_input_ids (2, 5)."""
+    return functools.partial(_audio_features, mel_bins, frames)
+
+
+def _pixels(channels, size, generator):
+    return {"pixel_values": torch.randn(BATCH, channels, size, size, generator=generator)}
+
+
+def pixels(channels, size):
+    """pixel_values (2, channels, size, size)."""
+    return functools.partial(_pixels, channels, size)

@@ -1,0 +1,133 @@
+"""Tiny decoders of our own, each written to exhibit one way a plan can compute something
+other than the model while every shape still fits:
+
+- QK-norm: an RMSNorm over head_dim applied to every head of q and k (a replicated weight
+  applied inside the sharded head region: its gradient is partial on each rank);
+- partial rotary whose rotary-dimension count happens to equal the number of KV heads (an
+  attribute that only looks like a head count);
+- per-head scales: a parameter of shape (num_heads, 1, 1) or (num_heads,) multiplying attention;
+- a replicated weight multiplying a sharded tensor: a scalar gain on the MLP's hidden features,
+  a gain over head_dim on every head of q.
+
+`TinyDecoder()` with no option set is the control: it uses none of these and must conform.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+VOCAB = 97
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotate(x, pairs: int, positions):
+    """Rotates the first 2 * pairs features of every head (half-split layout); the frequencies
+    are made here from `pairs`, so a changed count changes the result, not the shapes."""
+    if pairs == 0:
+        return x
+    width = 2 * pairs
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(pairs, dtype=x.dtype, device=x.device) / pairs))
+    angles = positions.to(x.dtype)[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    rot, rest = x[..., :width], x[..., width:]
+    first, second = rot[..., :pairs], rot[..., pairs:]
+    rotated = torch.cat([-second, first], -1)
+    return torch.cat([rot * cos + rotated * sin, rest], -1)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden, heads, kv_heads, head_dim, *, qk_norm=False, rotary_dim=0, head_scale=False,
+                 score_gain=False, head_dim_gain=False):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.rotary_dim = rotary_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim) if qk_norm else None
+        self.head_scale = nn.Parameter(1.0 + 0.1 * torch.randn(heads, 1, 1)) if head_scale else None
+        self.score_gain = nn.Parameter(1.0 + 0.1 * torch.randn(heads)) if score_gain else None
+        self.q_gain = nn.Parameter(1.0 + 0.1 * torch.randn(head_dim)) if head_dim_gain else None
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_gain is not None:
+            q = q * self.q_gain
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.rotary_dim:
+            positions = torch.arange(t, device=x.device)
+            q, k = _rotate(q, self.rotary_dim // 2, positions), _rotate(k, self.rotary_dim // 2, positions)
+        group = self.num_heads // self.num_kv_heads
+        k = k[:, :, None].expand(b, self.num_kv_heads, group, t, self.head_dim).reshape(b, self.num_heads, t, self.head_dim)
+        v = v[:, :, None].expand(b, self.num_kv_heads, group, t, self.head_dim).reshape(b, self.num_heads, t, self.head_dim)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
+        if self.score_gain is not None:
+            scores = scores * self.score_gain[:, None, None]
+        mask = torch.full((t, t), float("-inf"), dtype=scores.dtype, device=x.device).triu(1)
+        out = torch.softmax(scores + mask, dim=-1) @ v
+        if self.head_scale is not None:
+            out = out * self.head_scale
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden, ffn, *, scalar_gain=False):
+        super().__init__()
+        self.up = nn.Linear(hidden, ffn)
+        self.down = nn.Linear(ffn, hidden)
+        self.gain = nn.Parameter(torch.tensor(1.3)) if scalar_gain else None
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.up(x))
+        if self.gain is not None:
+            h = h * self.gain
+        return self.down(h)
+
+
+class Block(nn.Module):
+    def __init__(self, hidden, ffn, heads, kv_heads, head_dim, scalar_gain=False, **attention):
+        super().__init__()
+        self.attn_norm = RMSNorm(hidden)
+        self.attn = Attention(hidden, heads, kv_heads, head_dim, **attention)
+        self.mlp_norm = RMSNorm(hidden)
+        self.mlp = MLP(hidden, ffn, scalar_gain=scalar_gain)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TinyDecoder(nn.Module):
+    def __init__(self, hidden=48, ffn=70, heads=6, kv_heads=3, head_dim=8, layers=2, **options):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, ffn, heads, kv_heads, head_dim, **options) for _ in range(layers))
+        self.norm = RMSNorm(hidden)
+        self.lm_head = nn.Linear(hidden, VOCAB, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+
+def tiny_decoder(**options) -> nn.Module:
+    return TinyDecoder(**options)

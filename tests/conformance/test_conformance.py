@@ -1,0 +1,45 @@
+"""The conformance matrix: every architecture of conformance_table at 2, 3 and 4 gloo ranks
+against the unsharded model (logits, every gradient, collectives against the plan, clipping's
+norm, the state after one step). `make test` runs the entries marked small at 2 and 3 ranks;
+`make conformance` runs everything (the `conformance_full` marker)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from conformance_harness import judge  # noqa: E402
+from conformance_table import DEFECT_MODELS, SMALL_WORLD_SIZES, TABLE, WORLD_SIZES, check_named  # noqa: E402
+from multirank import run_on_ranks  # noqa: E402
+
+# Building, planning and checking a tiny model takes a few seconds per rank; 4 ranks share 2 cores.
+TIMEOUT = 300
+
+
+def _params():
+    for arch in TABLE:
+        for world_size in WORLD_SIZES:
+            marks = [pytest.mark.conformance]
+            if not (arch.small and world_size in SMALL_WORLD_SIZES):
+                marks.append(pytest.mark.conformance_full)
+            xfail = arch.xfail_at(world_size)
+            if xfail is not None:
+                marks.append(pytest.mark.xfail(strict=True, raises=xfail.symptom, reason=xfail.reason))
+            yield pytest.param(arch.name, world_size, marks=marks, id=f"{arch.name}-{world_size}")
+
+
+@pytest.mark.parametrize("name,world_size", list(_params()))
+def test_conforms(name, world_size):
+    reports = run_on_ranks(check_named, world_size, name, timeout=TIMEOUT)
+    judge(next(a for a in TABLE if a.name == name), world_size, reports)
+
+
+def test_table_is_wide_enough():
+    """At least 25 Hugging Face architectures, and every defect-class model of our own in the
+    small matrix that each make test runs."""
+    hf = [a for a in TABLE if not a.name.startswith("own_")]
+    assert len(hf) >= 25, len(hf)
+    small = {a.name for a in TABLE if a.small}
+    assert DEFECT_MODELS <= small, DEFECT_MODELS - small
