@@ -111,8 +111,9 @@ class ReduceScatterBucket:
     The input holds, for each rank in turn, that rank's piece of every gradient (padded to
     one length), so that the output is exactly this rank's pieces, back to back."""
 
-    def __init__(self, params: List[torch.nn.Parameter], group) -> None:
+    def __init__(self, params: List[torch.nn.Parameter], group, reduce_dtype: Optional[torch.dtype] = None) -> None:
         self.params = params
+        self.reduce_dtype = reduce_dtype  # None: the gradients' own
         self.pieces = [piece_of(p) for p in params]
         self.group = group
         self.padded, self.lengths = _segments(self.pieces)
@@ -145,6 +146,8 @@ class ReduceScatterBucket:
             segment = [piece.of(grad, r) for grad, piece in zip(grads, self.pieces)]
             parts += _pack(segment, self.lengths[r], self.padded, grads[0])
         flat = torch.cat(parts)
+        if self.reduce_dtype is not None:
+            flat = flat.to(self.reduce_dtype)
         self._out = flat.new_empty(self.padded)
         reduce_scatter = _collective("reduce_scatter_single", "reduce_scatter_tensor")
         self._work = reduce_scatter(self._out, flat, group=self.group, async_op=True)
@@ -153,6 +156,7 @@ class ReduceScatterBucket:
         self._work.wait()
         out, self._work = self._out, None
         out.div_(self.pieces[0].world_size)
+        out = out.to(self.params[0].grad.dtype)  # the average, rounded once
         owned, received, elsewhere = [], [], []
         offset = 0
         for p, piece in zip(self.params, self.pieces):
