@@ -46,17 +46,34 @@ def _reference_runs(lr, steps, rows):
     return careful.state_dict(), plain.state_dict()
 
 
-def _train_bf16(lr, steps=STEPS, mesh_shape=None):
-    """On every rank: the bf16 model parallelized (tp over the world, or a dp x tp mesh with
-    partitioned state), trained with autoshard AdamW's master weights. Rank 0 also runs the
-    references and returns the distances."""
+def _distances(ours, lr, steps):
+    """How far `ours` (a full state dict) and torch's plain bf16 AdamW are from the careful
+    reference, each relative to how far the reference moved from the initial weights (L2 over
+    all parameters)."""
+    careful, plain = _reference_runs(lr, steps, rows=4)
+    initial = _bf16_llama().state_dict()
+    squares = {"ours": 0.0, "plain": 0.0, "moved": 0.0}
+    for name, want in careful.items():
+        want = want.float()
+        squares["ours"] += float((ours[name].float() - want).pow(2).sum())
+        squares["plain"] += float((plain[name].float() - want).pow(2).sum())
+        squares["moved"] += float((want - initial[name].float()).pow(2).sum())
+    moved = squares["moved"] ** 0.5
+    return {"ours": squares["ours"] ** 0.5 / moved, "plain": squares["plain"] ** 0.5 / moved}
+
+
+def _train_bf16(lr, steps=STEPS, mesh_shape=None, parallel=True):
+    """The bf16 model parallelized (tp over the world, or a dp x tp mesh with partitioned
+    state; or, with parallel=False, left whole), trained with autoshard AdamW's master
+    weights. Rank 0 also runs the references and returns the distances."""
     mesh = None
     if mesh_shape is not None:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
     try:
         model = _bf16_llama()
-        autoshard.parallelize(model, mesh=mesh)
+        if parallel:
+            autoshard.parallelize(model, mesh=mesh)
         opt = autoshard.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
         dp_size, dp_rank = (1, 0) if mesh is None else (mesh_shape[0], mesh.get_local_rank("dp"))
         for step in range(steps):
@@ -68,31 +85,35 @@ def _train_bf16(lr, steps=STEPS, mesh_shape=None):
             opt.step()
         states = [opt.state[p] for p in model.parameters()]
         state_dtypes = sorted({str(v.dtype) for s in states for k, v in s.items() if k != "step"})
-        ours = autoshard.full_state_dict(model)
-        if dist.get_rank() != 0:
+        ours = autoshard.full_state_dict(model) if parallel else model.state_dict()
+        if parallel and dist.get_rank() != 0:
             return None
-        careful, plain = _reference_runs(lr, steps, rows=4)
         report = {"param_dtypes": sorted({str(v.dtype) for v in ours.values()}), "state_dtypes": state_dtypes}
-        distances = {"ours": 0.0, "plain": 0.0, "scale": 0.0}
-        worst = 0.0
-        for name, want in careful.items():
-            got = ours[name]
-            worst = max(worst, float(((got.float() - want.float()).abs() / (want.float().abs() + 1e-2)).max()))
-            distances["ours"] += float((got.float() - want.float()).pow(2).sum())
-            distances["plain"] += float((plain[name].float() - want.float()).pow(2).sum())
-            distances["scale"] += float(want.float().pow(2).sum())
-        report.update({k: v ** 0.5 for k, v in distances.items()}, worst=worst)
+        report.update(_distances(ours, lr, steps))
         return report
     finally:
-        set_default_group(None)
+        if mesh_shape is not None:
+            set_default_group(None)
 
 
-def _check_tracks(report):
+def _check_tracks(report, tolerance=0.1):
+    """bf16's tolerance: the ranks compute the bf16 forward and backward in another order than
+    one process does (partial sums rounded to bf16 before the all-reduce), and AdamW, which
+    divides by the gradient's own size, carries that noise into every step: after 50 steps the
+    weights stay within a few percent of the reference's own movement."""
     assert report["param_dtypes"] == ["torch.bfloat16"]
     assert report["state_dtypes"] == ["torch.float32"]
-    # bf16's tolerance: within a few bf16 ulps (2^-8 relative) of the reference, everywhere.
-    assert report["worst"] < 4 * 2**-8, report
-    assert report["ours"] < 1e-2 * report["scale"], report
+    assert report["ours"] < tolerance, report
+
+
+@pytest.mark.parametrize("lr, tolerance", [(1e-3, 0.03), (2e-5, 1e-3)])
+def test_bf16_master_weights_equal_the_fp32_master_reference_in_one_process(lr, tolerance):
+    # The same bf16 forward and backward: only the optimizers differ (ours: one fused kernel;
+    # the reference: torch AdamW on fp32 copies). At lr 1e-3 their last-bit differences move
+    # some bf16 weights across a rounding boundary, which the next steps' gradients amplify.
+    report = _train_bf16(lr, parallel=False)
+    _check_tracks(report, tolerance)
+    assert report["ours"] < 0.25 * report["plain"], report
 
 
 def test_bf16_master_weights_track_the_fp32_master_reference_on_2_ranks():
@@ -102,22 +123,23 @@ def test_bf16_master_weights_track_the_fp32_master_reference_on_2_ranks():
 
 def test_small_updates_that_bf16_rounds_away_accumulate_in_the_masters():
     # lr 2e-5 moves a weight of 0.02 by less than half a bf16 ulp (6e-5) per step: torch's plain
-    # bf16 AdamW loses them, the masters add them up as the fp32 reference does.
+    # bf16 AdamW loses nearly all of them, the masters add them up as the fp32 reference does.
     report = run_on_ranks(_train_bf16, 2, 2e-5, timeout=600)[0]
     _check_tracks(report)
+    assert report["plain"] > 0.5, report
     assert report["ours"] < 0.25 * report["plain"], report
 
 
 def test_partitioned_state_over_dp_keeps_fp32_master_pieces():
     # dp 2 x tp 1: every parameter's master and moments are partitioned over the replicas.
-    report = run_on_ranks(_train_bf16, 2, 1e-3, 20, (2, 1), timeout=600)[0]
+    report = run_on_ranks(_train_bf16, 2, 1e-3, STEPS, (2, 1), timeout=600)[0]
     _check_tracks(report)
 
 
 # ---- reduce_dtype
 
 
-def _reduced_gradients(reduce_dtype, mesh_shape):
+def _reduced_gradients(reduce_dtype, mesh_shape, kv_heads):
     """Gradients of one backward pass, and the dtypes and sizes of the collectives issued for them."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
@@ -132,8 +154,9 @@ def _reduced_gradients(reduce_dtype, mesh_shape):
         return wrapped
 
     try:
-        # One KV head over 2 tp ranks: both hold it, and its gradient is summed over tp.
-        model = build("llama", seed=0, num_key_value_heads=1).to(torch.bfloat16)
+        # 6 query heads over 2 KV heads on 3 tp ranks: the middle rank's query heads use both KV
+        # heads, which other ranks hold too, so their gradients are summed over tp.
+        model = build("llama", seed=0, num_key_value_heads=kv_heads).to(torch.bfloat16)
         autoshard.parallelize(model, mesh=mesh, reduce_dtype=reduce_dtype)
         ids = _batch(0, rows=2 * mesh_shape[0]).chunk(mesh_shape[0])[mesh.get_local_rank("dp")]
         for name in saved:
@@ -150,17 +173,19 @@ def _reduced_gradients(reduce_dtype, mesh_shape):
         set_default_group(None)
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 1), (1, 2)])
-def test_reduce_dtype_float32_sums_gradients_in_fp32(mesh_shape):
-    default = run_on_ranks(_reduced_gradients, 2, None, mesh_shape, timeout=600)[0]
-    wide = run_on_ranks(_reduced_gradients, 2, torch.float32, mesh_shape, timeout=600)[0]
+@pytest.mark.parametrize("mesh_shape, kv_heads", [((2, 1), 3), ((1, 3), 2)])
+def test_reduce_dtype_float32_sums_gradients_in_fp32(mesh_shape, kv_heads):
+    world = mesh_shape[0] * mesh_shape[1]
+    default = run_on_ranks(_reduced_gradients, world, None, mesh_shape, kv_heads, timeout=600)[0]
+    wide = run_on_ranks(_reduced_gradients, world, torch.float32, mesh_shape, kv_heads, timeout=600)[0]
     assert default["grad_dtypes"] == wide["grad_dtypes"] == ["torch.bfloat16"]
     if mesh_shape[0] > 1:  # dp: the averaging buckets
         assert default["dp"] and {dtype for _, dtype in default["dp"]} == {"torch.bfloat16"}
         assert {dtype for _, dtype in wide["dp"]} == {"torch.float32"}
     else:  # tp: the shared KV head's gradient, summed by the C++ all-reduce
         assert not default["dp"] and not wide["dp"]
-        assert wide["tp_bytes"] > default["tp_bytes"]
+        # The KV projections' gradients (weight and bias) travel in 4 bytes instead of 2.
+        assert wide["tp_bytes"] > default["tp_bytes"], (wide["tp_bytes"], default["tp_bytes"])
     for name, g in default["grads"].items():
         torch.testing.assert_close(wide["grads"][name].float(), g.float(), rtol=2**-7, atol=1e-3,
                                    msg=lambda m: f"{name}: {m}")
