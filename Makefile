@@ -7,6 +7,7 @@
 #   make conformance                   # the full conformance matrix (tests/conformance, 2/3/4 ranks)
 PYTHON ?= python3
 TORCH ?= torch==2.13.0+cpu
+DTYPE ?= fp32
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
@@ -43,8 +44,9 @@ test: build
 	$(PY) -m pytest -q tests
 
 # Trains a small GPT-2 on 2 tensor-parallel ranks (gloo on CPU, NCCL on GPUs): a few minutes.
+# DTYPE=bf16 trains in bfloat16 with fp32 master weights (the example reads DTYPE).
 demo: build
-	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_gpt.py
+	DTYPE=$(DTYPE) $(PY) -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_gpt.py
 
 # The full conformance matrix: every architecture of tests/conformance at 2, 3 and 4 ranks
 # (make test runs its small part).

@@ -11,6 +11,16 @@ Ratios are torch time / autoshard time (above 1: autoshard is faster). Bandwidth
 bytes a step must move: 28 per parameter for fp32 AdamW (read param, grad, exp_avg,
 exp_avg_sq; write param, exp_avg, exp_avg_sq), 20 for SGD with momentum. Prints a table and
 writes benchmarks/results/bench_optim_<device>.json.
+
+The bf16 rows step the same parameters held in bf16 with fp32 master weights. autoshard's
+step (master_weights on by default for bf16) is one fused pass moving 28 bytes per parameter
+for AdamW (read bf16 grad 2, master 4, exp_avg 4, exp_avg_sq 4; write master, exp_avg,
+exp_avg_sq 12, bf16 param 2) and 20 for SGD with momentum. Its peer is what a user writes
+with torch: fp32 master parameters stepped by ``torch.optim.AdamW(fused=True)`` (or SGD), the
+bf16 gradients copied into the masters' fp32 gradients before and the masters copied
+(rounded) into the bf16 parameters after, all with foreach copies: 6 + 28 + 6 = 40 bytes per
+parameter (32 for SGD). Bandwidth is each contender's own bytes over its own time; the ratio
+is torch time / autoshard time for the same update.
 """
 
 import argparse
@@ -26,6 +36,67 @@ from common import device_label, print_table, save_json
 LAYERS = 10
 HIDDEN = 320
 BYTES_PER_PARAMETER = {"AdamW": 28, "SGD momentum": 20}
+# bf16 parameters with fp32 masters: (autoshard's fused step, torch's step with the user's casts)
+BF16_BYTES_PER_PARAMETER = {"AdamW": (28, 40), "SGD momentum": (20, 32)}
+
+
+class MasterWeightsByHand:
+    """What a torch user writes for bf16 parameters with fp32 master weights: a torch optimizer
+    steps fp32 copies; gradients are widened into them before, and the result is rounded back
+    into the bf16 parameters after."""
+
+    def __init__(self, params, make_optimizer):
+        self.params = params
+        self.masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+        for m in self.masters:
+            m.grad = torch.empty_like(m)
+        self.optimizer = make_optimizer(self.masters)
+
+    @torch.no_grad()
+    def step(self):
+        torch._foreach_copy_([m.grad for m in self.masters], [p.grad for p in self.params])
+        self.optimizer.step()
+        torch._foreach_copy_([p.data for p in self.params], self.masters)
+
+
+def bf16_rows(shapes, device, adamw, sgd, warmup, repeats):
+    generator = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter((torch.randn(s, generator=generator) * 0.02).to(device, torch.bfloat16))
+              for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator).to(device, torch.bfloat16)
+    numel = sum(p.numel() for p in params)
+    contenders = {
+        "AdamW": {
+            "autoshard": autoshard.optim.AdamW(params, **adamw),
+            "torch_fused": MasterWeightsByHand(params, lambda m: torch.optim.AdamW(m, fused=True, **adamw)),
+            "torch_foreach": MasterWeightsByHand(params, lambda m: torch.optim.AdamW(m, foreach=True, **adamw)),
+        },
+        "SGD momentum": {
+            "autoshard": autoshard.optim.SGD(params, **sgd),
+            "torch_fused": MasterWeightsByHand(params, lambda m: torch.optim.SGD(m, fused=True, **sgd)),
+            "torch_foreach": MasterWeightsByHand(params, lambda m: torch.optim.SGD(m, foreach=True, **sgd)),
+        },
+    }
+    rows = []
+    for name, optimizers in contenders.items():
+        medians = interleaved_medians({k: opt.step for k, opt in optimizers.items()}, device, warmup, repeats)
+        ours, theirs = BF16_BYTES_PER_PARAMETER[name]
+        rows.append({
+            "optimizer": f"{name} bf16+master",
+            "tensors": len(params),
+            "parameters": numel,
+            "autoshard_ms": medians["autoshard"] * 1e3,
+            "torch_fused_ms": medians["torch_fused"] * 1e3,
+            "torch_foreach_ms": medians["torch_foreach"] * 1e3,
+            "fused_over_autoshard": medians["torch_fused"] / medians["autoshard"],
+            "foreach_over_autoshard": medians["torch_foreach"] / medians["autoshard"],
+            "autoshard_bytes_per_param": ours,
+            "torch_bytes_per_param": theirs,
+            "autoshard_GBps": ours * numel / medians["autoshard"] / 1e9,
+            "torch_fused_GBps": theirs * numel / medians["torch_fused"] / 1e9,
+        })
+    return rows
 
 
 def transformer_shapes() -> List[tuple]:
@@ -100,14 +171,19 @@ def main() -> None:
             "torch_foreach_ms": medians["torch_foreach"] * 1e3,
             "fused_over_autoshard": medians["torch_fused"] / ours,
             "foreach_over_autoshard": medians["torch_foreach"] / ours,
+            "autoshard_bytes_per_param": BYTES_PER_PARAMETER[name],
+            "torch_bytes_per_param": BYTES_PER_PARAMETER[name],
             "autoshard_GBps": bytes_moved / ours / 1e9,
             "torch_fused_GBps": bytes_moved / medians["torch_fused"] / 1e9,
         })
+    del contenders  # the fp32 states; the bf16 rows keep their own
+    rows += bf16_rows(shapes, device, adamw, sgd, args.warmup, args.repeats)
 
     print(f"optimizer steps on {device_label(device)}, torch {torch.__version__}, "
           f"median of {args.repeats} after {args.warmup} warm-up")
     columns = ["optimizer", "tensors", "parameters", "autoshard_ms", "torch_fused_ms", "torch_foreach_ms",
-               "fused_over_autoshard", "foreach_over_autoshard", "autoshard_GBps", "torch_fused_GBps"]
+               "fused_over_autoshard", "foreach_over_autoshard", "autoshard_bytes_per_param", "torch_bytes_per_param",
+               "autoshard_GBps", "torch_fused_GBps"]
     print_table(rows, columns)
     print("saved", save_json("bench_optim", device, rows))
 

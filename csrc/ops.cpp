@@ -79,6 +79,19 @@ TORCH_LIBRARY(autoshard, m) {
       "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, float lr, float momentum, "
       "float dampening, float weight_decay, bool nesterov, bool maximize, bool first_step) -> ()");
 
+  // The same steps with fp32 master weights: `params` are bf16, fp16 or fp32, `grads` share
+  // their dtype, and `master_params` and the states are fp32 tensors of the same shapes. The
+  // update runs in fp32 on the master, which is written back, and each parameter is written as
+  // its master rounded to nearest even; `params` are only written, never read.
+  m.def(
+      "fused_adamw_master_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, Tensor(c!)[] exp_avgs, "
+      "Tensor(d!)[] exp_avg_sqs, float lr, float beta1, float beta2, float weight_decay, float eps, int step, "
+      "bool maximize) -> ()");
+  m.def(
+      "fused_sgd_master_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "
+      "Tensor(c!)[] momentum_buffers, float lr, float momentum, float dampening, float weight_decay, bool nesterov, "
+      "bool maximize, bool first_step) -> ()");
+
   // --- checkpoint/ : slice arithmetic for loading and saving shards (host-side integers)
   // The flattened (start, length) runs of a dimension that `rank` holds, in local order;
   // with `repeat`, the run of KV heads (units) its share of units * repeat query heads uses.

@@ -13,6 +13,10 @@ compute what the sharded model computes.
 
 NCCL when every rank on the machine has a GPU of its own (autoshard.init_distributed() picks
 it), gloo on CPU otherwise.
+
+``--dtype bf16`` (or ``DTYPE=bf16`` in the environment, as ``make demo DTYPE=bf16`` sets it)
+trains in bfloat16: weights, activations and gradients in bf16, while autoshard.optim.AdamW
+keeps an fp32 master copy of every weight shard and fp32 moments (14 bytes per parameter).
 """
 
 import argparse
@@ -34,6 +38,7 @@ EXAMPLE_DIR = Path(__file__).resolve().parent
 # Plain text found on every Debian/Ubuntu machine; the project's own README otherwise.
 LICENSES = Path("/usr/share/common-licenses")
 README = EXAMPLE_DIR.parent / "README.md"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args():
@@ -50,8 +55,12 @@ def parse_args():
                         help=f"text files, or folders of them, to train on (default: {LICENSES}, else {README})")
     parser.add_argument("--save-every", type=int, default=100,
                         help="save a sharded checkpoint every this many steps, and after the last one")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=os.environ.get("DTYPE") or "fp32",
+                        help="the model's dtype (default: $DTYPE, else fp32); bf16 trains with fp32 master weights")
     parser.add_argument("--out", type=Path, default=EXAMPLE_DIR / "out",
                         help="folder for the loss curve and the checkpoints (its checkpoints/ and hf/ are replaced)")
+    if parser.get_default("dtype") not in DTYPES:
+        parser.error(f"DTYPE must be one of {sorted(DTYPES)}, got {parser.get_default('dtype')!r}")
     args = parser.parse_args()
     if not 2 <= args.seq_len <= 128:
         parser.error(f"--seq-len must be between 2 and the model's context of 128, got {args.seq_len}")
@@ -68,10 +77,10 @@ def model_config() -> GPT2Config:
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
 
 
-def build_model(seed: int, device: torch.device) -> GPT2LMHeadModel:
+def build_model(seed: int, device: torch.device, dtype: torch.dtype) -> GPT2LMHeadModel:
     # Every rank must start from the same weights: parallelize() keeps each rank's slice of them.
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(model_config()).to(device)
+    return GPT2LMHeadModel(model_config()).to(device, dtype)
 
 
 def text_files(paths):
@@ -159,7 +168,8 @@ def main():
     if len(train) <= args.seq_len:
         raise SystemExit(f"--text: {len(data):,} bytes is too little text for --seq-len {args.seq_len}")
 
-    model = build_model(args.seed, device)
+    dtype = DTYPES[args.dtype]
+    model = build_model(args.seed, device, dtype)
     unsharded_bytes = parameter_bytes(model)
     example = {"input_ids": torch.zeros(args.batch_size, args.seq_len, dtype=torch.long)}
     plan = autoshard.plan(model, world_size=world_size, example_inputs=example)
@@ -173,7 +183,8 @@ def main():
         + ", ".join(f"rank {r} holds {b / 2**20:.2f} MiB ({b / unsharded_bytes:.0%})" for r, b in enumerate(per_rank)))
 
     say(f"text: {len(data):,} bytes ({len(train):,} to train on); {args.steps} steps of "
-        f"{args.batch_size} x {args.seq_len} bytes on {world_size} ranks ({dist.get_backend()}, {device.type})")
+        f"{args.batch_size} x {args.seq_len} bytes on {world_size} ranks ({dist.get_backend()}, {device.type}, "
+        f"{args.dtype}{' with fp32 master weights' if dtype != torch.float32 else ''})")
 
     if args.clip <= 0:
         say("gradient clipping: off (--clip 0)")
@@ -247,11 +258,11 @@ def main():
     if leader:
         autoshard.checkpoint.consolidate(manager.latest(), hf_dir)
         print(f"consolidated step-{manager.latest_step()} into {hf_dir}")
-        reference = GPT2LMHeadModel.from_pretrained(hf_dir).to(device)
+        reference = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=dtype).to(device)
         reference.eval()
         with torch.no_grad():
             unsharded = reference(input_ids=check_ids, labels=check_ids)
-        difference = (sharded.logits - unsharded.logits).abs().max().item()
+        difference = (sharded.logits.float() - unsharded.logits.float()).abs().max().item()
         print(f"held-out loss: {unsharded.loss.item():.3f} (unsharded copy), {sharded.loss.item():.3f} (sharded)")
         print(f"sharded vs unsharded logits: max abs difference {difference:.2e}")
         path = args.out / "loss_curve.png"

@@ -43,6 +43,17 @@ SGDScalars checked_sgd_scalars(at::TensorList params, at::TensorList grads, at::
                                double lr, double momentum, double dampening, double weight_decay, bool nesterov,
                                bool maximize, bool first_step);
 
+// The same for fused_adamw_master_ / fused_sgd_master_: `params` bf16, fp16 or fp32 with
+// gradients of their dtype; master weights and states fp32.
+AdamWScalars checked_adamw_master_scalars(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                                          at::TensorList exp_avgs, at::TensorList exp_avg_sqs, double lr,
+                                          double beta1, double beta2, double weight_decay, double eps, int64_t step,
+                                          bool maximize);
+
+SGDScalars checked_sgd_master_scalars(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                                      at::TensorList momentum_buffers, double lr, double momentum, double dampening,
+                                      double weight_decay, bool nesterov, bool maximize, bool first_step);
+
 // Lists whose i-th tensors can all be walked as one flat array in the same element order.
 // A tensor whose layout differs from its parameter's (or is not dense) is replaced by a
 // contiguous stand-in; write_back() copies the stand-ins of the mutated lists into the

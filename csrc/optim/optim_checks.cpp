@@ -11,6 +11,7 @@ namespace {
 struct NamedList {
   const char* name;
   at::TensorList tensors;
+  bool float32 = false;  // a master weight or its state: fp32 whatever the parameters' dtype
 };
 
 void check_same_length(const char* op, const NamedList& reference, const NamedList& other) {
@@ -37,13 +38,26 @@ void check_tensor_lists(const char* op, const std::vector<NamedList>& lists) {
     }
   }
   const at::ScalarType dtype = params.tensors[0].scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16, op,
-                   ": ", params.name, "[0] must be float32, float64, float16 or bfloat16, got ", dtype);
+  bool with_master = false;
+  for (const NamedList& list : lists) with_master = with_master || list.float32;
+  if (with_master) {
+    // An fp32 master of a float64 parameter would lose its precision.
+    TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op, ": ", params.name,
+                     "[0] must be bfloat16, float16 or float32 (the master weights are float32), got ", dtype);
+  } else {
+    TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16, op,
+                     ": ", params.name, "[0] must be float32, float64, float16 or bfloat16, got ", dtype);
+  }
   for (const NamedList& list : lists) {
     for (size_t i = 0; i < list.tensors.size(); ++i) {
       const at::Tensor& t = list.tensors[i];
-      TORCH_CHECK_TYPE(t.scalar_type() == dtype, op, ": ", list.name, "[", i, "] has dtype ", t.scalar_type(), " but ",
-                       params.name, "[0] has dtype ", dtype, "; all tensors must share one dtype");
+      if (list.float32) {
+        TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, op, ": ", list.name, "[", i, "] has dtype ", t.scalar_type(),
+                         " but must be float32 (master weights and their optimizer states are fp32)");
+      } else {
+        TORCH_CHECK_TYPE(t.scalar_type() == dtype, op, ": ", list.name, "[", i, "] has dtype ", t.scalar_type(),
+                         " but ", params.name, "[0] has dtype ", dtype, "; all tensors must share one dtype");
+      }
     }
   }
   for (size_t l = 1; l < lists.size(); ++l) {
@@ -60,13 +74,8 @@ void check_finite(const char* op, const char* name, double value) {
   TORCH_CHECK_VALUE(std::isfinite(value), op, ": ", name, " must be finite, got ", value);
 }
 
-}  // namespace
-
-AdamWScalars checked_adamw_scalars(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                                   at::TensorList exp_avg_sqs, double lr, double beta1, double beta2,
-                                   double weight_decay, double eps, int64_t step, bool maximize) {
-  constexpr const char* op = "fused_adamw_";
-  check_tensor_lists(op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}});
+AdamWScalars adamw_scalars(const char* op, double lr, double beta1, double beta2, double weight_decay, double eps,
+                           int64_t step, bool maximize) {
   for (auto [name, value] : {std::pair{"lr", lr}, {"beta1", beta1}, {"beta2", beta2},
                              {"weight_decay", weight_decay}, {"eps", eps}}) {
     check_finite(op, name, value);
@@ -95,10 +104,10 @@ AdamWScalars checked_adamw_scalars(at::TensorList params, at::TensorList grads, 
   return s;
 }
 
-SGDScalars checked_sgd_scalars(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                               double lr, double momentum, double dampening, double weight_decay, bool nesterov,
-                               bool maximize, bool first_step) {
-  constexpr const char* op = "fused_sgd_";
+// Checks the SGD hyperparameters, then the lists: `masters` is null for the plain step.
+SGDScalars sgd_scalars(const char* op, at::TensorList params, at::TensorList grads, const at::TensorList* masters,
+                       at::TensorList momentum_buffers, double lr, double momentum, double dampening,
+                       double weight_decay, bool nesterov, bool maximize, bool first_step) {
   for (auto [name, value] : {std::pair{"lr", lr}, {"momentum", momentum}, {"dampening", dampening},
                              {"weight_decay", weight_decay}}) {
     check_finite(op, name, value);
@@ -109,13 +118,15 @@ SGDScalars checked_sgd_scalars(at::TensorList params, at::TensorList grads, at::
   TORCH_CHECK_VALUE(!nesterov || (momentum > 0 && dampening == 0), op,
                     ": nesterov needs momentum > 0 and dampening == 0, got momentum=", momentum,
                     ", dampening=", dampening);
+  std::vector<NamedList> lists{{"params", params}, {"grads", grads}};
+  if (masters != nullptr) lists.push_back({"master_params", *masters, true});
   if (momentum != 0) {
-    check_tensor_lists(op, {{"params", params}, {"grads", grads}, {"momentum_buffers", momentum_buffers}});
+    lists.push_back({"momentum_buffers", momentum_buffers, masters != nullptr});
   } else {
     TORCH_CHECK_VALUE(momentum_buffers.empty(), op, ": momentum_buffers must be empty when momentum is 0, got ",
                       momentum_buffers.size(), " tensors");
-    check_tensor_lists(op, {{"params", params}, {"grads", grads}});
   }
+  check_tensor_lists(op, lists);
   SGDScalars s;
   s.neg_lr = -lr;
   s.momentum = momentum;
@@ -127,6 +138,43 @@ SGDScalars checked_sgd_scalars(at::TensorList params, at::TensorList grads, at::
   s.maximize = maximize;
   s.first_step = first_step;
   return s;
+}
+
+}  // namespace
+
+AdamWScalars checked_adamw_scalars(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                                   at::TensorList exp_avg_sqs, double lr, double beta1, double beta2,
+                                   double weight_decay, double eps, int64_t step, bool maximize) {
+  constexpr const char* op = "fused_adamw_";
+  check_tensor_lists(op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}});
+  return adamw_scalars(op, lr, beta1, beta2, weight_decay, eps, step, maximize);
+}
+
+AdamWScalars checked_adamw_master_scalars(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                                          at::TensorList exp_avgs, at::TensorList exp_avg_sqs, double lr,
+                                          double beta1, double beta2, double weight_decay, double eps, int64_t step,
+                                          bool maximize) {
+  constexpr const char* op = "fused_adamw_master_";
+  check_tensor_lists(op, {{"params", params},
+                          {"grads", grads},
+                          {"master_params", master_params, true},
+                          {"exp_avgs", exp_avgs, true},
+                          {"exp_avg_sqs", exp_avg_sqs, true}});
+  return adamw_scalars(op, lr, beta1, beta2, weight_decay, eps, step, maximize);
+}
+
+SGDScalars checked_sgd_scalars(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                               double lr, double momentum, double dampening, double weight_decay, bool nesterov,
+                               bool maximize, bool first_step) {
+  return sgd_scalars("fused_sgd_", params, grads, nullptr, momentum_buffers, lr, momentum, dampening, weight_decay,
+                     nesterov, maximize, first_step);
+}
+
+SGDScalars checked_sgd_master_scalars(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                                      at::TensorList momentum_buffers, double lr, double momentum, double dampening,
+                                      double weight_decay, bool nesterov, bool maximize, bool first_step) {
+  return sgd_scalars("fused_sgd_master_", params, grads, &master_params, momentum_buffers, lr, momentum, dampening,
+                     weight_decay, nesterov, maximize, first_step);
 }
 
 FlatLists::FlatLists(std::vector<at::TensorList> lists, std::vector<bool> mutated) {

@@ -108,11 +108,57 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
   }
 }
 
+float* float_address(const at::Tensor& t, int64_t offset) {
+  return reinterpret_cast<float*>(element_address(t, offset));
+}
+
+void fused_adamw_master_cpu(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                            at::TensorList exp_avgs, at::TensorList exp_avg_sqs, double lr, double beta1,
+                            double beta2, double weight_decay, double eps, int64_t step, bool maximize) {
+  const AdamWScalars scalars = checked_adamw_master_scalars(params, grads, master_params, exp_avgs, exp_avg_sqs, lr,
+                                                            beta1, beta2, weight_decay, eps, step, maximize);
+  if (params.empty()) return;
+  const SegmentKernels::AdamWMaster kernel = segment_kernels().adamw_master[dtype_index(params[0].scalar_type())];
+  FlatLists flat({params, grads, master_params, exp_avgs, exp_avg_sqs}, {true, false, true, true, true});
+  parallel_over_elements(flat.list(0), [&](size_t t, int64_t begin, int64_t end) {
+    kernel(element_address(flat.list(0)[t], begin), element_address(flat.list(1)[t], begin),
+           float_address(flat.list(2)[t], begin), float_address(flat.list(3)[t], begin),
+           float_address(flat.list(4)[t], begin), end - begin, scalars);
+  });
+  flat.write_back();
+}
+
+void fused_sgd_master_cpu(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                          at::TensorList momentum_buffers, double lr, double momentum, double dampening,
+                          double weight_decay, bool nesterov, bool maximize, bool first_step) {
+  const SGDScalars scalars = checked_sgd_master_scalars(params, grads, master_params, momentum_buffers, lr, momentum,
+                                                        dampening, weight_decay, nesterov, maximize, first_step);
+  if (params.empty()) return;
+  const SegmentKernels::SGDMaster kernel = segment_kernels().sgd_master[dtype_index(params[0].scalar_type())];
+  if (scalars.use_momentum) {
+    FlatLists flat({params, grads, master_params, momentum_buffers}, {true, false, true, true});
+    parallel_over_elements(flat.list(0), [&](size_t t, int64_t begin, int64_t end) {
+      kernel(element_address(flat.list(0)[t], begin), element_address(flat.list(1)[t], begin),
+             float_address(flat.list(2)[t], begin), float_address(flat.list(3)[t], begin), end - begin, scalars);
+    });
+    flat.write_back();
+  } else {
+    FlatLists flat({params, grads, master_params}, {true, false, true});
+    parallel_over_elements(flat.list(0), [&](size_t t, int64_t begin, int64_t end) {
+      kernel(element_address(flat.list(0)[t], begin), element_address(flat.list(1)[t], begin),
+             float_address(flat.list(2)[t], begin), nullptr, end - begin, scalars);
+    });
+    flat.write_back();
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(autoshard, CPU, m) {
   m.impl("fused_adamw_", &fused_adamw_cpu);
   m.impl("fused_sgd_", &fused_sgd_cpu);
+  m.impl("fused_adamw_master_", &fused_adamw_master_cpu);
+  m.impl("fused_sgd_master_", &fused_sgd_master_cpu);
 }
 
 }  // namespace autoshard::optim

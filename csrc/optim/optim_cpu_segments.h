@@ -13,9 +13,18 @@ struct SegmentKernels {
                          const AdamWScalars& scalars);
   using SGD = void (*)(void* param, const void* grad, void* momentum_buffer, int64_t n, const SGDScalars& scalars);
 
-  // Indexed by dtype_index().
+  // With fp32 master weights: `param` and `grad` in the parameters' dtype, the others fp32;
+  // `param` is only written. `momentum_buffer` is null when momentum is 0.
+  using AdamWMaster = void (*)(void* param, const void* grad, float* master, float* exp_avg, float* exp_avg_sq,
+                               int64_t n, const AdamWScalars& scalars);
+  using SGDMaster = void (*)(void* param, const void* grad, float* master, float* momentum_buffer, int64_t n,
+                             const SGDScalars& scalars);
+
+  // Indexed by dtype_index() (of the parameters); the master kernels have no float64 entry.
   AdamW adamw[4];
   SGD sgd[4];
+  AdamWMaster adamw_master[4];
+  SGDMaster sgd_master[4];
   const char* instruction_set;
 };
 

@@ -20,7 +20,7 @@ constexpr int kThreads = 512;
 // Tensors per launch for `Depth` arrays each, keeping ChunkTable within the 4 KB of kernel
 // parameters every CUDA version accepts.
 template <int Depth>
-constexpr int kTensorsPerLaunch = Depth == 4 ? 36 : Depth == 3 ? 48 : 64;
+constexpr int kTensorsPerLaunch = Depth == 5 ? 30 : Depth == 4 ? 36 : Depth == 3 ? 48 : 64;
 
 template <int Depth>
 struct ChunkTable {
@@ -29,6 +29,7 @@ struct ChunkTable {
   unsigned char tensor_of_block[kBlocksPerLaunch];
   int chunk_of_block[kBlocksPerLaunch];
 };
+static_assert(sizeof(ChunkTable<5>) + 256 <= 4096, "kernel parameters exceed 4 KB");
 static_assert(sizeof(ChunkTable<4>) + 256 <= 4096, "kernel parameters exceed 4 KB");
 static_assert(sizeof(ChunkTable<3>) + 256 <= 4096, "kernel parameters exceed 4 KB");
 static_assert(sizeof(ChunkTable<2>) + 256 <= 4096, "kernel parameters exceed 4 KB");
@@ -135,6 +136,61 @@ struct SGDElement {
   }
 };
 
+// Master-weight forms: the parameter (param_t) is only written, as the fp32 master rounded to
+// nearest even (static_cast to at::BFloat16 / at::Half rounds so).
+template <typename param_t>
+struct AdamWMasterElement {
+  AdamWCoefficients<float> c;
+
+  __device__ void operator()(const ChunkTable<5>& table, int t, int64_t i) const {
+    param_t* param = static_cast<param_t*>(table.data[0][t]);
+    const param_t* grad = static_cast<const param_t*>(table.data[1][t]);
+    float* master = static_cast<float*>(table.data[2][t]);
+    float* exp_avg = static_cast<float*>(table.data[3][t]);
+    float* exp_avg_sq = static_cast<float*>(table.data[4][t]);
+    float p = master[i], m = exp_avg[i], v = exp_avg_sq[i];
+    adamw_update<float>(p, static_cast<float>(grad[i]), m, v, c);
+    master[i] = p;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    param[i] = static_cast<param_t>(p);
+  }
+};
+
+template <typename param_t>
+struct SGDMasterMomentumElement {
+  SGDCoefficients<float> c;
+
+  __device__ void operator()(const ChunkTable<4>& table, int t, int64_t i) const {
+    param_t* param = static_cast<param_t*>(table.data[0][t]);
+    const param_t* grad = static_cast<const param_t*>(table.data[1][t]);
+    float* master = static_cast<float*>(table.data[2][t]);
+    float* buffer = static_cast<float*>(table.data[3][t]);
+    float p = master[i];
+    float b = c.first_step ? 0.0f : buffer[i];
+    sgd_update<float>(p, static_cast<float>(grad[i]), b, c);
+    master[i] = p;
+    buffer[i] = b;
+    param[i] = static_cast<param_t>(p);
+  }
+};
+
+template <typename param_t>
+struct SGDMasterElement {
+  SGDCoefficients<float> c;
+
+  __device__ void operator()(const ChunkTable<3>& table, int t, int64_t i) const {
+    param_t* param = static_cast<param_t*>(table.data[0][t]);
+    const param_t* grad = static_cast<const param_t*>(table.data[1][t]);
+    float* master = static_cast<float*>(table.data[2][t]);
+    float p = master[i];
+    float unused_buffer = 0.0f;
+    sgd_update<float>(p, static_cast<float>(grad[i]), unused_buffer, c);
+    master[i] = p;
+    param[i] = static_cast<param_t>(p);
+  }
+};
+
 void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                       at::TensorList exp_avg_sqs, double lr, double beta1, double beta2, double weight_decay,
                       double eps, int64_t step, bool maximize) {
@@ -174,11 +230,56 @@ void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   });
 }
 
+// The parameters' dtype, among those the master checks let through (float32, float16, bfloat16).
+#define AUTOSHARD_DISPATCH_MASTER_PARAM(dtype, name, ...) \
+  AT_DISPATCH_SWITCH(dtype, name, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+void fused_adamw_master_cuda(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                             at::TensorList exp_avgs, at::TensorList exp_avg_sqs, double lr, double beta1,
+                             double beta2, double weight_decay, double eps, int64_t step, bool maximize) {
+  const AdamWScalars scalars = checked_adamw_master_scalars(params, grads, master_params, exp_avgs, exp_avg_sqs, lr,
+                                                            beta1, beta2, weight_decay, eps, step, maximize);
+  if (params.empty()) return;
+  const c10::cuda::CUDAGuard guard(params[0].device());
+  FlatLists flat({params, grads, master_params, exp_avgs, exp_avg_sqs}, {true, false, true, true, true});
+  const auto coefficients = AdamWCoefficients<float>::template make<float>(scalars);
+  AUTOSHARD_DISPATCH_MASTER_PARAM(params[0].scalar_type(), "fused_adamw_master_", [&] {
+    launch_over_chunks<5>({&flat.list(0), &flat.list(1), &flat.list(2), &flat.list(3), &flat.list(4)},
+                          AdamWMasterElement<scalar_t>{coefficients});
+  });
+  flat.write_back();
+}
+
+void fused_sgd_master_cuda(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                           at::TensorList momentum_buffers, double lr, double momentum, double dampening,
+                           double weight_decay, bool nesterov, bool maximize, bool first_step) {
+  const SGDScalars scalars = checked_sgd_master_scalars(params, grads, master_params, momentum_buffers, lr, momentum,
+                                                        dampening, weight_decay, nesterov, maximize, first_step);
+  if (params.empty()) return;
+  const c10::cuda::CUDAGuard guard(params[0].device());
+  const auto coefficients = SGDCoefficients<float>::template make<float>(scalars);
+  AUTOSHARD_DISPATCH_MASTER_PARAM(params[0].scalar_type(), "fused_sgd_master_", [&] {
+    if (scalars.use_momentum) {
+      FlatLists flat({params, grads, master_params, momentum_buffers}, {true, false, true, true});
+      launch_over_chunks<4>({&flat.list(0), &flat.list(1), &flat.list(2), &flat.list(3)},
+                            SGDMasterMomentumElement<scalar_t>{coefficients});
+      flat.write_back();
+    } else {
+      FlatLists flat({params, grads, master_params}, {true, false, true});
+      launch_over_chunks<3>({&flat.list(0), &flat.list(1), &flat.list(2)}, SGDMasterElement<scalar_t>{coefficients});
+      flat.write_back();
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(autoshard, CUDA, m) {
   m.impl("fused_adamw_", &fused_adamw_cuda);
   m.impl("fused_sgd_", &fused_sgd_cuda);
+  m.impl("fused_adamw_master_", &fused_adamw_master_cuda);
+  m.impl("fused_sgd_master_", &fused_sgd_master_cuda);
 }
 
 }  // namespace autoshard::optim

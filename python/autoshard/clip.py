@@ -3,7 +3,8 @@ for the unsharded model. A shard's squares are summed across the tensor-parallel
 replicated parameter (a norm's weight, a row layer's bias) holds the same gradient on every
 rank and is counted once, as is a KV head that several ranks hold; a replicated parameter whose state is partitioned across
 data-parallel replicas holds only its own piece of the averaged gradient, so its pieces'
-squares are summed across the data-parallel group."""
+squares are summed across the data-parallel group. The norm is computed in fp32 whatever
+the gradients' dtype (bf16 gradients included); the scaling is applied in their dtype."""
 
 import math
 import numbers
@@ -56,7 +57,9 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     def local(tensors, combine):
         if not tensors:
             return torch.zeros((), device=device, dtype=torch.float32)
-        norms = torch.stack([n.float() for n in torch._foreach_norm(tensors, norm_type)])
+        # In fp32 whatever the gradients' dtype: a bf16 norm per tensor would carry bf16's
+        # rounding (about 0.4%) into the total.
+        norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=torch.float32))
         return combine(norms)
 
     def across(tensors, combine, over, op, participate=None):

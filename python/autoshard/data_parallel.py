@@ -8,9 +8,12 @@ bucket is waited for and the averages written back into the gradients.
 A bucket of tensor-parallel shards is all-reduced. A bucket of parameters whose optimizer
 state is partitioned (see partitioned_state) is reduce-scattered: each rank receives the
 average of only the piece it steps.
+
+With a `reduce_dtype`, each bucket is summed and averaged in that dtype and the average
+rounded once to the gradients' dtype.
 """
 
-from typing import Collection, Dict, Iterable, List
+from typing import Collection, Dict, Iterable, List, Optional
 
 import torch
 
@@ -21,13 +24,15 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "GradientAverager"]
 
 
 class AllReduceBucket:
-    def __init__(self, params: List[torch.nn.Parameter], group) -> None:
+    def __init__(self, params: List[torch.nn.Parameter], group, reduce_dtype: Optional[torch.dtype] = None) -> None:
         self.params = params
         self.group = group
+        self.reduce_dtype = reduce_dtype
         self._in_flight = None
 
     def launch(self) -> None:
-        self._in_flight = all_reduce_bucket([p.grad for p in self.params], self.group, async_op=True)
+        grads = [p.grad if self.reduce_dtype is None else p.grad.to(self.reduce_dtype) for p in self.params]
+        self._in_flight = all_reduce_bucket(grads, self.group, async_op=True)
 
     def finish(self) -> None:
         flat = wait(self._in_flight)
@@ -45,7 +50,7 @@ class GradientAverager:
     are in `partitioned` (registered with partitioned_state) are reduce-scattered instead."""
 
     def __init__(self, parameters: Iterable[torch.nn.Parameter], group, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 partitioned: Collection[int] = ()):
+                 partitioned: Collection[int] = (), reduce_dtype: Optional[torch.dtype] = None):
         self.group = group
         unique = {id(p): p for p in parameters if p.requires_grad}
         # Each kind of bucket, device and dtype fills its own bucket; a bucket closes when full.
@@ -60,8 +65,8 @@ class GradientAverager:
                 grouped.append((key[0], open_buckets.pop(key)))
                 filled[key] = 0
         grouped += [(key[0], params) for key, params in open_buckets.items()]
-        self.buckets = [ReduceScatterBucket(params, group) if scatter else AllReduceBucket(params, group)
-                        for scatter, params in grouped]
+        self.buckets = [ReduceScatterBucket(params, group, reduce_dtype) if scatter
+                        else AllReduceBucket(params, group, reduce_dtype) for scatter, params in grouped]
         self.bucket_of: Dict[int, int] = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
         self.handles = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in unique.values()]
         for bucket in self.buckets:

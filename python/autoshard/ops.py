@@ -140,6 +140,45 @@ def fused_adamw_(
     )
 
 
+def fused_adamw_master_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    master_params: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    step: int,
+    maximize: bool,
+) -> None:
+    _ops.fused_adamw_master_.default(
+        list(params), list(grads), list(master_params), list(exp_avgs), list(exp_avg_sqs), lr, beta1, beta2,
+        weight_decay, eps, step, maximize,
+    )
+
+
+def fused_sgd_master_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    master_params: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    first_step: bool,
+) -> None:
+    _ops.fused_sgd_master_.default(
+        list(params), list(grads), list(master_params), list(momentum_buffers), lr, momentum, dampening,
+        weight_decay, nesterov, maximize, first_step,
+    )
+
+
 def fused_sgd_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],

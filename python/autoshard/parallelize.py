@@ -202,7 +202,8 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
 
 
 def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Optional[ProcessGroup] = None,
-                mesh=None, *, partition_optimizer_state: bool = True) -> nn.Module:
+                mesh=None, *, partition_optimizer_state: bool = True,
+                reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Shards `model` in place over `group` (None: the default tensor-parallel group, or the
     "tp" dimension of `mesh`) following `plan` (None: autoshard.plan(model)); returns it.
 
@@ -212,9 +213,17 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     replicates have their optimizer state partitioned over "dp" (see partitioned_state):
     their gradients are reduce-scattered, autoshard.optim steps each rank's piece, and the
     pieces are all-gathered after the step. torch.optim's optimizers know nothing of pieces:
-    use them only with partition_optimizer_state=False."""
+    use them only with partition_optimizer_state=False.
+
+    `reduce_dtype` is the dtype in which parameter gradients are summed: over "dp" (the
+    averaging buckets) and over "tp" (replicated parameters whose gradients are partial sums,
+    such as KV heads held by several ranks). None reduces them in the parameters' own dtype;
+    torch.float32 for a bf16 model sums in fp32 and rounds the result once, as torch's
+    MixedPrecisionPolicy(reduce_dtype=torch.float32) does."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
+    if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+        raise TypeError(f"parallelize: reduce_dtype must be None or a floating-point torch.dtype, got {reduce_dtype!r}")
     if not isinstance(partition_optimizer_state, bool):
         raise TypeError(f"parallelize: partition_optimizer_state must be a bool, "
                         f"got {type(partition_optimizer_state).__name__}")
@@ -235,6 +244,9 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     _check_plan_fits(model, plan, group.size())
     _dry_run(model, plan, group)
     _apply(model, plan, group)
+    for module in model.modules():
+        if hasattr(type(module), "reduce_dtype"):
+            module.reduce_dtype = reduce_dtype
     state = ParallelState(model, plan, group, mesh, data_parallel).attach()
     # Replicated parameters read inside sharded regions: their gradients are summed over the
     # group (and averaged over "dp" with them, so the data-parallel averager leaves them out).
@@ -247,5 +259,6 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         partitioned = (partition_replicated(state, data_parallel, exclude=summed)
                        if partition_optimizer_state else ())
         params = [p for p in model.parameters() if id(p) not in summed]
-        state.gradient_averager = GradientAverager(params, data_parallel, partitioned=partitioned)
+        state.gradient_averager = GradientAverager(params, data_parallel, partitioned=partitioned,
+                                                   reduce_dtype=reduce_dtype)
     return model

@@ -86,8 +86,9 @@ class ReduceScatterBucket:
     The input holds, for each rank in turn, that rank's piece of every gradient, so that the
     output is exactly this rank's pieces, back to back."""
 
-    def __init__(self, params: List[torch.nn.Parameter], group) -> None:
+    def __init__(self, params: List[torch.nn.Parameter], group, reduce_dtype: Optional[torch.dtype] = None) -> None:
         self.params = params
+        self.reduce_dtype = reduce_dtype  # None: the gradients' own
         self.pieces = [piece_of(p) for p in params]
         self.group = group
         self.lengths = _segment_lengths(self.pieces)
@@ -115,11 +116,14 @@ class ReduceScatterBucket:
         world = self.pieces[0].world_size
         grads = [p.grad for p in self.params]
         flat = torch.cat([piece.of(grad, r) for r in range(world) for grad, piece in zip(grads, self.pieces)])
+        if self.reduce_dtype is not None:
+            flat = flat.to(self.reduce_dtype)
         self._out = reduce_scatter_uneven(flat, self.lengths, self.group, async_op=True)
 
     def finish(self) -> None:
         out, self._out = wait(self._out), None
         out.div_(self.pieces[0].world_size)
+        out = out.to(self.params[0].grad.dtype)  # the average, rounded once
         owned, received, elsewhere = [], [], []
         offset = 0
         for p, piece in zip(self.params, self.pieces):

@@ -122,7 +122,14 @@ def _state_through_full(files: CheckpointFiles, key: str, record: mf.TensorRecor
         kept = full.reshape(-1).narrow(0, piece.starts[piece.rank], piece.numel)
     else:
         kept = _cut(full, selection)
-    return kept.to(device=p.device, dtype=p.dtype, copy=True)
+    return kept.to(device=p.device, dtype=_state_dtype(p, record), copy=True)
+
+
+def _state_dtype(p: torch.Tensor, record: mf.TensorRecord) -> torch.dtype:
+    """A parameter's state tensor keeps the dtype it was saved in when that is fp32 (master
+    weights and the states stepped with them, for bf16 parameters); otherwise the parameter's."""
+    saved = mf.dtype_of(record.dtype)
+    return saved if saved == torch.float32 and p.is_floating_point() else p.dtype
 
 
 def _state_tensor(existing, shape, dtype, device) -> torch.Tensor:
@@ -162,7 +169,7 @@ def _load_optimizer_state(optimizer, params, targets: Dict[str, Target], manifes
                 state[key] = _state_through_full(files, entry["tensor"], record, p, targets[name].selection)
                 continue
             if entry["layout"] == "param":
-                tensor = _state_tensor(old, p.shape, p.dtype, p.device)
+                tensor = _state_tensor(old, p.shape, _state_dtype(p, record), p.device)
                 selection = targets[name].selection
             else:
                 # Scalars (AdamW's step) live on the CPU, as torch's optimizers keep them.
@@ -207,4 +214,8 @@ def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
             hyperparameters, params = optimizer_plan
             _load_optimizer_state(optimizer, params, targets, manifest, files)
             _apply_hyperparameters(optimizer, hyperparameters)
+            # autoshard.optim makes the loaded state fit its master_weights setting.
+            conform = getattr(optimizer, "conform_loaded_state", None)
+            if callable(conform):
+                conform()
     return manifest.extra

@@ -150,6 +150,10 @@ class ShardedEinsumDense(nn.Module):
     once. Build one with ``from_einsum_dense``.
     """
 
+    # The dtype in which a replicated bias's gradient is summed over the group (None: its own);
+    # parallelize(..., reduce_dtype=) sets it.
+    reduce_dtype: Optional[torch.dtype] = None
+
     def __init__(
         self,
         layer: EinsumDense,
@@ -256,7 +260,11 @@ class ShardedEinsumDense(nn.Module):
             y = torch.einsum(self.equation, x, self.weight)
             if self.bias is not None:
                 # A bias replicated over the sharded letter collects gradient from every shard.
-                bias = self.bias if "bias" in self.shard_specs else comm.copy_to_parallel(self.bias, self.group)
+                if "bias" in self.shard_specs:
+                    bias = self.bias
+                else:  # summed in reduce_dtype when parallelize sets one
+                    wide = self.bias if self.reduce_dtype is None else self.bias.to(self.reduce_dtype)
+                    bias = comm.copy_to_parallel(wide, self.group).to(self.bias.dtype)
                 y = y + bias
             if self.gather_output:
                 y = comm.gather_from_parallel(y, self._output_dim % y.dim(), self.full_size, self.group)

@@ -56,6 +56,9 @@ class _ParallelLinear(nn.Module):
 
     split_dim: int
     split_name: str
+    # The dtype in which this layer's parameter gradients are summed over the group (None:
+    # their own); parallelize(..., reduce_dtype=) sets it.
+    reduce_dtype: Optional[torch.dtype] = None
 
     def _setup(self, in_features, out_features, bias, group, device, dtype, units, parts, repeat=None) -> None:
         owner = type(self).__name__
@@ -134,7 +137,9 @@ class _ParallelLinear(nn.Module):
         pieces = [F.pad(self.weight, pad).reshape(-1)]
         if self.bias is not None:
             pieces.append(F.pad(self.bias, [start, after]))
-        full = ops.copy_to_parallel(torch.cat(pieces), self._group_name)
+        flat = torch.cat(pieces)
+        wide = flat if self.reduce_dtype is None else flat.to(self.reduce_dtype)
+        full = ops.copy_to_parallel(wide, self._group_name).to(flat.dtype)
         full_shape = spec.full_shape(self.weight.shape)
         weight_numel = pieces[0].numel()
         weight = full[:weight_numel].view(full_shape).narrow(spec.dim, start, length)

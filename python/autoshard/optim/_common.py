@@ -15,6 +15,46 @@ import torch
 from ..partitioned_state import all_gather_pieces, piece_of
 
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_HALF = (torch.float16, torch.bfloat16)
+# What a parameter may have an fp32 master of: a float64 one would lose precision.
+_MASTERABLE = (torch.float32, torch.float16, torch.bfloat16)
+MASTER = "master"  # the state key of a parameter's fp32 master weight
+
+
+def check_master_weights(optimizer: str, name: str, value) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{optimizer}: {name} must be None (on for bf16/fp16 parameters), True or False, "
+                        f"got {value!r}")
+
+
+def uses_master(group: Dict, dtype: torch.dtype) -> bool:
+    """Whether parameters of `dtype` in `group` step through an fp32 master weight."""
+    master_weights = group.get("master_weights")
+    if master_weights is None:
+        return dtype in _HALF
+    return bool(master_weights) and dtype in _MASTERABLE
+
+
+def state_dtype(group: Dict, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the state tensors of a parameter of `dtype`: fp32 with a master weight."""
+    return torch.float32 if uses_master(group, dtype) else dtype
+
+
+def check_masterable(optimizer: str, param_group: Dict, group_index: int) -> None:
+    """master_weights=True needs bf16, fp16 or fp32 parameters (checked as the group joins)."""
+    if param_group.get("master_weights") is not True:
+        return
+    for param_index, p in enumerate(param_group.get("params", [])):
+        if isinstance(p, tuple) and len(p) == 2:
+            p = p[1]
+        if isinstance(p, torch.Tensor) and p.dtype not in _MASTERABLE:
+            raise TypeError(f"{optimizer}: master_weights=True needs bfloat16, float16 or float32 parameters, but "
+                            f"{param_name(group_index, param_index)} has dtype {p.dtype}")
+
+
+def new_master(target: torch.Tensor) -> torch.Tensor:
+    """An fp32 master weight of the stepped tensor (a parameter or its owned piece)."""
+    return torch.empty_like(target, dtype=torch.float32, memory_format=torch.preserve_format).copy_(target)
 
 
 def hyperparameter_name(key: str, group_index) -> str:
@@ -60,13 +100,15 @@ def _raise_for_gradient(optimizer: str, p: torch.Tensor, name: str) -> None:
     raise TypeError(f"{optimizer}: {name} must be a floating-point or complex tensor, got {p.dtype}")
 
 
-def _raise_for_state(optimizer: str, p: torch.Tensor, name: str, key: str, value, partitioned: bool) -> None:
+def _raise_for_state(optimizer: str, p: torch.Tensor, name: str, key: str, value, partitioned: bool,
+                     dtype: torch.dtype) -> None:
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{optimizer}: the state of {name} has no tensor {key!r} (got {type(value).__name__})")
     if value.device != p.device:
         raise ValueError(f"{optimizer}: state {key!r} of {name} is on {value.device} but the parameter is on {p.device}")
-    if value.dtype != p.dtype:
-        raise TypeError(f"{optimizer}: state {key!r} of {name} has dtype {value.dtype} but the parameter has dtype {p.dtype}")
+    if value.dtype != dtype:
+        why = "" if dtype == p.dtype else f" (the parameter is {p.dtype}, stepped through an fp32 master weight)"
+        raise TypeError(f"{optimizer}: state {key!r} of {name} has dtype {value.dtype} but must have dtype {dtype}{why}")
     what = "this rank's piece of the parameter (its state is partitioned)" if partitioned else "the parameter"
     raise ValueError(
         f"{optimizer}: state {key!r} of {name} has shape {tuple(value.shape)} but {what} has shape {tuple(p.shape)}"
@@ -118,8 +160,8 @@ class Bucket:
 
 # (group, group_index) -> None, raising for bad settings
 GroupCheck = Callable[[Dict, int], None]
-# (group, param state or None) -> (state tensors it must have, what else splits buckets)
-StateRule = Callable[[Dict, Optional[Dict]], Tuple[Tuple[str, ...], Hashable]]
+# (group, param state or None, param dtype) -> (state tensors it must have, what else splits buckets)
+StateRule = Callable[[Dict, Optional[Dict], torch.dtype], Tuple[Tuple[str, ...], Hashable]]
 
 
 def gather_buckets(
@@ -148,13 +190,14 @@ def gather_buckets(
             piece = piece_of(p)
             target = p if piece is None else piece.of(p.detach())
             param_state = state.get(p)
-            keys, extra = state_rule(group, param_state)
+            keys, extra = state_rule(group, param_state, dtype)
+            expected = state_dtype(group, dtype)
             for key in keys:
                 value = param_state.get(key)
-                if not (isinstance(value, torch.Tensor) and value.device == device and value.dtype == dtype
+                if not (isinstance(value, torch.Tensor) and value.device == device and value.dtype == expected
                         and value.shape == target.shape):
                     _raise_for_state(optimizer, target, param_name(group_index, param_index), key, value,
-                                     piece is not None)
+                                     piece is not None, expected)
             bucket = buckets.get((dtype, extra))
             if bucket is None:
                 bucket = buckets[(dtype, extra)] = Bucket()
@@ -173,6 +216,54 @@ def finish_step(partitioned: List[torch.Tensor]) -> None:
     whole parameters back."""
     if partitioned:
         all_gather_pieces(partitioned)
+
+
+def load_state_dict_keeping_masters(optimizer: torch.optim.Optimizer, state_dict: Dict, load: Callable) -> None:
+    """torch's Optimizer.load_state_dict (`load`) casts every floating state tensor to its
+    parameter's dtype, which would round fp32 master weights and states to bf16: those of
+    parameters stepped through a master weight are set aside and put back as saved."""
+    saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    saved_state = state_dict.get("state") if isinstance(state_dict, dict) else None
+    kept = []
+    if isinstance(saved_groups, list) and isinstance(saved_state, dict) and len(saved_groups) == len(optimizer.param_groups):
+        for group, saved_group in zip(optimizer.param_groups, saved_groups):
+            settings = {**group, **{k: v for k, v in saved_group.items() if k != "params"}}
+            for saved_id, p in zip(saved_group.get("params", []), group["params"]):
+                if not uses_master(settings, p.dtype):
+                    continue
+                for key, value in saved_state.get(saved_id, {}).items():
+                    if key != "step" and isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                        kept.append((p, key, value))
+    settings_before = [group.get("master_weights") for group in optimizer.param_groups]
+    load(state_dict)
+    # A state dict of torch.optim's has no master_weights: the groups keep their own.
+    for group, before in zip(optimizer.param_groups, settings_before):
+        group.setdefault("master_weights", before)
+    for p, key, value in kept:
+        optimizer.state[p][key] = value.to(device=p.device, copy=True)
+    conform_master_state(optimizer)
+
+
+def conform_master_state(optimizer: torch.optim.Optimizer) -> None:
+    """After a load: a parameter stepped through a master weight whose state was saved without
+    one (by torch.optim, or with master_weights=False) gets one from its current value, and fp32
+    states; one stepped without drops a saved master and keeps states of its own dtype."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            param_state = optimizer.state.get(p)
+            if not param_state:
+                continue
+            master = uses_master(group, p.dtype)
+            if master and MASTER not in param_state:
+                piece = piece_of(p)
+                param_state[MASTER] = new_master(p.detach() if piece is None else piece.of(p.detach()))
+            elif not master:
+                param_state.pop(MASTER, None)
+            wanted = state_dtype(group, p.dtype)
+            for key, value in param_state.items():
+                if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() \
+                        and value.dtype != wanted:
+                    param_state[key] = value.to(wanted)
 
 
 def keep_owned_pieces(optimizer: torch.optim.Optimizer) -> None:

@@ -5,8 +5,9 @@ from typing import Dict, Optional
 import torch
 
 from .. import ops
-from ._common import (as_float, as_real, check_at_least, check_bool, check_one_device, finish_step, gather_buckets,
-                      hyperparameter_name, keep_owned_pieces)
+from ._common import (MASTER, as_float, as_real, check_at_least, check_bool, check_master_weights, check_masterable,
+                      check_one_device, finish_step, gather_buckets, hyperparameter_name, keep_owned_pieces,
+                      conform_master_state, load_state_dict_keeping_masters, new_master, uses_master)
 
 _NAME = "SGD"
 
@@ -26,6 +27,8 @@ def _check_hyperparameters(values: Dict, group_index: Optional[int], defaults: O
     for key in ("nesterov", "maximize"):
         if key in values:
             check_bool(_NAME, name(key), values[key])
+    if "master_weights" in values:
+        check_master_weights(_NAME, name("master_weights"), values["master_weights"])
     merged = {**(defaults or {}), **values}
     if merged.get("nesterov") and (float(merged["momentum"]) <= 0 or float(merged["dampening"]) != 0):
         raise ValueError(
@@ -34,11 +37,13 @@ def _check_hyperparameters(values: Dict, group_index: Optional[int], defaults: O
         )
 
 
-def _state_rule(group: Dict, state: Optional[Dict]):
-    """Parameters that have a momentum buffer update it; the others write theirs (first step)."""
+def _state_rule(group: Dict, state: Optional[Dict], dtype: torch.dtype):
+    """Parameters that have a momentum buffer update it; the others write theirs (first step).
+    A parameter stepped through a master weight has it once it has any state."""
+    master = (MASTER,) if state and uses_master(group, dtype) else ()
     if float(group["momentum"]) == 0 or not state or state.get("momentum_buffer") is None:
-        return (), False
-    return ("momentum_buffer",), True
+        return master, False
+    return ("momentum_buffer",) + master, True
 
 
 class SGD(torch.optim.Optimizer):
@@ -48,6 +53,11 @@ class SGD(torch.optim.Optimizer):
     The state is torch's: a ``momentum_buffer`` per parameter when momentum is not 0, shaped
     like its parameter. The learning rate is read from the param group at every step, so
     torch's LR schedulers drive it. All parameters must be on one device.
+
+    Mixed precision: with ``master_weights=None`` (the default) every bfloat16 or float16
+    parameter steps through an fp32 master weight (state ``master``) with an fp32
+    ``momentum_buffer``, in one fused op (``fused_sgd_master_``) that writes the parameter as
+    the master rounded to nearest even; ``True`` or ``False`` forces it.
 
     A parameter whose state ``parallelize`` partitioned across data-parallel replicas is
     stepped only in the piece this rank owns, and then all-gathered: its ``momentum_buffer``
@@ -66,9 +76,10 @@ class SGD(torch.optim.Optimizer):
         nesterov: bool = False,
         *,
         maximize: bool = False,
+        master_weights: Optional[bool] = None,
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov, maximize=maximize)
+                        nesterov=nesterov, maximize=maximize, master_weights=master_weights)
         _check_hyperparameters(defaults, None)
         super().__init__(params, defaults)
 
@@ -76,13 +87,19 @@ class SGD(torch.optim.Optimizer):
         if isinstance(param_group, dict):
             _check_hyperparameters(param_group, len(self.param_groups), self.defaults)
             check_one_device(_NAME, self.param_groups, param_group)
+            check_masterable(_NAME, {**self.defaults, **param_group}, len(self.param_groups))
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: Dict) -> None:
-        """torch's load_state_dict; a partitioned parameter keeps only its own piece of state
-        tensors saved whole (see the class docstring)."""
-        super().load_state_dict(state_dict)
+        """torch's load_state_dict, keeping fp32 master weights and buffers fp32; a partitioned
+        parameter keeps only its own piece of state tensors saved whole (see the class docstring)."""
+        load_state_dict_keeping_masters(self, state_dict, super().load_state_dict)
         keep_owned_pieces(self)
+
+    def conform_loaded_state(self) -> None:
+        """After a state was put in place from elsewhere (autoshard.checkpoint.load): master
+        weights and fp32 states where master_weights asks for them, none where it does not."""
+        conform_master_state(self)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -95,17 +112,28 @@ class SGD(torch.optim.Optimizer):
         for group, buckets in plan:
             momentum = float(group["momentum"])
             for (dtype, has_buffers), bucket in buckets.items():
-                buffers = []
-                if momentum != 0:
-                    for key, p, state in zip(bucket.keys, bucket.params, bucket.states):
+                master = uses_master(group, dtype)
+                buffers, masters = [], []
+                for key, p in zip(bucket.keys, bucket.params):
+                    if not (master or momentum != 0):
+                        continue  # plain SGD without momentum keeps no state
+                    state = self.state[key]
+                    if master:
+                        if MASTER not in state:
+                            state[MASTER] = new_master(p)
+                        masters.append(state[MASTER])
+                    if momentum != 0:
                         if not has_buffers:
-                            state = self.state[key]
-                            state["momentum_buffer"] = torch.empty_like(p, memory_format=torch.preserve_format)
+                            state["momentum_buffer"] = torch.empty_like(
+                                p, dtype=torch.float32 if master else p.dtype, memory_format=torch.preserve_format)
                         buffers.append(state["momentum_buffer"])
-                ops.fused_sgd_(
-                    as_real(bucket.params, dtype), as_real(bucket.grads, dtype), as_real(buffers, dtype),
-                    float(group["lr"]), momentum, float(group["dampening"]), float(group["weight_decay"]),
-                    bool(group["nesterov"]), bool(group["maximize"]), not has_buffers,
-                )
+                hyperparameters = (float(group["lr"]), momentum, float(group["dampening"]),
+                                   float(group["weight_decay"]), bool(group["nesterov"]), bool(group["maximize"]),
+                                   not has_buffers)
+                if master:
+                    ops.fused_sgd_master_(bucket.params, bucket.grads, masters, buffers, *hyperparameters)
+                else:
+                    ops.fused_sgd_(as_real(bucket.params, dtype), as_real(bucket.grads, dtype),
+                                   as_real(buffers, dtype), *hyperparameters)
         finish_step(partitioned)
         return loss

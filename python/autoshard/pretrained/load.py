@@ -138,6 +138,19 @@ def _local_bytes(target: Target, reader: SafetensorsReader, key: str) -> int:
     return numel * reader.tensors[key].dtype.itemsize
 
 
+def _check_dtype_applies(targets: Dict[str, Target], dtype: Optional[torch.dtype]) -> None:
+    """`dtype` chooses the dtype of tensors given storage here (those on meta); a materialised
+    floating-point tensor of another dtype would silently keep its own, so that is refused."""
+    if dtype is None:
+        return
+    for target in targets.values():
+        tensor = target.tensor
+        if tensor.device.type != "meta" and tensor.is_floating_point() and tensor.dtype != dtype:
+            raise ValueError(f"load_pretrained: dtype={dtype} applies to tensors on the meta device, but "
+                             f"{target.name!r} is already materialised as {tensor.dtype}; convert the model first "
+                             f"(model.to({dtype})) or pass dtype=None to load into the model's own dtypes")
+
+
 def load_pretrained(model: nn.Module, path, device=None, dtype: Optional[torch.dtype] = None,
                     strict: bool = True, progress: bool = True) -> nn.Module:
     """Loads the Hugging Face safetensors checkpoint at ``path`` (a ``.safetensors`` file, or a
@@ -148,7 +161,9 @@ def load_pretrained(model: nn.Module, path, device=None, dtype: Optional[torch.d
     storage on ``device`` (default: the device of the model's other tensors, else
     ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU), in ``dtype`` for floating-point
     ones (default: the model's own); materialized tensors are filled where they are, cast to
-    their dtype. Buffers the checkpoint does not hold (rotary ``inv_freq``, ``position_ids``)
+    their dtype (a ``dtype`` other than theirs is an error, raised before anything changes).
+    A file's tensors of the destination's dtype (bf16 into a bf16 model) are read straight into
+    place, with no copy in another dtype on the way. Buffers the checkpoint does not hold (rotary ``inv_freq``, ``position_ids``)
     are computed by the model's own initialisation. With ``strict``, tensors the model has
     and the checkpoint lacks, or the reverse, are an error (raised before anything changes).
     A progress bar over the bytes read shows on rank 0 when ``progress``."""
@@ -160,6 +175,7 @@ def load_pretrained(model: nn.Module, path, device=None, dtype: Optional[torch.d
         reads = _plan_reads(model, path, where, targets, strict)
 
         check_movable({**{t.name: t.tensor for t in targets.values()}, **_non_persistent_buffers(model)})
+        _check_dtype_applies(targets, dtype)
 
         def dtype_of(tensor: torch.Tensor) -> torch.dtype:
             return dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
