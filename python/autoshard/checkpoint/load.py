@@ -12,10 +12,12 @@ import torch
 from . import manifest as mf
 from ..partitioned_state import piece_of
 from .contents import OPTIMIZER_PREFIX
+from .hyperparameters import check_hyperparameters
 from .safetensors_io import CheckpointCorruptError, SafetensorsReader
 from .save import wait_for_pending_save
 from .selection import Selection, full_selection
 from .targets import Target, model_targets
+from .validate import plain_file_name
 
 
 def _overlaps(a: Selection, b: Selection) -> bool:
@@ -37,6 +39,10 @@ class _Files:
     def reader(self, name: str) -> SafetensorsReader:
         if name not in self.readers:
             file_path = os.path.join(self.path, name)
+            # read_manifest admits plain file names only; a symbolic link may still lead out.
+            if not plain_file_name(name) or os.path.dirname(os.path.realpath(file_path)) != os.path.realpath(self.path):
+                raise CheckpointCorruptError(f"load: {os.path.join(self.path, mf.MANIFEST)!r} names {name!r}, which is "
+                                             f"not a file inside {self.path!r}")
             entry = self.manifest.files.get(name)
             if entry is None:
                 raise CheckpointCorruptError(f"load: {os.path.join(self.path, mf.MANIFEST)!r} names {name!r} "
@@ -64,6 +70,9 @@ class _Files:
                 got = None if info is None else tuple(info.shape)
                 raise CheckpointCorruptError(f"load: {os.path.join(self.path, piece.file)!r} should hold {key!r} "
                                              f"with shape {source.local_shape}, found {got}")
+            if info.dtype != mf.dtype_of(record.dtype):
+                raise CheckpointCorruptError(f"load: {os.path.join(self.path, piece.file)!r} holds {key!r} as "
+                                             f"{mf.dtype_name(info.dtype)}; the manifest records {record.dtype}")
             yield reader, None if source.is_full() else source
 
     def verify(self, key: str, dest_selection: Selection) -> None:
@@ -116,7 +125,7 @@ def _model_reads(model, manifest: mf.Manifest, strict: bool) -> Tuple[Dict[str, 
     return targets, reads
 
 
-def _optimizer_plan(optimizer, manifest: mf.Manifest, targets: Dict[str, Target]):
+def _optimizer_plan(optimizer, manifest: mf.Manifest, targets: Dict[str, Target], path: str = ""):
     """Validates the optimizer against the checkpoint; returns (hyperparameters per group,
     [(param, name, saved entries or None)])."""
     saved = manifest.optimizer
@@ -125,6 +134,7 @@ def _optimizer_plan(optimizer, manifest: mf.Manifest, targets: Dict[str, Target]
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"load: the optimizer has {len(optimizer.param_groups)} param groups, the checkpoint "
                          f"{len(saved['param_groups'])}")
+    check_hyperparameters(saved["param_groups"], optimizer, os.path.join(path, mf.MANIFEST))
     names = {id(t.tensor): name for name, t in targets.items()}
     params = []
     for g, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
@@ -253,7 +263,7 @@ def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     wait_for_pending_save()  # a checkpoint still being written becomes loadable
     manifest = mf.read_manifest(path)
     targets, reads = _model_reads(model, manifest, strict)
-    optimizer_plan = _optimizer_plan(optimizer, manifest, targets) if optimizer is not None else None
+    optimizer_plan = _optimizer_plan(optimizer, manifest, targets, path) if optimizer is not None else None
     with contextlib.ExitStack() as stack:
         files = _Files(path, manifest, stack)
         # Every block the load will read is checked first (and then read again from the page
