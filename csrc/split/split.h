@@ -27,6 +27,7 @@ std::vector<at::Tensor> allocate_pieces(const at::Tensor& self, int64_t dim, con
 template <std::vector<at::Tensor> (*CopyRanges)(const at::Tensor&, int64_t, const std::vector<Range>&)>
 void register_split_kernels(torch::Library& m) {
   m.impl("array_split", [](const at::Tensor& self, int64_t sections, int64_t dim) {
+    check_sections(sections, "array_split");
     dim = checked_split_dim(self, dim, "array_split");
     return CopyRanges(self, dim, ranges_from_sections(split_length(self, dim), sections));
   });

@@ -43,6 +43,7 @@ std::vector<at::Tensor> array_split_sections(const at::Tensor& self, int64_t sec
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("autoshard::array_split", "")
                        .typed<std::vector<at::Tensor>(const at::Tensor&, int64_t, int64_t)>();
+  check_sections(sections, "array_split");
   const int64_t d = checked_split_dim(self, dim, "array_split");
   return SplitFunction::apply(self, d, ranges_from_sections(split_length(self, d), sections),
                               [&](const at::Tensor& x) { return op.call(x, sections, d); });

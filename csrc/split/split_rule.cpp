@@ -6,8 +6,14 @@
 
 namespace autoshard {
 
+void check_sections(int64_t sections, const char* function) {
+  TORCH_CHECK_VALUE(sections > 0, function, ": sections must be a positive integer, got ", sections);
+  TORCH_CHECK_VALUE(sections <= kMaxSections, function, ": sections must be at most ", kMaxSections,
+                    " (each section becomes a tensor), got ", sections);
+}
+
 std::vector<int64_t> split_sizes(int64_t length, int64_t sections) {
-  TORCH_CHECK_VALUE(sections > 0, "split_sizes: sections must be a positive integer, got ", sections);
+  check_sections(sections, "split_sizes");
   TORCH_CHECK_VALUE(length >= 0, "split_sizes: length must be >= 0, got ", length);
   const int64_t base = length / sections;
   const int64_t extra = length % sections;
@@ -53,7 +59,11 @@ Range shard_range(int64_t length, int64_t rank, int64_t world_size) {
   TORCH_CHECK_VALUE(world_size > 0, "shard: world_size must be a positive integer, got ", world_size);
   TORCH_CHECK_INDEX(rank >= 0 && rank < world_size,
                     "shard: rank must be in [0, world_size) = [0, ", world_size, "), got ", rank);
-  return ranges_from_sections(length, world_size)[rank];
+  TORCH_CHECK_VALUE(length >= 0, "shard: length must be >= 0, got ", length);
+  // Computed directly: a vector of every rank's range would be as long as world_size.
+  const int64_t base = length / world_size;
+  const int64_t extra = length % world_size;
+  return {rank * base + std::min(rank, extra), base + (rank < extra ? 1 : 0)};
 }
 
 }  // namespace autoshard

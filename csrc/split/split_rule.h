@@ -11,6 +11,13 @@ struct Range {
   int64_t length;
 };
 
+// Each section becomes a tensor (or at least a size in a vector): a count beyond this is a
+// mistake, refused before anything is allocated.
+constexpr int64_t kMaxSections = int64_t{1} << 24;
+
+// Raises a ValueError naming `function`'s `sections` argument unless 0 < sections <= kMaxSections.
+void check_sections(int64_t sections, const char* function);
+
 // split_sizes(10, 3) == {4, 3, 3}: the first `length % sections` pieces get one extra.
 std::vector<int64_t> split_sizes(int64_t length, int64_t sections);
 

@@ -169,6 +169,10 @@ class CommCounter:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        if self._depth == 0:
+            # Leaving unchanged: a negative depth would stop every later ``with`` from counting.
+            raise RuntimeError("CommCounter.__exit__ called without a matching __enter__ (use it as "
+                               "`with CommCounter() as c:`); the counter is unchanged")
         self._depth -= 1
         if self._depth == 0:
             self._counted = self._current()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from . import ops, partial_gradients
+from .agreement import check_ranks_agree
 from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, resolve, set_default_group
 from .nn.einsum import ShardedEinsumDense
@@ -227,6 +228,9 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     if not isinstance(partition_optimizer_state, bool):
         raise TypeError(f"parallelize: partition_optimizer_state must be a bool, "
                         f"got {type(partition_optimizer_state).__name__}")
+    if getattr(model, "_autoshard_plan", None) is not None or any(hasattr(m, "shard_specs") for m in model.modules()):
+        raise ValueError("parallelize: the model is already parallelized (it holds sharded layers); parallelize "
+                         "a freshly built model instead")
     data_parallel = None
     if mesh is not None:
         if group is not None:
@@ -239,6 +243,8 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         if "dp" in names and mesh.size(names.index("dp")) > 1:
             data_parallel = mesh.get_group("dp")
     group = resolve(group, "parallelize")
+    # Before anything that could fail on some ranks only (and leave the others waiting).
+    check_ranks_agree(model, plan.to_json() if isinstance(plan, ShardingPlan) else None, group)
     if plan is None:
         plan = make_plan(model, world_size=group.size())
     _check_plan_fits(model, plan, group.size())

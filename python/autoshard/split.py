@@ -14,9 +14,13 @@ from . import ops
 
 def _as_int(value, argument: str, function: str) -> int:
     try:
-        return operator.index(value)
+        value = operator.index(value)
     except TypeError:
         raise TypeError(f"{function}: {argument} must be an int, got {type(value).__name__}") from None
+    # The ops take int64: a larger Python int would fail in the binding with no argument named.
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{function}: {argument} must fit in a signed 64-bit integer, got {value}")
+    return value
 
 
 def _check_tensor(x, function: str) -> None:
@@ -49,6 +53,7 @@ def array_split(
             "array_split: sections_or_indices must be an int or a sequence of ints, "
             f"got {type(sections_or_indices).__name__}"
         ) from None
+    sections = _as_int(sections, "sections_or_indices", "array_split")
     return ops.array_split_sections(x, sections, dim)
 
 

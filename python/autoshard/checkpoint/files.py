@@ -8,6 +8,7 @@ from typing import Dict
 import torch
 
 from . import manifest as mf
+from .validate import plain_file_name
 from ..tensor_io import CheckpointCorruptError, SafetensorsReader, Selection
 
 
@@ -30,6 +31,10 @@ class CheckpointFiles:
     def reader(self, name: str) -> SafetensorsReader:
         if name not in self.readers:
             file_path = os.path.join(self.path, name)
+            # read_manifest admits plain file names only; a symbolic link may still lead out.
+            if not plain_file_name(name) or os.path.dirname(os.path.realpath(file_path)) != os.path.realpath(self.path):
+                raise CheckpointCorruptError(f"load: {os.path.join(self.path, mf.MANIFEST)!r} names {name!r}, which is "
+                                             f"not a file inside {self.path!r}")
             entry = self.manifest.files.get(name)
             if entry is None:
                 raise CheckpointCorruptError(f"load: {os.path.join(self.path, mf.MANIFEST)!r} names {name!r} "
@@ -57,6 +62,9 @@ class CheckpointFiles:
                 got = None if info is None else tuple(info.shape)
                 raise CheckpointCorruptError(f"load: {os.path.join(self.path, piece.file)!r} should hold {key!r} "
                                              f"with shape {source.local_shape}, found {got}")
+            if info.dtype != mf.dtype_of(record.dtype):
+                raise CheckpointCorruptError(f"load: {os.path.join(self.path, piece.file)!r} holds {key!r} as "
+                                             f"{mf.dtype_name(info.dtype)}; the manifest records {record.dtype}")
             yield reader, None if source.is_full() else source
 
     def verify(self, key: str, dest_selection: Selection) -> None:

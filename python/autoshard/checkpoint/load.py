@@ -13,6 +13,7 @@ from . import manifest as mf
 from ..partitioned_state import piece_of
 from .contents import OPTIMIZER_PREFIX
 from .files import CheckpointFiles
+from .hyperparameters import check_hyperparameters
 from .pending import wait_for_pending_save
 from .targets import Target, model_targets
 from ..tensor_io import CheckpointCorruptError, Selection, full_selection
@@ -54,7 +55,7 @@ def _model_reads(model, manifest: mf.Manifest, strict: bool) -> Tuple[Dict[str, 
     return targets, reads
 
 
-def _optimizer_plan(optimizer, manifest: mf.Manifest, targets: Dict[str, Target]):
+def _optimizer_plan(optimizer, manifest: mf.Manifest, targets: Dict[str, Target], path: str = ""):
     """Validates the optimizer against the checkpoint; returns (hyperparameters per group,
     [(param, name, saved entries or None)])."""
     saved = manifest.optimizer
@@ -63,6 +64,7 @@ def _optimizer_plan(optimizer, manifest: mf.Manifest, targets: Dict[str, Target]
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"load: the optimizer has {len(optimizer.param_groups)} param groups, the checkpoint "
                          f"{len(saved['param_groups'])}")
+    check_hyperparameters(saved["param_groups"], optimizer, os.path.join(path, mf.MANIFEST))
     names = {id(t.tensor): name for name, t in targets.items()}
     params = []
     for g, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
@@ -198,7 +200,7 @@ def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     wait_for_pending_save()  # a checkpoint still being written becomes loadable
     manifest = mf.read_manifest(path)
     targets, reads = _model_reads(model, manifest, strict)
-    optimizer_plan = _optimizer_plan(optimizer, manifest, targets) if optimizer is not None else None
+    optimizer_plan = _optimizer_plan(optimizer, manifest, targets, path) if optimizer is not None else None
     with contextlib.ExitStack() as stack:
         files = CheckpointFiles(path, manifest, stack)
         # Every block the load will read is checked first (and then read again from the page

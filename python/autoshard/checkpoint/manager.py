@@ -5,10 +5,12 @@ import numbers
 import os
 import re
 import shutil
-from typing import Dict, List, Optional
+import warnings
+from typing import Dict, List, Optional, Set
 
 import torch
 
+from . import claim
 from . import manifest as mf
 from .group import checkpoint_group
 from .load import load
@@ -16,6 +18,9 @@ from .pending import SaveHandle, wait_for_pending_save
 from .save import save_checkpoint
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# What a save writes into a checkpoint directory: a directory holding anything else is not
+# ours to delete.
+_OURS = re.compile(r"^(rank-\d{5}\.safetensors|manifest\.json|COMMITTED|OWNER)$")
 
 
 def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -30,10 +35,18 @@ class CheckpointManager:
     """Saves ``step-<N>`` checkpoints under ``directory`` when ``step % save_every == 0``, keeps
     the last ``max_to_keep`` (None: all) plus the best by metric ``keep_best`` (``mode`` "min"
     or "max"), and deletes the others once a new one is committed. Every rank constructs it
-    and calls ``save``; construction removes the ``.partial`` leftovers of interrupted saves."""
+    and calls ``save``.
+
+    Construction removes the ``.partial`` leftovers of interrupted saves that are stale (see
+    claim.is_stale: the owner process is gone, there is no owner record, or the claim is older
+    than ``stale_after`` seconds; None: never by age) and leaves the others, with a warning.
+    Retention never fails a save that committed: a directory it cannot read, or that holds
+    files a save does not write, is skipped and reported once (a warning). A ``step-<N>``
+    directory without ``COMMITTED`` that holds only what a save writes, older than the newest
+    committed step, is removed."""
 
     def __init__(self, directory, max_to_keep: Optional[int] = 3, keep_best: Optional[str] = None,
-                 mode: str = "min", save_every: int = 1):
+                 mode: str = "min", save_every: int = 1, stale_after: Optional[float] = 24 * 3600.0):
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"CheckpointManager: directory must be a str or os.PathLike, got {type(directory).__name__}")
         _check_positive_int("max_to_keep", max_to_keep, allow_none=True)
@@ -42,8 +55,14 @@ class CheckpointManager:
             raise TypeError(f"CheckpointManager: keep_best must be a metric name (str) or None, got {keep_best!r}")
         if mode not in ("min", "max"):
             raise ValueError(f"CheckpointManager: mode must be 'min' or 'max', got {mode!r}")
+        if stale_after is not None and (isinstance(stale_after, bool) or not isinstance(stale_after, numbers.Real)
+                                        or not stale_after >= 0):
+            raise ValueError(f"CheckpointManager: stale_after must be a number of seconds >= 0 or None, "
+                             f"got {stale_after!r}")
         self.directory = os.path.abspath(os.fspath(directory))
         self.max_to_keep, self.keep_best, self.mode, self.save_every = max_to_keep, keep_best, mode, save_every
+        self.stale_after = stale_after
+        self._reported: Set[str] = set()
         wait_for_pending_save()
         comm = checkpoint_group()
         error = None
@@ -51,8 +70,14 @@ class CheckpointManager:
             try:
                 os.makedirs(self.directory, exist_ok=True)
                 for name in os.listdir(self.directory):
-                    if name.endswith(mf.PARTIAL_SUFFIX):
-                        shutil.rmtree(os.path.join(self.directory, name))
+                    leftover = os.path.join(self.directory, name)
+                    if not name.endswith(mf.PARTIAL_SUFFIX):
+                        continue
+                    if claim.is_stale(leftover, stale_after):
+                        shutil.rmtree(leftover)
+                    else:
+                        self._report(leftover, f"CheckpointManager: left {leftover!r} alone: "
+                                               f"{claim.describe_owner(leftover)}; delete it if no save is running")
             except OSError as e:
                 error = f"CheckpointManager: cannot prepare {self.directory!r}: {e}"
         error = comm.broadcast(error)
@@ -99,26 +124,73 @@ class CheckpointManager:
         return save_checkpoint(self.path_for(step), model, optimizer, extra, async_save, metrics=metrics,
                                after_commit=self._retain)
 
+    def _report(self, key: str, message: str) -> None:
+        if key not in self._reported:
+            self._reported.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
     def _retain(self) -> None:
-        """Deletes the checkpoints that are neither among the last max_to_keep nor the best."""
-        steps = self.steps()
+        """Deletes the checkpoints that are neither among the last max_to_keep nor the best.
+        Runs after a commit: it reports what it cannot do and never raises."""
+        try:
+            self._retain_checkpoints()
+        except Exception as e:
+            self._report(f"retain:{e}", f"CheckpointManager: retention in {self.directory!r} failed: {e}")
+
+    def _ours(self, path: str) -> bool:
+        try:
+            names = os.listdir(path)
+        except OSError as e:
+            self._report(path, f"CheckpointManager: skipped {path!r}, which it cannot read: {e}")
+            return False
+        foreign = [n for n in names if not _OURS.match(n)]
+        if foreign:
+            self._report(path, f"CheckpointManager: left {path!r} alone: it holds {sorted(foreign)[:5]}, which no "
+                               "save writes")
+        return not foreign
+
+    def _delete(self, path: str) -> None:
+        # Uncommitted first (a .partial name), so that a crash half way leaves a leftover that
+        # is cleaned up, never a committed checkpoint with files missing.
+        doomed = path + mf.PARTIAL_SUFFIX
+        try:
+            os.rename(path, doomed)
+            shutil.rmtree(doomed)
+        except OSError as e:
+            self._report(path, f"CheckpointManager: could not delete {path!r}: {e}")
+
+    def _retain_checkpoints(self) -> None:
+        steps = []
+        metrics: Dict[int, dict] = {}
+        for step in self.steps():
+            path = self.path_for(step)
+            if self.keep_best is not None:
+                try:
+                    metrics[step] = mf.read_manifest(path, "CheckpointManager").metrics or {}
+                except Exception as e:
+                    self._report(path, f"CheckpointManager: skipped {path!r}, which it cannot read: {e}")
+                    continue
+            steps.append(step)
         keep = set(steps if self.max_to_keep is None else steps[-self.max_to_keep:])
         if self.keep_best is not None:
             scored = []
             for step in steps:
-                metrics = mf.read_manifest(self.path_for(step), "CheckpointManager").metrics or {}
-                if self.keep_best in metrics:
-                    value = metrics[self.keep_best]
+                value = metrics[step].get(self.keep_best)
+                if isinstance(value, numbers.Real) and not isinstance(value, bool):
                     scored.append((value if self.mode == "min" else -value, -step, step))
             if scored:
                 keep.add(min(scored)[2])
         for step in steps:
-            if step not in keep:
-                # Uncommitted first (a .partial name), so that a crash half way leaves a leftover
-                # that is cleaned up, never a committed checkpoint with files missing.
-                doomed = self.path_for(step) + mf.PARTIAL_SUFFIX
-                os.rename(self.path_for(step), doomed)
-                shutil.rmtree(doomed)
+            if step not in keep and self._ours(self.path_for(step)):
+                self._delete(self.path_for(step))
+        # Step directories a save never committed (copied in part, or written by an old version).
+        newest = steps[-1] if steps else None
+        for name in os.listdir(self.directory):
+            match = _STEP_DIR.match(name)
+            path = os.path.join(self.directory, name)
+            if (match and newest is not None and int(match.group(1)) < newest and os.path.isdir(path)
+                    and not mf.is_committed(path) and self._ours(path)):
+                self._delete(path)
 
     def wait(self) -> None:
         """Blocks until the save in flight is committed; raises its error."""

@@ -17,6 +17,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..tensor_io import CheckpointCorruptError, Selection
+from ..tensor_io.safetensors import DTYPE_NAMES
+from . import validate
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -158,19 +160,21 @@ def read_manifest(path, function: str = "load") -> Manifest:
         raise CheckpointCorruptError(f"{function}: {manifest_path!r} is corrupt: its size or crc32 differs "
                                      f"from what {COMMITTED} records")
     try:
+        raw = json.loads(data.decode())
+    except ValueError as error:
+        raise CheckpointCorruptError(f"{function}: {manifest_path!r} is not valid JSON: {error}") from error
+    if isinstance(raw, dict) and raw.get("format_version") != FORMAT_VERSION:
+        raise CheckpointCorruptError(f"{function}: {manifest_path!r} has format version {raw.get('format_version')!r}, "
+                                     f"this autoshard reads {FORMAT_VERSION}")
+    validate.check_manifest_data(raw, manifest_path, function, _known_dtype)
+    try:
         manifest = Manifest.from_json(data.decode())
     except (ValueError, KeyError, TypeError) as error:
         raise CheckpointCorruptError(f"{function}: {manifest_path!r} is not a valid manifest: {error}") from error
-    for name, record in manifest.tensors.items():
-        covered = sum(_volume(piece.selection(record.shape).local_shape) for piece in record.pieces)
-        if covered != record.volume():
-            raise CheckpointCorruptError(f"{function}: {manifest_path!r}: the pieces of {name!r} cover {covered} "
-                                         f"of its {record.volume()} elements")
+    validate.check_coverage(manifest.tensors, manifest_path, function)
     return manifest
 
 
-def _volume(shape) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
+def _known_dtype(name: str) -> bool:
+    dtype = getattr(torch, name, None)
+    return isinstance(dtype, torch.dtype) and dtype in DTYPE_NAMES

@@ -1,10 +1,13 @@
 """checkpoint.save: every rank writes its pieces, one rank commits, atomically.
 
-The protocol: rank 0 makes ``<path>.partial/`` (removing a stale one); every rank that owns
-a piece writes ``rank-XXXXX.safetensors`` into it and fsyncs it; the ranks report to rank 0,
-which writes ``manifest.json``, then the ``COMMITTED`` marker, fsyncs the directory, renames
-it to ``<path>`` and fsyncs the parent. A save that fails or dies half way leaves at most a
-``.partial`` directory, which nothing loads; an existing ``<path>`` is never touched.
+The protocol: rank 0 claims ``<path>.partial/`` exclusively (claim.py: a save to a path that
+another save holds fails on every rank, and nothing deletes a ``.partial`` it does not own);
+every rank that owns a piece writes ``rank-XXXXX.safetensors`` into it and fsyncs it; the
+ranks report to rank 0, which checks its claim, writes ``manifest.json``, then the
+``COMMITTED`` marker, fsyncs the directory, checks its claim again, renames it to ``<path>``
+and fsyncs the parent. A save that fails removes its ``.partial`` on every failure path; one
+that dies half way leaves at most a ``.partial``, which nothing loads; an existing ``<path>``
+is never touched.
 
 Each piece is written once: a tensor held whole by every rank (a replicated parameter) or a
 shard held by several data-parallel replicas is written by one of its holders, chosen to
@@ -13,13 +16,13 @@ balance the bytes each rank writes. The ranks must share the file system that ho
 
 import math
 import os
-import shutil
 import sys
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from . import claim
 from . import manifest as mf
 from ..model_state import state_of
 from .contents import Held, json_value, model_holdings, optimizer_holdings
@@ -137,6 +140,7 @@ class _Job:
         self.snapshot = snapshot
         self.manifest = manifest  # on rank 0 only
         self.after_commit = after_commit
+        self.token: Optional[str] = None  # rank 0's claim on self.partial
 
     def _agree(self, error: Optional[str]) -> None:
         """Rank 0's verdict, on every rank."""
@@ -149,9 +153,9 @@ class _Job:
         error = None
         if rank == 0:
             try:
-                if os.path.exists(self.partial):
-                    shutil.rmtree(self.partial)
-                os.makedirs(self.partial)
+                self.token = claim.claim(self.partial)
+            except claim.ClaimedError as e:
+                error = _claimed_message(self.path, str(e))
             except Exception as e:
                 error = f"save: cannot create {self.partial!r}: {e}"
         self._agree(error)
@@ -172,30 +176,48 @@ class _Job:
             errors = [e for _, e in reports if e is not None]
             if errors:
                 error = "save: " + "; ".join(errors)
-                shutil.rmtree(self.partial, ignore_errors=True)
+                claim.release(self.partial, self.token)
             else:
                 error = self._commit([r for r, _ in reports])
         self._agree(error)
 
     def _commit(self, records) -> Optional[str]:
+        # Every failure before the rename removes our .partial (it holds the space a retry needs),
+        # and none touches a .partial that is no longer ours.
         try:
             self.manifest.files = {
                 mf.rank_file(r): mf.FileEntry(rec.size, list(rec.block_crc32))
                 for r, rec in enumerate(records) if rec is not None
             }
+            if not claim.owns(self.partial, self.token):
+                return (f"save: {self.partial!r} is no longer this save's (it was removed or claimed by another job "
+                        f"while the ranks wrote); {self.path!r} was not committed and that directory was left as it is")
             mf.write_manifest_and_commit(self.partial, self.manifest)
             if os.path.exists(self.path):
-                return f"save: {self.path!r} appeared while saving; it was left as it is (the save is in {self.partial!r})"
+                claim.release(self.partial, self.token)
+                return f"save: {self.path!r} appeared while saving; it was left as it is and this save was discarded"
+            if not claim.owns(self.partial, self.token):
+                return f"save: {self.partial!r} was taken over by another job before the commit; nothing was committed"
             os.rename(self.partial, self.path)
+        except Exception as e:
+            claim.release(self.partial, self.token)
+            return f"save: committing {self.path!r} failed, and the unfinished save was removed: {e}"
+        try:
             mf.fsync_directory(os.path.dirname(self.path))
         except Exception as e:
-            return f"save: committing {self.path!r} failed: {e}"
+            return f"save: {self.path!r} was committed, but syncing its parent directory failed: {e}"
         if self.after_commit is not None:
             try:
                 self.after_commit()
             except Exception as e:
                 return f"save: {self.path!r} was committed, but what follows the commit failed: {e}"
         return None
+
+
+def _claimed_message(path: str, detail: str) -> str:
+    return (f"save: another save to {path!r} is in progress, or one that died left its work behind: {detail}. "
+            f"Nothing was written. If no job is saving there, delete that directory (CheckpointManager removes "
+            f"the leftovers of dead saves when it starts)")
 
 
 def save(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, extra=None,
@@ -227,14 +249,19 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
     except (TypeError, ValueError) as e:
         error = f"rank {comm.rank}: {e}"
     exists = os.path.exists(path) if comm.rank == 0 else False
-    reports = comm.all_gather((error, exists, _describe(held), optimizer_description, path))
+    claimed = os.path.lexists(path + mf.PARTIAL_SUFFIX) if comm.rank == 0 else False
+    reports = comm.all_gather((error, (exists, claimed), _describe(held), optimizer_description, path))
     errors = [e for e, _, _, _, _ in reports if e is not None]
     paths = sorted({p for *_, p in reports})
     if len(paths) > 1:
         errors.append(f"every rank must pass the same path, got {paths}")
     if errors:
         raise ValueError("; ".join(errors))
-    if reports[0][1]:
+    exists, claimed = reports[0][1]
+    if claimed and not exists:
+        partial = path + mf.PARTIAL_SUFFIX
+        raise CheckpointSaveError(_claimed_message(path, f"{partial!r} exists: {claim.describe_owner(partial)}"))
+    if exists:
         raise FileExistsError(f"save: {path!r} already exists; a checkpoint is never overwritten, "
                               "choose a new path or delete the old one first")
 

@@ -33,6 +33,18 @@ def check_movable(tensors: Dict[str, torch.Tensor]) -> None:
                            "materialize the model (model.to_empty(device=...)) before loading")
 
 
+def check_computable(model: nn.Module, unread: Dict[str, torch.Tensor]) -> None:
+    """Raises, before anything changes, if meta tensors that the checkpoint does not hold would
+    be left for an initialisation the model does not have (the check after the fact, in
+    initialise_remaining, covers an initialisation that skips some)."""
+    on_meta = [name for name, t in unread.items() if t.device.type == "meta"]
+    if on_meta and not _initialisers(model):
+        raise RuntimeError(
+            f"load_pretrained: {on_meta} are on the meta device, the checkpoint does not hold them, and the model "
+            "has no initialisation to compute them (initialize_weights); load a checkpoint that holds them, or "
+            "give the model real tensors for them before loading. The model was left unchanged")
+
+
 def materialize(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
     """Gives a meta tensor (a Parameter or a buffer) empty storage, in place: the object stays
     the same, so every module that shares it, an optimizer built on it and its hooks carry over."""

@@ -21,7 +21,7 @@ from torch import nn
 from ..checkpoint import Target, model_targets
 from ..tensor_io import SafetensorsReader
 from .files import open_checkpoint
-from .initialise import check_movable, initialise_remaining, materialize
+from .initialise import check_computable, check_movable, initialise_remaining, materialize
 from .names import match_names
 
 _LISTED = 20  # names shown in an error before "... and N more"
@@ -176,6 +176,9 @@ def load_pretrained(model: nn.Module, path, device=None, dtype: Optional[torch.d
 
         check_movable({**{t.name: t.tensor for t in targets.values()}, **_non_persistent_buffers(model)})
         _check_dtype_applies(targets, dtype)
+        read_names = {target.name for target, _, _ in reads}
+        check_computable(model, {**{t.name: t.tensor for t in targets.values() if t.name not in read_names},
+                                 **_non_persistent_buffers(model)})
 
         def dtype_of(tensor: torch.Tensor) -> torch.dtype:
             return dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype

@@ -1,0 +1,65 @@
+"""The check, made once by parallelize, that every rank is about to shard the same model the
+same way.
+
+Ranks that built different models (another config, another dtype) or hold different plans
+would pass every local check and then exchange tensors of different sizes at the first
+forward, where gloo aborts the process and NCCL hangs. A digest of the model's parameters
+and buffers (names, shapes, dtypes) and of the plan is all-gathered instead; only when the
+digests differ are the full descriptions gathered, to name the first difference on every rank.
+"""
+
+import hashlib
+from typing import List, Optional, Tuple
+
+import torch.distributed as dist
+from torch import nn
+
+
+def fingerprint(model: nn.Module, plan_json: Optional[str]) -> List[Tuple]:
+    items: List[Tuple] = [("model class", type(model).__qualname__)]
+    items += [("parameter", name, list(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+    items += [("buffer", name, list(b.shape), str(b.dtype)) for name, b in model.named_buffers()]
+    if plan_json is not None:
+        items.append(("plan (sha256 of its JSON)", hashlib.sha256(plan_json.encode()).hexdigest()))
+    return items
+
+
+def _describe(item: Optional[Tuple]) -> str:
+    if item is None:
+        return "nothing"
+    kind, name, *rest = item
+    if not rest:
+        return f"{kind} {name}"
+    return f"{kind} {name!r} with shape {rest[0]} and dtype {rest[1]}"
+
+
+def first_difference(described: List[List[Tuple]]) -> Optional[str]:
+    """Where the first rank that differs from rank 0 differs first, or None when all agree."""
+    reference = described[0]
+    for rank, items in enumerate(described[1:], start=1):
+        if items == reference:
+            continue
+        for i in range(max(len(items), len(reference))):
+            ours = items[i] if i < len(items) else None
+            theirs = reference[i] if i < len(reference) else None
+            if ours != theirs:
+                return f"rank {rank} has {_describe(ours)} where rank 0 has {_describe(theirs)} (entry {i})"
+    return None
+
+
+def check_ranks_agree(model: nn.Module, plan_json: Optional[str], group: dist.ProcessGroup) -> None:
+    """Raises ValueError on every rank of ``group`` if the ranks' models or plans differ."""
+    if group.size() == 1:
+        return
+    items = fingerprint(model, plan_json)
+    digest = hashlib.sha256(repr(items).encode()).hexdigest()
+    digests: List[Optional[str]] = [None] * group.size()
+    dist.all_gather_object(digests, digest, group=group)
+    if len(set(digests)) == 1:
+        return
+    described: List[Optional[List[Tuple]]] = [None] * group.size()
+    dist.all_gather_object(described, items, group=group)
+    difference = first_difference(described) or "their descriptions hash differently"
+    raise ValueError(f"parallelize: the ranks did not build the same model and plan: {difference}; every rank "
+                     "must build the same model (same config and dtype) and pass the same plan. The model was "
+                     "left unchanged")

@@ -1,0 +1,205 @@
+"""Checks of a manifest read from disk, made before anything uses it.
+
+A manifest is input like any other: a damaged or crafted one must be refused with the file and
+the field named, never turned into an AttributeError deep inside a load, a read outside the
+checkpoint directory (file names are plain names of files in it), or a load that fills only
+part of a tensor (the pieces of each tensor must cover it exactly once).
+"""
+
+import math
+import os
+from typing import Any, Dict, List
+
+from ..tensor_io import CheckpointCorruptError
+
+_TOP = {"world_size", "tensors", "files", "aliases", "tp_ranks", "versions", "plan", "optimizer", "extra",
+        "metrics", "model_config", "format_version"}
+_REQUIRED = {"world_size", "tensors", "files", "format_version"}
+_LAYOUTS = ("param", "flat", "whole")
+
+
+class _Refusal(Exception):
+    def __init__(self, field: str, problem: str):
+        super().__init__(field, problem)
+        self.field, self.problem = field, problem
+
+
+def _expect(condition: bool, field: str, problem: str) -> None:
+    if not condition:
+        raise _Refusal(field, problem)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def plain_file_name(name) -> bool:
+    """A file name with no directory part, naming a file inside the directory it is joined to."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and os.sep not in name
+            and (os.altsep is None or os.altsep not in name) and "\0" not in name)
+
+
+def _dict(value, field: str) -> dict:
+    _expect(isinstance(value, dict), field, f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _list(value, field: str) -> list:
+    _expect(isinstance(value, list), field, f"must be a JSON list, got {type(value).__name__}")
+    return value
+
+
+def _keys(value: dict, field: str, required: set, allowed: set) -> None:
+    missing = sorted(required - set(value))
+    unknown = sorted(set(value) - allowed)
+    _expect(not missing, field, f"lacks {missing}")
+    _expect(not unknown, field, f"has unknown fields {unknown}")
+
+
+def _check_runs(runs, shape: List[int], field: str) -> None:
+    _list(runs, field)
+    _expect(len(runs) == len(shape), field, f"has runs for {len(runs)} dims, the tensor has {len(shape)}")
+    for dim, (dim_runs, size) in enumerate(zip(runs, shape)):
+        where = f"{field}[{dim}]"
+        _list(dim_runs, where)
+        ordered = []
+        for run in dim_runs:
+            _expect(isinstance(run, list) and len(run) == 2 and all(_is_int(x) for x in run), where,
+                    f"must hold [start, length] pairs of ints, got {run!r}")
+            start, length = run
+            _expect(start >= 0 and length >= 0 and start + length <= size, where,
+                    f"run {run} lies outside [0, {size})")
+            if length:
+                ordered.append((start, length))
+        ordered.sort()
+        for (start, length), (following, _) in zip(ordered, ordered[1:]):
+            _expect(start + length <= following, where, f"runs overlap: {dim_runs}")
+
+
+def _check_tensors(tensors, files: dict, known_dtype) -> None:
+    for name, record in _dict(tensors, "tensors").items():
+        field = f"tensors[{name!r}]"
+        _keys(_dict(record, field), field, {"shape", "dtype", "pieces"}, {"shape", "dtype", "pieces"})
+        shape = _list(record["shape"], field + ".shape")
+        _expect(all(_is_int(n) and n >= 0 for n in shape), field + ".shape",
+                f"must be a list of ints >= 0, got {shape!r}")
+        _expect(isinstance(record["dtype"], str) and known_dtype(record["dtype"]), field + ".dtype",
+                f"is not a dtype a checkpoint holds: {record['dtype']!r}")
+        for i, piece in enumerate(_list(record["pieces"], field + ".pieces")):
+            where = f"{field}.pieces[{i}]"
+            _keys(_dict(piece, where), where, {"file", "runs"}, {"file", "runs"})
+            _expect(plain_file_name(piece["file"]), where + ".file",
+                    f"must be the plain name of a file in the checkpoint directory, got {piece['file']!r}")
+            _expect(piece["file"] in files, where + ".file", f"names {piece['file']!r}, which 'files' does not list")
+            _check_runs(piece["runs"], shape, where + ".runs")
+
+
+def _check_optimizer(optimizer, tensors: dict) -> None:
+    if optimizer is None:
+        return
+    _keys(_dict(optimizer, "optimizer"), "optimizer", {"type", "param_groups", "state"},
+          {"type", "param_groups", "state"})
+    _expect(isinstance(optimizer["type"], str), "optimizer.type", "must be a string")
+    for g, group in enumerate(_list(optimizer["param_groups"], "optimizer.param_groups")):
+        field = f"optimizer.param_groups[{g}]"
+        _dict(group, field)
+        params = _list(group.get("params"), field + ".params")
+        _expect(all(isinstance(p, str) for p in params), field + ".params", "must be a list of parameter names")
+    for name, entries in _dict(optimizer["state"], "optimizer.state").items():
+        for key, entry in _dict(entries, f"optimizer.state[{name!r}]").items():
+            field = f"optimizer.state[{name!r}][{key!r}]"
+            _dict(entry, field)
+            if "value" in entry:
+                _keys(entry, field, {"value"}, {"value"})
+                continue
+            _keys(entry, field, {"tensor", "layout"}, {"tensor", "layout"})
+            _expect(entry["tensor"] in tensors, field + ".tensor", f"names {entry['tensor']!r}, which 'tensors' lacks")
+            _expect(entry["layout"] in _LAYOUTS, field + ".layout", f"must be one of {_LAYOUTS}, got {entry['layout']!r}")
+
+
+def _check_structure(data: Any, known_dtype) -> None:
+    _dict(data, "the manifest")
+    _keys(data, "the manifest", _REQUIRED, _TOP)
+    _expect(_is_int(data["world_size"]) and data["world_size"] >= 1, "world_size",
+            f"must be an int >= 1, got {data['world_size']!r}")
+    files = _dict(data["files"], "files")
+    for name, entry in files.items():
+        field = f"files[{name!r}]"
+        _expect(plain_file_name(name), field, "must be the plain name of a file in the checkpoint directory")
+        _keys(_dict(entry, field), field, {"size", "block_crc32"}, {"size", "block_crc32"})
+        _expect(_is_int(entry["size"]) and entry["size"] >= 0, field + ".size", f"must be an int >= 0, got {entry['size']!r}")
+        crcs = _list(entry["block_crc32"], field + ".block_crc32")
+        _expect(all(_is_int(c) and 0 <= c < 2**32 for c in crcs), field + ".block_crc32", "must be a list of crc32 values")
+    _check_tensors(data["tensors"], files, known_dtype)
+    tensors = data["tensors"]
+    for alias, stored in _dict(data.get("aliases", {}), "aliases").items():
+        _expect(isinstance(stored, str) and stored in tensors, f"aliases[{alias!r}]",
+                f"names {stored!r}, which 'tensors' lacks")
+    tp_ranks = data.get("tp_ranks")
+    _expect(tp_ranks is None or (isinstance(tp_ranks, list) and all(_is_int(r) and r >= 0 for r in tp_ranks)),
+            "tp_ranks", f"must be a list of ranks or null, got {tp_ranks!r}")
+    _dict(data.get("versions", {}), "versions")
+    for key in ("plan", "model_config"):
+        _expect(data.get(key) is None or isinstance(data[key], str), key, "must be a string or null")
+    metrics = data.get("metrics")
+    # NaN and infinite metrics are allowed: a diverged run's loss is still worth recording.
+    _expect(metrics is None or (isinstance(metrics, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                                   for v in metrics.values())),
+            "metrics", f"must be an object of name -> number or null, got {metrics!r}")
+    _check_optimizer(data.get("optimizer"), tensors)
+
+
+def check_manifest_data(data: Any, manifest_path: str, function: str, known_dtype) -> None:
+    """Refuses a parsed manifest.json whose structure is not what a save writes."""
+    try:
+        _check_structure(data, known_dtype)
+    except _Refusal as refusal:
+        raise CheckpointCorruptError(f"{function}: {manifest_path!r}: {refusal.field} {refusal.problem}") from None
+
+
+def _runs_overlap(a, b) -> bool:
+    return all(any(sa < sb + nb and sb < sa + na for sa, na in runs_a for sb, nb in runs_b if na and nb)
+               for runs_a, runs_b in zip(a, b))
+
+
+def check_coverage(tensors: Dict[str, Any], manifest_path: str, function: str) -> None:
+    """Each tensor's pieces are pairwise disjoint and together hold every element once."""
+    for name, record in tensors.items():
+        runs = [piece.runs for piece in record.pieces]
+        volumes = [math.prod(sum(n for _, n in dim) for dim in r) for r in runs]
+        covered, total = sum(volumes), math.prod(record.shape)
+        if covered != total:
+            raise CheckpointCorruptError(f"{function}: {manifest_path!r}: the pieces of {name!r} cover {covered} "
+                                         f"of its {total} elements")
+        nonempty = [r for r, v in zip(runs, volumes) if v]
+        pair = _first_overlap(nonempty)
+        if pair is not None:
+            raise CheckpointCorruptError(
+                f"{function}: {manifest_path!r}: tensors[{name!r}] has pieces that overlap ({pair[0]} and {pair[1]}), "
+                "so some elements would never be read")
+
+
+def _first_overlap(pieces):
+    """Two overlapping pieces, or None. Saved pieces usually differ in one dim only (a split),
+    where sorting finds an overlap in n log n; other layouts are compared pair by pair."""
+    if len(pieces) < 2:
+        return None
+    varying = [d for d in range(len(pieces[0])) if any(p[d] != pieces[0][d] for p in pieces)]
+    if len(varying) == 1:
+        d = varying[0]
+        runs = sorted((start, length, i) for i, p in enumerate(pieces) for start, length in p[d] if length)
+        for (start, length, i), (following, _, j) in zip(runs, runs[1:]):
+            if start + length > following:
+                return pieces[i], pieces[j]
+        return None
+    if not varying:
+        return pieces[0], pieces[1]
+    for i, a in enumerate(pieces):
+        for b in pieces[i + 1:]:
+            if _runs_overlap(a, b):
+                return a, b
+    return None
