@@ -9,10 +9,14 @@ digests differ are the full descriptions gathered, to name the first difference 
 """
 
 import hashlib
-from typing import List, Optional, Tuple
+import pickle
+from typing import Any, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 from torch import nn
+
+from .comm import all_gather_uneven
 
 
 def fingerprint(model: nn.Module, plan_json: Optional[str]) -> List[Tuple]:
@@ -47,18 +51,26 @@ def first_difference(described: List[List[Tuple]]) -> Optional[str]:
     return None
 
 
+def _all_gather_bytes(obj: Any, group: dist.ProcessGroup) -> List[Any]:
+    """Every rank's ``obj`` (pickled for transport only), through autoshard's collective op, so
+    that CommCounter sees it; on NCCL the bytes travel in a CUDA tensor."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    size = group.size()
+    lengths = all_gather_uneven(torch.tensor([data.numel()], device=device), 0, [1] * size, group).tolist()
+    gathered = all_gather_uneven(data, 0, lengths, group).cpu()
+    return [pickle.loads(piece.numpy().tobytes()) for piece in gathered.split(lengths)]
+
+
 def check_ranks_agree(model: nn.Module, plan_json: Optional[str], group: dist.ProcessGroup) -> None:
     """Raises ValueError on every rank of ``group`` if the ranks' models or plans differ."""
     if group.size() == 1:
         return
     items = fingerprint(model, plan_json)
     digest = hashlib.sha256(repr(items).encode()).hexdigest()
-    digests: List[Optional[str]] = [None] * group.size()
-    dist.all_gather_object(digests, digest, group=group)
-    if len(set(digests)) == 1:
+    if len(set(_all_gather_bytes(digest, group))) == 1:
         return
-    described: List[Optional[List[Tuple]]] = [None] * group.size()
-    dist.all_gather_object(described, items, group=group)
+    described = _all_gather_bytes(items, group)
     difference = first_difference(described) or "their descriptions hash differently"
     raise ValueError(f"parallelize: the ranks did not build the same model and plan: {difference}; every rank "
                      "must build the same model (same config and dtype) and pass the same plan. The model was "

@@ -20,7 +20,7 @@ from .distributed import ProcessGroup, resolve, set_default_group
 from .nn.einsum import ShardedEinsumDense
 from .nn.embedding import VocabParallelEmbedding
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
-from .model_state import ParallelState, attach_layer_state
+from .model_state import ParallelState, attach_layer_state, state_of
 from .partitioned_state import partition_replicated
 from .plan import ShardingPlan, plan as make_plan
 from .plan.capture import example_inputs_for, meta_shadow, trace_shapes
@@ -228,7 +228,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     if not isinstance(partition_optimizer_state, bool):
         raise TypeError(f"parallelize: partition_optimizer_state must be a bool, "
                         f"got {type(partition_optimizer_state).__name__}")
-    if getattr(model, "_autoshard_plan", None) is not None or any(hasattr(m, "shard_specs") for m in model.modules()):
+    if state_of(model) is not None or any(hasattr(m, "shard_specs") for m in model.modules()):
         raise ValueError("parallelize: the model is already parallelized (it holds sharded layers); parallelize "
                          "a freshly built model instead")
     data_parallel = None
@@ -239,7 +239,6 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         if "tp" not in names or not set(names) <= {"dp", "tp"}:
             raise ValueError(f"parallelize: mesh dimensions must be ('dp', 'tp') or ('tp',), got {names}")
         group = mesh.get_group("tp")
-        set_default_group(group)
         if "dp" in names and mesh.size(names.index("dp")) > 1:
             data_parallel = mesh.get_group("dp")
     group = resolve(group, "parallelize")
@@ -258,7 +257,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     # group (and averaged over "dp" with them, so the data-parallel averager leaves them out).
     if group.size() > 1:
         state.partial_gradients = partial_gradients.install(model, plan.partial_gradients, group.group_name,
-                                                            data_parallel)
+                                                            data_parallel, reduce_dtype)
     if data_parallel is not None:
         reducer = state.partial_gradients
         summed = {id(p) for bucket in (reducer.buckets if reducer else ()) for p in bucket.params}
@@ -267,4 +266,6 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         params = [p for p in model.parameters() if id(p) not in summed]
         state.gradient_averager = GradientAverager(params, data_parallel, partitioned=partitioned,
                                                    reduce_dtype=reduce_dtype)
+    if mesh is not None:
+        set_default_group(group)  # group=None now means this mesh's "tp" group
     return model

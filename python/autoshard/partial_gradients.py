@@ -37,9 +37,11 @@ class PartialGradientReducer:
     """Hooks on `buckets` (lists of parameters) that sum their gradients over the group
     named `group_name` during backward, and average them over `dp_group` when given."""
 
-    def __init__(self, buckets: List[List[torch.nn.Parameter]], group_name: str, dp_group=None) -> None:
+    def __init__(self, buckets: List[List[torch.nn.Parameter]], group_name: str, dp_group=None,
+                 reduce_dtype: Optional[torch.dtype] = None) -> None:
         self.group_name = group_name
         self.dp_group = dp_group
+        self.reduce_dtype = reduce_dtype  # None: the gradients' own
         self.buckets = [_Bucket(list(params)) for params in buckets if params]
         self.handles = []
         self._finish_queued = False
@@ -74,6 +76,8 @@ class PartialGradientReducer:
             parts.append((got if got is not None else torch.zeros_like(p)).reshape(-1))
         with torch.no_grad():
             flat = torch.cat(parts)
+            if self.reduce_dtype is not None:
+                flat = flat.to(self.reduce_dtype)
             total = ops.reduce_from_parallel(flat, self.group_name)
             if self.dp_group is not None:
                 total = total + 0  # a tensor of our own for the in-place collective
@@ -106,7 +110,7 @@ class PartialGradientReducer:
 
 
 def install(model: torch.nn.Module, buckets: List[Dict[str, object]], group_name: str,
-            dp_group=None) -> Optional[PartialGradientReducer]:
+            dp_group=None, reduce_dtype: Optional[torch.dtype] = None) -> Optional[PartialGradientReducer]:
     """Hooks the plan's partial-gradient buckets (parameter names) on `model`'s parameters."""
     if not buckets:
         return None
@@ -115,4 +119,4 @@ def install(model: torch.nn.Module, buckets: List[Dict[str, object]], group_name
     if missing:
         raise ValueError(f"parallelize: the plan sums the partial gradients of {missing}, which the model lacks")
     trainable = [[params[name] for name in bucket["params"] if params[name].requires_grad] for bucket in buckets]
-    return PartialGradientReducer(trainable, group_name, dp_group)
+    return PartialGradientReducer(trainable, group_name, dp_group, reduce_dtype)
