@@ -45,16 +45,16 @@ def _check(name: str) -> dict:
         local = params[pname]
         spec = shards.get(id(local), (None,))[0]
         want = ref.grad if spec is None else spec.take(ref.grad)
-        torch.testing.assert_close(local.grad, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad of {pname}: {m}")
+        torch.testing.assert_close(local.grad, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"grad of {pname}: {m}")
 
     norm = autoshard.clip_grad_norm_(model.parameters(), 1e9)
     ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
-    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-5)
     autoshard.optim.AdamW(model.parameters(), lr=1e-2).step()
     torch.optim.AdamW(reference.parameters(), lr=1e-2).step()
     got = autoshard.full_state_dict(model)
     for pname, value in reference.state_dict().items():
-        torch.testing.assert_close(got[pname], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{pname} after a step: {m}")
+        torch.testing.assert_close(got[pname], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{pname} after a step: {m}")
     return {"plan": str(plan), "partial": [p for g in plan.partial_gradients for p in g["params"]],
             "styles": {layer.module: layer.style for layer in plan.layers}}
 
