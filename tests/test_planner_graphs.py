@@ -1,0 +1,303 @@
+"""The C++ planner on graphs written by hand: each op kind, the JSON document's records, and
+each error path with its code. Independent of any model or of the Python capture."""
+
+import json
+
+import pytest
+import torch
+
+import autoshard  # noqa: F401  (loads the library)
+
+
+class G:
+    """A graph in the planner's input format (csrc/plan/graph.h)."""
+
+    def __init__(self):
+        self.lines, self.count, self.nodes = [], 0, 0
+
+    def tensor(self, *shape, param=None, output=False):
+        t = self.count
+        self.count += 1
+        self.lines.append(f"tensor {t} {len(shape)} {' '.join(map(str, shape))}".rstrip())
+        if param is not None:
+            self.lines.append(f"param {t} {param}")
+        if output:
+            self.lines.append(f"output {t}")
+        return t
+
+    def node(self, kind, inputs, outputs, args=(), label=None):
+        self.lines.append(f"node {kind} {label or kind + str(self.nodes)} in {len(inputs)} {' '.join(map(str, inputs))} "
+                          f"out {len(outputs)} {' '.join(map(str, outputs))} args {len(args)} {' '.join(map(str, args))}")
+        self.nodes += 1
+        return self.nodes - 1
+
+    def linear(self, x, in_features, out_features, weight, bias=-1, out_shape=None, output=False):
+        y = self.tensor(*out_shape, output=output)
+        n = self.node("linear", [x], [y], [in_features, out_features, weight, bias])
+        return n, y
+
+    def plan(self, world_size, extra=()):
+        text = "\n".join(self.lines + list(extra)) + "\n"
+        return json.loads(torch.ops.autoshard.plan_graph(text, world_size))
+
+
+def styles(doc):
+    return [layer["style"] for layer in doc["layers"]]
+
+
+def comm(doc, phase):
+    return {c["kind"]: c["count"] for c in doc["comm"] if c["phase"] == phase}
+
+
+def mlp(g, hidden=6, features=8):
+    x = g.tensor(2, features)
+    _, h = g.linear(x, features, hidden, 0, 1, out_shape=(2, hidden))
+    a = g.tensor(2, hidden)
+    g.node("pointwise", [h], [a])
+    _, y = g.linear(a, hidden, features, 2, 3, out_shape=(2, features))
+    return x, h, a, y
+
+
+def test_document_is_versioned_with_named_records():
+    g = G()
+    x, h, a, y = mlp(g)
+    out = g.tensor(2, 8, output=True)
+    g.node("pointwise", [y, x], [out])
+    doc = g.plan(2)
+    assert doc["version"] == 1
+    assert set(doc) == {"version", "layers", "regions", "comm", "partial_gradients", "tensors"}
+    assert set(doc["layers"][0]) == {"node", "style", "region", "units", "copy_group", "parts", "letter", "repeat",
+                                     "reason", "note", "whole_units"}
+    assert styles(doc) == ["column", "row"]
+    assert doc["layers"][0]["units"] == 6 and doc["layers"][0]["region"] == doc["layers"][1]["region"]
+    assert comm(doc, "forward") == {"all_reduce": 1}
+    assert comm(doc, "backward") == {}  # the column layer reads a model input: no gradient to sum
+    # h and a are sharded on their last axis; nothing else is.
+    assert {(t["tensor"], t["axis"], t["size"]) for t in doc["tensors"]} == {(h, 1, 6), (a, 1, 6)}
+
+
+def test_world_of_one_communicates_nothing():
+    g = G()
+    x, _, _, y = mlp(g)
+    g.lines.append(f"output {y}")
+    assert g.plan(1)["comm"] == []
+
+
+def test_heads_view_permute_and_reduce_keep_whole_heads():
+    g = G()
+    x = g.tensor(2, 4, 8)
+    _, q = g.linear(x, 8, 6, 0, out_shape=(2, 4, 6))
+    heads = g.tensor(2, 4, 3, 2)
+    g.node("view", [q], [heads])
+    t = g.tensor(2, 3, 4, 2)
+    g.node("permute", [heads], [t], [0, 2, 1, 3])
+    n = g.tensor(2, 3, 4, 2)
+    g.node("reduce", [t], [n], [3])  # a norm over head_dim: fine
+    back = g.tensor(2, 4, 3, 2)
+    g.node("permute", [n], [back], [0, 2, 1, 3])
+    flat = g.tensor(2, 4, 6)
+    g.node("view", [back], [flat])
+    _, y = g.linear(flat, 6, 8, 1, out_shape=(2, 4, 8), output=True)
+    doc = g.plan(3)
+    assert styles(doc) == ["column", "row"] and doc["layers"][0]["units"] == 3
+    assert doc["regions"][0]["localize"] == [3, 6]  # head and feature counts seen on the sharded axis
+    layout = {t["tensor"]: t for t in doc["tensors"]}
+    assert layout[t]["axis"] == 1 and layout[t]["size"] == 3
+
+
+def test_reduce_over_the_sharded_axis_replicates_with_code():
+    g = G()
+    x, h, a, y = mlp(g)
+    r = g.tensor(2, 6)
+    g.node("reduce", [h], [r], [1])
+    doc = g.plan(2)
+    assert styles(doc)[0] == "replicate"
+    assert doc["layers"][0]["reason"] == "conflict" and "reduces over the sharded axis" in doc["layers"][0]["note"]
+
+
+def test_too_few_units_with_code_and_count():
+    g = G()
+    mlp(g, hidden=3)
+    doc = g.plan(4)
+    # The second layer's input is then replicated: it starts a region of its own.
+    assert styles(doc) == ["replicate", "column_gather"] or styles(doc)[:1] == ["replicate"]
+    assert doc["layers"][0]["reason"] == "too_few_units" and doc["layers"][0]["whole_units"] == 3
+
+
+def test_sharded_model_output_is_gathered():
+    g = G()
+    x = g.tensor(2, 8)
+    g.linear(x, 8, 10, 0, out_shape=(2, 10), output=True)
+    doc = g.plan(2)
+    assert styles(doc) == ["column_gather"] and doc["layers"][0]["reason"] == "model_output"
+    assert comm(doc, "forward") == {"all_gather": 1}
+
+
+def test_overrides_carry_their_code():
+    g = G()
+    mlp(g)
+    doc = g.plan(2, ["force 0 replicate"])
+    assert styles(doc)[0] == "replicate" and doc["layers"][0]["reason"] == "override_replicate"
+    assert styles(doc)[1] != "row"
+
+
+def test_token_embedding_is_vocab_parallel():
+    g = G()
+    ids = g.tensor(2, 5)
+    e = g.tensor(2, 5, 8)
+    g.node("embedding", [ids], [e], [11, 8, 0])
+    doc = g.plan(2)
+    assert styles(doc) == ["vocab"] and doc["layers"][0]["units"] == 11
+    assert comm(doc, "forward") == {"all_reduce": 1}
+
+
+def test_einsum_splits_its_output_letter_then_contracts_it():
+    g = G()
+    x = g.tensor(2, 4, 8)
+    h = g.tensor(2, 4, 3, 2)
+    # "btd,dnh->btnh": d contracted (input dim 2), n and h output letters (output dims 2 and 3)
+    g.node("einsum", [x], [h], [0, -1, 3, ord("d"), 1, 2, -1, ord("n"), 0, -1, 2, ord("h"), 0, -1, 3])
+    y = g.tensor(2, 4, 8, output=True)
+    # "btnh,nhd->btd": n and h contracted (input dims 2, 3), d output (dim 2)
+    g.node("einsum", [h], [y], [1, -1, 3, ord("n"), 1, 2, -1, ord("h"), 1, 3, -1, ord("d"), 0, -1, 2])
+    doc = g.plan(3)
+    assert styles(doc) == ["column", "row"]
+    assert [layer["letter"] for layer in doc["layers"]] == ["n", "n"] and doc["layers"][0]["units"] == 3
+
+
+def test_fused_output_split_part_by_part():
+    g = G()
+    x = g.tensor(2, 8)
+    _, qkv = g.linear(x, 8, 12, 0, out_shape=(2, 12))
+    parts = [g.tensor(2, 4) for _ in range(3)]
+    g.node("split", [qkv], parts, [1])
+    s = g.tensor(2, 4)
+    g.node("pointwise", parts, [s])
+    g.linear(s, 4, 8, 1, out_shape=(2, 8), output=True)
+    doc = g.plan(2)
+    assert styles(doc) == ["column", "row"] and doc["layers"][0]["parts"] == [4, 4, 4]
+
+
+@pytest.mark.parametrize("kind,args,why", [
+    ("cat", [1], "concatenates along the sharded axis"),
+    ("slice", [1, 0, 2, 0], "slices the sharded axis"),
+    ("opaque", [], "cannot follow"),
+])
+def test_ops_that_need_the_axis_whole(kind, args, why):
+    g = G()
+    x, h, a, y = mlp(g)
+    out = g.tensor(2, 12 if kind == "cat" else 2 if kind == "slice" else 6)
+    g.node(kind, [h, h] if kind == "cat" else [h], [out], args)
+    doc = g.plan(2)
+    assert styles(doc)[0] == "replicate" and why in doc["layers"][0]["note"], doc["layers"][0]
+
+
+def heads_block(g, scale_shape=None, scale_param=None, matmul_param=None):
+    """A column layer split on 3 heads of 2, something applied per head, then a row layer."""
+    x = g.tensor(2, 8)
+    _, q = g.linear(x, 8, 6, 0, out_shape=(2, 6))
+    heads = g.tensor(2, 3, 2)
+    g.node("view", [q], [heads])
+    cur, w = heads, None
+    if scale_param is not None:
+        w = g.tensor(*scale_shape, param=scale_param)
+        scaled = g.tensor(2, 3, 2)
+        g.node("pointwise", [cur, w], [scaled])
+        cur = scaled
+    if matmul_param is not None:
+        w = g.tensor(2, 2, param=matmul_param)
+        mixed = g.tensor(2, 3, 2)
+        g.node("matmul", [cur, w], [mixed])
+        cur = mixed
+    flat = g.tensor(2, 6)
+    g.node("view", [cur], [flat])
+    _, y = g.linear(flat, 6, 8, 1, out_shape=(2, 8), output=True)
+    return x, y, w
+
+
+def test_replicated_parameter_inside_a_region_has_a_partial_gradient():
+    g = G()
+    heads_block(g, scale_shape=(2,), scale_param=5)
+    doc = g.plan(3)
+    assert styles(doc) == ["column", "row"]
+    assert doc["partial_gradients"] == [{"params": [5], "elements": 2}]
+    assert comm(doc, "backward") == {"all_reduce": 1}  # the partial gradient's sum
+
+
+def test_replicated_weight_times_sharded_heads_has_a_partial_gradient():
+    g = G()
+    heads_block(g, matmul_param=7)
+    doc = g.plan(2)
+    assert styles(doc) == ["column", "row"] and doc["partial_gradients"] == [{"params": [7], "elements": 4}]
+
+
+def test_partial_gradients_share_one_bucket():
+    g = G()
+    heads_block(g, scale_shape=(2,), scale_param=5, matmul_param=7)
+    doc = g.plan(2)
+    assert doc["partial_gradients"] == [{"params": [7, 5], "elements": 6}]
+    assert comm(doc, "backward") == {"all_reduce": 1}
+
+
+def test_parameter_also_used_outside_the_region_replicates_it():
+    g = G()
+    x, y, w = heads_block(g, scale_shape=(2,), scale_param=5)
+    # The same parameter also scales a replicated tensor that reaches the output.
+    other = g.tensor(2, 2)
+    src = g.tensor(2, 2)
+    g.node("source", [], [src])
+    g.node("pointwise", [src, w], [other])
+    g.lines.append(f"output {other}")
+    doc = g.plan(2)
+    assert styles(doc)[0] == "replicate" and styles(doc)[1] != "row" and doc["partial_gradients"] == []
+    assert doc["layers"][0]["reason"] == "conflict" and "partly partial" in doc["layers"][0]["note"]
+
+
+def test_per_head_parameter_on_the_heads_axis_replicates():
+    g = G()
+    heads_block(g, scale_shape=(3, 1), scale_param=5)
+    doc = g.plan(3)
+    assert styles(doc)[0] == "replicate" and styles(doc)[1] != "row" and doc["partial_gradients"] == []
+
+
+def test_grouped_query_attention_shares_kv_heads():
+    g = G()
+    x = g.tensor(2, 4, 8)
+    _, q = g.linear(x, 8, 8, 0, out_shape=(2, 4, 8))   # 4 query heads of 2
+    _, k = g.linear(x, 8, 4, 1, out_shape=(2, 4, 4))   # 2 KV heads of 2
+    _, v = g.linear(x, 8, 4, 2, out_shape=(2, 4, 4))
+    qh, kh, vh = g.tensor(2, 4, 4, 2), g.tensor(2, 4, 2, 2), g.tensor(2, 4, 2, 2)
+    g.node("view", [q], [qh])
+    g.node("view", [k], [kh])
+    g.node("view", [v], [vh])
+    qt, kt, vt = g.tensor(2, 4, 4, 2), g.tensor(2, 2, 4, 2), g.tensor(2, 2, 4, 2)
+    for a, b in ((qh, qt), (kh, kt), (vh, vt)):
+        g.node("permute", [a], [b], [0, 2, 1, 3])
+    o = g.tensor(2, 4, 4, 2)
+    g.node("attention", [qt, kt, vt], [o])
+    ot = g.tensor(2, 4, 4, 2)
+    g.node("permute", [o], [ot], [0, 2, 1, 3])
+    flat = g.tensor(2, 4, 8)
+    g.node("view", [ot], [flat])
+    g.linear(flat, 8, 8, 3, out_shape=(2, 4, 8), output=True)
+    doc = g.plan(4)  # 4 query heads over 4 ranks, 2 KV heads: each KV head on two ranks
+    assert styles(doc) == ["column", "column", "column", "row"]
+    assert [layer["repeat"] for layer in doc["layers"]] == [0, 2, 2, 0]
+    assert doc["regions"][0]["coarse_units"] == 2
+    assert any(t["coarse"] for t in doc["tensors"])
+
+
+@pytest.mark.parametrize("text,world,code", [
+    ("", 0, "[plan.world_size]"),
+    ("node nonsense x in 0 out 0 args 0\n", 2, "[plan.bad_graph]"),
+    ("tensor 0 1 4\nnode pointwise p in 1 3 out 1 0 args 0\n", 2, "[plan.bad_graph]"),
+    ("tensor 0 1 4\nwhat 0\n", 2, "[plan.bad_graph]"),
+    ("tensor 0 1 4\ntensor 1 1 4\nnode pointwise p in 1 0 out 1 1 args 0\nforce 0 replicate\n", 2,
+     "[plan.override_not_layer]"),
+    ("force 0 shard\n", 2, "[plan.bad_override]"),
+    ("tensor 0 1 4\ntensor 1 1 4\nnode einsum e in 1 0 out 1 1 args 3 0 -1 1\n", 2, "[plan.bad_graph]"),
+])
+def test_errors_carry_codes(text, world, code):
+    with pytest.raises(ValueError) as error:
+        torch.ops.autoshard.plan_graph(text, world)
+    assert code in str(error.value)
