@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 import autoshard
-from autoshard.nn.spec import sharded_parameters
+from autoshard.model_state import state_of
 
 SGD_LR = 0.1
 # Larger than any norm here: clipping scales by exactly 1, so the state after the step is
@@ -162,7 +162,7 @@ def check(arch) -> Report:
     sum((e * w).sum() for e, w in zip(expected, weights)).backward()
     report.comm = {"forward": (_counts(forward), plan.collectives("forward")),
                    "backward": (_counts(backward), plan.collectives("backward"))}
-    shards = sharded_parameters()
+    shards = state_of(model).shards()
     params = dict(model.named_parameters(remove_duplicate=False))
     report.worst["gradients"] = 0.0
     for name, ref in reference.named_parameters():

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.nn.spec import sharded_parameters
+from autoshard.model_state import state_of
 from multirank import run_on_ranks
 from soundness_models import PARTIAL_GRADIENT_MODELS, build
 
@@ -39,7 +39,7 @@ def _check(name: str) -> dict:
     (expected * weights).sum().backward()
     assert _counts(backward) == plan.collectives("backward"), (_counts(backward), plan.collectives("backward"), str(plan))
 
-    shards = sharded_parameters()
+    shards = state_of(model).shards()
     params = dict(model.named_parameters())
     for pname, ref in reference.named_parameters():
         local = params[pname]

@@ -119,5 +119,9 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
                          f"to split across {world_size} ranks)")
     if world_size > 1:
         localize_attributes(result, result._prediction)
+    # The modules' recorded inputs are views of the model's own tensors (its buffers): kept, they
+    # would hold those tensors' use counts up, and load_pretrained could not give them storage in
+    # place. Only the attribute choice above replays them.
+    graph.module_inputs.clear()
     result.overrides = dict(overrides or {})
     return result

@@ -12,14 +12,9 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..nn.linear import _is_hf_conv1d
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's Conv1D (y = x @ weight + bias, weight stored as [in, out]), recognised
-    exactly as ColumnParallelLinear.from_linear recognises it, so that the planner never plans
-    a layer that from_linear would refuse."""
-    return _is_hf_conv1d(module)
+# The one Conv1D test, shared with ColumnParallelLinear.from_linear, so that the planner never
+# plans a layer that from_linear would refuse.
+from ..nn.conv1d import is_conv1d
 
 
 @dataclass
