@@ -4,7 +4,7 @@ replicated parameter (a norm's weight, a row layer's bias) holds the same gradie
 rank and is counted once, as is a KV head that several ranks hold; a replicated parameter whose state is partitioned across
 data-parallel replicas holds only its own piece of the averaged gradient, so its pieces'
 squares are summed across the data-parallel group. The norm is computed in fp32 whatever
-the gradients' dtype (bf16 gradients included); the scaling is applied in their dtype."""
+the gradients' dtype (bf16 gradients included; fp64 stays fp64); the scaling is applied in their dtype."""
 
 import math
 import numbers
@@ -44,6 +44,10 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     if len(devices) > 1:
         raise ValueError(f"clip_grad_norm_: the gradients are on several devices {sorted(map(str, devices))}")
     device = grads[0].device
+    # The norm is computed in fp32 at least, whatever the gradients' dtype: a bf16 norm per
+    # tensor would carry bf16's rounding (about 0.4%) into the total; fp64 gradients keep fp64.
+    # Every rank holds the same dtypes, so every rank's partial sums agree on this one.
+    norm_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     pieces = {key: piece for key, p in unique.items() if (piece := piece_of(p)) is not None}
     shards = {key: found for key, found in shards_of(unique.values()).items() if key not in pieces}
     # A KV head held by several ranks (ShardSpec.repeat) is counted by one of them.
@@ -56,10 +60,8 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
 
     def local(tensors, combine):
         if not tensors:
-            return torch.zeros((), device=device, dtype=torch.float32)
-        # In fp32 whatever the gradients' dtype: a bf16 norm per tensor would carry bf16's
-        # rounding (about 0.4%) into the total.
-        norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=torch.float32))
+            return torch.zeros((), device=device, dtype=norm_dtype)
+        norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=norm_dtype))
         return combine(norms)
 
     def across(tensors, combine, over, op, participate=None):

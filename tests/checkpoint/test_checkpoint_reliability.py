@@ -31,7 +31,7 @@ from checkpoint_models import build_toy, parallelize_toy, toy_ids
 from checks import expect_errors
 from multirank import run_on_ranks
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+SUPPORT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
 manifest_module = importlib.import_module("autoshard.checkpoint.manifest")
 save_module = importlib.import_module("autoshard.checkpoint.save")
 
@@ -222,7 +222,7 @@ def test_disk_full_while_committing_fails_every_rank(tmp_path, target):
 
 _FSIZE_SCRIPT = r"""
 import os, resource, signal, sys
-sys.path.insert(0, {tests!r})
+sys.path.insert(0, {support!r})
 import autoshard
 from autoshard import checkpoint
 from checkpoint_models import build_toy
@@ -240,7 +240,7 @@ def test_file_size_limit_while_writing_the_manifest(tmp_path):
     path = str(tmp_path / "out" / "ckpt")
     os.makedirs(tmp_path / "out")
     limit = 200_000
-    script = _FSIZE_SCRIPT.format(tests=TESTS_DIR, path=path, limit=limit, extra=2 * limit)
+    script = _FSIZE_SCRIPT.format(support=SUPPORT_DIR, path=path, limit=limit, extra=2 * limit)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "refused:" in done.stdout and "File too large" in done.stdout, done.stdout

@@ -133,9 +133,13 @@ class _LocalModule:
                 out_features = spec.local_size()
             elif layer.style == "row":
                 in_features = spec.local_size()
-            stand_in = nn.Linear(in_features, out_features, bias=False, device="meta")
             relative = layer.module[len(prefix):]
             parent, _, child = relative.rpartition(".")
+            # The original layer's dtype: a module that casts its input to its layer's dtype (T5's
+            # feed-forward) must trace the same ops as it did in the capture.
+            original = getattr(self.module.get_submodule(relative), "weight", None)
+            dtype = original.dtype if isinstance(original, torch.Tensor) else None
+            stand_in = nn.Linear(in_features, out_features, bias=False, device="meta", dtype=dtype)
             setattr(self.module.get_submodule(parent) if parent else self.module, child, stand_in)
 
     def trace(self, args, kwargs, attributes: Dict[str, int]):
