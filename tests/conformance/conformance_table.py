@@ -136,13 +136,15 @@ TABLE = [
          audio_features(8, 16)),
     # ---- our own: the control, then one model per defect class of the soundness issue
     Arch("own_plain", own(), token_ids(97), small=True),
-    Arch("own_qk_norm", own(qk_norm=True), token_ids(97), small=True),
+    Arch("own_qk_norm", own(qk_norm=True), token_ids(97), small=True, refused={4: SHARED_KV_WITH_NORM}),
     Arch("own_partial_rotary", own(heads=12, kv_heads=4, rotary_dim=4), token_ids(97), small=True),
     Arch("own_head_dim_equals_heads", own(heads=8, kv_heads=4, head_dim=8), token_ids(97)),
     # A per-head parameter on the heads axis keeps attention replicated: exact, not sharded.
     Arch("own_head_scale", own(head_scale=True), token_ids(97), small=True),
     Arch("own_score_gain", own(score_gain=True), token_ids(97)),
-    Arch("own_head_dim_gain", own(head_dim_gain=True), token_ids(97), small=True),
+    # On 4 ranks the KV heads are shared: refused, even though q's gain alone would be exact.
+    Arch("own_head_dim_gain", own(head_dim_gain=True), token_ids(97), small=True,
+         refused={4: SHARED_KV_WITH_NORM}),
     Arch("own_mlp_scalar_gain", own(scalar_gain=True), token_ids(97), small=True),
 ]
 
