@@ -54,10 +54,6 @@ QK_NORM = Xfail(GradientMismatch, "QK-norm: the RMSNorm weight over head_dim is 
 # Defect 2: an integer attribute equal to a head count by coincidence is made local.
 ROTARY = Xfail(LogitsMismatch, "rotary_dim equals the KV head count and is localised: fewer features rotated")
 QK_LAYERNORM = Xfail(GradientMismatch, "qk_layernorm: the LayerNorm weight and bias over head_dim are a " + PARTIAL_GRAD)
-# StableLM's default partial_rotary_factor=0.25 gives rotary_ndims=2 at head_dim 8, equal to
-# num_key_value_groups (6 query / 3 KV heads) on 4 ranks, where KV heads are shared: it is made 1
-# on the ranks holding one query head, which rotate half the features. Logits off by ~2.6e-3.
-STABLELM_ROTARY = Xfail(LogitsMismatch, "rotary_ndims equals num_key_value_groups and is localised to 1 on ranks 2-3")
 # head_dim equal to the query head count is made local too, and the sharded view then fails.
 HEAD_DIM = Xfail(Refused, "head_dim equals the query head count and is localised: the meta dry run fails")
 
@@ -99,7 +95,9 @@ TABLE = [
     Arch("starcoder2", hf("starcoder2", **LLAMA_LIKE), token_ids()),
     Arch("opt", hf("opt", hidden_size=48, num_hidden_layers=L, num_attention_heads=H, ffn_dim=I,
                    max_position_embeddings=32, word_embed_proj_dim=48), token_ids()),
-    Arch("stablelm", hf("stablelm", **LLAMA_LIKE), token_ids(), xfail={4: STABLELM_ROTARY}),
+    # Its default partial_rotary_factor=0.25 gives rotary_ndims=2 at head_dim 8, equal to
+    # num_key_value_groups (6 query / 3 KV heads) on 4 ranks, where KV heads are shared.
+    Arch("stablelm", hf("stablelm", **LLAMA_LIKE), token_ids()),
     Arch("persimmon", hf("persimmon", hidden_size=48, intermediate_size=I, num_hidden_layers=L,
                          num_attention_heads=H), token_ids()),
     Arch("cohere", hf("cohere", **LLAMA_LIKE), token_ids()),
