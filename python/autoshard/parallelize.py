@@ -23,9 +23,9 @@ from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .model_state import ParallelState, attach_layer_state, state_of
 from .partitioned_state import partition_replicated
 from .plan import ShardingPlan, plan as make_plan
-from .plan.capture import example_inputs_for, meta_shadow, trace_shapes
+from .plan.capture import every_block_run, example_inputs_for, meta_shadow, trace_shapes
 from .plan.layers import describe_layer
-from .plan.prediction import ShapeMismatch, check_model_trace
+from .plan.prediction import FoldedBlockMismatch, ShapeMismatch, check_model_trace
 
 
 class SharedInputCopy:
@@ -188,8 +188,10 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
         with torch.no_grad():
             outputs = shadow(*args, **kwargs)
     except ShapeMismatch as error:
-        raise ValueError(f"parallelize: on a meta copy of the model, {error}; the plan was refused and the model "
-                         "left unchanged") from None
+        refusal = ValueError(f"parallelize: on a meta copy of the model, {error}; the plan was refused and the model "
+                             "left unchanged")
+        refusal.folded_block = isinstance(error, FoldedBlockMismatch)
+        raise refusal from None
     except Exception as error:
         raise ValueError(f"parallelize: the plan does not run on a meta copy of the model "
                          f"({type(error).__name__}: {error}); the model was left unchanged") from error
@@ -204,7 +206,7 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
 
 
 def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Optional[ProcessGroup] = None,
-                mesh=None, *, partition_optimizer_state: bool = True,
+                mesh=None, *, example_inputs=None, partition_optimizer_state: bool = True,
                 reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Shards `model` in place over `group` (None: the default tensor-parallel group, or the
     "tp" dimension of `mesh`) following `plan` (None: autoshard.plan(model)); returns it.
@@ -245,10 +247,19 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     group = resolve(group, "parallelize")
     # Before anything that could fail on some ranks only (and leave the others waiting).
     check_ranks_agree(model, plan.to_json() if isinstance(plan, ShardingPlan) else None, group)
-    if plan is None:
-        plan = make_plan(model, world_size=group.size())
+    planned_here = plan is None
+    if planned_here:
+        plan = make_plan(model, world_size=group.size(), example_inputs=example_inputs)
     _check_plan_fits(model, plan, group.size())
-    _dry_run(model, plan, group)
+    try:
+        _dry_run(model, plan, group)
+    except ValueError as refusal:
+        if not (planned_here and getattr(refusal, "folded_block", False)):
+            raise
+        with every_block_run():  # a block that looked identical to another computes otherwise
+            plan = make_plan(model, world_size=group.size(), example_inputs=example_inputs)
+        _check_plan_fits(model, plan, group.size())
+        _dry_run(model, plan, group)
     _apply(model, plan, group)
     for module in model.modules():
         if hasattr(type(module), "reduce_dtype"):

@@ -6,6 +6,7 @@ ATen level and reduced to the few kinds of op that matter for following a sharde
 Nothing is materialised: a model on a real device is shadowed by a meta copy first.
 """
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -15,9 +16,25 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .folding import BlockFolder
 from .layers import LayerInfo, describe_layer
 
 aten = torch.ops.aten
+
+# Identical blocks (every decoder layer) are run once and recorded again for the others (see
+# folding.py); every_block_run() turns this off.
+FOLD_BLOCKS = True
+
+
+@contextlib.contextmanager
+def every_block_run():
+    """Captures within run every block of the model, identical or not."""
+    global FOLD_BLOCKS
+    saved, FOLD_BLOCKS = FOLD_BLOCKS, False
+    try:
+        yield
+    finally:
+        FOLD_BLOCKS = saved
 
 _VIEWS = {
     aten.view, aten._unsafe_view, aten.reshape, aten._reshape_alias, aten.unsqueeze, aten.squeeze,
@@ -55,6 +72,7 @@ class CapturedGraph:
     shapes: List[Tuple[int, ...]] = field(default_factory=list)  # tensor id -> global shape
     nodes: List[Tuple[str, Tuple[int, ...], Tuple[int, ...]]] = field(default_factory=list)  # (op label, input ids, output ids)
     module_nodes: Dict[str, Tuple[int, int]] = field(default_factory=dict)  # first call: [first, end) nodes
+    folded: Dict[str, str] = field(default_factory=dict)  # block recorded without running -> the block it copies
 
 
 def _normalize_dim(dim: int, ndim: int) -> int:
@@ -72,18 +90,27 @@ class _Recorder(TorchDispatchMode):
         self.nodes: List[Tuple[str, Tuple[int, ...], Tuple[int, ...]]] = []
         self.node_count = 0
         self.layer_depth = 0
+        # What was recorded, in order: ("tensor", id) and ("node", kind, label, inputs, outputs,
+        # args), so that a call of a block can be recorded again for an identical block.
+        self.log: List[tuple] = []
 
     def tensor_id(self, t: torch.Tensor) -> int:
         key = id(t)
         if key not in self.ids:
-            self.ids[key] = len(self.keep)
-            self.keep.append(t)
-            self.shapes.append(tuple(int(s) for s in t.shape))
-            shape = " ".join(str(int(s)) for s in t.shape)
-            self.lines.append(f"tensor {self.ids[key]} {t.dim()} {shape}".rstrip())
+            self.ids[key] = self.declare(t.shape)
+            self.keep[-1] = t
             if key in self.param_index:
                 self.lines.append(f"param {self.ids[key]} {self.param_index[key]}")
         return self.ids[key]
+
+    def declare(self, shape) -> int:
+        """A new tensor id of the given shape (a tensor of a block that is not run)."""
+        index = len(self.keep)
+        self.keep.append(None)
+        self.shapes.append(tuple(int(s) for s in shape))
+        self.lines.append(f"tensor {index} {len(shape)} {' '.join(str(int(s)) for s in shape)}".rstrip())
+        self.log.append(("tensor", index))
+        return index
 
     def fresh(self, like: torch.Tensor) -> int:
         stand_in = torch.empty(like.shape, device="meta")
@@ -95,6 +122,7 @@ class _Recorder(TorchDispatchMode):
             f"out {len(outputs)} {' '.join(map(str, outputs))} args {len(args)} {' '.join(str(int(a)) for a in args)}"
         )
         self.nodes.append((label, tuple(inputs), tuple(outputs)))
+        self.log.append(("node", kind, label, tuple(inputs), tuple(outputs), tuple(int(a) for a in args)))
         self.node_count += 1
         return self.node_count - 1
 
@@ -288,8 +316,9 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
         "args": [_describe(a) for a in args],
         "kwargs": {k: _describe(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)},
     }
+    folder = BlockFolder(shadow, recorder, param_index, layers, module_inputs, module_nodes, enabled=FOLD_BLOCKS)
     try:
-        with torch.no_grad(), recorder:
+        with torch.no_grad(), recorder, folder:
             outputs = shadow(*args, **kwargs)
     except Exception as error:
         raise RuntimeError(
@@ -317,6 +346,7 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
         shapes=recorder.shapes,
         nodes=recorder.nodes,
         module_nodes=module_nodes,
+        folded={name: folder.folds[name] for name in folder.folded},
     )
 
 
@@ -332,10 +362,10 @@ class StateAtCall:
     the capture traced (a sliding window's slices of the cache) and leaves no trace behind."""
 
     def __init__(self, state):
-        self._state = copy.deepcopy(state)
+        self._state = _copy_structure(state)
 
     def fresh(self):
-        return copy.deepcopy(self._state)
+        return _copy_structure(self._state)
 
     # Identical blocks are given caches of the same kind; what they hold of earlier blocks is
     # not what a block's own call reads.
@@ -344,6 +374,27 @@ class StateAtCall:
 
     def __hash__(self):
         return hash(type(self._state))
+
+
+def _copy_structure(state):
+    """A deep copy of `state` that shares its tensors: the containers and objects that a cache
+    rebinds as it grows are copied, while meta tensors, which hold no data to change, are not
+    (copying them would make the capture's cost grow with the square of the layer count)."""
+    memo, seen, stack = {}, set(), [state]
+    while stack:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            memo[id(value)] = value
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            stack.extend(vars(value).values())
+    return copy.deepcopy(state, memo)
 
 
 def _replayable(value):
