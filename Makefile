@@ -15,6 +15,8 @@ export MAX_JOBS ?= 2
 # ccache, when installed, makes rebuilds after small edits cheap, also across checkouts.
 export PATH := $(if $(wildcard /usr/lib/ccache),/usr/lib/ccache:)$(PATH)
 export CCACHE_BASEDIR ?= $(CURDIR)
+# pip builds in a new temporary directory each time, and -g would put it in every cache key.
+export CCACHE_NOHASHDIR ?= 1
 
 # The CUDA compile check: a torch whose CUDA matches this machine's nvcc (13.0).
 CUDA_CHECK_TORCH ?= torch==2.14.1

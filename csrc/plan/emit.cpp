@@ -64,19 +64,19 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     d.whole_units = why[n].whole_units;
     if (d.style != Style::Replicate) {
       int root = pass.find(pass.node_region[n]);
-      d.units = d.style == Style::Vocab ? node.args.at(0) : pass.regions[root].units;
+      d.units = d.style == Style::Vocab ? node.num_embeddings : pass.regions[root].units;
       if (pass.kv_fine.count(root)) {
         // A KV projection: its units are KV heads, each serving `repeat` query-head units
         // of the attention's region; the ranks holding one sum its gradient in backward.
         root = pass.kv_fine.at(root);
         d.repeat = pass.regions[root].units / d.units;
-        const int64_t weight = node.args.at(0) * node.args.at(1), bias = node.args.at(3) >= 0 ? node.args.at(1) : 0;
+        const int64_t weight = node.in_features * node.out_features, bias = node.bias_param >= 0 ? node.out_features : 0;
         comm("backward", "all_reduce", weight + bias);
         regions[root].repeat = d.repeat;
         regions[root].coarse_units = d.units;
         const auto& coarse = pass.regions[pass.find(pass.node_region[n])].localize;
         regions[root].coarse_localize.insert(regions[root].coarse_localize.end(), coarse.begin(), coarse.end());
-        regions[root].coarse_localize.push_back(node.args.at(1));
+        regions[root].coarse_localize.push_back(node.out_features);
       }
       d.region = root;
       if (pass.parts.count(static_cast<int>(n))) d.parts = pass.parts.at(static_cast<int>(n));

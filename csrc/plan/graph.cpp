@@ -1,14 +1,17 @@
 #include "plan/graph.h"
 
-#include <sstream>
 #include <unordered_map>
 
 #include <c10/util/Exception.h>
 
+#include "plan/json_reader.h"
+
 namespace autoshard::plan {
 namespace {
 
-Kind parse_kind(const std::string& name) {
+using Type = JsonValue::Type;
+
+Kind parse_kind(const std::string& name, const std::string& where) {
   static const std::unordered_map<std::string, Kind> kinds = {
       {"linear", Kind::Linear},       {"embedding", Kind::Embedding}, {"einsum", Kind::Einsum},
       {"view", Kind::View},
@@ -18,79 +21,130 @@ Kind parse_kind(const std::string& name) {
       {"source", Kind::Source},       {"opaque", Kind::Opaque},
   };
   auto it = kinds.find(name);
-  TORCH_CHECK_VALUE(it != kinds.end(), "[plan.bad_graph] plan: unknown node kind '", name, "' in the graph");
+  TORCH_CHECK_VALUE(it != kinds.end(), "[plan.bad_graph] plan: ", where, ": unknown node kind '", name, "'");
   return it->second;
 }
 
+// Field readers: each names the record and the field it expected.
+const JsonValue& field(const JsonValue& record, const char* name, Type type, const std::string& where) {
+  const JsonValue* value = record.find(name);
+  TORCH_CHECK_VALUE(value != nullptr, "[plan.bad_graph] plan: ", where, " has no field '", name, "'");
+  TORCH_CHECK_VALUE(value->type == type, "[plan.bad_graph] plan: ", where, ": field '", name, "' has the wrong type");
+  return *value;
+}
+
+int64_t integer(const JsonValue& record, const char* name, const std::string& where) {
+  return field(record, name, Type::Int, where).integer;
+}
+
+int64_t integer_or(const JsonValue& record, const char* name, int64_t fallback, const std::string& where) {
+  return record.find(name) ? integer(record, name, where) : fallback;
+}
+
 template <typename T>
-std::vector<T> read_list(std::istringstream& in, const char* expected, int line) {
-  std::string word;
-  in >> word;
-  TORCH_CHECK_VALUE(word == expected, "[plan.bad_graph] plan: graph line ", line, ": expected '", expected, "', got '", word, "'");
-  size_t count = 0;
-  in >> count;
-  std::vector<T> values(count);
-  for (auto& v : values) in >> v;
-  TORCH_CHECK_VALUE(!in.fail(), "[plan.bad_graph] plan: graph line ", line, ": malformed '", expected, "' list");
-  return values;
+std::vector<T> integers(const JsonValue& record, const char* name, const std::string& where) {
+  std::vector<T> out;
+  for (const auto& item : field(record, name, Type::Array, where).items) {
+    TORCH_CHECK_VALUE(item.type == Type::Int, "[plan.bad_graph] plan: ", where, ": field '", name, "' must hold integers");
+    out.push_back(static_cast<T>(item.integer));
+  }
+  return out;
+}
+
+EinsumLetter::Role parse_role(const std::string& name, const std::string& where) {
+  if (name == "output") return EinsumLetter::Output;
+  if (name == "contracted") return EinsumLetter::Contracted;
+  TORCH_CHECK_VALUE(name == "batch", "[plan.bad_graph] plan: ", where, ": unknown einsum letter role '", name, "'");
+  return EinsumLetter::Batch;
+}
+
+Node parse_node(const JsonValue& record, const std::string& where) {
+  TORCH_CHECK_VALUE(record.type == Type::Object, "[plan.bad_graph] plan: ", where, " is not an object");
+  Node node;
+  node.kind = parse_kind(field(record, "kind", Type::String, where).string, where);
+  node.label = field(record, "label", Type::String, where).string;
+  node.inputs = integers<int>(record, "inputs", where);
+  node.outputs = integers<int>(record, "outputs", where);
+  switch (node.kind) {
+    case Kind::Linear:
+      node.in_features = integer(record, "in_features", where);
+      node.out_features = integer(record, "out_features", where);
+      node.weight_param = integer(record, "weight_param", where);
+      node.bias_param = integer_or(record, "bias_param", -1, where);
+      break;
+    case Kind::Embedding:
+      node.num_embeddings = integer(record, "num_embeddings", where);
+      node.embedding_dim = integer(record, "embedding_dim", where);
+      node.weight_param = integer(record, "weight_param", where);
+      break;
+    case Kind::Einsum:
+      node.weight_param = integer(record, "weight_param", where);
+      node.bias_param = integer_or(record, "bias_param", -1, where);
+      for (const auto& item : field(record, "letters", Type::Array, where).items) {
+        const std::string at = where + " letter";
+        TORCH_CHECK_VALUE(item.type == Type::Object, "[plan.bad_graph] plan: ", at, " is not an object");
+        const std::string& letter = field(item, "letter", Type::String, at).string;
+        TORCH_CHECK_VALUE(letter.size() == 1, "[plan.bad_graph] plan: ", at, ": 'letter' must be one character");
+        node.letters.push_back({static_cast<int64_t>(letter[0]), parse_role(field(item, "role", Type::String, at).string, at),
+                                integer(item, "input_dim", at), integer(item, "output_dim", at)});
+      }
+      break;
+    case Kind::Permute: node.permutation = integers<int64_t>(record, "permutation", where); break;
+    case Kind::Reduce: node.axes = integers<int64_t>(record, "axes", where); break;
+    case Kind::Split:
+    case Kind::Cat: node.dim = integer(record, "dim", where); break;
+    case Kind::Slice:
+      node.dim = integer(record, "dim", where);
+      node.start = integer(record, "start", where);
+      node.stop = integer(record, "stop", where);
+      node.drop_dim = field(record, "drop_dim", Type::Bool, where).boolean;
+      break;
+    default: break;
+  }
+  return node;
 }
 
 }  // namespace
 
-Graph parse_graph(const std::string& text) {
+Graph parse_graph(const std::string& document) {
+  const JsonValue root = parse_json(document);
+  TORCH_CHECK_VALUE(root.type == Type::Object, "[plan.bad_graph] plan: the graph document is not an object");
+  const int64_t version = integer(root, "version", "the graph document");
+  TORCH_CHECK_VALUE(version == 1, "[plan.bad_graph] plan: graph document version ", version,
+                    ", this planner reads version 1");
   Graph graph;
-  std::istringstream lines(text);
-  std::string line;
-  int number = 0;
-  auto tensor_slot = [&](int id) -> TensorInfo& {
-    TORCH_CHECK_VALUE(id >= 0, "[plan.bad_graph] plan: negative tensor id ", id);
-    if (static_cast<size_t>(id) >= graph.tensors.size()) graph.tensors.resize(id + 1);
-    return graph.tensors[id];
-  };
-  while (std::getline(lines, line)) {
-    ++number;
-    if (line.empty()) continue;
-    std::istringstream in(line);
-    std::string record;
-    in >> record;
-    if (record == "tensor") {
-      int id = 0;
-      size_t ndim = 0;
-      in >> id >> ndim;
-      TensorInfo& t = tensor_slot(id);
-      t.shape.resize(ndim);
-      for (auto& s : t.shape) in >> s;
-      t.known = true;
-    } else if (record == "param") {
-      int id = 0, index = 0;
-      in >> id >> index;
-      tensor_slot(id).param = index;
-    } else if (record == "output") {
-      int id = 0;
-      in >> id;
-      tensor_slot(id).is_output = true;
-    } else if (record == "node") {
-      std::string kind;
-      Node node;
-      in >> kind >> node.label;
-      node.kind = parse_kind(kind);
-      node.inputs = read_list<int>(in, "in", number);
-      node.outputs = read_list<int>(in, "out", number);
-      node.args = read_list<int64_t>(in, "args", number);
-      for (int id : node.inputs) TORCH_CHECK_VALUE(tensor_slot(id).known, "[plan.bad_graph] plan: graph line ", number, " reads undeclared tensor ", id);
-      for (int id : node.outputs) TORCH_CHECK_VALUE(tensor_slot(id).known, "[plan.bad_graph] plan: graph line ", number, " writes undeclared tensor ", id);
-      graph.nodes.push_back(std::move(node));
-    } else if (record == "force") {
-      int node = 0;
-      std::string style;
-      in >> node >> style;
-      TORCH_CHECK_VALUE(style == "replicate" || style == "column_gather", "[plan.bad_override] plan: an override must be 'replicate' or ",
-                        "'column_gather', got '", style, "'");
-      graph.forced.emplace_back(node, style);
-    } else {
-      TORCH_CHECK_VALUE(false, "[plan.bad_graph] plan: graph line ", number, ": unknown record '", record, "'");
+  for (const auto& record : field(root, "tensors", Type::Array, "the graph document").items) {
+    const std::string where = "tensor " + std::to_string(graph.tensors.size());
+    TORCH_CHECK_VALUE(record.type == Type::Object, "[plan.bad_graph] plan: ", where, " is not an object");
+    TensorInfo t;
+    t.shape = integers<int64_t>(record, "shape", where);
+    t.param = static_cast<int>(integer_or(record, "param", -1, where));
+    const JsonValue* output = record.find("output");
+    t.is_output = output != nullptr && output->type == Type::Bool && output->boolean;
+    t.known = true;
+    graph.tensors.push_back(std::move(t));
+  }
+  const int64_t tensor_count = static_cast<int64_t>(graph.tensors.size());
+  for (const auto& record : field(root, "nodes", Type::Array, "the graph document").items) {
+    const std::string where = "node " + std::to_string(graph.nodes.size());
+    Node node = parse_node(record, where);
+    for (int id : node.inputs) {
+      TORCH_CHECK_VALUE(id >= 0 && id < tensor_count, "[plan.bad_graph] plan: ", where, " reads undeclared tensor ", id);
     }
-    TORCH_CHECK_VALUE(!in.fail(), "[plan.bad_graph] plan: graph line ", number, " is malformed: ", line);
+    for (int id : node.outputs) {
+      TORCH_CHECK_VALUE(id >= 0 && id < tensor_count, "[plan.bad_graph] plan: ", where, " writes undeclared tensor ", id);
+    }
+    graph.nodes.push_back(std::move(node));
+  }
+  if (const JsonValue* forced = root.find("forced")) {
+    TORCH_CHECK_VALUE(forced->type == Type::Array, "[plan.bad_graph] plan: 'forced' must be a list");
+    for (const auto& record : forced->items) {
+      const std::string where = "override " + std::to_string(graph.forced.size());
+      const std::string& style = field(record, "style", Type::String, where).string;
+      TORCH_CHECK_VALUE(style == "replicate" || style == "column_gather", "[plan.bad_override] plan: an override must be ",
+                        "'replicate' or 'column_gather', got '", style, "'");
+      graph.forced.emplace_back(static_cast<int>(integer(record, "node", where)), style);
+    }
   }
   return graph;
 }

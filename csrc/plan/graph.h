@@ -1,7 +1,8 @@
 #pragma once
 // The dataflow graph the planner reads: tensors with their shapes, and the ops between them,
 // reduced to the few kinds that matter for deciding where a sharded axis can travel. The
-// Python side records it (on meta tensors) and writes it in the line format parsed here.
+// Python side records it (on meta tensors) and writes it as the versioned JSON document
+// parsed here (see parse_graph).
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -9,22 +10,31 @@
 namespace autoshard::plan {
 
 enum class Kind {
-  Linear,     // a Linear-like layer: args {in_features, out_features, weight_param, bias_param}
-  Embedding,  // args {num_embeddings, embedding_dim, weight_param}
-  Einsum,     // an einsum layer: args {weight_param, bias_param, n, then per weight letter:
-              // character code, role (0 output, 1 contracted, 2 batch), input dim, output dim}
+  Linear,     // a Linear-like layer: in_features, out_features, weight_param, bias_param
+  Embedding,  // num_embeddings, embedding_dim, weight_param
+  Einsum,     // an einsum layer: weight_param, bias_param, letters
   View,       // any reshape; the axis mapping follows from the two shapes
-  Permute,    // args: the permutation
+  Permute,    // permutation
   Expand,     // broadcast of size-1 dims (and new leading dims)
   Pointwise,  // elementwise with broadcasting
-  Reduce,     // args: the reduced input axes (softmax and norms count as reductions)
+  Reduce,     // axes: the reduced input axes (softmax and norms count as reductions)
   Matmul,     // inputs {a, b}: [..., m, k] @ [..., k, n]
   Attention,  // inputs {q, k, v, ...}: heads on axis -3
-  Split,      // args {dim}; one output per piece
-  Cat,        // args {dim}
-  Slice,      // args {dim, start, stop, drop_dim}
+  Split,      // dim; one output per piece
+  Cat,        // dim
+  Slice,      // dim, start, stop, drop_dim
   Source,     // no tensor inputs
   Opaque,     // anything else: a sharded tensor cannot pass through it
+};
+
+// One weight letter of an einsum layer, as the C++ equation parser describes it
+// (autoshard.ops.einsum_weight_axes): its role and its dims in the input and output (-1: absent).
+struct EinsumLetter {
+  enum Role : int64_t { Output = 0, Contracted = 1, Batch = 2 };
+  int64_t letter = 0;  // character code
+  Role role = Output;
+  int64_t input_dim = -1;
+  int64_t output_dim = -1;
 };
 
 struct TensorInfo {
@@ -39,7 +49,17 @@ struct Node {
   std::string label;  // for messages: the module or op it came from
   std::vector<int> inputs;
   std::vector<int> outputs;
-  std::vector<int64_t> args;
+  // Layers.
+  int64_t in_features = 0, out_features = 0;      // Linear
+  int64_t num_embeddings = 0, embedding_dim = 0;  // Embedding
+  int64_t weight_param = -1, bias_param = -1;     // every layer kind (an Embedding has no bias)
+  std::vector<EinsumLetter> letters;              // Einsum
+  // Ops.
+  std::vector<int64_t> permutation;  // Permute
+  std::vector<int64_t> axes;         // Reduce
+  int64_t dim = 0;                   // Split, Cat, Slice
+  int64_t start = 0, stop = 0;       // Slice
+  bool drop_dim = false;             // Slice: select drops the axis
 };
 
 struct Graph {
@@ -51,12 +71,14 @@ struct Graph {
   const TensorInfo& tensor(int id) const { return tensors.at(id); }
 };
 
-// Line format, one record per line:
-//   tensor <id> <ndim> <size>...
-//   param <tensor id> <parameter index>
-//   output <tensor id>
-//   node <kind> <label> in <n> <id>... out <n> <id>... args <n> <int>...
-//   force <node> <replicate|column_gather>
-Graph parse_graph(const std::string& text);
+// The graph document, version 1 (written by python/autoshard/plan/capture.py):
+//   {"version": 1,
+//    "tensors": [{"shape": [...], "param": index (optional), "output": bool (optional)}, ...],
+//    "nodes": [{"kind": "linear", "label": "...", "inputs": [ids], "outputs": [ids],
+//               and the fields of its kind named in Kind above}, ...],
+//    "forced": [{"node": index, "style": "replicate" | "column_gather"}, ...] (optional)}
+// A tensor's id is its index in "tensors"; einsum letters are objects
+// {"letter": "d", "role": "output" | "contracted" | "batch", "input_dim": int, "output_dim": int}.
+Graph parse_graph(const std::string& document);
 
 }  // namespace autoshard::plan

@@ -1,5 +1,5 @@
-// The planner as an op: graph text in, a JSON plan out (see graph.h and emit.cpp for both
-// formats). It takes no tensors, so it is registered for every backend at once.
+// The planner as an op: a JSON graph document in, a JSON plan out (see graph.h and emit.cpp for
+// both formats). It takes no tensors, so it is registered for every backend at once.
 #include "plan/plan_op.h"
 
 #include "plan/graph.h"

@@ -8,29 +8,8 @@
 #include <c10/util/Exception.h>
 
 namespace autoshard::plan {
-EinsumLetters::EinsumLetters(const Node& node) {
-  weight_param = node.args.at(0);
-  bias_param = node.args.at(1);
-  const int64_t n = node.args.at(2);
-  TORCH_CHECK_VALUE(static_cast<int64_t>(node.args.size()) == 3 + 4 * n,
-                    "[plan.bad_graph] plan: einsum node ", node.label, " has malformed letters");
-  for (int64_t i = 0; i < n; ++i) {
-    const auto* a = &node.args.at(3 + 4 * i);
-    axes.push_back({a[0], a[1], a[2], a[3]});
-  }
-}
-
 bool is_layer(const Node& node) {
   return node.kind == Kind::Linear || node.kind == Kind::Embedding || node.kind == Kind::Einsum;
-}
-
-int64_t weight_param(const Node& node) {
-  return node.kind == Kind::Einsum ? EinsumLetters(node).weight_param : node.args.at(2);
-}
-
-int64_t bias_param(const Node& node) {
-  if (node.kind == Kind::Einsum) return EinsumLetters(node).bias_param;
-  return node.kind == Kind::Linear ? node.args.at(3) : -1;
 }
 
 Propagation::Propagation(const Graph& graph, const std::vector<Force>& forced) : graph_(graph), forced_(forced) {
@@ -134,7 +113,7 @@ void Propagation::visit(int n, const std::set<int>& vocab_embeddings) {
 void Propagation::visit_linear(int n, const Node& node) {
   const Layout x = layouts[node.inputs.at(0)];
   const int out = node.outputs.at(0);
-  const int64_t in_features = node.args.at(0), out_features = node.args.at(1);
+  const int64_t in_features = node.in_features, out_features = node.out_features;
   layouts[out] = Layout{};
   if (forced_[n] == Force::Replicate) {
     if (x.sharded) conflict(x.region, "feeds " + node.label + ", which is replicated");
@@ -163,7 +142,6 @@ void Propagation::visit_linear(int n, const Node& node) {
 // An einsum layer over a replicated input splits the first letter its weight brings to the
 // output (a head axis); over a sharded input it contracts that letter, as a row layer does.
 void Propagation::visit_einsum(int n, const Node& node) {
-  const EinsumLetters eq(node);
   const Layout x = layouts[node.inputs.at(0)];
   const int out = node.outputs.at(0);
   layouts[out] = Layout{};
@@ -172,9 +150,9 @@ void Propagation::visit_einsum(int n, const Node& node) {
     return;
   }
   if (!x.sharded) {
-    const EinsumLetters::Axis* first = nullptr;
-    for (const auto& axis : eq.axes) {
-      if (axis.role == EinsumLetters::Output && (!first || axis.output_dim < first->output_dim)) first = &axis;
+    const EinsumLetter* first = nullptr;
+    for (const auto& axis : node.letters) {
+      if (axis.role == EinsumLetter::Output && (!first || axis.output_dim < first->output_dim)) first = &axis;
     }
     if (!first) return;
     const int64_t size = shape(out).at(first->output_dim);
@@ -188,9 +166,9 @@ void Propagation::visit_einsum(int n, const Node& node) {
     }
     return;
   }
-  const EinsumLetters::Axis* contracted = nullptr;
-  for (const auto& axis : eq.axes) {
-    if (axis.input_dim == x.factor.axis && axis.role == EinsumLetters::Contracted) contracted = &axis;
+  const EinsumLetter* contracted = nullptr;
+  for (const auto& axis : node.letters) {
+    if (axis.input_dim == x.factor.axis && axis.role == EinsumLetter::Contracted) contracted = &axis;
   }
   if (!contracted || x.factor.outer != 1) {
     return conflict(x.region, "reaches " + node.label + " on a letter it does not contract");
@@ -204,7 +182,7 @@ void Propagation::visit_embedding(int n, const Node& node, bool vocab_parallel) 
   block(node, "is used as embedding indices");
   if (vocab_parallel && forced_[n] != Force::Replicate) {
     roles[n] = Style::Vocab;
-    node_region[n] = new_region(node.args.at(0));
+    node_region[n] = new_region(node.num_embeddings);
   }
 }
 
@@ -233,8 +211,8 @@ void Propagation::visit_permute(const Node& node) {
   const int out = node.outputs.at(0);
   layouts[out] = Layout{};
   if (!x.sharded) return;
-  for (size_t j = 0; j < node.args.size(); ++j) {
-    if (node.args[j] == x.factor.axis) {
+  for (size_t j = 0; j < node.permutation.size(); ++j) {
+    if (node.permutation[j] == x.factor.axis) {
       AxisFactor f = x.factor;
       f.axis = static_cast<int>(j);
       set_sharded(out, f, x.region, x.source);

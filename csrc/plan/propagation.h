@@ -41,23 +41,7 @@ struct Region {
   std::vector<int64_t> localize;
 };
 
-// An einsum layer's weight letters as the C++ equation parser describes them
-// (autoshard.ops.einsum_weight_axes): per letter, its role and its dims in the input and the
-// output (-1 where absent).
-struct EinsumLetters {
-  enum Role : int64_t { Output = 0, Contracted = 1, Batch = 2 };
-  struct Axis {
-    int64_t letter, role, input_dim, output_dim;
-  };
-  int64_t weight_param, bias_param;
-  std::vector<Axis> axes;
-
-  explicit EinsumLetters(const Node& node);
-};
-
 bool is_layer(const Node& node);
-int64_t weight_param(const Node& node);
-int64_t bias_param(const Node& node);
 
 class Propagation {
  public:

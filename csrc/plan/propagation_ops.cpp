@@ -68,7 +68,7 @@ void Propagation::visit_reduce(const Node& node) {
   }
   if (!x.sharded) return;
   int removed_before = 0;
-  for (int64_t axis : node.args) {
+  for (int64_t axis : node.axes) {
     if (axis == x.factor.axis) return conflict(x.region, node.label + " reduces over the sharded axis");
     if (axis < x.factor.axis) ++removed_before;
   }
@@ -150,7 +150,7 @@ void Propagation::visit_attention(const Node& node) {
 void Propagation::visit_split(const Node& node) {
   const int in = node.inputs.at(0);
   const Layout x = layouts[in];
-  const int64_t dim = node.args.at(0);
+  const int64_t dim = node.dim;
   for (int id : node.outputs) layouts[id] = Layout{};
   if (!x.sharded) return;
   if (dim != x.factor.axis) {
@@ -174,7 +174,7 @@ void Propagation::visit_split(const Node& node) {
 
 void Propagation::visit_cat(const Node& node) {
   Layout merged;
-  const int64_t dim = node.args.at(0);
+  const int64_t dim = node.dim;
   const bool ok = merge_elementwise(node, merged, static_cast<int>(dim));
   const int out = node.outputs.at(0);
   layouts[out] = Layout{};
@@ -188,7 +188,8 @@ void Propagation::visit_slice(const Node& node) {
   const Layout x = layouts[in];
   layouts[out] = Layout{};
   if (!x.sharded) return;
-  const int64_t dim = node.args.at(0), start = node.args.at(1), stop = node.args.at(2), drop = node.args.at(3);
+  const int64_t dim = node.dim, start = node.start, stop = node.stop;
+  const bool drop = node.drop_dim;
   if (dim == x.factor.axis) {
     const int64_t length = shape(in)[dim];
     if (start <= 0 && stop >= length && !drop) return set_sharded(out, x.factor, x.region, x.source);

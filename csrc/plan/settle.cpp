@@ -25,12 +25,12 @@ namespace {
 std::set<int> token_tables(const Graph& graph) {
   int64_t largest = 0;
   for (const Node& node : graph.nodes) {
-    if (node.kind == Kind::Embedding) largest = std::max(largest, node.args.at(0));
+    if (node.kind == Kind::Embedding) largest = std::max(largest, node.num_embeddings);
   }
   std::set<int> chosen;
   for (size_t n = 0; n < graph.nodes.size(); ++n) {
     const Node& node = graph.nodes[n];
-    if (node.kind == Kind::Embedding && node.args.at(0) == largest) chosen.insert(static_cast<int>(n));
+    if (node.kind == Kind::Embedding && node.num_embeddings == largest) chosen.insert(static_cast<int>(n));
   }
   return chosen;
 }
@@ -64,8 +64,8 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   for (size_t n = 0; n < count; ++n) {
     const Node& node = graph.nodes[n];
     if (is_layer(node)) {
-      layers_of_param[weight_param(node)].push_back(static_cast<int>(n));
-      if (bias_param(node) >= 0) layers_of_param[bias_param(node)].push_back(static_cast<int>(n));
+      layers_of_param[node.weight_param].push_back(static_cast<int>(n));
+      if (node.bias_param >= 0) layers_of_param[node.bias_param].push_back(static_cast<int>(n));
     } else {
       for (int id : node.inputs) {
         if (graph.tensor(id).param >= 0) params_read_elsewhere.insert(graph.tensor(id).param);
@@ -113,7 +113,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
       for (int n : layers) {
         const Style role = pass.roles[n];
         if (role == Style::Replicate || role == Style::Row) agree = agree && layers.size() == 1;
-        if (role == Style::Vocab) units.insert(graph.nodes[n].args.at(0));
+        if (role == Style::Vocab) units.insert(graph.nodes[n].num_embeddings);
         if (role == Style::Column || role == Style::ColumnGather) {
           units.insert(pass.regions[pass.find(pass.node_region[n])].units);
           agree = agree && (layers.size() == 1 || !pass.parts.count(n));

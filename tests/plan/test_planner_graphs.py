@@ -10,35 +10,43 @@ import autoshard  # noqa: F401  (loads the library)
 
 
 class G:
-    """A graph in the planner's input format (csrc/plan/graph.h)."""
+    """A graph document in the planner's input format (csrc/plan/graph.h)."""
 
     def __init__(self):
-        self.lines, self.count, self.nodes = [], 0, 0
+        self.tensors, self.nodes, self.forced = [], [], []
 
     def tensor(self, *shape, param=None, output=False):
-        t = self.count
-        self.count += 1
-        self.lines.append(f"tensor {t} {len(shape)} {' '.join(map(str, shape))}".rstrip())
+        self.tensors.append({"shape": list(shape)})
         if param is not None:
-            self.lines.append(f"param {t} {param}")
+            self.tensors[-1]["param"] = param
         if output:
-            self.lines.append(f"output {t}")
-        return t
+            self.output(len(self.tensors) - 1)
+        return len(self.tensors) - 1
 
-    def node(self, kind, inputs, outputs, args=(), label=None):
-        self.lines.append(f"node {kind} {label or kind + str(self.nodes)} in {len(inputs)} {' '.join(map(str, inputs))} "
-                          f"out {len(outputs)} {' '.join(map(str, outputs))} args {len(args)} {' '.join(map(str, args))}")
-        self.nodes += 1
-        return self.nodes - 1
+    def output(self, t):
+        self.tensors[t]["output"] = True
+
+    def node(self, kind, inputs, outputs, label=None, **fields):
+        self.nodes.append({"kind": kind, "label": label or kind + str(len(self.nodes)), "inputs": list(inputs),
+                           "outputs": list(outputs), **fields})
+        return len(self.nodes) - 1
 
     def linear(self, x, in_features, out_features, weight, bias=-1, out_shape=None, output=False):
         y = self.tensor(*out_shape, output=output)
-        n = self.node("linear", [x], [y], [in_features, out_features, weight, bias])
+        n = self.node("linear", [x], [y], in_features=in_features, out_features=out_features, weight_param=weight,
+                      bias_param=bias)
         return n, y
 
-    def plan(self, world_size, extra=()):
-        text = "\n".join(self.lines + list(extra)) + "\n"
-        return json.loads(torch.ops.autoshard.plan_graph(text, world_size))
+    def document(self):
+        return json.dumps({"version": 1, "tensors": self.tensors, "nodes": self.nodes, "forced": self.forced})
+
+    def plan(self, world_size):
+        return json.loads(torch.ops.autoshard.plan_graph(self.document(), world_size))
+
+
+def letters(*spec):
+    """Einsum weight letters: (letter, role, input dim, output dim) each."""
+    return [{"letter": letter, "role": role, "input_dim": i, "output_dim": o} for letter, role, i, o in spec]
 
 
 def styles(doc):
@@ -79,7 +87,7 @@ def test_document_is_versioned_with_named_records():
 def test_world_of_one_communicates_nothing():
     g = G()
     x, _, _, y = mlp(g)
-    g.lines.append(f"output {y}")
+    g.output(y)
     assert g.plan(1)["comm"] == []
 
 
@@ -90,11 +98,11 @@ def test_heads_view_permute_and_reduce_keep_whole_heads():
     heads = g.tensor(2, 4, 3, 2)
     g.node("view", [q], [heads])
     t = g.tensor(2, 3, 4, 2)
-    g.node("permute", [heads], [t], [0, 2, 1, 3])
+    g.node("permute", [heads], [t], permutation=[0, 2, 1, 3])
     n = g.tensor(2, 3, 4, 2)
-    g.node("reduce", [t], [n], [3])  # a norm over head_dim: fine
+    g.node("reduce", [t], [n], axes=[3])  # a norm over head_dim: fine
     back = g.tensor(2, 4, 3, 2)
-    g.node("permute", [n], [back], [0, 2, 1, 3])
+    g.node("permute", [n], [back], permutation=[0, 2, 1, 3])
     flat = g.tensor(2, 4, 6)
     g.node("view", [back], [flat])
     _, y = g.linear(flat, 6, 8, 1, out_shape=(2, 4, 8), output=True)
@@ -109,7 +117,7 @@ def test_reduce_over_the_sharded_axis_replicates_with_code():
     g = G()
     x, h, a, y = mlp(g)
     r = g.tensor(2, 6)
-    g.node("reduce", [h], [r], [1])
+    g.node("reduce", [h], [r], axes=[1])
     doc = g.plan(2)
     assert styles(doc)[0] == "replicate"
     assert doc["layers"][0]["reason"] == "conflict" and "reduces over the sharded axis" in doc["layers"][0]["note"]
@@ -136,7 +144,8 @@ def test_sharded_model_output_is_gathered():
 def test_overrides_carry_their_code():
     g = G()
     mlp(g)
-    doc = g.plan(2, ["force 0 replicate"])
+    g.forced.append({"node": 0, "style": "replicate"})
+    doc = g.plan(2)
     assert styles(doc)[0] == "replicate" and doc["layers"][0]["reason"] == "override_replicate"
     assert styles(doc)[1] != "row"
 
@@ -145,7 +154,7 @@ def test_token_embedding_is_vocab_parallel():
     g = G()
     ids = g.tensor(2, 5)
     e = g.tensor(2, 5, 8)
-    g.node("embedding", [ids], [e], [11, 8, 0])
+    g.node("embedding", [ids], [e], num_embeddings=11, embedding_dim=8, weight_param=0)
     doc = g.plan(2)
     assert styles(doc) == ["vocab"] and doc["layers"][0]["units"] == 11
     assert comm(doc, "forward") == {"all_reduce": 1}
@@ -156,10 +165,12 @@ def test_einsum_splits_its_output_letter_then_contracts_it():
     x = g.tensor(2, 4, 8)
     h = g.tensor(2, 4, 3, 2)
     # "btd,dnh->btnh": d contracted (input dim 2), n and h output letters (output dims 2 and 3)
-    g.node("einsum", [x], [h], [0, -1, 3, ord("d"), 1, 2, -1, ord("n"), 0, -1, 2, ord("h"), 0, -1, 3])
+    g.node("einsum", [x], [h], weight_param=0, bias_param=-1,
+           letters=letters(("d", "contracted", 2, -1), ("n", "output", -1, 2), ("h", "output", -1, 3)))
     y = g.tensor(2, 4, 8, output=True)
     # "btnh,nhd->btd": n and h contracted (input dims 2, 3), d output (dim 2)
-    g.node("einsum", [h], [y], [1, -1, 3, ord("n"), 1, 2, -1, ord("h"), 1, 3, -1, ord("d"), 0, -1, 2])
+    g.node("einsum", [h], [y], weight_param=1, bias_param=-1,
+           letters=letters(("n", "contracted", 2, -1), ("h", "contracted", 3, -1), ("d", "output", -1, 2)))
     doc = g.plan(3)
     assert styles(doc) == ["column", "row"]
     assert [layer["letter"] for layer in doc["layers"]] == ["n", "n"] and doc["layers"][0]["units"] == 3
@@ -170,7 +181,7 @@ def test_fused_output_split_part_by_part():
     x = g.tensor(2, 8)
     _, qkv = g.linear(x, 8, 12, 0, out_shape=(2, 12))
     parts = [g.tensor(2, 4) for _ in range(3)]
-    g.node("split", [qkv], parts, [1])
+    g.node("split", [qkv], parts, dim=1)
     s = g.tensor(2, 4)
     g.node("pointwise", parts, [s])
     g.linear(s, 4, 8, 1, out_shape=(2, 8), output=True)
@@ -178,16 +189,16 @@ def test_fused_output_split_part_by_part():
     assert styles(doc) == ["column", "row"] and doc["layers"][0]["parts"] == [4, 4, 4]
 
 
-@pytest.mark.parametrize("kind,args,why", [
-    ("cat", [1], "concatenates along the sharded axis"),
-    ("slice", [1, 0, 2, 0], "slices the sharded axis"),
-    ("opaque", [], "cannot follow"),
+@pytest.mark.parametrize("kind,fields,why", [
+    ("cat", {"dim": 1}, "concatenates along the sharded axis"),
+    ("slice", {"dim": 1, "start": 0, "stop": 2, "drop_dim": False}, "slices the sharded axis"),
+    ("opaque", {}, "cannot follow"),
 ])
-def test_ops_that_need_the_axis_whole(kind, args, why):
+def test_ops_that_need_the_axis_whole(kind, fields, why):
     g = G()
     x, h, a, y = mlp(g)
     out = g.tensor(2, 12 if kind == "cat" else 2 if kind == "slice" else 6)
-    g.node(kind, [h, h] if kind == "cat" else [h], [out], args)
+    g.node(kind, [h, h] if kind == "cat" else [h], [out], **fields)
     doc = g.plan(2)
     assert styles(doc)[0] == "replicate" and why in doc["layers"][0]["note"], doc["layers"][0]
 
@@ -247,7 +258,7 @@ def test_parameter_also_used_outside_the_region_replicates_it():
     src = g.tensor(2, 2)
     g.node("source", [], [src])
     g.node("pointwise", [src, w], [other])
-    g.lines.append(f"output {other}")
+    g.output(other)
     doc = g.plan(2)
     assert styles(doc)[0] == "replicate" and styles(doc)[1] != "row" and doc["partial_gradients"] == []
     assert doc["layers"][0]["reason"] == "conflict" and "partly partial" in doc["layers"][0]["note"]
@@ -272,11 +283,11 @@ def test_grouped_query_attention_shares_kv_heads():
     g.node("view", [v], [vh])
     qt, kt, vt = g.tensor(2, 4, 4, 2), g.tensor(2, 2, 4, 2), g.tensor(2, 2, 4, 2)
     for a, b in ((qh, qt), (kh, kt), (vh, vt)):
-        g.node("permute", [a], [b], [0, 2, 1, 3])
+        g.node("permute", [a], [b], permutation=[0, 2, 1, 3])
     o = g.tensor(2, 4, 4, 2)
     g.node("attention", [qt, kt, vt], [o])
     ot = g.tensor(2, 4, 4, 2)
-    g.node("permute", [o], [ot], [0, 2, 1, 3])
+    g.node("permute", [o], [ot], permutation=[0, 2, 1, 3])
     flat = g.tensor(2, 4, 8)
     g.node("view", [ot], [flat])
     g.linear(flat, 8, 8, 3, out_shape=(2, 4, 8), output=True)
@@ -287,17 +298,35 @@ def test_grouped_query_attention_shares_kv_heads():
     assert any(t["coarse"] for t in doc["tensors"])
 
 
-@pytest.mark.parametrize("text,world,code", [
-    ("", 0, "[plan.world_size]"),
-    ("node nonsense x in 0 out 0 args 0\n", 2, "[plan.bad_graph]"),
-    ("tensor 0 1 4\nnode pointwise p in 1 3 out 1 0 args 0\n", 2, "[plan.bad_graph]"),
-    ("tensor 0 1 4\nwhat 0\n", 2, "[plan.bad_graph]"),
-    ("tensor 0 1 4\ntensor 1 1 4\nnode pointwise p in 1 0 out 1 1 args 0\nforce 0 replicate\n", 2,
-     "[plan.override_not_layer]"),
-    ("force 0 shard\n", 2, "[plan.bad_override]"),
-    ("tensor 0 1 4\ntensor 1 1 4\nnode einsum e in 1 0 out 1 1 args 3 0 -1 1\n", 2, "[plan.bad_graph]"),
+def _document(tensors=(), nodes=(), forced=(), version=1):
+    return json.dumps({"version": version, "tensors": [{"shape": list(t)} for t in tensors], "nodes": list(nodes),
+                       "forced": list(forced)})
+
+
+def _pointwise(inputs, outputs):
+    return {"kind": "pointwise", "label": "p", "inputs": inputs, "outputs": outputs}
+
+
+@pytest.mark.parametrize("document,world,code,field", [
+    (_document(), 0, "[plan.world_size]", ""),
+    ("tensor 0 1 4", 2, "[plan.bad_graph]", "not valid JSON"),
+    (_document(version=2), 2, "[plan.bad_graph]", "version 2"),
+    (_document(nodes=[{"kind": "nonsense", "label": "x", "inputs": [], "outputs": []}]), 2, "[plan.bad_graph]",
+     "unknown node kind 'nonsense'"),
+    (_document([(4,)], [_pointwise([3], [0])]), 2, "[plan.bad_graph]", "node 0 reads undeclared tensor 3"),
+    (_document([(4,)], [{"kind": "pointwise", "label": "p", "inputs": [0]}]), 2, "[plan.bad_graph]",
+     "node 0 has no field 'outputs'"),
+    (_document([(4,), (4,)], [{"kind": "linear", "label": "l", "inputs": [0], "outputs": [1], "in_features": 4,
+                               "out_features": "4", "weight_param": 0}]), 2, "[plan.bad_graph]",
+     "field 'out_features' has the wrong type"),
+    (_document([(4,), (4,)], [_pointwise([0], [1])], [{"node": 0, "style": "replicate"}]), 2,
+     "[plan.override_not_layer]", ""),
+    (_document(forced=[{"node": 0, "style": "shard"}]), 2, "[plan.bad_override]", "'shard'"),
+    (_document([(4,), (4,)], [{"kind": "einsum", "label": "e", "inputs": [0], "outputs": [1], "weight_param": 0,
+                               "letters": [{"letter": "dd", "role": "output", "input_dim": -1, "output_dim": 0}]}]),
+     2, "[plan.bad_graph]", "'letter' must be one character"),
 ])
-def test_errors_carry_codes(text, world, code):
+def test_errors_carry_codes_and_name_the_field(document, world, code, field):
     with pytest.raises(ValueError) as error:
-        torch.ops.autoshard.plan_graph(text, world)
-    assert code in str(error.value)
+        torch.ops.autoshard.plan_graph(document, world)
+    assert code in str(error.value) and field in str(error.value), str(error.value)

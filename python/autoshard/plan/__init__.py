@@ -109,8 +109,8 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
         for node in hits:
             if style == "column_gather" and graph.layers[node].kind != "linear":
                 raise ValueError(f"plan: override {pattern!r}: only Linear layers can be column_gather")
-            forced.append(f"force {node} {style}")
-    document = torch.ops.autoshard.plan_graph(graph.text + "\n".join(forced) + "\n", world_size)
+            forced.append({"node": node, "style": style})
+    document = torch.ops.autoshard.plan_graph(json.dumps({**graph.document, "forced": forced}), world_size)
     result = _parse(document, graph, world_size, _element_size(model))
     too_small = [layer for layer in result.layers if layer.reason == "too_few_units"]
     if too_small and all(layer.style == "replicate" for layer in result.layers):

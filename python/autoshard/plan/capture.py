@@ -61,7 +61,7 @@ _COPIES = {
 
 @dataclass
 class CapturedGraph:
-    text: str  # the planner's input (see csrc/plan/graph.h)
+    document: Dict[str, Any]  # the planner's input, a versioned graph document (see csrc/plan/graph.h)
     layers: Dict[int, LayerInfo]  # planner node index -> the layer module it stands for
     param_names: List[str]  # parameter index -> a qualified name
     output_shapes: List[Tuple[int, ...]]
@@ -85,13 +85,14 @@ class _Recorder(TorchDispatchMode):
         self.param_index = param_index
         self.ids: Dict[int, int] = {}
         self.keep: List[torch.Tensor] = []  # holds every recorded tensor so ids stay unique
-        self.lines: List[str] = []
+        self.tensors: List[Dict[str, Any]] = []  # the graph document's tensor records, by id
+        self.node_records: List[Dict[str, Any]] = []  # and its node records
         self.shapes: List[Tuple[int, ...]] = []
         self.nodes: List[Tuple[str, Tuple[int, ...], Tuple[int, ...]]] = []
         self.node_count = 0
         self.layer_depth = 0
         # What was recorded, in order: ("tensor", id) and ("node", kind, label, inputs, outputs,
-        # args), so that a call of a block can be recorded again for an identical block.
+        # fields), so that a call of a block can be recorded again for an identical block.
         self.log: List[tuple] = []
 
     def tensor_id(self, t: torch.Tensor) -> int:
@@ -100,7 +101,7 @@ class _Recorder(TorchDispatchMode):
             self.ids[key] = self.declare(t.shape)
             self.keep[-1] = t
             if key in self.param_index:
-                self.lines.append(f"param {self.ids[key]} {self.param_index[key]}")
+                self.tensors[-1]["param"] = self.param_index[key]
         return self.ids[key]
 
     def declare(self, shape) -> int:
@@ -108,7 +109,7 @@ class _Recorder(TorchDispatchMode):
         index = len(self.keep)
         self.keep.append(None)
         self.shapes.append(tuple(int(s) for s in shape))
-        self.lines.append(f"tensor {index} {len(shape)} {' '.join(str(int(s)) for s in shape)}".rstrip())
+        self.tensors.append({"shape": list(self.shapes[-1])})
         self.log.append(("tensor", index))
         return index
 
@@ -116,15 +117,22 @@ class _Recorder(TorchDispatchMode):
         stand_in = torch.empty(like.shape, device="meta")
         return self.tensor_id(stand_in)
 
-    def node(self, kind: str, label: str, inputs: Sequence[int], outputs: Sequence[int], args: Sequence[int] = ()) -> int:
-        self.lines.append(
-            f"node {kind} {label} in {len(inputs)} {' '.join(map(str, inputs))} "
-            f"out {len(outputs)} {' '.join(map(str, outputs))} args {len(args)} {' '.join(str(int(a)) for a in args)}"
-        )
+    def node(self, kind: str, label: str, inputs: Sequence[int], outputs: Sequence[int],
+             fields: Optional[Dict[str, Any]] = None) -> int:
+        fields = dict(fields or {})
+        self.node_records.append({"kind": kind, "label": label, "inputs": list(inputs), "outputs": list(outputs),
+                                  **fields})
         self.nodes.append((label, tuple(inputs), tuple(outputs)))
-        self.log.append(("node", kind, label, tuple(inputs), tuple(outputs), tuple(int(a) for a in args)))
+        self.log.append(("node", kind, label, tuple(inputs), tuple(outputs), fields))
         self.node_count += 1
         return self.node_count - 1
+
+    def document(self, outputs: Sequence[int] = ()) -> Dict[str, Any]:
+        """The planner's graph document, version 1 (csrc/plan/graph.h)."""
+        tensors = [dict(t) for t in self.tensors]
+        for t in outputs:
+            tensors[t]["output"] = True
+        return {"version": 1, "tensors": tensors, "nodes": self.node_records}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -148,7 +156,8 @@ class _Recorder(TorchDispatchMode):
         if packet in _VIEWS and len(flat_in) == 1:
             self.node("view", label, inputs, [self.tensor_id(flat_out[0])])
         elif packet in _PERMUTES:
-            self.node("permute", label, inputs[:1], [self.tensor_id(flat_out[0])], self.permutation(packet, x, args))
+            self.node("permute", label, inputs[:1], [self.tensor_id(flat_out[0])],
+                      {"permutation": self.permutation(packet, x, args)})
         elif packet is aten.expand:
             self.node("expand", label, inputs[:1], [self.tensor_id(flat_out[0])])
         elif packet in (aten.mm, aten.bmm):
@@ -160,22 +169,25 @@ class _Recorder(TorchDispatchMode):
         elif packet.__name__.startswith(_ATTENTION_PREFIX):
             self.node("attention", label, inputs, [self.tensor_id(o) for o in flat_out])
         elif packet in _SOFTMAX:
-            self.node("reduce", label, inputs, [self.tensor_id(o) for o in flat_out], [_normalize_dim(args[1], x.dim())])
+            self.node("reduce", label, inputs, [self.tensor_id(o) for o in flat_out],
+                      {"axes": [_normalize_dim(args[1], x.dim())]})
         elif packet in _REDUCE_DIMS:
-            self.node("reduce", label, inputs, [self.tensor_id(o) for o in flat_out], self.reduced_dims(args, kwargs, x))
+            self.node("reduce", label, inputs, [self.tensor_id(o) for o in flat_out],
+                      {"axes": self.reduced_dims(args, kwargs, x)})
         elif packet in _NORMS or packet.__name__.endswith("rms_norm"):
             normalized = len(args[1]) if isinstance(args[1], (list, tuple)) else 1
-            self.node("reduce", label, inputs, [self.tensor_id(o) for o in flat_out], range(x.dim() - normalized, x.dim()))
+            self.node("reduce", label, inputs, [self.tensor_id(o) for o in flat_out],
+                      {"axes": list(range(x.dim() - normalized, x.dim()))})
         elif packet in _SPLITS:
             dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-            self.node("split", label, inputs[:1], [self.tensor_id(o) for o in flat_out], [_normalize_dim(dim, x.dim())])
+            self.node("split", label, inputs[:1], [self.tensor_id(o) for o in flat_out], {"dim": _normalize_dim(dim, x.dim())})
         elif packet is aten.cat:
             dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
             # cat drops empty 1-d tensors, which may come with any shape.
             kept = [i for i, t in zip(inputs, flat_in) if t.dim() == flat_out[0].dim()]
-            self.node("cat", label, kept, [self.tensor_id(flat_out[0])], [_normalize_dim(dim, flat_out[0].dim())])
+            self.node("cat", label, kept, [self.tensor_id(flat_out[0])], {"dim": _normalize_dim(dim, flat_out[0].dim())})
         elif packet in (aten.slice, aten.narrow, aten.select):
-            self.node("slice", label, inputs[:1], [self.tensor_id(flat_out[0])], self.slice_args(packet, x, args))
+            self.node("slice", label, inputs[:1], [self.tensor_id(flat_out[0])], self.slice_fields(packet, x, args))
         elif packet in _COPIES or torch.Tag.pointwise in func.tags:
             self.node("pointwise", label, inputs, [self.tensor_id(o) for o in flat_out])
         else:
@@ -207,21 +219,21 @@ class _Recorder(TorchDispatchMode):
         return [_normalize_dim(d, x.dim()) for d in dims]
 
     @staticmethod
-    def slice_args(packet, x, args) -> List[int]:
+    def slice_fields(packet, x, args) -> Dict[str, Any]:
         dim = _normalize_dim(args[1] if len(args) > 1 else 0, x.dim())
         size = x.shape[dim]
         if packet is aten.select:
             index = args[2] % size if size else 0
-            return [dim, index, index + 1, 1]
+            return {"dim": dim, "start": index, "stop": index + 1, "drop_dim": True}
         if packet is aten.narrow:
-            return [dim, args[2], args[2] + args[3], 0]
+            return {"dim": dim, "start": args[2], "stop": args[2] + args[3], "drop_dim": False}
         start = args[2] if len(args) > 2 and args[2] is not None else 0
         stop = args[3] if len(args) > 3 and args[3] is not None else size
         step = args[4] if len(args) > 4 else 1
         start, stop = max(min(start + size if start < 0 else start, size), 0), max(min(stop + size if stop < 0 else stop, size), 0)
         if step != 1:
             stop = start  # a strided slice is never a whole axis
-        return [dim, start, stop, 0]
+        return {"dim": dim, "start": start, "stop": stop, "drop_dim": False}
 
 
 def meta_shadow(model: nn.Module, always_copy: bool = False) -> nn.Module:
@@ -310,7 +322,7 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
             recorder.layer_depth -= 1
             if recorder.layer_depth == 0 and isinstance(info.input, torch.Tensor) and isinstance(output, torch.Tensor):
                 node = recorder.node(info.kind, info.name or "<model>", [recorder.tensor_id(info.input)],
-                                     [recorder.tensor_id(output)], info.planner_args(info.input, output))
+                                     [recorder.tensor_id(output)], info.planner_fields(info.input, output))
                 layers[node] = info.record_call(info.input, output)
             info.input = None
 
@@ -335,10 +347,8 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
     if hasattr(outputs, "to_tuple"):
         outputs = outputs.to_tuple()
     flat = [o for o in tree_flatten(outputs)[0] if isinstance(o, torch.Tensor)]
-    for o in flat:
-        recorder.lines.append(f"output {recorder.tensor_id(o)}")
     return CapturedGraph(
-        text="\n".join(recorder.lines) + "\n",
+        document=recorder.document([recorder.tensor_id(o) for o in flat]),
         layers=layers,
         param_names=param_names,
         output_shapes=[tuple(o.shape) for o in flat],
@@ -431,7 +441,7 @@ def trace_text(module: nn.Module, args: tuple, kwargs: dict) -> str:
     args, kwargs = replay_inputs((args, kwargs))
     with torch.no_grad(), recorder:
         module(*args, **kwargs)
-    return "\n".join(recorder.lines)
+    return repr((recorder.tensors, recorder.node_records))
 
 
 def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer):

@@ -203,7 +203,7 @@ class BlockFolder:
                 if entry[1] not in ids:  # made inside the block
                     ids[entry[1]] = recorder.declare(recorder.shapes[entry[1]])
                 continue
-            _, kind, label, inputs, outputs, args = entry
+            _, kind, label, inputs, outputs, fields = entry
             index = recorder.node_count - node_offset
             info = self.layers.get(index)
             if info is not None:
@@ -212,8 +212,8 @@ class BlockFolder:
                 now = describe_layer(prefix_now + rel, module, self.param_index)
                 now.input_shape, now.output_shape = info.input_shape, info.output_shape
                 label = now.name
-                args = tuple(params.get(a, a) if i in _PARAM_ARGS[kind](len(args)) else a for i, a in enumerate(args))
-            node = recorder.node(kind, label, [ids.get(t, t) for t in inputs], [ids.get(t, t) for t in outputs], args)
+                fields = {k: params.get(v, v) if k in ("weight_param", "bias_param") else v for k, v in fields.items()}
+            node = recorder.node(kind, label, [ids.get(t, t) for t in inputs], [ids.get(t, t) for t in outputs], fields)
             if info is not None:
                 self.layers[node] = now
         for module_name, (first, end) in list(self.module_nodes.items()):
@@ -243,10 +243,3 @@ class BlockFolder:
 
         return tree_map(output, recording.output)
 
-
-# Which of a layer node's planner arguments are parameter indices (see LayerInfo.planner_args).
-_PARAM_ARGS = {
-    "linear": lambda n: (2, 3),
-    "einsum": lambda n: (0, 1),
-    "embedding": lambda n: (2,),
-}

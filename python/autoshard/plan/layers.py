@@ -34,12 +34,16 @@ class LayerInfo:
     output_shape: Optional[tuple] = None
     input: Optional[torch.Tensor] = field(default=None, repr=False)
 
-    def planner_args(self, inputs: torch.Tensor, output: torch.Tensor) -> List[int]:
+    def planner_fields(self, inputs: torch.Tensor, output: torch.Tensor) -> Dict[str, object]:
+        """The fields of this layer's node in the planner's graph document (csrc/plan/graph.h)."""
         if self.kind == "linear":
-            return [self.in_features, self.out_features, self.weight_param, self.bias_param]
+            return {"in_features": self.in_features, "out_features": self.out_features,
+                    "weight_param": self.weight_param, "bias_param": self.bias_param}
         if self.kind == "einsum":
-            return [self.weight_param, self.bias_param] + einsum_axes(self.equation, inputs.dim(), output.dim())
-        return [self.num_embeddings, self.embedding_dim, self.weight_param]
+            return {"weight_param": self.weight_param, "bias_param": self.bias_param,
+                    "letters": einsum_letters(self.equation, inputs.dim(), output.dim())}
+        return {"num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim,
+                "weight_param": self.weight_param}
 
     def record_call(self, inputs: torch.Tensor, output: torch.Tensor) -> "LayerInfo":
         self.input_shape = tuple(inputs.shape)
@@ -70,18 +74,12 @@ def describe_layer(name: str, module: nn.Module, param_index: Dict[int, int]) ->
     return None
 
 
-_ROLES = {"output": 0, "contracted": 1, "batch": 2}
-
-
-def einsum_axes(equation: str, input_ndim: int, output_ndim: int) -> List[int]:
+def einsum_letters(equation: str, input_ndim: int, output_ndim: int) -> List[Dict[str, object]]:
     """The planner's description of an einsum layer's weight letters, from the C++ equation
-    parser: a count, then per weight letter its character code, its role (0 output,
-    1 contracted, 2 batch) and its dims in the input and the output (from the start; -1 where
-    absent)."""
+    parser: per weight letter, its role ("output", "contracted" or "batch") and its dims in the
+    input and the output (from the start; -1 where absent)."""
     letters, roles, input_dims, output_dims = ops.einsum_weight_axes(equation)
-    args = [len(letters)]
-    for letter, role, in_dim, out_dim in zip(letters, roles, input_dims, output_dims):
-        args += [ord(letter), _ROLES[role],
-                 -1 if in_dim is None else in_dim % input_ndim,
-                 -1 if out_dim is None else out_dim % output_ndim]
-    return args
+    return [{"letter": letter, "role": role,
+             "input_dim": -1 if in_dim is None else in_dim % input_ndim,
+             "output_dim": -1 if out_dim is None else out_dim % output_ndim}
+            for letter, role, in_dim, out_dim in zip(letters, roles, input_dims, output_dims)]
