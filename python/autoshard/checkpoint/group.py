@@ -27,13 +27,21 @@ def _decode(data: torch.Tensor) -> Any:
 
 
 class CheckpointGroup:
-    """Rank, size and the three object collectives a save needs (on a dedicated gloo group),
-    sent as pickled bytes through autoshard's collective ops."""
+    """Rank, size and the collectives a save needs (on a dedicated gloo group): objects sent as
+    pickled bytes through autoshard's collective ops, and a one-collective gather of a few
+    integers for what must be agreed before ``save`` returns."""
 
     def __init__(self, group: Optional[dist.ProcessGroup]):
         self.group = group
         self.rank = 0 if group is None else dist.get_rank()
         self.size = 1 if group is None else dist.get_world_size()
+
+    def all_gather_ints(self, values: List[int]) -> List[List[int]]:
+        """Every rank's ``values`` (int64s, as many on every rank), in one collective."""
+        if self.group is None:
+            return [list(values)]
+        gathered = all_gather_uneven(torch.tensor(values, dtype=torch.int64), 0, [len(values)] * self.size, self.group)
+        return gathered.view(self.size, len(values)).tolist()
 
     def all_gather(self, obj: Any) -> List[Any]:
         if self.group is None:
