@@ -121,18 +121,25 @@ def _failures_then_success(directory: str):
     path = os.path.join(directory, "ckpt")
     messages = []
 
-    # A rank file that cannot be written (rank 1), then a manifest that cannot be (rank 0).
+    # A copy that fails (rank 1), a rank file that cannot be written (rank 1), then a manifest
+    # that cannot be (rank 0).
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    write_file, write_durably = save_module.write_safetensors, manifest_module.write_durably
+    def no_host_memory(*args, **kwargs):
+        raise RuntimeError("cannot allocate host memory")
+
+    write_file, write_durably, snapshot = save_module.write_safetensors, manifest_module.write_durably, \
+        save_module.take_snapshot
 
     def manifest_full(file_path, data):
         if os.path.basename(file_path) == "manifest.json":
             raise OSError(errno.ENOSPC, "No space left on device", file_path)
         return write_durably(file_path, data)
 
-    for patch in ("rank file", "manifest"):
+    for patch in ("copy", "rank file", "manifest"):
+        if patch == "copy" and dist.get_rank() == 1:
+            save_module.take_snapshot = no_host_memory
         if patch == "rank file" and dist.get_rank() == 1:
             save_module.write_safetensors = full_disk
         if patch == "manifest" and dist.get_rank() == 0:
@@ -147,6 +154,7 @@ def _failures_then_success(directory: str):
                 messages.append(str(error))
         finally:
             save_module.write_safetensors, manifest_module.write_durably = write_file, write_durably
+            save_module.take_snapshot = snapshot
         dist.barrier()
         messages.append(sorted(os.listdir(directory)))
     expected = _local_state(model, optimizer)
@@ -162,10 +170,11 @@ def _failures_then_success(directory: str):
 def test_a_failed_background_save_leaves_nothing_and_the_next_one_works(tmp_path):
     for rank, (messages, differences) in enumerate(run_on_ranks(_failures_then_success, 2, str(tmp_path),
                                                                 timeout=300)):
-        file_error, after_file, manifest_error, after_manifest = messages
+        copy_error, after_copy, file_error, after_file, manifest_error, after_manifest = messages
+        assert copy_error is not None and "rank 1" in copy_error and "host memory" in copy_error, copy_error
         assert file_error is not None and "rank 1" in file_error and "No space left" in file_error, file_error
         assert manifest_error is not None and "No space left" in manifest_error, manifest_error
-        assert after_file == after_manifest == ["warm"], (rank, after_file, after_manifest)
+        assert after_copy == after_file == after_manifest == ["warm"], (rank, after_copy, after_file, after_manifest)
         assert differences == [], (rank, differences)
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "warm"]
 

@@ -9,7 +9,8 @@ summary (a digest of their pieces and of the path, the agreement each last reach
 error and existence flags) in one collective, and exchange the lists themselves only when a
 digest changed or something has to be reported. Every rank decides from the same gathered
 summaries, so all take the same branch. A rank that has no agreement cached (or one from
-other pieces) makes all of them exchange again.
+other pieces) makes all of them exchange again. The summaries travel while the caller copies
+its tensors (by the last agreement, when its own pieces have not changed).
 """
 
 import hashlib
@@ -34,8 +35,9 @@ class Agreement:
     records: Dict[str, mf.TensorRecord]  # the manifest's tensors (never changed once made)
 
 
-# (agreement id, the agreement): the last one reached, reused while the pieces stay the same.
-_last: Optional[Tuple[bytes, Agreement]] = None
+# (agreement id, the agreement, this rank's pieces digest then): the last one reached, reused
+# while every rank's pieces stay the same.
+_last: Optional[Tuple[bytes, Agreement, bytes]] = None
 
 
 def describe(held: List[Held]) -> List[tuple]:
@@ -89,35 +91,52 @@ def _ints(digest: bytes) -> List[int]:
     return [int.from_bytes(digest[i:i + 8], "little", signed=True) for i in range(0, len(digest), 8)]
 
 
-def agree(comm: CheckpointGroup, path: str, held: List[Held], error: Optional[str],
-          exists: bool, claimed: bool) -> Agreement:
-    """The agreement for this save, on every rank; raises on every rank what stops it
-    (``error`` is this rank's; ``exists`` and ``claimed`` count on rank 0 only)."""
-    global _last
-    described = describe(held)
-    pieces = hashlib.blake2b(repr(described).encode(), digest_size=16).digest()
-    flags = (_ERROR if error is not None else 0) | (_EXISTS if exists else 0) | (_CLAIMED if claimed else 0)
-    last_id = _last[0] if _last is not None else bytes(16)
-    summaries = comm.all_gather_ints(_ints(pieces) + _ints(hashlib.blake2b(path.encode(), digest_size=8).digest())
-                                     + _ints(last_id) + [flags])
-    same_path = len({s[2] for s in summaries}) == 1
-    if not same_path or any(s[5] & _ERROR for s in summaries):
-        _exchange(comm, path, described, error)  # raises, naming every rank's error
-    if summaries[0][5] & _CLAIMED and not summaries[0][5] & _EXISTS:
-        partial = path + mf.PARTIAL_SUFFIX
-        raise CheckpointSaveError(claimed_message(path, f"{partial!r} exists: {describe_owner(partial)}"))
-    if summaries[0][5] & _EXISTS:
-        raise FileExistsError(f"save: {path!r} already exists; a checkpoint is never overwritten, "
-                              "choose a new path or delete the old one first")
-    agreement_id = hashlib.blake2b(repr([s[:2] for s in summaries]).encode(), digest_size=16).digest()
-    if _last is not None and all(s[3:5] == _ints(agreement_id) for s in summaries):
-        return _last[1]
-    _last = None
-    everyone = _exchange(comm, path, described, error)
-    writer = assign_writers(everyone)
-    agreement = Agreement(writer, tensor_records(everyone, writer))  # on every rank: a mismatch raises on all
-    _last = (agreement_id, agreement)
-    return agreement
+class PendingAgreement:
+    """An agreement whose summaries are being gathered (one collective, started by
+    ``start_agreement``); ``guess`` is the last agreement when this rank's pieces are the same
+    as then (the one ``finish`` returns unless another rank's changed), to work with meanwhile."""
+
+    def __init__(self, comm: CheckpointGroup, path: str, held: List[Held], error: Optional[str],
+                 exists: bool, claimed: bool):
+        self.comm, self.path, self.error = comm, path, error
+        self.described = describe(held)
+        self.pieces = hashlib.blake2b(repr(self.described).encode(), digest_size=16).digest()
+        self.guess = _last[1] if _last is not None and _last[2] == self.pieces else None
+        flags = (_ERROR if error is not None else 0) | (_EXISTS if exists else 0) | (_CLAIMED if claimed else 0)
+        last_id = _last[0] if _last is not None else bytes(16)
+        path_digest = hashlib.blake2b(path.encode(), digest_size=8).digest()
+        self._gathered = comm.start_all_gather_ints(_ints(self.pieces) + _ints(path_digest) + _ints(last_id) + [flags])
+
+    def finish(self) -> Agreement:
+        """The agreement for this save, on every rank; raises on every rank what stops it
+        (``error`` is this rank's; ``exists`` and ``claimed`` count on rank 0 only)."""
+        global _last
+        comm, path = self.comm, self.path
+        summaries = self._gathered()
+        same_path = len({s[2] for s in summaries}) == 1
+        if not same_path or any(s[5] & _ERROR for s in summaries):
+            _exchange(comm, path, self.described, self.error)  # raises, naming every rank's error
+        if summaries[0][5] & _CLAIMED and not summaries[0][5] & _EXISTS:
+            partial = path + mf.PARTIAL_SUFFIX
+            raise CheckpointSaveError(claimed_message(path, f"{partial!r} exists: {describe_owner(partial)}"))
+        if summaries[0][5] & _EXISTS:
+            raise FileExistsError(f"save: {path!r} already exists; a checkpoint is never overwritten, "
+                                  "choose a new path or delete the old one first")
+        agreement_id = hashlib.blake2b(repr([s[:2] for s in summaries]).encode(), digest_size=16).digest()
+        if _last is not None and all(s[3:5] == _ints(agreement_id) for s in summaries):
+            return _last[1]
+        _last = None
+        everyone = _exchange(comm, path, self.described, self.error)
+        writer = assign_writers(everyone)
+        agreement = Agreement(writer, tensor_records(everyone, writer))  # on every rank: a mismatch raises on all
+        _last = (agreement_id, agreement, self.pieces)
+        return agreement
+
+
+def start_agreement(comm: CheckpointGroup, path: str, held: List[Held], error: Optional[str],
+                    exists: bool, claimed: bool) -> PendingAgreement:
+    """Starts agreeing on this save (a collective: every rank calls it, then ``finish()``)."""
+    return PendingAgreement(comm, path, held, error, exists, claimed)
 
 
 def _exchange(comm: CheckpointGroup, path: str, described: List[tuple], error: Optional[str]) -> List[List[tuple]]:

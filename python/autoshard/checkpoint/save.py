@@ -22,7 +22,7 @@ afterwards (``extra``, the optimizer's hyperparameters) is copied before ``save`
 
 import os
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -30,8 +30,8 @@ import torch.distributed as dist
 from . import claim
 from . import manifest as mf
 from ..model_state import state_of
-from .agreement import Agreement, agree, claimed_message
-from .contents import json_value, model_holdings, optimizer_holdings
+from .agreement import Agreement, claimed_message, start_agreement
+from .contents import Held, json_value, model_holdings, optimizer_holdings
 from .group import CheckpointGroup, checkpoint_group
 from .pending import CheckpointSaveError, SaveHandle, track, wait_for_pending_save
 from .snapshot import Snapshot, take_snapshot
@@ -120,7 +120,8 @@ class _ManifestParts:
 class _Job:
     """The part of a save that runs after the snapshot: claim, write, report, commit."""
 
-    def __init__(self, comm: CheckpointGroup, path: str, snapshot: Snapshot, optimizer_description: Optional[dict],
+    def __init__(self, comm: CheckpointGroup, path: str, snapshot: Union[Snapshot, Exception],
+                 optimizer_description: Optional[dict],
                  manifest_parts: Optional[_ManifestParts], after_commit: Optional[Callable[[], None]]):
         self.comm = comm
         self.path = path
@@ -151,6 +152,8 @@ class _Job:
 
         record, error = None, None
         try:
+            if isinstance(self.snapshot, Exception):
+                raise RuntimeError(f"copying its tensors failed: {self.snapshot}")
             tensors = self.snapshot.ready()
             if tensors:
                 record = write_safetensors(os.path.join(self.partial, mf.rank_file(rank)), tensors)
@@ -235,13 +238,27 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
         error = f"rank {comm.rank}: {e}"
     exists = comm.rank == 0 and os.path.exists(path)
     claimed = comm.rank == 0 and os.path.lexists(path + mf.PARTIAL_SUFFIX)
-    agreement = agree(comm, path, held, error, exists, claimed)
+    pending = start_agreement(comm, path, held, error, exists, claimed)
+    snapshot = None
+    if async_save and pending.guess is not None:
+        snapshot = _snapshot(held, pending.guess, comm.rank, copy=True)  # while the summaries travel
+    agreement = pending.finish()
+    if snapshot is None or agreement is not pending.guess:
+        snapshot = _snapshot(held, agreement, comm.rank, copy=async_save)
 
     parts = _ManifestParts(comm, model, agreement, aliases, extra, metrics) if comm.rank == 0 else None
-    writer = agreement.writer
-    mine = [(h.key, h.tensor) for h in held if writer[(h.key, repr(h.selection.to_json()["runs"]))] == comm.rank]
-    job = _Job(comm, path, take_snapshot(mine, copy=async_save), optimizer_description, parts, after_commit)
+    job = _Job(comm, path, snapshot, optimizer_description, parts, after_commit)
     if not async_save:
         job.run()
         return SaveHandle(path)
     return track(SaveHandle.in_background(path, job.run))
+
+
+def _snapshot(held: List[Held], agreement: Agreement, rank: int, copy: bool):
+    """The snapshot of what this rank writes, or the exception that stopped it (reported by the
+    writer, so that every rank fails the save instead of the others waiting for this one)."""
+    mine = [(h.key, h.tensor) for h in held if agreement.writer[(h.key, repr(h.selection.to_json()["runs"]))] == rank]
+    try:
+        return take_snapshot(mine, copy=copy)
+    except Exception as e:
+        return e

@@ -6,8 +6,8 @@ copy is written; that copy is all the caller waits for. The host buffers are kep
 next asynchronous save: filling an existing buffer is several times faster than allocating a
 new one (no page faults), and pinning memory for CUDA copies is slow. The price is one host
 copy of what this rank writes, held between saves; ``release_snapshot_buffers()`` frees it.
-The copies are issued as one batch per source device (``torch._foreach_copy_``), so many small
-tensors cost one call, not one each.
+CPU tensors are copied in one batch (``torch._foreach_copy_``), so many small tensors cost one
+call, not one each.
 
 CUDA tensors are copied into pinned buffers on a side stream of their device, which first
 waits for the current stream (the copies see every kernel queued before ``save``); the
@@ -58,7 +58,8 @@ def _copy_from_cuda(device: torch.device, sources: List[torch.Tensor],
     current = torch.cuda.current_stream(device)
     side.wait_stream(current)
     with torch.cuda.device(device), torch.cuda.stream(side):
-        torch._foreach_copy_(buffers, sources, non_blocking=True)
+        for buffer, source in zip(buffers, sources):
+            buffer.copy_(source, non_blocking=True)  # queued: the host goes on at once
     copied.record(side)
     current.wait_event(copied)
     return copied
