@@ -8,9 +8,10 @@ Two gloo ranks on this machine hold a tensor-parallel stack of ``layers`` Linear
 (hidden x hidden, fp32; 16 x 2048 is 268 MB in all, half per rank). For each method, the
 blocking time is how long the call takes to return, and the total time how long until the
 checkpoint is durable (``wait()`` / ``result()``); the median over ``repeats`` saves, each to
-a fresh directory, with the methods taking turns. DCP saves the same local shards as plain
-tensors under per-rank keys. A last row times the copy of each rank's tensors into kept host
-buffers alone, the floor of an asynchronous save's blocking time. Ratios are against
+a fresh directory, with the methods taking turns (each round starting with the next method,
+so that none always follows the same one). DCP saves the same local shards as plain tensors
+under per-rank keys. A last row times the copy of each rank's tensors into kept host buffers
+alone: the floor of an asynchronous save's blocking time on a CPU. Ratios are against
 autoshard's synchronous save (blocking ratio below 1: the caller is held for that fraction of
 it). Prints a table and writes benchmarks/results/bench_checkpoint_cpu.json.
 """
@@ -94,7 +95,9 @@ def _rank_main(rank: int, port: int, args, queue) -> None:
     methods = _methods(model, args.dir)
     times = {name: [] for name in methods}
     for repeat in range(args.repeats + 1):  # the first round warms up (pinned pools, groups, imports)
-        for index, (name, run) in enumerate(methods.items()):
+        order = list(methods.items())
+        order = order[repeat % len(order):] + order[:repeat % len(order)]  # each method in every position
+        for index, (name, run) in enumerate(order):
             path = os.path.join(args.dir, f"bench-{repeat}-{index}")
             dist.barrier()
             blocked, total = run(path)
