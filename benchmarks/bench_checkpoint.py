@@ -8,10 +8,12 @@ Two gloo ranks on this machine hold a tensor-parallel stack of ``layers`` Linear
 (hidden x hidden, fp32; 16 x 2048 is 268 MB in all, half per rank). For each method, the
 blocking time is how long the call takes to return, and the total time how long until the
 checkpoint is durable (``wait()`` / ``result()``); the median over ``repeats`` saves, each to
-a fresh directory, with the methods taking turns. DCP saves the same local shards as plain
-tensors under per-rank keys. Ratios are against autoshard's synchronous save (blocking
-ratio below 1: the caller is held for that fraction of it). Prints a table and writes
-benchmarks/results/bench_checkpoint_cpu.json.
+a fresh directory, with the methods taking turns (each round starting with the next method,
+so that none always follows the same one). DCP saves the same local shards as plain tensors
+under per-rank keys. A last row times the copy of each rank's tensors into kept host buffers
+alone: the floor of an asynchronous save's blocking time on a CPU. Ratios are against
+autoshard's synchronous save (blocking ratio below 1: the caller is held for that fraction of
+it). Prints a table and writes benchmarks/results/bench_checkpoint_cpu.json.
 """
 
 import argparse
@@ -29,6 +31,10 @@ import torch.multiprocessing as mp
 import autoshard
 from autoshard import checkpoint
 from common import print_table, save_json
+
+# Not a save: copying this rank's tensors into buffers kept between rounds, all that an
+# asynchronous save must do before it returns on a CPU (the floor of its blocking time).
+FLOOR = "host copy of each rank's tensors"
 
 
 def _model(layers: int, hidden: int) -> torch.nn.Module:
@@ -67,8 +73,17 @@ def _methods(model, root):
             return blocked, time.perf_counter() - start
         return run
 
+    tensors = [t.detach() for t in model.state_dict().values()]
+    kept = [torch.empty_like(t) for t in tensors]
+
+    def host_copy(path):
+        start = time.perf_counter()
+        torch._foreach_copy_(kept, tensors)
+        took = time.perf_counter() - start
+        return took, took
+
     return {"autoshard save": ours(False), "autoshard save(async_save=True)": ours(True),
-            "DCP save": peer(False), "DCP async_save": peer(True)}
+            "DCP save": peer(False), "DCP async_save": peer(True), FLOOR: host_copy}
 
 
 def _rank_main(rank: int, port: int, args, queue) -> None:
@@ -80,7 +95,9 @@ def _rank_main(rank: int, port: int, args, queue) -> None:
     methods = _methods(model, args.dir)
     times = {name: [] for name in methods}
     for repeat in range(args.repeats + 1):  # the first round warms up (pinned pools, groups, imports)
-        for index, (name, run) in enumerate(methods.items()):
+        order = list(methods.items())
+        order = order[repeat % len(order):] + order[:repeat % len(order)]  # each method in every position
+        for index, (name, run) in enumerate(order):
             path = os.path.join(args.dir, f"bench-{repeat}-{index}")
             dist.barrier()
             blocked, total = run(path)

@@ -35,16 +35,18 @@ def optimizer_key(param_name: str, state_key: str) -> str:
 
 
 def json_value(value: Any, where: str) -> Any:
-    """``value`` as JSON (tuples become lists, one-element tensors numbers), or an error naming ``where``."""
+    """``value`` as JSON (tuples become lists, one-element tensors numbers), or an error naming ``where``.
+    Lists and dicts come back as copies, as the manifest will hold them: a caller may change
+    theirs while an asynchronous save is still being written."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, tuple):
         value = list(value)
     try:
-        json.dumps(value)
+        text = json.dumps(value)
     except (TypeError, ValueError):
         raise TypeError(f"save: {where} holds a {type(value).__name__}, which cannot be stored as JSON") from None
-    return value
+    return json.loads(text) if isinstance(value, (list, dict)) else value
 
 
 def model_holdings(model: torch.nn.Module) -> Tuple[Dict[str, Target], List[Held], Dict[str, str]]:

@@ -8,12 +8,12 @@ process is a world of one and every collective is the identity.
 """
 
 import pickle
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_uneven, broadcast_
+from ..comm import all_gather_uneven, all_reduce_bucket, broadcast_, wait
 
 _cached = None  # (the default group it was made for, the checkpoint group)
 
@@ -27,13 +27,25 @@ def _decode(data: torch.Tensor) -> Any:
 
 
 class CheckpointGroup:
-    """Rank, size and the three object collectives a save needs (on a dedicated gloo group),
-    sent as pickled bytes through autoshard's collective ops."""
+    """Rank, size and the collectives a save needs (on a dedicated gloo group): objects sent as
+    pickled bytes through autoshard's collective ops, and a one-collective gather of a few
+    integers for what must be agreed before ``save`` returns."""
 
     def __init__(self, group: Optional[dist.ProcessGroup]):
         self.group = group
         self.rank = 0 if group is None else dist.get_rank()
         self.size = 1 if group is None else dist.get_world_size()
+
+    def start_all_gather_ints(self, values: List[int]) -> Callable[[], List[List[int]]]:
+        """Starts gathering every rank's ``values`` (int64s, as many on every rank) in one
+        collective, which runs while the caller works on; returns the function that waits for
+        them. No other collective of this group may be issued before that function is called."""
+        if self.group is None:
+            return lambda: [list(values)]
+        table = torch.zeros(self.size, len(values), dtype=torch.int64)
+        table[self.rank] = torch.tensor(values, dtype=torch.int64)
+        summed = all_reduce_bucket([table], self.group, async_op=True)  # every other row is 0
+        return lambda: wait(summed).view(self.size, len(values)).tolist()
 
     def all_gather(self, obj: Any) -> List[Any]:
         if self.group is None:

@@ -3,6 +3,7 @@
 Saving and loading both need it (a load first waits for a save still being written), as does
 freeing the snapshot buffers, so it sits below all of them."""
 
+import concurrent.futures
 import os
 import threading
 import traceback
@@ -17,19 +18,19 @@ class SaveHandle:
     """What ``save`` returns: ``wait()`` blocks until the checkpoint is committed (at once for a
     synchronous save) and raises what went wrong in the background."""
 
-    def __init__(self, path: str, thread: Optional[threading.Thread] = None):
+    def __init__(self, path: str):
         self.path = path
-        self._thread = thread
+        self._finished: Optional[threading.Event] = None  # None: a synchronous save, finished
         self._error: Optional[BaseException] = None
         self._surfaced = False
 
     def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
+        return self._finished is None or self._finished.is_set()
 
     def wait(self) -> str:
         """Blocks until the save is finished; returns the checkpoint's path or raises its error."""
-        if self._thread is not None:
-            self._thread.join()
+        if self._finished is not None:
+            self._finished.wait()
         if self._error is not None:
             self._surfaced = True
             raise self._error
@@ -37,8 +38,9 @@ class SaveHandle:
 
     @classmethod
     def in_background(cls, path: str, run: Callable[[], None]) -> "SaveHandle":
-        """A handle of ``run()`` started in a background thread; its error is kept for wait()."""
+        """A handle of ``run()`` handed to the background writer; its error is kept for wait()."""
         handle = cls(path)
+        handle._finished = threading.Event()
 
         def background():
             try:
@@ -47,19 +49,36 @@ class SaveHandle:
                 handle._error = e
                 if not isinstance(e, CheckpointSaveError):
                     traceback.print_exc()
+            finally:
+                handle._finished.set()
 
-        handle._thread = threading.Thread(target=background, name=f"autoshard-save:{os.path.basename(path)}")
-        handle._thread.start()
+        _writer().submit(background)
         return handle
 
     def _settle(self) -> None:
         """Finishes the save; raises its error unless wait() already did."""
-        if self._thread is not None:
-            self._thread.join()
+        if self._finished is not None:
+            self._finished.wait()
         if self._error is not None and not self._surfaced:
             self._surfaced = True
             raise CheckpointSaveError(f"save: the previous asynchronous save, of {self.path!r}, failed: "
                                       f"{self._error}") from self._error
+
+
+# One writer thread, kept between saves: handing a save to a waiting thread costs microseconds,
+# starting a thread (and waiting until it runs) costs up to milliseconds on a busy machine. An
+# executor's worker finishes the save in flight when the interpreter exits (as a plain thread
+# would), and stops when idle. A forked child gets a fresh one (its parent's thread is not there).
+_executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_executor_pid: Optional[int] = None
+
+
+def _writer() -> concurrent.futures.ThreadPoolExecutor:
+    global _executor, _executor_pid
+    if _executor is None or _executor_pid != os.getpid():
+        _executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="autoshard-save")
+        _executor_pid = os.getpid()
+    return _executor
 
 
 # The one asynchronous save allowed in flight.

@@ -9,15 +9,20 @@ and fsyncs the parent. A save that fails removes its ``.partial`` on every failu
 that dies half way leaves at most a ``.partial``, which nothing loads; an existing ``<path>``
 is never touched.
 
-Each piece is written once: a tensor held whole by every rank (a replicated parameter) or a
-shard held by several data-parallel replicas is written by one of its holders, chosen to
-balance the bytes each rank writes. The ranks must share the file system that holds ``path``.
+Each piece is written once, by one of its holders (agreement.py). The ranks must share the
+file system that holds ``path``.
+
+Before ``save`` returns, only what must be: the arguments are checked, the ranks agree that the
+save may start (agreement.py: one small collective in steady state, so a bad path, an existing
+``path`` or a rank's error is raised by ``save`` on every rank), and the tensors are copied
+(snapshot.py); everything that reads only those copies and autoshard's own state (the claim,
+the manifest, the files, the commit) runs in the background writer. What the caller may change
+afterwards (``extra``, the optimizer's hyperparameters) is copied before ``save`` returns.
 """
 
-import math
 import os
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -25,6 +30,7 @@ import torch.distributed as dist
 from . import claim
 from . import manifest as mf
 from ..model_state import state_of
+from .agreement import Agreement, claimed_message, start_agreement
 from .contents import Held, json_value, model_holdings, optimizer_holdings
 from .group import CheckpointGroup, checkpoint_group
 from .pending import CheckpointSaveError, SaveHandle, track, wait_for_pending_save
@@ -44,49 +50,7 @@ def _check_arguments(path, model, optimizer, extra, async_save) -> str:
         raise TypeError(f"save: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     if not isinstance(async_save, bool):
         raise TypeError(f"save: async_save must be a bool, got {type(async_save).__name__}")
-    json_value(extra, "extra")
     return path
-
-
-def _describe(held: List[Held]) -> List[tuple]:
-    """(key, dtype, global shape, runs) of each held tensor: what the ranks exchange to plan writes."""
-    return [(h.key, mf.dtype_name(h.tensor.dtype), list(h.selection.shape), h.selection.to_json()["runs"])
-            for h in held]
-
-
-def _assign_writers(described: List[List[tuple]]) -> Dict[tuple, int]:
-    """(key, runs as a tuple) -> the rank that writes that piece: the holder that has been given
-    the fewest bytes so far (the same answer on every rank)."""
-    holders: Dict[tuple, List[int]] = {}
-    sizes: Dict[tuple, int] = {}
-    for rank, items in enumerate(described):
-        for key, dtype, shape, runs in items:
-            piece = (key, repr(runs))
-            holders.setdefault(piece, []).append(rank)
-            volume = math.prod(sum(length for _, length in dim_runs) for dim_runs in runs)
-            sizes[piece] = volume * torch.empty((), dtype=mf.dtype_of(dtype)).element_size()
-    load = [0] * len(described)
-    writer = {}
-    for piece, ranks in holders.items():
-        chosen = min(ranks, key=lambda r: (load[r], r))
-        writer[piece] = chosen
-        load[chosen] += sizes[piece]
-    return writer
-
-
-def _tensor_records(described: List[List[tuple]], writer: Dict[tuple, int]) -> Dict[str, mf.TensorRecord]:
-    records: Dict[str, mf.TensorRecord] = {}
-    for rank, items in enumerate(described):
-        for key, dtype, shape, runs in items:
-            record = records.get(key)
-            if record is None:
-                record = records[key] = mf.TensorRecord(shape, dtype, [])
-            elif record.shape != shape or record.dtype != dtype:
-                raise ValueError(f"save: the ranks disagree on {key!r}: global shape {record.shape} and dtype "
-                                 f"{record.dtype} on one rank, {shape} and {dtype} on rank {rank}")
-            if writer[(key, repr(runs))] == rank:
-                record.pieces.append(mf.StoredPiece(mf.rank_file(rank), runs))
-    return records
 
 
 def _merge_optimizers(descriptions: List[Optional[dict]]) -> Optional[dict]:
@@ -113,9 +77,10 @@ def _tp_ranks(model: torch.nn.Module) -> Optional[List[int]]:
     return None
 
 
-def _plan_json(model: torch.nn.Module) -> Optional[str]:
-    state = state_of(model)  # attached by parallelize
-    return None if state is None or state.plan is None else state.plan.to_json()
+def _plan(model: torch.nn.Module):
+    """The model's ShardingPlan (attached by parallelize; never changed afterwards), or None."""
+    state = state_of(model)
+    return None if state is None else state.plan
 
 
 def _versions() -> Dict[str, str]:
@@ -129,16 +94,41 @@ def _model_config(model: torch.nn.Module) -> Optional[str]:
     return to_json() if callable(to_json) else None
 
 
-class _Job:
-    """The part of a save that runs after the snapshot: write, report, commit."""
+class _ManifestParts:
+    """What rank 0 builds the manifest from, taken before ``save`` returns; the manifest itself
+    (the plan's JSON above all) is built by the background writer."""
 
-    def __init__(self, comm: CheckpointGroup, path: str, snapshot: Snapshot, manifest: Optional[mf.Manifest],
-                 after_commit: Optional[Callable[[], None]]):
+    def __init__(self, comm: CheckpointGroup, model: torch.nn.Module, agreement: Agreement, aliases: Dict[str, str],
+                 extra, metrics: Optional[Dict[str, float]]):
+        self.world_size = comm.size
+        self.records = agreement.records
+        self.aliases = aliases
+        self.tp_ranks = _tp_ranks(model)
+        self.plan = _plan(model)
+        self.extra = extra  # a copy (json_value)
+        self.metrics = metrics
+        self.model_config = _model_config(model)
+
+    def build(self, optimizer_descriptions: List[Optional[dict]]) -> mf.Manifest:
+        return mf.Manifest(
+            world_size=self.world_size, tensors=self.records, files={}, aliases=self.aliases,
+            tp_ranks=self.tp_ranks, versions=_versions(), plan=None if self.plan is None else self.plan.to_json(),
+            optimizer=_merge_optimizers(optimizer_descriptions), extra=self.extra, metrics=self.metrics,
+            model_config=self.model_config)
+
+
+class _Job:
+    """The part of a save that runs after the snapshot: claim, write, report, commit."""
+
+    def __init__(self, comm: CheckpointGroup, path: str, snapshot: Union[Snapshot, Exception],
+                 optimizer_description: Optional[dict],
+                 manifest_parts: Optional[_ManifestParts], after_commit: Optional[Callable[[], None]]):
         self.comm = comm
         self.path = path
         self.partial = path + mf.PARTIAL_SUFFIX
         self.snapshot = snapshot
-        self.manifest = manifest  # on rank 0 only
+        self.optimizer_description = optimizer_description
+        self.manifest_parts = manifest_parts  # on rank 0 only
         self.after_commit = after_commit
         self.token: Optional[str] = None  # rank 0's claim on self.partial
 
@@ -155,44 +145,47 @@ class _Job:
             try:
                 self.token = claim.claim(self.partial)
             except claim.ClaimedError as e:
-                error = _claimed_message(self.path, str(e))
+                error = claimed_message(self.path, str(e))
             except Exception as e:
                 error = f"save: cannot create {self.partial!r}: {e}"
         self._agree(error)
 
         record, error = None, None
         try:
+            if isinstance(self.snapshot, Exception):
+                raise RuntimeError(f"copying its tensors failed: {self.snapshot}")
             tensors = self.snapshot.ready()
             if tensors:
                 record = write_safetensors(os.path.join(self.partial, mf.rank_file(rank)), tensors)
         except Exception as e:
             error = f"rank {rank} could not write {mf.rank_file(rank)!r} in {self.partial!r}: {e}"
         finally:
-            self.snapshot = None  # release the host copy as soon as it is written
-        reports = self.comm.gather((record, error))
+            self.snapshot = None  # the host copy is not needed any more
+        reports = self.comm.gather((record, self.optimizer_description, error))
 
         error = None
         if rank == 0:
-            errors = [e for _, e in reports if e is not None]
+            errors = [e for _, _, e in reports if e is not None]
             if errors:
                 error = "save: " + "; ".join(errors)
                 claim.release(self.partial, self.token)
             else:
-                error = self._commit([r for r, _ in reports])
+                error = self._commit([r for r, _, _ in reports], [o for _, o, _ in reports])
         self._agree(error)
 
-    def _commit(self, records) -> Optional[str]:
+    def _commit(self, records, optimizer_descriptions) -> Optional[str]:
         # Every failure before the rename removes our .partial (it holds the space a retry needs),
         # and none touches a .partial that is no longer ours.
         try:
-            self.manifest.files = {
+            manifest = self.manifest_parts.build(optimizer_descriptions)
+            manifest.files = {
                 mf.rank_file(r): mf.FileEntry(rec.size, list(rec.block_crc32))
                 for r, rec in enumerate(records) if rec is not None
             }
             if not claim.owns(self.partial, self.token):
                 return (f"save: {self.partial!r} is no longer this save's (it was removed or claimed by another job "
                         f"while the ranks wrote); {self.path!r} was not committed and that directory was left as it is")
-            mf.write_manifest_and_commit(self.partial, self.manifest)
+            mf.write_manifest_and_commit(self.partial, manifest)
             if os.path.exists(self.path):
                 claim.release(self.partial, self.token)
                 return f"save: {self.path!r} appeared while saving; it was left as it is and this save was discarded"
@@ -214,12 +207,6 @@ class _Job:
         return None
 
 
-def _claimed_message(path: str, detail: str) -> str:
-    return (f"save: another save to {path!r} is in progress, or one that died left its work behind: {detail}. "
-            f"Nothing was written. If no job is saving there, delete that directory (CheckpointManager removes "
-            f"the leftovers of dead saves when it starts)")
-
-
 def save(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, extra=None,
          async_save: bool = False) -> SaveHandle:
     """Saves the model (and optimizer state, and JSON-able ``extra``) as a sharded checkpoint at
@@ -237,10 +224,11 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
     """save(), plus ``metrics`` recorded in the manifest and ``after_commit`` run on rank 0 once
     the checkpoint is committed (CheckpointManager's retention)."""
     path = _check_arguments(path, model, optimizer, extra, async_save)
+    extra = json_value(extra, "extra")  # a copy: the caller may change theirs once save returns
     wait_for_pending_save()
     comm = checkpoint_group()
 
-    error, held, aliases, optimizer_description, targets = None, [], {}, None, None
+    error, held, aliases, optimizer_description = None, [], {}, None
     try:
         targets, held, aliases = model_holdings(model)
         if optimizer is not None:
@@ -248,36 +236,29 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
             held += optimizer_held
     except (TypeError, ValueError) as e:
         error = f"rank {comm.rank}: {e}"
-    exists = os.path.exists(path) if comm.rank == 0 else False
-    claimed = os.path.lexists(path + mf.PARTIAL_SUFFIX) if comm.rank == 0 else False
-    reports = comm.all_gather((error, (exists, claimed), _describe(held), optimizer_description, path))
-    errors = [e for e, _, _, _, _ in reports if e is not None]
-    paths = sorted({p for *_, p in reports})
-    if len(paths) > 1:
-        errors.append(f"every rank must pass the same path, got {paths}")
-    if errors:
-        raise ValueError("; ".join(errors))
-    exists, claimed = reports[0][1]
-    if claimed and not exists:
-        partial = path + mf.PARTIAL_SUFFIX
-        raise CheckpointSaveError(_claimed_message(path, f"{partial!r} exists: {claim.describe_owner(partial)}"))
-    if exists:
-        raise FileExistsError(f"save: {path!r} already exists; a checkpoint is never overwritten, "
-                              "choose a new path or delete the old one first")
+    exists = comm.rank == 0 and os.path.exists(path)
+    claimed = comm.rank == 0 and os.path.lexists(path + mf.PARTIAL_SUFFIX)
+    pending = start_agreement(comm, path, held, error, exists, claimed)
+    snapshot = None
+    if async_save and pending.guess is not None:
+        snapshot = _snapshot(held, pending.guess, comm.rank, copy=True)  # while the summaries travel
+    agreement = pending.finish()
+    if snapshot is None or agreement is not pending.guess:
+        snapshot = _snapshot(held, agreement, comm.rank, copy=async_save)
 
-    described = [d for _, _, d, _, _ in reports]
-    writer = _assign_writers(described)
-    records = _tensor_records(described, writer)  # on every rank, so that a mismatch raises on all
-    manifest = None
-    if comm.rank == 0:
-        manifest = mf.Manifest(
-            world_size=comm.size, tensors=records, files={}, aliases=aliases,
-            tp_ranks=_tp_ranks(model), versions=_versions(), plan=_plan_json(model),
-            optimizer=_merge_optimizers([o for _, _, _, o, _ in reports]), extra=json_value(extra, "extra"),
-            metrics=metrics, model_config=_model_config(model))
-    mine = [(h.key, h.tensor) for h in held if writer[(h.key, repr(h.selection.to_json()["runs"]))] == comm.rank]
-    job = _Job(comm, path, take_snapshot(mine, copy=async_save), manifest, after_commit)
+    parts = _ManifestParts(comm, model, agreement, aliases, extra, metrics) if comm.rank == 0 else None
+    job = _Job(comm, path, snapshot, optimizer_description, parts, after_commit)
     if not async_save:
         job.run()
         return SaveHandle(path)
     return track(SaveHandle.in_background(path, job.run))
+
+
+def _snapshot(held: List[Held], agreement: Agreement, rank: int, copy: bool):
+    """The snapshot of what this rank writes, or the exception that stopped it (reported by the
+    writer, so that every rank fails the save instead of the others waiting for this one)."""
+    mine = [(h.key, h.tensor) for h in held if agreement.writer[(h.key, repr(h.selection.to_json()["runs"]))] == rank]
+    try:
+        return take_snapshot(mine, copy=copy)
+    except Exception as e:
+        return e

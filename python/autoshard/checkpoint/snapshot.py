@@ -2,12 +2,19 @@
 
 A synchronous save writes CPU tensors as they are (the caller waits anyway). An asynchronous
 save copies them to host memory first, so that training can change the originals while the
-copy is written. The host buffers are kept for the next asynchronous save: filling an
-existing buffer is several times faster than allocating a new one (no page faults), and
-pinning memory for CUDA copies is slow. The price is one host copy of what this rank writes,
-held between saves; ``release_snapshot_buffers()`` frees it. CUDA tensors are copied into
-pinned buffers asynchronously, queued on the current stream, so kernels queued after
-``save`` returns (the next optimizer step) run after the copies; the writer waits for them.
+copy is written; that copy is all the caller waits for. The host buffers are kept for the
+next asynchronous save: filling an existing buffer is several times faster than allocating a
+new one (no page faults), and pinning memory for CUDA copies is slow. The price is one host
+copy of what this rank writes, held between saves; ``release_snapshot_buffers()`` frees it.
+CPU tensors are copied in one batch (``torch._foreach_copy_``), so many small tensors cost one
+call, not one each.
+
+CUDA tensors are copied into pinned buffers on a side stream of their device, which first
+waits for the current stream (the copies see every kernel queued before ``save``); the
+current stream then waits for the copies' event, so the kernels queued after ``save`` returns
+(the next optimizer step) cannot change a tensor before it is copied, and a freed source
+block is only reused by the current stream after the copy. Neither wait blocks the host:
+``save`` returns once the copies are queued, and the writer thread waits for the event.
 Only one save is in flight at a time, so a buffer is never refilled while being written.
 """
 
@@ -17,12 +24,14 @@ import torch
 
 from .pending import wait_for_pending_save
 
-# stored key -> host buffer, reused by the next asynchronous save of the same tensor.
-_buffers: Dict[str, torch.Tensor] = {}
+# stored key -> (host buffer, pinned), reused by the next asynchronous save of the same tensor.
+_buffers: Dict[str, Tuple[torch.Tensor, bool]] = {}
+# CUDA device -> (side stream, its copies' event), made once per device.
+_streams: Dict[torch.device, Tuple["torch.cuda.Stream", "torch.cuda.Event"]] = {}
 
 
 class Snapshot:
-    def __init__(self, tensors: Dict[str, torch.Tensor], events: List[torch.cuda.Event]):
+    def __init__(self, tensors: Dict[str, torch.Tensor], events: List["torch.cuda.Event"]):
         self.tensors = tensors
         self._events = events
 
@@ -35,35 +44,53 @@ class Snapshot:
 
 def _buffer(key: str, like: torch.Tensor) -> torch.Tensor:
     pin = like.device.type == "cuda"
-    buffer = _buffers.get(key)
-    if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype or buffer.is_pinned() != pin:
-        buffer = _buffers[key] = torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
-    return buffer
+    kept = _buffers.get(key)
+    if kept is None or kept[1] != pin or kept[0].shape != like.shape or kept[0].dtype != like.dtype:
+        kept = _buffers[key] = (torch.empty(like.shape, dtype=like.dtype, pin_memory=pin), pin)
+    return kept[0]
+
+
+def _copy_from_cuda(device: torch.device, sources: List[torch.Tensor],
+                    buffers: List[torch.Tensor]) -> "torch.cuda.Event":
+    if device not in _streams:
+        _streams[device] = (torch.cuda.Stream(device), torch.cuda.Event())
+    side, copied = _streams[device]
+    current = torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    with torch.cuda.device(device), torch.cuda.stream(side):
+        for buffer, source in zip(buffers, sources):
+            buffer.copy_(source, non_blocking=True)  # queued: the host goes on at once
+    copied.record(side)
+    current.wait_event(copied)
+    return copied
 
 
 def take_snapshot(tensors: List[Tuple[str, torch.Tensor]], copy: bool) -> Snapshot:
     """Host tensors to write, by stored key; ``copy`` makes them independent of the originals."""
+    if not copy:
+        return Snapshot({key: tensor.to("cpu").contiguous() for key, tensor in tensors}, [])
     out: Dict[str, torch.Tensor] = {}
-    devices = set()
+    batches: Dict[torch.device, Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
     for key, tensor in tensors:
-        if copy:
-            out[key] = _buffer(key, tensor).copy_(tensor, non_blocking=tensor.device.type == "cuda")
-            if tensor.device.type == "cuda":
-                devices.add(tensor.device)
-        else:
-            out[key] = tensor.to("cpu").contiguous()
-    if copy:
+        buffer = out[key] = _buffer(key, tensor)
+        sources, buffers = batches.setdefault(tensor.device, ([], []))
+        sources.append(tensor)
+        buffers.append(buffer)
+    if len(_buffers) > len(out):
         for key in set(_buffers) - set(out):  # tensors no longer saved
             del _buffers[key]
     events = []
-    for device in devices:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        events.append(event)
+    for device, (sources, buffers) in batches.items():
+        if device.type == "cuda":
+            events.append(_copy_from_cuda(device, sources, buffers))
+        else:
+            torch._foreach_copy_(buffers, sources)
     return Snapshot(out, events)
 
 
 def release_snapshot_buffers() -> None:
     """Frees the host buffers kept for asynchronous saves (after waiting for the one in flight)."""
     wait_for_pending_save()
+    for _, copied in _streams.values():
+        copied.synchronize()  # a save that failed early may not have waited for its copies
     _buffers.clear()
