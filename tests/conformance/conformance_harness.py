@@ -126,7 +126,7 @@ def check(arch) -> Report:
     rank, world = dist.get_rank(), dist.get_world_size()
     report = Report(rank=rank)
     dtype = torch.float64 if arch.fp64 else torch.float32
-    tol = FP64_TOLERANCE if arch.fp64 else FP32_TOLERANCE
+    tol = arch.tolerance or (FP64_TOLERANCE if arch.fp64 else FP32_TOLERANCE)
     torch.manual_seed(0)
     model = arch.build().to(dtype).eval()
     reference = copy.deepcopy(model)

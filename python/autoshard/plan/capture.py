@@ -349,16 +349,44 @@ def _describe(value):
     return {"shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
 
 
+class StateAtCall:
+    """A stateful input (a key/value cache that grows with each call) as it was when a module
+    was first called: each replay gets a fresh copy of it, so that the replay traces the ops
+    the capture traced (a sliding window's slices of the cache) and leaves no trace behind."""
+
+    def __init__(self, state):
+        self._state = copy.deepcopy(state)
+
+    def fresh(self):
+        return copy.deepcopy(self._state)
+
+    # Identical blocks are given caches of the same kind; what they hold of earlier blocks is
+    # not what a block's own call reads.
+    def __eq__(self, other):
+        return isinstance(other, StateAtCall) and type(other._state) is type(self._state)
+
+    def __hash__(self):
+        return hash(type(self._state))
+
+
 def _replayable(value):
-    """A module's inputs with stateful objects (a key/value cache that grows with each call)
-    replaced by None, so that the call can be replayed."""
+    """A module's inputs with stateful objects kept as they were at the call (StateAtCall),
+    or None for one that cannot be copied."""
     if isinstance(value, (torch.Tensor, int, float, bool, str, type(None))):
         return value
     if isinstance(value, (tuple, list)):
         return type(value)(_replayable(v) for v in value)
     if isinstance(value, dict):
         return {k: _replayable(v) for k, v in value.items()}
-    return None
+    try:
+        return StateAtCall(value)
+    except Exception:  # noqa: BLE001 - an object that cannot be copied is replayed as None
+        return None
+
+
+def replay_inputs(value):
+    """Recorded inputs ready for one replay: every StateAtCall replaced by a fresh copy."""
+    return tree_map(lambda v: v.fresh() if isinstance(v, StateAtCall) else v, value)
 
 
 def input_shapes(args, kwargs) -> str:
@@ -374,6 +402,7 @@ def _named_tensors(args, kwargs):
 def trace_text(module: nn.Module, args: tuple, kwargs: dict, values: Optional[KnownValues] = None) -> str:
     """The ATen-level graph of one module call, for comparing two variants of a module."""
     recorder = _Recorder({})
+    args, kwargs = replay_inputs((args, kwargs))
     with torch.no_grad(), values or contextlib.nullcontext(), recorder:
         module(*args, **kwargs)
     return "\n".join(recorder.lines)
@@ -399,6 +428,7 @@ def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values:
 
         handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
     error = None
+    args, kwargs = replay_inputs((args, kwargs))
     try:
         with torch.no_grad(), values or contextlib.nullcontext(), recorder:
             module(*args, **kwargs)
