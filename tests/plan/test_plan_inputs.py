@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+from transformers import (AutoConfig, AutoModel, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq, CLIPConfig,
+                          CLIPModel)
 from transformers.utils import logging
 
 import autoshard
@@ -49,6 +50,25 @@ def test_inputs_from_the_config():
     _, clip = example_inputs_for(_meta("clip_text_model", AutoModel, hidden_size=48, num_hidden_layers=1,
                                        num_attention_heads=6, intermediate_size=70, vocab_size=101))
     assert set(clip) == {"input_ids"}
+    _, s2t = example_inputs_for(_meta("speech_to_text", AutoModel, d_model=48, encoder_layers=1, decoder_layers=1,
+                                      encoder_attention_heads=6, decoder_attention_heads=6, encoder_ffn_dim=70,
+                                      decoder_ffn_dim=70, vocab_size=101))
+    # Speech2Text: frames x (features per channel x channels), subsampled by two stride-2 convolutions.
+    assert s2t["input_features"].shape == (2, 32, 80) and s2t["decoder_input_ids"].shape == (2, 8)
+
+
+def test_text_and_image_model_gets_both():
+    config = CLIPConfig(text_config=dict(hidden_size=48, num_hidden_layers=1, num_attention_heads=6,
+                                         intermediate_size=70, vocab_size=101),
+                        vision_config=dict(hidden_size=48, num_hidden_layers=1, num_attention_heads=6,
+                                           intermediate_size=70, image_size=8, patch_size=4, num_channels=3),
+                        projection_dim=16)
+    with torch.device("meta"):
+        model = CLIPModel(config)
+    _, kwargs = example_inputs_for(model)
+    assert set(kwargs) == {"input_ids", "pixel_values"} and kwargs["pixel_values"].shape == (2, 3, 8, 8)
+    plan = autoshard.plan(model, world_size=2)
+    assert plan.example["description"] == "input_ids (2, 8), pixel_values (2, 3, 8, 8)"
 
 
 def test_inputs_take_the_model_dtype():

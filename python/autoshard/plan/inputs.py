@@ -3,8 +3,9 @@
 The model's `main_input_name` says what its forward reads first: token ids (`input_ids`),
 images (`pixel_values`, at the config's image size and channels), log-mel features
 (`input_features`, with the config's mel bins and the frame count the encoder accepts) or raw
-audio (`input_values`). Encoder-decoder models also get `decoder_input_ids`; inputs the forward
-requires (no default) are added when autoshard knows how to make them. The tensors are small
+audio (`input_values`). Encoder-decoder models also get `decoder_input_ids`, models of text and
+images (CLIP) get `pixel_values` too, and inputs the forward requires (no default: an
+`attention_mask`, `token_type_ids`) are added when autoshard knows how to make them. The tensors are small
 CPU tensors: the planner runs the forward on their meta copies and keeps their values for the
 few reads of input values the forward makes (a padding check).
 
@@ -80,11 +81,17 @@ def _conv_strides(model: nn.Module) -> int:
 
 
 def _input_features(model: nn.Module, config) -> torch.Tensor:
+    per_channel = _config_value(config, "input_feat_per_channel")
+    if per_channel is not None:
+        # Speech2Text's layout: batch x frames x features, subsampled by stride-2 convolutions.
+        features = per_channel * _config_value(config, "input_channels", default=1)
+        layers = len(_config_value(config, "conv_kernel_sizes", default=()))
+        return torch.zeros(BATCH, SEQUENCE * 2 ** layers, features)
     mel_bins = _config_value(config, "num_mel_bins")
     positions = _config_value(config, "max_source_positions")
     if mel_bins is None or positions is None:
         raise MissingInputs("its config has no num_mel_bins and max_source_positions to make input_features from "
-                            "(autoshard knows Whisper's layout: batch x mel bins x frames)")
+                            "(autoshard knows Whisper's layout, batch x mel bins x frames, and Speech2Text's)")
     # The encoder's convolutions subsample the frames to its positions (Whisper checks it).
     return torch.zeros(BATCH, mel_bins, positions * _conv_strides(model))
 
@@ -94,7 +101,8 @@ def _input_values(config) -> torch.Tensor:
     strides = _config_value(config, "conv_stride")
     if kernels is None or strides is None:
         raise MissingInputs("its config has no conv_kernel and conv_stride to make input_values from")
-    length = SEQUENCE  # frames after the feature extractor's convolutions
+    # Frames after the feature extractor's convolutions: more than a SpecAugment mask spans.
+    length = max(SEQUENCE, 2 * _config_value(config, "mask_time_length", default=0))
     for kernel, stride in reversed(list(zip(kernels, strides))):
         length = (length - 1) * stride + kernel
     return torch.zeros(BATCH, length)
@@ -111,6 +119,13 @@ def _main_input(model: nn.Module, config, name: str) -> torch.Tensor:
         return _input_values(config)
     raise MissingInputs(f"autoshard makes input_ids, pixel_values, input_features and input_values, "
                         f"not its main input {name!r}")
+
+
+def _accepted(model: nn.Module):
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def _required(model: nn.Module):
@@ -137,6 +152,9 @@ def example_inputs_for(model: nn.Module) -> Tuple[tuple, Dict[str, torch.Tensor]
         if getattr(config, "is_encoder_decoder", False):
             kwargs["decoder_input_ids"] = _token_ids(config, "max_target_positions", "max_position_embeddings",
                                                      "n_positions")
+        # A model of text and images (CLIP) reads both: its images have a config of their own.
+        if name == "input_ids" and getattr(config, "vision_config", None) is not None and "pixel_values" in _accepted(model):
+            kwargs["pixel_values"] = _pixel_values(config.vision_config)
         for extra in _required(model):
             if extra in kwargs:
                 continue
