@@ -24,6 +24,7 @@ from .model_state import ParallelState, attach_layer_state, state_of
 from .partitioned_state import partition_replicated
 from .plan import ShardingPlan, plan as make_plan
 from .plan.capture import input_shapes, inputs_on_meta, meta_shadow, trace_shapes
+from .plan.inputs import ordinary_token
 from .plan.meta_values import KnownValues
 from .plan.layers import describe_layer
 from .plan.prediction import ShapeMismatch, check_model_trace
@@ -184,7 +185,7 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
 
 
 def _example_inputs(model: nn.Module, plan: ShardingPlan, example_inputs, values: KnownValues):
-    """The dry run's inputs on meta: the caller's, else those the plan was made with (zeros of
+    """The dry run's inputs on meta: the caller's, else those the plan was made with (tensors of
     their shapes for a plan read from JSON), else made from the model's config."""
     if example_inputs is not None:
         return inputs_on_meta(model, example_inputs, values)
@@ -193,8 +194,14 @@ def _example_inputs(model: nn.Module, plan: ShardingPlan, example_inputs, values
         return values.to_meta(recorded[0]), values.to_meta(recorded[1])
     spec = plan.example.get("inputs")
     if spec is not None:
-        make = lambda s: torch.zeros(s["shape"], dtype=getattr(torch, s["dtype"]))
-        args, kwargs = tuple(make(s) for s in spec["args"]), {k: make(s) for k, s in spec["kwargs"].items()}
+        # Ids hold a token that is no special one (1 without a config: 0 is the usual padding)
+        # and masks ones, so that a padding check finds no padding; the rest zeros.
+        token = ordinary_token(model.config) if hasattr(model, "config") else 1
+
+        def make(s, name=""):
+            fill = token if name.endswith("input_ids") else 1 if name.endswith("mask") else 0
+            return torch.full(s["shape"], fill, dtype=getattr(torch, s["dtype"]))
+        args, kwargs = tuple(make(s) for s in spec["args"]), {k: make(s, k) for k, s in spec["kwargs"].items()}
         return values.to_meta(args), values.to_meta(kwargs)
     return inputs_on_meta(model, None, values)
 

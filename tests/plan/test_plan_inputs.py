@@ -2,11 +2,13 @@
 meta capture. The multi-rank equality of these models' sharded outputs and gradients with the
 unsharded model's is in tests/conformance (entries with planning="auto")."""
 
+import copy
 import importlib
 import json
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import (AutoConfig, AutoModel, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq, CLIPConfig,
                           CLIPModel)
@@ -16,6 +18,7 @@ import autoshard
 from autoshard.plan.inputs import example_inputs_for
 from autoshard.plan.meta_values import KnownValues
 from hf_models import build
+from multirank import run_on_ranks
 
 logging.set_verbosity_error()
 capture_module = importlib.import_module("autoshard.plan.capture")
@@ -123,7 +126,8 @@ class PaddingCheck(nn.Module):
         self.embed = nn.Embedding(50, 16)
         self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
 
-    def forward(self, ids):
+    def forward(self, input_ids):
+        ids = input_ids
         if (ids == 0).any().item() or 0 in ids[:, [-1, 0]].tolist()[0] or ids.nonzero().shape[0] != ids.numel():
             raise ValueError("padding")
         positions = torch.arange(ids.shape[1])
@@ -170,3 +174,31 @@ def test_answering_value_reads_changes_no_plan_that_worked(kind, monkeypatch):
     monkeypatch.setattr(capture_module, "KnownValues", _Passthrough)
     before = json.loads(autoshard.plan(model, world_size=3, example_inputs=ids).to_json())
     assert now == before
+
+
+def _dry_run_inputs():
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    reference = PaddingCheck()
+    ids = torch.randint(1, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    plan = autoshard.plan(reference, world_size=world, example_inputs={"input_ids": ids})
+    results = {}
+    # The dry run runs on the inputs given to parallelize: padded ones take the model's error path.
+    try:
+        autoshard.parallelize(copy.deepcopy(reference), plan, example_inputs=(torch.zeros(3, 5, dtype=torch.long),))
+    except ValueError as error:
+        results["padded"] = str(error)
+    # Other shapes than the plan's: no shape prediction to compare with, the run itself is checked.
+    other = torch.randint(1, 50, (3, 5), generator=torch.Generator().manual_seed(2))
+    model = autoshard.parallelize(copy.deepcopy(reference), plan, example_inputs=(other,))
+    torch.testing.assert_close(model(other), reference(other), rtol=1e-5, atol=1e-6)
+    # A plan read from JSON keeps only shapes: ids are made of an ordinary token, not padding.
+    again = autoshard.ShardingPlan.from_json(plan.to_json())
+    model = autoshard.parallelize(copy.deepcopy(reference), again)
+    torch.testing.assert_close(model(ids), reference(ids), rtol=1e-5, atol=1e-6)
+    return results
+
+
+def test_parallelize_dry_run_uses_its_example_inputs():
+    for results in run_on_ranks(_dry_run_inputs, 2):
+        assert "meta copy" in results["padded"] and "padding" in results["padded"]

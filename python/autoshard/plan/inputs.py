@@ -45,7 +45,7 @@ def _config_value(config, *names, default=None):
     return default
 
 
-def _token(config) -> int:
+def ordinary_token(config) -> int:
     """A token id that is no special token (so that a padding check finds no padding)."""
     special = set()
     for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
@@ -63,7 +63,7 @@ def _sequence(config, *limits) -> int:
 
 
 def _token_ids(config, *limits) -> torch.Tensor:
-    return torch.full((BATCH, _sequence(config, *limits)), _token(config), dtype=torch.long)
+    return torch.full((BATCH, _sequence(config, *limits)), ordinary_token(config), dtype=torch.long)
 
 
 def _pixel_values(config) -> torch.Tensor:
