@@ -26,6 +26,25 @@ class UnknownValueError(RuntimeError):
     """An op needs the values of a meta tensor that depends on more than the example inputs."""
 
 
+def _shallow_tensors(value, keep_none: bool = False) -> list:
+    """The tensors of an op's arguments or results: a tensor, or a sequence holding tensors (one
+    level deep, as ATen's schemas allow); with keep_none, every position of the sequence."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple, type({}.values()))):
+        found = []
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif isinstance(item, (list, tuple)):
+                found += [t if isinstance(t, torch.Tensor) else None for t in item
+                          if keep_none or isinstance(t, torch.Tensor)]
+            elif keep_none:
+                found.append(None)
+        return found
+    return []
+
+
 def _is_meta(value) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type == "meta"
 
@@ -38,6 +57,7 @@ class KnownValues(TorchDispatchMode):
         # id(meta tensor) -> (the meta tensor, kept alive so that ids stay unique; its twin)
         self._twins: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._stale = set()  # storages of twins whose tensor was written with unknown values
+        self._written: Dict[object, list] = {}  # op -> the arguments it writes to
 
     # ---- twins
 
@@ -117,12 +137,14 @@ class KnownValues(TorchDispatchMode):
         return twin_args, twin_kwargs
 
     def _mutated(self, func, args, kwargs):
-        schema = func._schema
-        for index, argument in enumerate(schema.arguments):
-            if argument.alias_info is not None and argument.alias_info.is_write:
-                value = args[index] if index < len(args) else kwargs.get(argument.name)
-                if isinstance(value, torch.Tensor):
-                    yield value
+        written = self._written.get(func)
+        if written is None:
+            written = self._written[func] = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                                              if a.alias_info is not None and a.alias_info.is_write]
+        for index, name in written:
+            value = args[index] if index < len(args) else kwargs.get(name)
+            if isinstance(value, torch.Tensor):
+                yield value
 
     def _forget(self, meta: torch.Tensor) -> None:
         """`meta` was written with unknown values: its twin, and every view sharing its storage,
@@ -132,25 +154,22 @@ class KnownValues(TorchDispatchMode):
             self._stale.add(entry[1].untyped_storage().data_ptr())
 
     def _follow(self, func, args, kwargs, out) -> None:
-        flat_out = [o for o in tree_flatten(out)[0] if _is_meta(o)]
-        if not flat_out:
+        outputs = _shallow_tensors(out)
+        if not any(o.device.type == "meta" for o in outputs):
             return
-        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        # A factory op (arange, full) has no tensor inputs: its twin is made on the CPU. Seeded
-        # random ops are left unknown: planning must not draw from the caller's generator.
-        known = (torch.Tag.nondeterministic_seeded not in func.tags
-                 and all(o.numel() <= TWIN_ELEMENT_LIMIT for o in flat_out)
-                 and all(self.twin(t) is not None for t in tensors))
-        if not known:
-            for written in self._mutated(func, args, kwargs):
-                self._forget(written)
-            return
-        twin_out = self._run_on_twins(func, args, kwargs)
+        tensors = _shallow_tensors(args) + _shallow_tensors(kwargs.values())
+        # Most ops read a weight or an activation: no twin, nothing to compute.
+        known = all(self.twin(t) is not None for t in tensors)
+        if known:
+            known = (torch.Tag.nondeterministic_seeded not in func.tags
+                     and all(o.numel() <= TWIN_ELEMENT_LIMIT for o in outputs))
+        twin_out = self._run_on_twins(func, args, kwargs) if known else None
         if twin_out is None:
-            for written in self._mutated(func, args, kwargs):
-                self._forget(written)
+            if self._twins:
+                for written in self._mutated(func, args, kwargs):
+                    self._forget(written)
             return
-        for meta, twin in zip(tree_flatten(out)[0], tree_flatten(twin_out)[0]):
+        for meta, twin in zip(_shallow_tensors(out, keep_none=True), _shallow_tensors(twin_out, keep_none=True)):
             if _is_meta(meta) and isinstance(twin, torch.Tensor) and tuple(twin.shape) == tuple(meta.shape):
                 self.know(meta, twin)
 
