@@ -57,26 +57,6 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
-def _check_shared_kv_regions(model: nn.Module, plan: ShardingPlan) -> None:
-    """Refuses a region whose KV heads are shared by several ranks when it also reads a trainable
-    parameter that is not one of its layers' (a QK-norm's weight): summing such a parameter's
-    partial gradients over the group would count each shared KV head once per holder, and
-    training would silently diverge."""
-    planned = {layer.module for layer in plan.layers}
-    for region in plan.regions.values():
-        if not region.repeat or not region.module:
-            continue
-        prefix = region.module + "."
-        inside = [name for name, p in model.named_parameters() if name.startswith(prefix) and p.requires_grad
-                  and name.rpartition(".")[0] not in planned]
-        if inside:
-            raise ValueError(
-                f"parallelize: {region.module!r} shares its KV heads across ranks (fewer KV heads than the ranks "
-                f"need) and reads replicated parameters {inside[:4]} inside it, whose gradients autoshard cannot "
-                "yet sum there; use a world size that divides the KV heads, or keep the region whole with "
-                "overrides. The model was left unchanged")
-
-
 def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> None:
     if not isinstance(plan, ShardingPlan):
         raise TypeError(f"parallelize: plan must be a ShardingPlan, got {type(plan).__name__}")
@@ -84,7 +64,6 @@ def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> N
         raise ValueError(f"parallelize: the plan was made for world_size={plan.world_size}, "
                          f"but the group has {world_size} ranks")
     params = dict(model.named_parameters(remove_duplicate=False))
-    _check_shared_kv_regions(model, plan)
     for layer in plan.layers:
         try:
             module = model.get_submodule(layer.module)

@@ -1,6 +1,6 @@
 """The conformance matrix: every architecture of conformance_table at 2, 3 and 4 gloo ranks
 against the unsharded model (logits, every gradient, collectives against the plan, clipping's
-norm, the state after one step). `make test` runs the entries marked small at 2 and 3 ranks;
+norm, the state after one step). `make test` runs the entries marked small (at 2 and 3 ranks, or the sizes they name);
 `make conformance` runs everything (the `conformance_full` marker)."""
 
 import os
@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conformance_harness import judge  # noqa: E402
-from conformance_table import DEFECT_MODELS, SMALL_WORLD_SIZES, TABLE, WORLD_SIZES, check_named  # noqa: E402
+from conformance_table import DEFECT_MODELS, TABLE, WORLD_SIZES, check_named  # noqa: E402
 from multirank import run_on_ranks  # noqa: E402
 
 # Building, planning and checking a tiny model takes a few seconds per rank; 4 ranks share 2 cores.
@@ -22,7 +22,7 @@ def _params():
     for arch in TABLE:
         for world_size in WORLD_SIZES:
             marks = [pytest.mark.conformance]
-            if not (arch.small and world_size in SMALL_WORLD_SIZES):
+            if not arch.small_at(world_size):
                 marks.append(pytest.mark.conformance_full)
             xfail = arch.xfail_at(world_size)
             if xfail is not None:

@@ -12,6 +12,7 @@ import autoshard
 from autoshard import checkpoint
 from autoshard.nn.spec import ShardSpec
 from hf_models import build
+from gathered import gathered_grads
 from multirank import run_on_ranks
 
 # (query heads, KV heads, world size): 6/2 on 3 and 4 ranks, 6/3 and 4/2 on 4. A single KV
@@ -78,23 +79,6 @@ def test_owned_ranges_cover_each_kv_head_once():
         assert len(held) > len(covered) or world <= kv_heads
 
 
-def _gathered_grads(model):
-    """Every parameter's full gradient, by the model's own names (each rank's local grads
-    gathered at their places, as full_state_dict does for values)."""
-    from autoshard.model_state import state_of
-    from autoshard.state import gather_full
-
-    shards = state_of(model).shards()
-    grads = {}
-    for name, p in model.named_parameters():
-        if id(p) in shards:
-            spec, group = shards[id(p)]
-            grads[name] = gather_full(p.grad, spec, group)
-        else:
-            grads[name] = p.grad
-    return grads
-
-
 def _check_forward_backward(q_heads, kv_heads):
     world = dist.get_world_size()
     model, reference = _build(q_heads, kv_heads), _build(q_heads, kv_heads)
@@ -111,7 +95,7 @@ def _check_forward_backward(q_heads, kv_heads):
     (expected * weights).sum().backward()
     counted = {"forward": forward.counts, "backward": backward.counts}
     predicted = {"forward": plan.collectives("forward"), "backward": plan.collectives("backward")}
-    got = _gathered_grads(model)
+    got = gathered_grads(model)
     worst = 0.0
     for name, p in reference.named_parameters():
         torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 
 import autoshard
+from gathered import gathered_grads
 from multirank import run_on_ranks
-from soundness_models import build_partial_rotary
+from soundness_models import build_partial_rotary, build_shared_kv_rotary
 
 
 def test_coincident_attribute_is_not_localized():
@@ -34,6 +35,35 @@ def _check_partial_rotary():
 @pytest.mark.parametrize("world_size", [2])
 def test_coincident_attribute_logits_equal_unsharded(world_size):
     assert run_on_ranks(_check_partial_rotary, world_size) == [2] * world_size
+
+
+def test_coincident_attribute_with_shared_kv_heads_is_not_localized():
+    # On 4 ranks the KV heads are shared: the shapes along repeat_kv's repeated axis are
+    # predicted too, so rotary_dims (equal to the query heads per KV head) stays whole.
+    p = autoshard.plan(build_shared_kv_rotary(), world_size=4, example_inputs=(torch.zeros(2, 7, dtype=torch.long),))
+    region = p.regions[p.layer("attn.q").region]
+    assert region.repeat == 2
+    assert region.attributes == {"num_heads": 6, "num_kv_heads": 3}, region.attributes
+
+
+def _check_shared_kv_rotary():
+    reference, model = build_shared_kv_rotary(), build_shared_kv_rotary()
+    reference.double(), model.double()
+    ids = torch.randint(0, 37, (2, 7), generator=torch.Generator().manual_seed(1))
+    autoshard.parallelize(model, autoshard.plan(model, world_size=dist.get_world_size(), example_inputs=(ids,)))
+    want = reference(ids)
+    got = model(ids)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    grads = gathered_grads(model)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-11, msg=lambda m: f"{name}: {m}")
+    return model.attn.rotary_dims, sorted(grads) == sorted(dict(reference.named_parameters()))
+
+
+def test_shared_kv_rotary_logits_and_gradients_equal_unsharded():
+    assert run_on_ranks(_check_shared_kv_rotary, 4) == [(2, True)] * 4
 
 
 def _refused_before_any_weight():

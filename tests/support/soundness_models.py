@@ -148,11 +148,18 @@ class PartialRotaryAttention(nn.Module):
 
 
 class PartialRotaryModel(Model):
-    def __init__(self):
+    def __init__(self, **attention):
         super().__init__()
-        self.attn = PartialRotaryAttention()
+        self.attn = PartialRotaryAttention(**attention)
 
 
 def build_partial_rotary(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return PartialRotaryModel()
+
+
+def build_shared_kv_rotary(seed: int = 0) -> nn.Module:
+    """6 query heads over 3 KV heads: on 4 ranks ([2, 2, 1, 1] query heads) each rank holds one
+    KV head, shared, and rotary_dims (2) equals the query heads per KV head."""
+    torch.manual_seed(seed)
+    return PartialRotaryModel(heads=6, kv_heads=3, rotary_dims=2)

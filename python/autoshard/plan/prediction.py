@@ -32,6 +32,7 @@ class Prediction:
         self.graph = graph
         self.layouts = {t["tensor"]: t for t in tensors}
         self.plan = None  # set once the plan exists
+        self._repeat_axes: Optional[Dict[int, Tuple[int, int]]] = None
 
     def local_size(self, layout: dict, rank: int) -> int:
         region = self.plan.regions[layout["region"]]
@@ -42,34 +43,90 @@ class Prediction:
             return size // region.coarse_units * spec.local_size()
         return size // region.units * split_sizes(region.units, world)[rank]
 
+    def repeat_axes(self) -> Dict[int, Tuple[int, int]]:
+        """tensor -> (axis, region) for the axis that repeats each shared KV head for its query
+        heads (repeat_kv's expand of a (.., kv, 1, ..) view to (.., kv, n_rep, ..)): its local
+        size is the query heads per KV head on the rank, not the global n_rep."""
+        if self._repeat_axes is not None:
+            return self._repeat_axes
+        axes: Dict[int, Tuple[int, int]] = {}
+        shapes = self.graph.shapes
+        for label, inputs, outputs in self.graph.nodes:
+            if len(inputs) != 1 or len(outputs) != 1:
+                continue
+            source, out = inputs[0], outputs[0]
+            if source in axes and _op(label) in _LAYOUT_COPIES and shapes[source] == shapes[out]:
+                axes[out] = axes[source]
+                continue
+            if _op(label) != "expand" or len(shapes[source]) != len(shapes[out]):
+                continue
+            grown = [d for d, (a, b) in enumerate(zip(shapes[source], shapes[out])) if a != b]
+            layout = self.layouts.get(source)
+            if len(grown) != 1 or layout is None or not layout["coarse"] or layout["region"] not in self.plan.regions:
+                continue
+            region = self.plan.regions[layout["region"]]
+            axis = grown[0]
+            if region.repeat and axis == layout["axis"] + 1 and shapes[out][axis] == region.repeat:
+                axes[out] = (axis, layout["region"])
+        self._repeat_axes = axes
+        return axes
+
     def local_shape(self, tensor: int, rank: int) -> Tuple[int, ...]:
         shape = list(self.graph.shapes[tensor])
         layout = self.layouts.get(tensor)
         if layout is not None and layout["region"] in self.plan.regions:
             shape[layout["axis"]] = layout["outer"] * self.local_size(layout, rank)
+        repeat = self.repeat_axes().get(tensor)
+        if repeat is not None:
+            axis, region = repeat
+            shape[axis] = self.plan.regions[region].local_value(shape[axis], rank, self.plan.world_size)
         return tuple(shape)
 
-    def nodes(self, rank: int, first: int = 0, end: Optional[int] = None) -> List[Tuple[str, List[tuple], bool]]:
-        """(label, predicted local output shapes, whether it is a no-op on this rank) of the
-        graph's nodes [first, end): a reshape or broadcast to its input's own local shape
-        (repeat_kv with one query head per KV head) may be skipped by the model."""
+    def nodes(self, rank: int, first: int = 0, end: Optional[int] = None) -> List[Tuple[str, List[tuple], Optional[int]]]:
+        """(label, predicted local output shapes, where the model may go on instead) of the
+        graph's nodes [first, end). The third field is None, or the index (relative to `first`)
+        past a run of reshapes, broadcasts and copies that starts here and ends at its first
+        input's own local shape: the model may skip such a run on this rank (repeat_kv with one
+        query head per KV head returns its input)."""
         end = len(self.graph.nodes) if end is None else end
+        local = {}
+        shape_of = lambda t: local.setdefault(t, self.local_shape(t, rank))
         nodes = []
         for index in range(first, end):
             label, inputs, outputs = self.graph.nodes[index]
             layer = index in self.graph.layers
-            shapes = [self.local_shape(t, rank) for t in outputs]
-            noop = (not layer and len(inputs) == 1 and len(outputs) == 1
-                    and self.local_shape(inputs[0], rank) == shapes[0])
-            nodes.append(("layer" if layer else label, shapes, noop))
-        return nodes
+            shapes = [shape_of(t) for t in outputs]
+            nodes.append(("layer" if layer else label, shapes, None if layer else self._skippable(index, end, shape_of)))
+        return [(label, shapes, None if skip is None else skip - first) for label, shapes, skip in nodes]
 
-    def module_nodes(self, module: str, rank: int) -> List[Tuple[str, List[tuple], bool]]:
+    def _skippable(self, index: int, end: int, shape_of) -> Optional[int]:
+        label, inputs, outputs = self.graph.nodes[index]
+        if len(inputs) != 1 or len(outputs) != 1:
+            return None
+        start = shape_of(inputs[0])
+        if shape_of(outputs[0]) == start:
+            return index + 1  # any op giving its input's own local shape (a no-op reshape)
+        if _op(label) not in _SHAPE_ONLY:
+            return None
+        for j in range(index, end):
+            label, inputs, outputs = self.graph.nodes[j]
+            if j > index and (len(inputs) != 1 or len(outputs) != 1 or _op(label) not in _SHAPE_ONLY
+                              or inputs[0] != self.graph.nodes[j - 1][2][0]):
+                return None
+            if shape_of(outputs[0]) == start:
+                return j + 1
+        return None
+
+    def module_nodes(self, module: str, rank: int) -> List[Tuple[str, List[tuple], Optional[int]]]:
         first, end = self.graph.module_nodes.get(module, (0, -1))
         return self.nodes(rank, first, max(end, first))
 
 
 _SAME_OP = {"_unsafe_view": "view", "_reshape_alias": "view", "reshape": "view"}
+# Ops that keep their input's values and layout (a repeat axis passes through them).
+_LAYOUT_COPIES = {"clone", "contiguous", "_to_copy", "alias", "detach"}
+# Ops a model may leave out where they would return their input's shape on a rank.
+_SHAPE_ONLY = {"view", "unsqueeze", "squeeze", "expand", "flatten", "unflatten", "slice"} | _LAYOUT_COPIES
 
 
 def _op(label: str) -> str:
@@ -82,16 +139,17 @@ def _op(label: str) -> str:
 
 def _first_difference(got, want, stop_at_other_ops: bool = False) -> Optional[Tuple[int, str]]:
     """Where a trace first differs from the prediction: (how many traced ops matched, why);
-    None if it matches. Predicted no-ops the trace skipped are passed over."""
+    None if it matches. Runs of predicted ops the model may skip on this rank, and that the
+    trace skipped, are passed over."""
     i = j = 0
     while i < len(want) and j < len(got):
-        label, shapes, noop = want[i]
+        label, shapes, skip = want[i]
         traced_label, traced = got[j]
         same_op = _op(label) == _op(traced_label)
         if same_op and [tuple(s) for s in shapes] == [tuple(s) for s in traced]:
             i, j = i + 1, j + 1
-        elif noop:
-            i += 1
+        elif skip is not None:
+            i = skip
         elif not same_op and _op(traced_label) in ("clone", "contiguous"):
             j += 1  # a copy the layout needs here (reshape of a non-contiguous local tensor)
         elif not same_op:
@@ -99,8 +157,8 @@ def _first_difference(got, want, stop_at_other_ops: bool = False) -> Optional[Tu
         else:
             return j, (f"op {traced_label} gives shapes {[list(s) for s in traced]}, the plan predicts "
                        f"{[list(s) for s in shapes]}"), i
-    while i < len(want) and want[i][2]:
-        i += 1
+    while i < len(want) and want[i][2] is not None:
+        i = want[i][2]
     if i < len(want) or j < len(got):
         return None if stop_at_other_ops else (j, f"{len(got)} ops where the plan traced {len(want)}", i)
     return None
@@ -232,9 +290,8 @@ def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, 
             return index, f"{type(error).__name__}: {error}"
         return None if found is None else found[:2]
 
-    # Einsum layers have no local stand-in, and with KV heads shared (repeat) the prediction
-    # does not yet follow the repeat axis that repeat_kv localises: both keep the former rule.
-    if region.repeat or not _LocalModule(plan, name, module, ranks[0]).supported:
+    # Einsum layers have no local stand-in: they keep the former rule.
+    if not _LocalModule(plan, name, module, ranks[0]).supported:
         return _fallback(prediction.graph, name, module, candidates)
     progress = lambda result: float("inf") if result is None else result[0]
     # A candidate is kept when it lets the trace match further on some rank and no less far
@@ -285,8 +342,6 @@ def check_model_trace(prediction: Prediction, got: List[Tuple[str, List[tuple]]]
     """Compares the trace of a whole sharded model (on meta) with the prediction, op by op,
     as far as both run the same ops."""
     graph = prediction.graph
-    if any(region.repeat for region in prediction.plan.regions.values()):
-        return  # KV heads shared: the repeat axis is not predicted yet (see _choose)
     found = _first_difference(got, prediction.nodes(rank), stop_at_other_ops=True)
     if found is None:
         return

@@ -1,0 +1,18 @@
+"""Full gradients of a parallelized model, for comparison with the unsharded model's."""
+
+from autoshard.model_state import state_of
+from autoshard.state import gather_full
+
+
+def gathered_grads(model):
+    """Every parameter's full gradient, by the model's own names (each rank's local grads
+    gathered at their places, as full_state_dict does for values)."""
+    shards = state_of(model).shards()
+    grads = {}
+    for name, p in model.named_parameters():
+        if id(p) in shards:
+            spec, group = shards[id(p)]
+            grads[name] = gather_full(p.grad, spec, group)
+        else:
+            grads[name] = p.grad
+    return grads
