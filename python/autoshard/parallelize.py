@@ -23,11 +23,11 @@ from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .model_state import ParallelState, attach_layer_state, state_of
 from .partitioned_state import partition_replicated
 from .plan import ShardingPlan, plan as make_plan
-from .plan.capture import input_shapes, inputs_on_meta, meta_shadow, trace_shapes
+from .plan.capture import every_block_run, input_shapes, inputs_on_meta, meta_shadow, trace_shapes
 from .plan.inputs import ordinary_token
 from .plan.meta_values import KnownValues
 from .plan.layers import describe_layer
-from .plan.prediction import ShapeMismatch, check_model_trace
+from .plan.prediction import FoldedBlockMismatch, ShapeMismatch, check_model_trace
 
 
 class SharedInputCopy:
@@ -207,8 +207,10 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_
         with torch.no_grad(), values:
             outputs = shadow(*args, **kwargs)
     except ShapeMismatch as error:
-        raise ValueError(f"parallelize: on a meta copy of the model, {error}; the plan was refused and the model "
-                         "left unchanged") from None
+        refusal = ValueError(f"parallelize: on a meta copy of the model, {error}; the plan was refused and the model "
+                             "left unchanged")
+        refusal.folded_block = isinstance(error, FoldedBlockMismatch)
+        raise refusal from None
     except Exception as error:
         raise ValueError(f"parallelize: the plan does not run on a meta copy of the model "
                          f"({type(error).__name__}: {error}); the model was left unchanged") from error
@@ -267,10 +269,19 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     group = resolve(group, "parallelize")
     # Before anything that could fail on some ranks only (and leave the others waiting).
     check_ranks_agree(model, plan.to_json() if isinstance(plan, ShardingPlan) else None, group)
-    if plan is None:
+    planned_here = plan is None
+    if planned_here:
         plan = make_plan(model, world_size=group.size(), example_inputs=example_inputs)
     _check_plan_fits(model, plan, group.size())
-    _dry_run(model, plan, group, example_inputs)
+    try:
+        _dry_run(model, plan, group, example_inputs)
+    except ValueError as refusal:
+        if not (planned_here and getattr(refusal, "folded_block", False)):
+            raise
+        with every_block_run():  # a block that looked identical to another computes otherwise
+            plan = make_plan(model, world_size=group.size(), example_inputs=example_inputs)
+        _check_plan_fits(model, plan, group.size())
+        _dry_run(model, plan, group, example_inputs)
     _apply(model, plan, group)
     for module in model.modules():
         if hasattr(type(module), "reduce_dtype"):

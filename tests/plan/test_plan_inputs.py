@@ -156,6 +156,9 @@ def test_known_values_follow_in_place_writes():
         with pytest.raises(RuntimeError, match="depend on more than the example inputs"):
             y.tolist()
         assert x.tolist() == [0, 1, 2, 3]
+        # Uninitialized memory is no value to answer with.
+        with pytest.raises(RuntimeError, match="depend on more than the example inputs"):
+            torch.empty(3, device="meta").tolist()
 
 
 class _Passthrough(KnownValues):

@@ -16,11 +16,27 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .folding import BlockFolder
 from .inputs import example_inputs_for, missing_decoder_inputs
 from .layers import LayerInfo, describe_layer
 from .meta_values import KnownValues
 
 aten = torch.ops.aten
+
+# Identical blocks (every decoder layer) are run once and recorded again for the others (see
+# folding.py); every_block_run() turns this off.
+FOLD_BLOCKS = True
+
+
+@contextlib.contextmanager
+def every_block_run():
+    """Captures within run every block of the model, identical or not."""
+    global FOLD_BLOCKS
+    saved, FOLD_BLOCKS = FOLD_BLOCKS, False
+    try:
+        yield
+    finally:
+        FOLD_BLOCKS = saved
 
 _VIEWS = {
     aten.view, aten._unsafe_view, aten.reshape, aten._reshape_alias, aten.unsqueeze, aten.squeeze,
@@ -62,6 +78,7 @@ class CapturedGraph:
     values: Optional[KnownValues] = None
     # The example inputs (args, kwargs) with their values on the CPU (None where too large to keep).
     input_values: Optional[Tuple[tuple, dict]] = None
+    folded: Dict[str, str] = field(default_factory=dict)  # block recorded without running -> the block it copies
 
 
 def _normalize_dim(dim: int, ndim: int) -> int:
@@ -79,18 +96,27 @@ class _Recorder(TorchDispatchMode):
         self.nodes: List[Tuple[str, Tuple[int, ...], Tuple[int, ...]]] = []
         self.node_count = 0
         self.layer_depth = 0
+        # What was recorded, in order: ("tensor", id) and ("node", kind, label, inputs, outputs,
+        # args), so that a call of a block can be recorded again for an identical block.
+        self.log: List[tuple] = []
 
     def tensor_id(self, t: torch.Tensor) -> int:
         key = id(t)
         if key not in self.ids:
-            self.ids[key] = len(self.keep)
-            self.keep.append(t)
-            self.shapes.append(tuple(int(s) for s in t.shape))
-            shape = " ".join(str(int(s)) for s in t.shape)
-            self.lines.append(f"tensor {self.ids[key]} {t.dim()} {shape}".rstrip())
+            self.ids[key] = self.declare(t.shape)
+            self.keep[-1] = t
             if key in self.param_index:
                 self.lines.append(f"param {self.ids[key]} {self.param_index[key]}")
         return self.ids[key]
+
+    def declare(self, shape) -> int:
+        """A new tensor id of the given shape (a tensor of a block that is not run)."""
+        index = len(self.keep)
+        self.keep.append(None)
+        self.shapes.append(tuple(int(s) for s in shape))
+        self.lines.append(f"tensor {index} {len(shape)} {' '.join(str(int(s)) for s in shape)}".rstrip())
+        self.log.append(("tensor", index))
+        return index
 
     def fresh(self, like: torch.Tensor) -> int:
         stand_in = torch.empty(like.shape, device="meta")
@@ -102,6 +128,7 @@ class _Recorder(TorchDispatchMode):
             f"out {len(outputs)} {' '.join(map(str, outputs))} args {len(args)} {' '.join(str(int(a)) for a in args)}"
         )
         self.nodes.append((label, tuple(inputs), tuple(outputs)))
+        self.log.append(("node", kind, label, tuple(inputs), tuple(outputs), tuple(int(a) for a in args)))
         self.node_count += 1
         return self.node_count - 1
 
@@ -293,8 +320,9 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
     example = describe_inputs(args, kwargs)
+    folder = BlockFolder(shadow, recorder, param_index, layers, module_inputs, module_nodes, enabled=FOLD_BLOCKS)
     try:
-        with torch.no_grad(), values, recorder:
+        with torch.no_grad(), values, recorder, folder:
             outputs = shadow(*args, **kwargs)
     except Exception as error:
         hint = ""
@@ -330,6 +358,7 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
         module_nodes=module_nodes,
         values=values,
         input_values=input_values,
+        folded={name: folder.folds[name] for name in folder.folded},
     )
 
 
@@ -355,10 +384,10 @@ class StateAtCall:
     the capture traced (a sliding window's slices of the cache) and leaves no trace behind."""
 
     def __init__(self, state):
-        self._state = copy.deepcopy(state)
+        self._state = _copy_structure(state)
 
     def fresh(self):
-        return copy.deepcopy(self._state)
+        return _copy_structure(self._state)
 
     # Identical blocks are given caches of the same kind; what they hold of earlier blocks is
     # not what a block's own call reads.
@@ -367,6 +396,27 @@ class StateAtCall:
 
     def __hash__(self):
         return hash(type(self._state))
+
+
+def _copy_structure(state):
+    """A deep copy of `state` that shares its tensors: the containers and objects that a cache
+    rebinds as it grows are copied, while meta tensors, which hold no data to change, are not
+    (copying them would make the capture's cost grow with the square of the layer count)."""
+    memo, seen, stack = {}, set(), [state]
+    while stack:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            memo[id(value)] = value
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            stack.extend(vars(value).values())
+    return copy.deepcopy(state, memo)
 
 
 def _replayable(value):

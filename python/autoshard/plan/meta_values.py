@@ -26,6 +26,11 @@ class UnknownValueError(RuntimeError):
     """An op needs the values of a meta tensor that depends on more than the example inputs."""
 
 
+# Their values are whatever memory held: never a value to answer with.
+_UNINITIALIZED = {torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.empty_like,
+                  torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided, torch.ops.aten.empty_permuted}
+
+
 def _shallow_tensors(value, keep_none: bool = False) -> list:
     """The tensors of an op's arguments or results: a tensor, or a sequence holding tensors (one
     level deep, as ATen's schemas allow); with keep_none, every position of the sequence."""
@@ -161,7 +166,7 @@ class KnownValues(TorchDispatchMode):
         # Most ops read a weight or an activation: no twin, nothing to compute.
         known = all(self.twin(t) is not None for t in tensors)
         if known:
-            known = (torch.Tag.nondeterministic_seeded not in func.tags
+            known = (torch.Tag.nondeterministic_seeded not in func.tags and func.overloadpacket not in _UNINITIALIZED
                      and all(o.numel() <= TWIN_ELEMENT_LIMIT for o in outputs))
         twin_out = self._run_on_twins(func, args, kwargs) if known else None
         if twin_out is None:

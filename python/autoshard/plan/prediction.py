@@ -25,6 +25,10 @@ class ShapeMismatch(ValueError):
     """A traced tensor's shape differs from the plan's prediction."""
 
 
+class FoldedBlockMismatch(ShapeMismatch):
+    """A block the capture recorded as identical to another does not compute what it does."""
+
+
 class Prediction:
     """Local shapes per rank of the tensors of a captured graph, from the planner's layouts."""
 
@@ -137,7 +141,7 @@ def _op(label: str) -> str:
     return _SAME_OP.get(name, name)
 
 
-def _first_difference(got, want, stop_at_other_ops: bool = False) -> Optional[Tuple[int, str]]:
+def _first_difference(got, want) -> Optional[Tuple[int, str]]:
     """Where a trace first differs from the prediction: (how many traced ops matched, why);
     None if it matches. Runs of predicted ops the model may skip on this rank, and that the
     trace skipped, are passed over."""
@@ -153,14 +157,14 @@ def _first_difference(got, want, stop_at_other_ops: bool = False) -> Optional[Tu
         elif not same_op and _op(traced_label) in ("clone", "contiguous"):
             j += 1  # a copy the layout needs here (reshape of a non-contiguous local tensor)
         elif not same_op:
-            return None if stop_at_other_ops else (j, f"op {traced_label} where the plan traced {label}", i)
+            return j, f"op {traced_label} where the plan traced {label}", i
         else:
             return j, (f"op {traced_label} gives shapes {[list(s) for s in traced]}, the plan predicts "
                        f"{[list(s) for s in shapes]}"), i
     while i < len(want) and want[i][2] is not None:
         i = want[i][2]
     if i < len(want) or j < len(got):
-        return None if stop_at_other_ops else (j, f"{len(got)} ops where the plan traced {len(want)}", i)
+        return j, f"{len(got)} ops where the plan traced {len(want)}", i
     return None
 
 
@@ -339,15 +343,21 @@ def _fallback(graph, name, module, candidates) -> Dict[str, int]:
 
 
 def check_model_trace(prediction: Prediction, got: List[Tuple[str, List[tuple]]], rank: int) -> None:
-    """Compares the trace of a whole sharded model (on meta) with the prediction, op by op,
-    as far as both run the same ops."""
+    """Compares the trace of a whole sharded model (on meta) with the prediction, op by op: the
+    same ops (up to the runs a rank may skip) with the predicted shapes. It also catches a block
+    the capture folded (see folding.py) that does not compute what its first block computes."""
     graph = prediction.graph
-    found = _first_difference(got, prediction.nodes(rank), stop_at_other_ops=True)
+    found = _first_difference(got, prediction.nodes(rank))
     if found is None:
         return
     _, why, index = found
     owner = _owners(graph).get(min(index, len(graph.nodes) - 1), "<model>")
-    raise ShapeMismatch(f"in module {owner!r} on rank {rank}, {why}")
+    folded = [block for block in graph.folded if owner == block or owner.startswith(block + ".")]
+    if folded:
+        why += (f" ({folded[0]!r} was recorded as identical to {graph.folded[folded[0]]!r} without being run, and "
+                "computes something else: parallelize(model) without a plan plans such a model running every block)")
+    raise FoldedBlockMismatch(f"in module {owner!r} on rank {rank}, {why}") if folded else \
+        ShapeMismatch(f"in module {owner!r} on rank {rank}, {why}")
 
 
 def _owners(graph: CapturedGraph) -> Dict[int, str]:
