@@ -1,6 +1,6 @@
 """Planning time: autoshard.plan on Llama-7B, Llama-70B and Mixtral-8x7B configs built on the
-meta device (world size 8), against the time of the model's own forward on meta (the capture
-runs it once), its peer: the plan costs what tracing costs plus the planner.
+meta device (world size 8), against the time of the model's own forward on meta, its peer: the
+capture runs each kind of block once and records identical blocks again without running them.
 
     python benchmarks/bench_plan.py [--world-size 8] [--repeats 3]
 

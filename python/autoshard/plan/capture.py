@@ -284,10 +284,14 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
     handles = []
     module_inputs: Dict[str, Tuple[tuple, dict]] = {}
     module_nodes: Dict[str, Tuple[int, int]] = {}
+    folder = BlockFolder(shadow, recorder, param_index, layers, module_inputs, module_nodes, enabled=FOLD_BLOCKS,
+                         replayable=lambda a, kw: (_replayable(a), _replayable(dict(kw))))
     for name, module in shadow.named_modules():
         def remember(mod, a, kw, name=name):
-            if name not in module_inputs:
-                module_inputs[name] = (_replayable(a), _replayable(dict(kw)))
+            if name not in module_nodes:
+                # A block to be folded takes its first block's inputs (see BlockFolder), unless it runs.
+                if name not in folder.folds:
+                    module_inputs[name] = (_replayable(a), _replayable(dict(kw)))
                 module_nodes[name] = (recorder.node_count, -1)
 
         def finished(mod, a, out, name=name):
@@ -320,7 +324,6 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
     example = describe_inputs(args, kwargs)
-    folder = BlockFolder(shadow, recorder, param_index, layers, module_inputs, module_nodes, enabled=FOLD_BLOCKS)
     try:
         with torch.no_grad(), values, recorder, folder:
             outputs = shadow(*args, **kwargs)

@@ -123,8 +123,9 @@ class BlockFolder:
     """Installed around one capture: records first blocks and replays them for the others."""
 
     def __init__(self, model: nn.Module, recorder, param_index: Dict[int, int], layers: dict,
-                 module_inputs: dict, module_nodes: dict, enabled: bool = True):
+                 module_inputs: dict, module_nodes: dict, enabled: bool = True, replayable=None):
         self.model = model
+        self.replayable = replayable  # (args, kwargs) -> what module_inputs keeps of a call
         self.recorder = recorder
         self.param_index = param_index
         self.layers = layers
@@ -174,7 +175,10 @@ class BlockFolder:
             flat, spec = tree_flatten((args, kwargs))
             if (recording is None or recording.log_end < 0 or self.recorder.layer_depth != 0
                     or spec != recording.spec or not _same_call(recording.flat_inputs, flat)):
+                self.module_inputs.setdefault(name, self.replayable(args, kwargs))
                 return forward(*args, **kwargs)
+            if first in self.module_inputs:
+                self.module_inputs.setdefault(name, self.module_inputs[first])
             return self._replay(recording, name, block, flat)
 
         return folded

@@ -263,9 +263,24 @@ def localize_attributes(plan, prediction: Prediction, cache: Optional[dict] = No
     cache = {} if cache is None else cache
     for region in plan.regions.values():
         region.attributes = {}
+    by_module = {region.module: region for region in plan.regions.values()}
+    members: Dict[str, list] = {}  # a region's module -> the planned layers inside it
+    for layer in plan.layers:
+        parts = layer.module.split(".")
+        for depth in range(len(parts)):
+            prefix = ".".join(parts[:depth])
+            if prefix in by_module:
+                members.setdefault(prefix, []).append(layer)
+    done = set()
     # Innermost modules first, so that a block sees its attention's attributes already local.
     for region in sorted(plan.regions.values(), key=lambda r: -len(r.module.split(".")) if r.module else 0):
         name = region.module
+        first = by_module.get(_in_first_block(graph.folded, name))
+        if first is not None and id(first) in done and _same_region(members, first, region):
+            region.attributes = dict(first.attributes)  # a folded block's region: its first block's choice
+            done.add(id(region))
+            continue
+        done.add(id(region))
         if name not in graph.module_inputs or name not in graph.module_nodes:
             continue
         module = graph.shadow.get_submodule(name)
@@ -277,6 +292,26 @@ def localize_attributes(plan, prediction: Prediction, cache: Optional[dict] = No
             continue
         region.attributes = _choose(plan, prediction, name, module, region, values, ranks)
         cache[key] = dict(region.attributes)
+
+
+def _in_first_block(folded: Dict[str, str], name: str) -> Optional[str]:
+    """The name `name` has in the block that a folded block was recorded from, or None."""
+    for block, first in folded.items():
+        if name == block or name.startswith(block + "."):
+            return first + name[len(block):]
+    return None
+
+
+def _same_region(members: Dict[str, list], a, b) -> bool:
+    """Whether two regions were planned alike: units, shared KV heads and layers, by relative name."""
+    def layers(region):
+        prefix = region.module + "." if region.module else ""
+        return sorted((l.module[len(prefix):], l.style, l.units, tuple(l.parts), l.repeat)
+                      for l in members.get(region.module, ()))
+
+    return ((a.units, a.repeat, a.coarse_units, tuple(a.coarse_sizes), tuple(getattr(a, "_localize", ())))
+            == (b.units, b.repeat, b.coarse_units, tuple(b.coarse_sizes), tuple(getattr(b, "_localize", ())))
+            and layers(a) == layers(b))
 
 
 def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, int]:
