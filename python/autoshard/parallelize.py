@@ -23,7 +23,9 @@ from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .model_state import ParallelState, attach_layer_state, state_of
 from .partitioned_state import partition_replicated
 from .plan import ShardingPlan, plan as make_plan
-from .plan.capture import every_block_run, example_inputs_for, meta_shadow, trace_shapes
+from .plan.capture import every_block_run, input_shapes, inputs_on_meta, meta_shadow, trace_shapes
+from .plan.inputs import ordinary_token
+from .plan.meta_values import KnownValues
 from .plan.layers import describe_layer
 from .plan.prediction import FoldedBlockMismatch, ShapeMismatch, check_model_trace
 
@@ -161,31 +163,48 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
             setattr(owner, attr, region.local_value(value, rank, world))
 
 
-def _example_inputs(model: nn.Module, plan: ShardingPlan):
+def _example_inputs(model: nn.Module, plan: ShardingPlan, example_inputs, values: KnownValues):
+    """The dry run's inputs on meta: the caller's, else those the plan was made with (tensors of
+    their shapes for a plan read from JSON), else made from the model's config."""
+    if example_inputs is not None:
+        return inputs_on_meta(model, example_inputs, values)
+    recorded = getattr(plan, "_input_values", None)
+    if recorded is not None:
+        return values.to_meta(recorded[0]), values.to_meta(recorded[1])
     spec = plan.example.get("inputs")
-    if spec is None:
-        return example_inputs_for(model)
-    make = lambda s: torch.zeros(s["shape"], dtype=getattr(torch, s["dtype"]), device="meta")
-    return tuple(make(s) for s in spec["args"]), {k: make(s) for k, s in spec["kwargs"].items()}
+    if spec is not None:
+        # Ids hold a token that is no special one (1 without a config: 0 is the usual padding)
+        # and masks ones, so that a padding check finds no padding; the rest zeros.
+        token = ordinary_token(model.config) if hasattr(model, "config") else 1
+
+        def make(s, name=""):
+            fill = token if name.endswith("input_ids") else 1 if name.endswith("mask") else 0
+            return torch.full(s["shape"], fill, dtype=getattr(torch, s["dtype"]))
+        args, kwargs = tuple(make(s) for s in spec["args"]), {k: make(s, k) for k, s in spec["kwargs"].items()}
+        return values.to_meta(args), values.to_meta(kwargs)
+    return inputs_on_meta(model, None, values)
 
 
 def _is_layer(module: nn.Module) -> bool:
     return hasattr(module, "shard_specs") or describe_layer("", module, {}) is not None
 
 
-def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
+def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_inputs=None) -> None:
     shadow = meta_shadow(model, always_copy=True)
     prediction = getattr(plan, "_prediction", None)
+    values = KnownValues()
     try:
         _apply(shadow, plan, group)
-        args, kwargs = _example_inputs(shadow, plan)
-        if prediction is not None:
+        args, kwargs = _example_inputs(shadow, plan, example_inputs, values)
+        # The plan's predicted shapes hold for the inputs it was made with.
+        planned_shapes = example_inputs is None or input_shapes(args, kwargs) == plan.example.get("description")
+        if prediction is not None and planned_shapes:
             # Every intermediate shape against the plan's prediction for this rank.
-            traced, error = trace_shapes(shadow, args, kwargs, _is_layer)
+            traced, error = trace_shapes(shadow, args, kwargs, _is_layer, values)
             check_model_trace(prediction, traced, group.rank())
             if error is not None:
                 raise error
-        with torch.no_grad():
+        with torch.no_grad(), values:
             outputs = shadow(*args, **kwargs)
     except ShapeMismatch as error:
         refusal = ValueError(f"parallelize: on a meta copy of the model, {error}; the plan was refused and the model "
@@ -200,7 +219,7 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     flat = [o for o in torch.utils._pytree.tree_flatten(outputs)[0] if isinstance(o, torch.Tensor)]
     got = [list(o.shape) for o in flat]
     want = plan.example.get("output_shapes")
-    if want is not None and got != want:
+    if want is not None and planned_shapes and got != want:
         raise ValueError(f"parallelize: on a meta copy, the sharded model's outputs have shapes {got} instead of "
                          f"{want}; the model was left unchanged")
 
@@ -209,7 +228,10 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
                 mesh=None, *, example_inputs=None, partition_optimizer_state: bool = True,
                 reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Shards `model` in place over `group` (None: the default tensor-parallel group, or the
-    "tp" dimension of `mesh`) following `plan` (None: autoshard.plan(model)); returns it.
+    "tp" dimension of `mesh`) following `plan` (None: autoshard.plan(model, example_inputs=...));
+    returns it. `example_inputs` (as autoshard.plan takes them: a tuple of positional arguments
+    or a dict of keyword arguments; None makes them for a Hugging Face model) also feed the
+    dry run of the plan on a meta copy.
 
     With a ("dp", "tp") DeviceMesh, each data-parallel replica is tensor-parallel over its
     "tp" group, and gradients are averaged over "dp" in buckets started during backward.
@@ -252,14 +274,14 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         plan = make_plan(model, world_size=group.size(), example_inputs=example_inputs)
     _check_plan_fits(model, plan, group.size())
     try:
-        _dry_run(model, plan, group)
+        _dry_run(model, plan, group, example_inputs)
     except ValueError as refusal:
         if not (planned_here and getattr(refusal, "folded_block", False)):
             raise
         with every_block_run():  # a block that looked identical to another computes otherwise
             plan = make_plan(model, world_size=group.size(), example_inputs=example_inputs)
         _check_plan_fits(model, plan, group.size())
-        _dry_run(model, plan, group)
+        _dry_run(model, plan, group, example_inputs)
     _apply(model, plan, group)
     for module in model.modules():
         if hasattr(type(module), "reduce_dtype"):

@@ -134,8 +134,14 @@ def check(arch) -> Report:
     inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
 
     try:
-        plan = autoshard.plan(model, world_size=world, example_inputs=inputs)
-        autoshard.parallelize(model, plan)
+        if arch.planning == "plan":
+            plan = autoshard.plan(model, world_size=world, example_inputs=inputs)
+            autoshard.parallelize(model, plan)
+        elif arch.planning == "parallelize":
+            autoshard.parallelize(model, example_inputs=inputs)
+        else:  # "auto": the plan's inputs made from the model's config
+            autoshard.parallelize(model)
+        plan = state_of(model).plan
     except Exception as error:  # plan and parallelize raise alike on every rank, before any collective
         report.refused = f"{type(error).__name__}: {error}"
         return report

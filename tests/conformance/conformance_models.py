@@ -9,6 +9,9 @@ other than the model while every shape still fits:
 - a replicated weight multiplying a sharded tensor: a scalar gain on the MLP's hidden features,
   a gain over head_dim on every head of q.
 
+And one that reads its inputs' values in forward, as Hugging Face's padding checks do
+(`.item()`, `nonzero`, `.tolist()`), which the meta device alone cannot answer.
+
 `TinyDecoder()` with no option set is the control: it uses none of these and must conform.
 """
 
@@ -115,14 +118,20 @@ class Block(nn.Module):
 
 
 class TinyDecoder(nn.Module):
-    def __init__(self, hidden=48, ffn=70, heads=6, kv_heads=3, head_dim=8, layers=2, **options):
+    def __init__(self, hidden=48, ffn=70, heads=6, kv_heads=3, head_dim=8, layers=2, padding_check=False,
+                 **options):
         super().__init__()
+        self.padding_check = padding_check
         self.embed = nn.Embedding(VOCAB, hidden)
         self.blocks = nn.ModuleList(Block(hidden, ffn, heads, kv_heads, head_dim, **options) for _ in range(layers))
         self.norm = RMSNorm(hidden)
         self.lm_head = nn.Linear(hidden, VOCAB, bias=False)
 
     def forward(self, input_ids):
+        if self.padding_check:
+            padded = (input_ids == 0).nonzero()
+            if padded.shape[0] > 0 or 0 in input_ids[:, [-1, 0]].tolist()[0] or int(input_ids.max().item()) >= VOCAB:
+                raise ValueError("TinyDecoder: input_ids hold padding (token 0) or ids outside the vocabulary")
         x = self.embed(input_ids)
         for block in self.blocks:
             x = block(x)

@@ -1,6 +1,6 @@
 """The conformance table: one line per architecture, each checked at 2, 3 and 4 ranks.
 
-    Arch(name, builder, inputs, small=..., xfail=..., refused=..., fp64=...)
+    Arch(name, builder, inputs, small=..., xfail=..., refused=..., fp64=..., planning=...)
 
 - `small`: also in the matrix `make test` runs (True: at 2 and 3 ranks; or a tuple of world
   sizes); the rest runs with `make conformance`.
@@ -9,6 +9,10 @@
 - `refused`: a regex (or `{world_size: regex}`) of the error plan()/parallelize() is expected to
   raise: refusing a model it cannot shard exactly is a conforming outcome.
 - `fp64`: gradients in float64 (every op here supports it); False compares in float32.
+- `planning`: how the plan gets its example inputs. "plan": `autoshard.plan(model,
+  example_inputs=inputs)` then `parallelize(model, plan)`; "parallelize":
+  `parallelize(model, example_inputs=inputs)`; "auto": `parallelize(model)`, the inputs made
+  from the model's config. `inputs` always drive the checked forward and backward.
 - `tolerance`: in place of the harness's for the entry's dtype, for a model that computes
   part of its forward in float32 whatever its dtype.
 
@@ -41,6 +45,7 @@ class Arch:
     xfail: Any = None  # Xfail, or {world_size: Xfail}
     refused: Any = None  # regex, or {world_size: regex}
     fp64: bool = True
+    planning: str = "plan"  # "plan", "parallelize" or "auto"
     tolerance: Optional[dict] = None  # dict(rtol=..., atol=...)
 
     def small_at(self, world_size: int) -> bool:
@@ -120,21 +125,39 @@ TABLE = [
     Arch("distilbert", hf("distilbert", "masked", dim=48, n_layers=L, n_heads=H, hidden_dim=I,
                           max_position_embeddings=32), token_ids()),
     Arch("albert", hf("albert", "masked", **BERT_LIKE, embedding_size=16), token_ids()),
-    Arch("clip_text", hf("clip_text_model", "base", **BERT_LIKE), token_ids()),
-    Arch("vit", hf("vit", "base", **BERT_LIKE, image_size=8, patch_size=4, num_channels=3), pixels(3, 8)),
+    # DeBERTa's forward checks input_ids for padding (`pad_token_id in input_ids[:, [-1, 0]]`).
+    Arch("deberta", hf("deberta", "masked", **BERT_LIKE), token_ids(), planning="auto"),
+    Arch("clip_text", hf("clip_text_model", "base", **BERT_LIKE), token_ids(), small=True, planning="auto"),
+    Arch("vit", hf("vit", "base", **BERT_LIKE, image_size=8, patch_size=4, num_channels=3), pixels(3, 8),
+         small=True, planning="auto"),
+    Arch("vit_example_inputs", hf("vit", "base", **BERT_LIKE, image_size=8, patch_size=4, num_channels=3),
+         pixels(3, 8)),
     # ---- Hugging Face encoder-decoders
     Arch("bart", hf("bart", "seq2seq", d_model=48, encoder_layers=1, decoder_layers=1, encoder_attention_heads=H,
                     decoder_attention_heads=H, encoder_ffn_dim=I, decoder_ffn_dim=I, max_position_embeddings=32),
-         seq2seq_ids(), small=True),
+         seq2seq_ids(), small=True, planning="auto"),
+    Arch("bart_example_inputs", hf("bart", "seq2seq", d_model=48, encoder_layers=1, decoder_layers=1,
+                                   encoder_attention_heads=H, decoder_attention_heads=H, encoder_ffn_dim=I,
+                                   decoder_ffn_dim=I, max_position_embeddings=32),
+         seq2seq_ids(), planning="parallelize"),
     Arch("t5", hf("t5", "seq2seq", d_model=48, d_kv=8, d_ff=I, num_layers=1, num_decoder_layers=1, num_heads=H),
-         seq2seq_ids()),
+         seq2seq_ids(), small=True, planning="auto"),
+    Arch("t5_example_inputs", hf("t5", "seq2seq", d_model=48, d_kv=8, d_ff=I, num_layers=1, num_decoder_layers=1,
+                                 num_heads=H), seq2seq_ids()),
     Arch("whisper", hf("whisper", "speech", d_model=48, encoder_layers=1, decoder_layers=1,
                        encoder_attention_heads=H, decoder_attention_heads=H, encoder_ffn_dim=I, decoder_ffn_dim=I,
                        num_mel_bins=8, max_source_positions=8, max_target_positions=16, pad_token_id=0,
                        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1),
-         audio_features(8, 16)),
+         audio_features(8, 16), small=True, planning="auto"),
     # ---- our own: the control, then one model per defect class of the soundness issue
     Arch("own_plain", own(), token_ids(97), small=True),
+    Arch("own_plain_parallelize_inputs", own(), token_ids(97), small=True, planning="parallelize"),
+    # A plain nn.Module has no config to make inputs from: the error says how to pass them.
+    Arch("own_plain_no_inputs", own(), token_ids(97), small=True, planning="auto",
+         refused=r"example_inputs is required for a TinyDecoder.*example_inputs=\(tensor, \.\.\.\).*"
+                 r"example_inputs=\{\"name\": tensor"),
+    # Reads its input ids' values in forward (nonzero, .tolist(), .item()), as padding checks do.
+    Arch("own_padding_check", own(padding_check=True), token_ids(97), small=True, planning="parallelize"),
     # On 4 ranks its KV heads are shared: the norm's gradient is partial on each holder.
     Arch("own_qk_norm", own(qk_norm=True), token_ids(97), small=(2, 3, 4)),
     Arch("own_partial_rotary", own(heads=12, kv_heads=4, rotary_dim=4), token_ids(97), small=True),

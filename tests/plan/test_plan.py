@@ -142,12 +142,16 @@ def test_bad_input():
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         plan("gpt2", world_size=2)
 
-    class NeedsData(nn.Module):
-        def forward(self, x):
-            return x * float(x.sum())  # reads a value, which meta tensors do not have
+    class NeedsWeightValues(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3))
 
-    with pytest.raises(RuntimeError, match="forward failed on the meta device"):
-        plan(NeedsData(), world_size=2, example_inputs=(torch.randn(3),))
+        def forward(self, x):
+            return x * float(self.scale.sum())  # a weight's value, which meta tensors do not hold
+
+    with pytest.raises(RuntimeError, match="forward failed on the meta device .*depend on more than the example"):
+        plan(NeedsWeightValues(), world_size=2, example_inputs=(torch.randn(3),))
 
 
 def test_planning_leaves_a_real_model_untouched():

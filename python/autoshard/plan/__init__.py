@@ -2,12 +2,14 @@
 
 import fnmatch
 import json
+import warnings
 from typing import Dict, Optional
 
 import torch
 from torch import nn
 
 from .capture import CapturedGraph, capture
+from .holdings import imbalance_warning, inventory
 from .prediction import Prediction, ShapeMismatch, localize_attributes
 from .sharding_plan import OVERRIDE_STYLES, LayerPlan, RegionPlan, ShardingPlan
 
@@ -57,6 +59,7 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
             transposed=info.transposed, units=record["units"] if style != "replicate" else 0, parts=record["parts"],
             region=record["region"], copy_group=record["copy_group"], note=record["note"],
             equation=info.equation, letter=record["letter"], repeat=record["repeat"], reason=record["reason"],
+            bias_axes=info.bias_axes,
         ))
         layers[-1]._whole_units = record["whole_units"]
     comm = [{"phase": c["phase"], "kind": c["kind"], "count": c["count"], "bytes": c["elements"] * element_size}
@@ -123,5 +126,19 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
     # would hold those tensors' use counts up, and load_pretrained could not give them storage in
     # place. Only the attribute choice above replays them.
     graph.module_inputs.clear()
+    graph.values = None
+    result._input_values = graph.input_values  # the dry run in parallelize() replays these
     result.overrides = dict(overrides or {})
+    result.parameters = inventory(graph.shadow)
+    _warn_if_mostly_whole(result)
     return result
+
+
+def _warn_if_mostly_whole(result: ShardingPlan) -> None:
+    """One warning per plan when a rank would hold more than 1/N + 10% of the parameters (on
+    the first rank only, when the ranks plan together)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    message = imbalance_warning(result)
+    if message:
+        warnings.warn(message, UserWarning, stacklevel=3)

@@ -17,7 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .folding import BlockFolder
+from .inputs import example_inputs_for, missing_decoder_inputs
 from .layers import LayerInfo, describe_layer
+from .meta_values import KnownValues
 
 aten = torch.ops.aten
 
@@ -72,6 +74,10 @@ class CapturedGraph:
     shapes: List[Tuple[int, ...]] = field(default_factory=list)  # tensor id -> global shape
     nodes: List[Tuple[str, Tuple[int, ...], Tuple[int, ...]]] = field(default_factory=list)  # (op label, input ids, output ids)
     module_nodes: Dict[str, Tuple[int, int]] = field(default_factory=dict)  # first call: [first, end) nodes
+    # The values of the tensors computed from the inputs (module_inputs' among them), for replays.
+    values: Optional[KnownValues] = None
+    # The example inputs (args, kwargs) with their values on the CPU (None where too large to keep).
+    input_values: Optional[Tuple[tuple, dict]] = None
     folded: Dict[str, str] = field(default_factory=dict)  # block recorded without running -> the block it copies
 
 
@@ -250,32 +256,33 @@ def meta_shadow(model: nn.Module, always_copy: bool = False) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def example_inputs_for(model: nn.Module, batch: int = 2, seq: int = 8) -> Tuple[tuple, dict]:
-    """Inputs made from the signature and config of a Hugging Face model."""
-    config = getattr(model, "config", None)
-    name = getattr(model, "main_input_name", None)
-    if config is None or name != "input_ids":
-        raise ValueError(
-            "plan: example_inputs is required for this model (autoshard can make them only for Hugging Face "
-            f"models that take input_ids); got a {type(model).__name__} and example_inputs=None"
-        )
-    kwargs = {"input_ids": torch.zeros(batch, seq, dtype=torch.long, device="meta")}
-    return (), kwargs
+def split_inputs(example_inputs) -> Tuple[tuple, dict]:
+    """example_inputs as (args, kwargs): a dict is keyword arguments, a tuple or list positional
+    arguments, anything else the one positional argument."""
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (list, tuple)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
 
 
-def _to_meta(value):
-    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, value)
+def inputs_on_meta(model: nn.Module, example_inputs, values: KnownValues) -> Tuple[tuple, dict]:
+    """The example inputs (made for `model` if None) on meta, their values known to `values`."""
+    if example_inputs is None:
+        args, kwargs = example_inputs_for(model)
+    else:
+        args, kwargs = split_inputs(example_inputs)
+    return values.to_meta(args), values.to_meta(kwargs)
 
 
 def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
     shadow = meta_shadow(model)
-    if example_inputs is None:
-        args, kwargs = example_inputs_for(shadow)
-    elif isinstance(example_inputs, dict):
-        args, kwargs = (), _to_meta(example_inputs)
-    else:
-        args = _to_meta(tuple(example_inputs) if isinstance(example_inputs, (list, tuple)) else (example_inputs,))
-        kwargs = {}
+    values = KnownValues()
+    args, kwargs = inputs_on_meta(shadow, example_inputs, values)
+    input_values = tree_map(lambda t: _clone(values.twin(t)) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    if any(v is None for v, t in zip(tree_flatten(input_values)[0], tree_flatten((args, kwargs))[0])
+           if isinstance(t, torch.Tensor)):
+        input_values = None  # too large to keep: the dry run makes zeros of their shapes
 
     param_names: List[str] = []
     param_index: Dict[int, int] = {}
@@ -328,17 +335,20 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
 
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
-    example = {
-        "args": [_describe(a) for a in args],
-        "kwargs": {k: _describe(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)},
-    }
+    example = describe_inputs(args, kwargs)
     try:
-        with torch.no_grad(), recorder, folder:
+        with torch.no_grad(), values, recorder, folder:
             outputs = shadow(*args, **kwargs)
     except Exception as error:
+        hint = ""
+        if example_inputs is not None and missing_decoder_inputs(shadow, kwargs):
+            hint = (f"; {type(shadow).__name__} is an encoder-decoder model and example_inputs has no "
+                    "decoder_input_ids (nor decoder_inputs_embeds or labels): add decoder_input_ids to the dict, "
+                    "or leave example_inputs=None to have every input made from the config")
         raise RuntimeError(
-            f"plan: the model's forward failed on the meta device ({type(error).__name__}: {error}); autoshard plans "
-            "by running the forward on meta tensors, so the model must support them and example_inputs must fit it"
+            f"plan: the model's forward failed on the meta device ({type(error).__name__}: {error}){hint}; autoshard "
+            "plans by running the forward on meta tensors, so the model must support them and example_inputs must "
+            "fit it"
         ) from error
     finally:
         for h in handles:
@@ -354,13 +364,25 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
         output_shapes=[tuple(o.shape) for o in flat],
         shadow=shadow,
         module_inputs=module_inputs,
-        description=", ".join(f"{k} {tuple(v.shape)}" for k, v in _named_tensors(args, kwargs)),
+        description=input_shapes(args, kwargs),
         example_inputs=example if all(a is not None for a in example["args"]) else None,
         shapes=recorder.shapes,
         nodes=recorder.nodes,
         module_nodes=module_nodes,
+        values=values,
+        input_values=input_values,
         folded={name: folder.folds[name] for name in folder.folded},
     )
+
+
+def _clone(value: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if value is None else value.clone()
+
+
+def describe_inputs(args, kwargs) -> Dict[str, Any]:
+    """The shapes and dtypes of example inputs, as a plan records them."""
+    return {"args": [_describe(a) for a in args],
+            "kwargs": {k: _describe(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)}}
 
 
 def _describe(value):
@@ -430,24 +452,29 @@ def replay_inputs(value):
     return tree_map(lambda v: v.fresh() if isinstance(v, StateAtCall) else v, value)
 
 
+def input_shapes(args, kwargs) -> str:
+    """The example inputs' shapes in words: "input_ids (2, 8), ..."."""
+    return ", ".join(f"{k} {tuple(v.shape)}" for k, v in _named_tensors(args, kwargs))
+
+
 def _named_tensors(args, kwargs):
     named = [(f"input {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
     return [(k, v) for k, v in named if isinstance(v, torch.Tensor)]
 
 
-def trace_text(module: nn.Module, args: tuple, kwargs: dict) -> str:
+def trace_text(module: nn.Module, args: tuple, kwargs: dict, values: Optional[KnownValues] = None) -> str:
     """The ATen-level graph of one module call, for comparing two variants of a module."""
     recorder = _Recorder({})
     args, kwargs = replay_inputs((args, kwargs))
-    with torch.no_grad(), recorder:
+    with torch.no_grad(), values or contextlib.nullcontext(), recorder:
         module(*args, **kwargs)
     return repr((recorder.tensors, recorder.node_records))
 
 
-def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer):
+def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values: Optional[KnownValues] = None):
     """(op label, output shapes) of every node of one call of `module`, recorded as capture()
     records them: the modules for which `is_layer(module)` holds are one node each (labelled
-    "layer"); and the error that stopped the call, or None."""
+    "layer"); and the error that stopped the call, or None. `values` answers reads of input values."""
     recorder = _Recorder({})
     handles = []
     for sub in module.modules():
@@ -466,7 +493,7 @@ def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer):
     error = None
     args, kwargs = replay_inputs((args, kwargs))
     try:
-        with torch.no_grad(), recorder:
+        with torch.no_grad(), values or contextlib.nullcontext(), recorder:
             module(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - the caller reports where the trace stopped
         error = e

@@ -29,6 +29,7 @@ class LayerInfo:
     num_embeddings: int = 0
     embedding_dim: int = 0
     equation: str = ""  # einsum layers
+    bias_axes: str = ""
     weight_shape: Optional[tuple] = None
     input_shape: Optional[tuple] = None
     output_shape: Optional[tuple] = None
@@ -67,7 +68,8 @@ def describe_layer(name: str, module: nn.Module, param_index: Dict[int, int]) ->
 
     if isinstance(module, EinsumDense):
         return LayerInfo(name, "einsum", weight_param=index(module.weight), bias_param=index(module.bias),
-                         equation=module.equation, weight_shape=tuple(module.weight.shape))
+                         equation=module.equation, weight_shape=tuple(module.weight.shape),
+                         bias_axes=module.bias_axes or "")
     if isinstance(module, nn.Embedding):
         return LayerInfo(name, "embedding", weight_param=index(module.weight),
                          num_embeddings=module.num_embeddings, embedding_dim=module.embedding_dim)

@@ -171,8 +171,9 @@ def _first_difference(got, want) -> Optional[Tuple[int, str]]:
 class _LocalModule:
     """A meta copy of a region's module with its planned layers at one rank's local sizes."""
 
-    def __init__(self, plan, module_name: str, module: nn.Module, rank: int):
+    def __init__(self, plan, module_name: str, module: nn.Module, rank: int, values=None):
         self.module = copy.deepcopy(module)
+        self.values = values
         prefix = module_name + "." if module_name else ""
         world = plan.world_size
         # Regions nested inside this module (an attention inside a block) with their attributes
@@ -207,7 +208,7 @@ class _LocalModule:
     def trace(self, args, kwargs, attributes: Dict[str, int]):
         for attr, value in attributes.items():
             setattr(self.module, attr, value)
-        return trace_shapes(self.module, args, kwargs, lambda m: describe_layer("", m, {}) is not None)
+        return trace_shapes(self.module, args, kwargs, lambda m: describe_layer("", m, {}) is not None, self.values)
 
 
 def _representative_ranks(plan, region) -> List[int]:
@@ -319,7 +320,7 @@ def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, 
     chosen: Dict[str, int] = {}
 
     def attempt(rank: int, attrs: Dict[str, int]):
-        local = _LocalModule(plan, name, module, rank)
+        local = _LocalModule(plan, name, module, rank, prediction.graph.values)
         want = prediction.module_nodes(name, rank)
         got, error = local.trace(args, kwargs, {a: candidates[a][rank] for a in attrs})
         found = _first_difference(got, want)
@@ -360,13 +361,13 @@ def _fallback(graph, name, module, candidates) -> Dict[str, int]:
     from .capture import trace_text
 
     args, kwargs = graph.module_inputs[name]
-    baseline = trace_text(module, args, kwargs)
+    baseline = trace_text(module, args, kwargs, graph.values)
     found = {}
     for attr, local in candidates.items():
         value = getattr(module, attr)
         setattr(module, attr, next(v for v in local.values() if v != value))
         try:
-            changed = trace_text(module, args, kwargs) != baseline
+            changed = trace_text(module, args, kwargs, graph.values) != baseline
         except Exception:
             changed = True
         finally:

@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 from .. import ops
+from . import holdings
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
 
@@ -33,6 +34,7 @@ class LayerPlan:
     # Why the planner chose this style when it is not the obvious one, as a code (see
     # csrc/plan/settle.cpp: "conflict", "too_few_units", "model_output", ...); note says it in words.
     reason: str = ""
+    bias_axes: str = ""  # einsum layers: the output letters the bias spans
 
     def weight_dim(self) -> Optional[int]:
         """The weight dimension this layer splits, or None."""
@@ -96,6 +98,9 @@ class ShardingPlan:
     # Replicated parameters read inside a sharded region get a partial gradient on each rank,
     # summed over the group in backward: one all-reduce per bucket {"params": names, "bytes"}.
     partial_gradients: List[Dict[str, object]] = field(default_factory=list)
+    # Every parameter of the model, tied ones once: {"shape", "module", "module_class"} by name
+    # (see holdings): what each rank holds is counted from these and the shard specs.
+    parameters: Dict[str, Dict[str, object]] = field(default_factory=dict)
 
     # ---- queries
 
@@ -139,6 +144,34 @@ class ShardingPlan:
                 local += bias if bias_spec is None else bias_spec.local_size()
         return {"full": full * element_size, "local": local * element_size}
 
+    def held_parameters(self, rank: int) -> Dict[str, int]:
+        """Parameter name -> how many of its elements `rank` holds (tied parameters once)."""
+        self._check_rank(rank)
+        return holdings.local_counts(self, rank)
+
+    def held_fraction(self, rank: int, module_class: Optional[str] = None) -> float:
+        """The fraction of the model's parameters (or of one module class's, e.g. "LlamaAttention")
+        that `rank` holds: 1/world_size for a model split evenly, 1.0 for one kept whole."""
+        held = self.held_parameters(rank)
+        names = [n for n, r in self.parameters.items() if module_class is None or r["module_class"] == module_class]
+        if not names:
+            raise ValueError(f"ShardingPlan.held_fraction: no parameters of module class {module_class!r} "
+                             f"(classes: {sorted({r['module_class'] for r in self.parameters.values()})})")
+        full = sum(holdings._numel(self.parameters[n]["shape"]) for n in names)
+        return sum(held[n] for n in names) / full if full else 1.0
+
+    def replicated(self) -> List["holdings.Replicated"]:
+        """What every rank holds whole, module by module, largest first, each with its reason
+        (a key of autoshard.plan.holdings.REASONS)."""
+        return holdings.replicated(self)
+
+    def _check_rank(self, rank: int) -> None:
+        if not self.parameters:
+            raise ValueError("ShardingPlan: this plan records no parameters (it was made before autoshard counted "
+                             "them); make it again with autoshard.plan")
+        if type(rank) is not int or not 0 <= rank < self.world_size:
+            raise ValueError(f"ShardingPlan: rank must be an int in [0, {self.world_size}), got {rank!r}")
+
     # ---- presentation
 
     def __str__(self) -> str:
@@ -175,6 +208,7 @@ class ShardingPlan:
         b = self.parameter_bytes(0)
         lines.append(f"parameters of planned layers: {b['full'] / 2**20:.2f} MiB unsharded, "
                      f"{b['local'] / 2**20:.2f} MiB on rank 0 (fp32)")
+        lines += holdings.summary_lines(self)
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -191,4 +225,5 @@ class ShardingPlan:
             example=data.get("example", {}),
             overrides=data.get("overrides", {}),
             partial_gradients=data.get("partial_gradients", []),
+            parameters=data.get("parameters", {}),
         )

@@ -1,0 +1,187 @@
+"""Example inputs for planning a Hugging Face model, made from its config and class.
+
+The model's `main_input_name` says what its forward reads first: token ids (`input_ids`),
+images (`pixel_values`, at the config's image size and channels), log-mel features
+(`input_features`, with the config's mel bins and the frame count the encoder accepts) or raw
+audio (`input_values`). Encoder-decoder models also get `decoder_input_ids`, models of text and
+images (CLIP) get `pixel_values` too, and inputs the forward requires (no default: an
+`attention_mask`, `token_type_ids`) are added when autoshard knows how to make them. The tensors are small
+CPU tensors: the planner runs the forward on their meta copies and keeps their values for the
+few reads of input values the forward makes (a padding check).
+
+Other models (a plain nn.Module) need example_inputs from the caller: a tuple of positional
+arguments, one tensor, or a dict of keyword arguments.
+"""
+
+import inspect
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+BATCH = 2
+SEQUENCE = 8
+
+HOW_TO_PASS = ("pass example_inputs=(tensor, ...) for positional arguments (a single tensor also works) or "
+               "example_inputs={\"name\": tensor, ...} for keyword arguments; any device, only their shapes, "
+               "dtypes and values are used, on meta copies")
+
+
+class MissingInputs(ValueError):
+    """autoshard cannot make the example inputs a model's forward needs."""
+
+
+def _config_value(config, *names, default=None):
+    """The first of `names` the config (or its nested text / vision / audio config) holds."""
+    for holder in (config, getattr(config, "text_config", None), getattr(config, "vision_config", None),
+                   getattr(config, "audio_config", None), getattr(config, "encoder", None)):
+        if holder is None:
+            continue
+        for name in names:
+            value = getattr(holder, name, None)
+            if value is not None:
+                return value
+    return default
+
+
+def ordinary_token(config) -> int:
+    """A token id that is no special token (so that a padding check finds no padding)."""
+    special = set()
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
+                 "cls_token_id", "unk_token_id", "mask_token_id"):
+        value = getattr(config, name, None)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        special.update(v for v in values if isinstance(v, int))
+    vocab = _config_value(config, "vocab_size", default=2 ** 31)
+    return next((t for t in range(min(vocab, 64)) if t not in special), 0)
+
+
+def _sequence(config, *limits) -> int:
+    bound = _config_value(config, *limits) if limits else None
+    return min(SEQUENCE, bound) if isinstance(bound, int) and bound > 0 else SEQUENCE
+
+
+def _token_ids(config, *limits) -> torch.Tensor:
+    return torch.full((BATCH, _sequence(config, *limits)), ordinary_token(config), dtype=torch.long)
+
+
+def _pixel_values(config) -> torch.Tensor:
+    size = _config_value(config, "image_size")
+    channels = _config_value(config, "num_channels", default=3)
+    if size is None:
+        raise MissingInputs(f"its config has no image_size to make pixel_values from")
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    return torch.zeros(BATCH, channels, height, width)
+
+
+def _conv_strides(model: nn.Module) -> int:
+    encoder = model.get_encoder() if hasattr(model, "get_encoder") else model
+    return math.prod(m.stride[0] for m in encoder.modules() if isinstance(m, nn.Conv1d))
+
+
+def _input_features(model: nn.Module, config) -> torch.Tensor:
+    per_channel = _config_value(config, "input_feat_per_channel")
+    if per_channel is not None:
+        # Speech2Text's layout: batch x frames x features, subsampled by stride-2 convolutions.
+        features = per_channel * _config_value(config, "input_channels", default=1)
+        layers = len(_config_value(config, "conv_kernel_sizes", default=()))
+        return torch.zeros(BATCH, SEQUENCE * 2 ** layers, features)
+    mel_bins = _config_value(config, "num_mel_bins")
+    positions = _config_value(config, "max_source_positions")
+    if mel_bins is None or positions is None:
+        raise MissingInputs("its config has no num_mel_bins and max_source_positions to make input_features from "
+                            "(autoshard knows Whisper's layout, batch x mel bins x frames, and Speech2Text's)")
+    # The encoder's convolutions subsample the frames to its positions (Whisper checks it).
+    return torch.zeros(BATCH, mel_bins, positions * _conv_strides(model))
+
+
+def _input_values(config) -> torch.Tensor:
+    kernels = _config_value(config, "conv_kernel")
+    strides = _config_value(config, "conv_stride")
+    if kernels is None or strides is None:
+        raise MissingInputs("its config has no conv_kernel and conv_stride to make input_values from")
+    # Frames after the feature extractor's convolutions: more than a SpecAugment mask spans.
+    length = max(SEQUENCE, 2 * _config_value(config, "mask_time_length", default=0))
+    for kernel, stride in reversed(list(zip(kernels, strides))):
+        length = (length - 1) * stride + kernel
+    return torch.zeros(BATCH, length)
+
+
+def _main_input(model: nn.Module, config, name: str) -> torch.Tensor:
+    if name == "input_ids":
+        return _token_ids(config, "max_position_embeddings", "n_positions")
+    if name == "pixel_values":
+        return _pixel_values(config)
+    if name == "input_features":
+        return _input_features(model, config)
+    if name == "input_values":
+        return _input_values(config)
+    raise MissingInputs(f"autoshard makes input_ids, pixel_values, input_features and input_values, "
+                        f"not its main input {name!r}")
+
+
+def _accepted(model: nn.Module):
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _required(model: nn.Module):
+    """The forward's parameters without a default."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters
+            if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def example_inputs_for(model: nn.Module) -> Tuple[tuple, Dict[str, torch.Tensor]]:
+    """(args, kwargs) for one forward of a Hugging Face model, made from its config and class;
+    raises MissingInputs naming what is missing and how to pass it."""
+    config = getattr(model, "config", None)
+    name = getattr(model, "main_input_name", None)
+    if config is None or not isinstance(name, str):
+        raise MissingInputs(
+            f"plan: example_inputs is required for a {type(model).__name__}: autoshard makes them only for "
+            f"Hugging Face models (a config and a main_input_name); {HOW_TO_PASS}")
+    try:
+        kwargs = {name: _main_input(model, config, name)}
+        if getattr(config, "is_encoder_decoder", False):
+            kwargs["decoder_input_ids"] = _token_ids(config, "max_target_positions", "max_position_embeddings",
+                                                     "n_positions")
+        # A model of text and images (CLIP) reads both: its images have a config of their own.
+        if name == "input_ids" and getattr(config, "vision_config", None) is not None and "pixel_values" in _accepted(model):
+            kwargs["pixel_values"] = _pixel_values(config.vision_config)
+        for extra in _required(model):
+            if extra in kwargs:
+                continue
+            if extra == "attention_mask":
+                kwargs[extra] = torch.ones(kwargs[name].shape[:2], dtype=torch.long)
+            elif extra == "decoder_attention_mask" and "decoder_input_ids" in kwargs:
+                kwargs[extra] = torch.ones_like(kwargs["decoder_input_ids"])
+            elif extra == "token_type_ids" and name == "input_ids":
+                kwargs[extra] = torch.zeros_like(kwargs[name])
+            elif extra in ("pixel_values", "input_ids", "input_features", "input_values"):
+                kwargs[extra] = _main_input(model, config, extra)
+            else:
+                raise MissingInputs(f"its forward requires {extra!r}, which autoshard does not know how to make")
+    except MissingInputs as error:
+        if str(error).startswith("plan:"):
+            raise
+        raise MissingInputs(f"plan: cannot make example inputs for {type(model).__name__} (main input "
+                            f"{name!r}): {error}; {HOW_TO_PASS}") from None
+    # Images and features in the model's own floating-point dtype, as its processor would give them.
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return (), {k: v.to(dtype) if v.is_floating_point() else v for k, v in kwargs.items()}
+
+
+def missing_decoder_inputs(model: nn.Module, kwargs: Optional[dict]) -> bool:
+    """Whether an encoder-decoder model was given no input for its decoder."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "is_encoder_decoder", False):
+        return False
+    given = set(kwargs or {})
+    return not given & {"decoder_input_ids", "decoder_inputs_embeds", "labels"}

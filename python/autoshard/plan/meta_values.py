@@ -1,0 +1,267 @@
+"""Values on the meta device, where the forward needs them: a padding check on the input ids
+(`pad_token_id in input_ids`, `.item()`, `.tolist()`, `nonzero`).
+
+Meta tensors have shapes but no values, so such a read fails on meta. KnownValues follows the
+tensors computed from the example inputs and constants alone (masks, ids, positions) with a
+small CPU twin holding their values, and answers an op that meta cannot compute from those
+twins, exactly as the real forward would on the same inputs. Nothing else changes: every op
+that meta computes runs on meta as before, and a twin is only consulted when meta fails, so a
+model that ran on meta without it traces the same ops. A value computed from weights or
+buffers (which meta does not hold, e.g. mixture-of-experts routing) stays unknown, and reading
+it fails with an error that says so.
+"""
+
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+# Twins are for ids and masks, not activations: a tensor larger than this has none.
+TWIN_ELEMENT_LIMIT = 1 << 22
+
+
+class UnknownValueError(RuntimeError):
+    """An op needs the values of a meta tensor that depends on more than the example inputs."""
+
+
+# Their values are whatever memory held: never a value to answer with.
+_UNINITIALIZED = {torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.empty_like,
+                  torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided, torch.ops.aten.empty_permuted}
+
+
+def _shallow_tensors(value, keep_none: bool = False) -> list:
+    """The tensors of an op's arguments or results: a tensor, or a sequence holding tensors (one
+    level deep, as ATen's schemas allow); with keep_none, every position of the sequence."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple, type({}.values()))):
+        found = []
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif isinstance(item, (list, tuple)):
+                found += [t if isinstance(t, torch.Tensor) else None for t in item
+                          if keep_none or isinstance(t, torch.Tensor)]
+            elif keep_none:
+                found.append(None)
+        return found
+    return []
+
+
+def _is_meta(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "meta"
+
+
+class KnownValues(TorchDispatchMode):
+    """A dispatch mode keeping CPU twins of meta tensors computed from the inputs alone."""
+
+    def __init__(self):
+        super().__init__()
+        # id(meta tensor) -> (the meta tensor, kept alive so that ids stay unique; its twin)
+        self._twins: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stale = set()  # storages of twins whose tensor was written with unknown values
+        self._written: Dict[object, list] = {}  # op -> the arguments it writes to
+
+    # ---- twins
+
+    def know(self, meta: torch.Tensor, value: torch.Tensor) -> None:
+        if value.numel() <= TWIN_ELEMENT_LIMIT:
+            self._twins[id(meta)] = (meta, value)
+
+    def twin(self, value) -> Optional[torch.Tensor]:
+        """The CPU twin of a meta tensor, a non-meta tensor itself, or None if unknown."""
+        if not isinstance(value, torch.Tensor):
+            return None
+        if not _is_meta(value):
+            return value
+        entry = self._twins.get(id(value))
+        if entry is None or entry[0] is not value:
+            return None
+        if entry[1].untyped_storage().data_ptr() in self._stale:
+            return None
+        return entry[1]
+
+    def to_meta(self, value):
+        """`value` (tensors anywhere in it) on meta, each tensor's values kept as its twin."""
+        def convert(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            if _is_meta(t):
+                return t
+            twin = t.detach().to("cpu").clone()
+            meta = t.to("meta")
+            self.know(meta, twin)
+            return meta
+        return tree_map(convert, value)
+
+    def clear(self) -> None:
+        self._twins.clear()
+        self._stale.clear()
+
+    # ---- dispatch
+
+    def __enter__(self):
+        result = super().__enter__()
+        self._indexing = _IndexingValues(self)
+        self._indexing.__enter__()
+        return result
+
+    def __exit__(self, *exc):
+        self._indexing.__exit__(*exc)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            out = func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as error:  # what meta cannot compute
+            return self._answer(func, args, kwargs, error)
+        self._follow(func, args, kwargs, out)
+        return out
+
+    def _twin_arguments(self, args, kwargs):
+        """args and kwargs with every meta tensor replaced by its twin (and device="meta" by
+        the CPU), or None if some meta tensor has no known values."""
+        flat, spec = tree_flatten((args, kwargs))
+        replaced = []
+        for value in flat:
+            if isinstance(value, torch.Tensor):
+                twin = self.twin(value)
+                if twin is None:
+                    return None
+                replaced.append(twin)
+            elif isinstance(value, torch.device) and value.type == "meta":
+                replaced.append(torch.device("cpu"))
+            else:
+                replaced.append(value)
+        twin_args, twin_kwargs = tree_unflatten(replaced, spec)
+        if twin_kwargs.get("device") == "meta":
+            twin_kwargs["device"] = torch.device("cpu")
+        return twin_args, twin_kwargs
+
+    def _mutated(self, func, args, kwargs):
+        written = self._written.get(func)
+        if written is None:
+            written = self._written[func] = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                                              if a.alias_info is not None and a.alias_info.is_write]
+        for index, name in written:
+            value = args[index] if index < len(args) else kwargs.get(name)
+            if isinstance(value, torch.Tensor):
+                yield value
+
+    def _forget(self, meta: torch.Tensor) -> None:
+        """`meta` was written with unknown values: its twin, and every view sharing its storage,
+        no longer holds its values."""
+        entry = self._twins.pop(id(meta), None)
+        if entry is not None and entry[0] is meta:
+            self._stale.add(entry[1].untyped_storage().data_ptr())
+
+    def _follow(self, func, args, kwargs, out) -> None:
+        outputs = _shallow_tensors(out)
+        if not any(o.device.type == "meta" for o in outputs):
+            return
+        tensors = _shallow_tensors(args) + _shallow_tensors(kwargs.values())
+        # Most ops read a weight or an activation: no twin, nothing to compute.
+        known = all(self.twin(t) is not None for t in tensors)
+        if known:
+            known = (torch.Tag.nondeterministic_seeded not in func.tags and func.overloadpacket not in _UNINITIALIZED
+                     and all(o.numel() <= TWIN_ELEMENT_LIMIT for o in outputs))
+        twin_out = self._run_on_twins(func, args, kwargs) if known else None
+        if twin_out is None:
+            if self._twins:
+                for written in self._mutated(func, args, kwargs):
+                    self._forget(written)
+            return
+        for meta, twin in zip(_shallow_tensors(out, keep_none=True), _shallow_tensors(twin_out, keep_none=True)):
+            if _is_meta(meta) and isinstance(twin, torch.Tensor) and tuple(twin.shape) == tuple(meta.shape):
+                self.know(meta, twin)
+
+    def _run_on_twins(self, func, args, kwargs):
+        replaced = self._twin_arguments(args, kwargs)
+        if replaced is None:
+            return None
+        try:
+            return func(*replaced[0], **replaced[1])
+        except Exception:  # noqa: BLE001 - a twin that cannot be computed is merely unknown
+            return None
+
+    def _answer(self, func, args, kwargs, error: Exception):
+        replaced = self._twin_arguments(args, kwargs)
+        if replaced is None:
+            unknown = [tuple(a.shape) for a in tree_flatten((args, kwargs))[0]
+                       if _is_meta(a) and self.twin(a) is None]
+            if not unknown or not _reads_values(error):
+                raise error
+            raise UnknownValueError(
+                f"{func} reads the values of a tensor of shape {list(unknown[0])} on the meta device, and they "
+                "depend on more than the example inputs (on weights or buffers, which meta does not hold); "
+                f"planning can only follow value-dependent code on the inputs themselves ({error})") from error
+        try:
+            result = func(*replaced[0], **replaced[1])
+        except Exception:  # noqa: BLE001 - the twins cannot compute it either: meta's own error
+            raise error from None
+
+        def back_to_meta(value):
+            if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+                return value
+            if _wants_host_copy(func, args, kwargs):
+                return value  # an explicit copy off meta (.tolist(), .cpu()): the values themselves
+            meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+            self.know(meta, value)
+            return meta
+        return tree_map(back_to_meta, result)
+
+
+class _IndexingValues(TorchFunctionMode):
+    """Indexing with a Python sequence (`input_ids[:, [-1, 0]]`) makes its index tensor on meta
+    out of the dispatcher's sight, so its values never reach KnownValues: the twin of such an
+    index is taken here, from the indexed tensor's twin and the index as written."""
+
+    def __init__(self, values: KnownValues):
+        super().__init__()
+        self.values = values
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (func is torch.Tensor.__getitem__ and _is_meta(out) and self.values.twin(out) is None
+                and len(args) == 2):
+            source = self.values.twin(args[0])
+            index = _index_twin(self.values, args[1])
+            if source is not None and index is not None:
+                with _disable_current_modes():
+                    try:
+                        value = source[index]
+                    except Exception:  # noqa: BLE001 - an index the twin cannot take stays unknown
+                        value = None
+                if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(out.shape):
+                    self.values.know(out, value)
+        return out
+
+
+def _index_twin(values: KnownValues, index):
+    flat, spec = tree_flatten(index)
+    replaced = []
+    for item in flat:
+        if isinstance(item, torch.Tensor):
+            item = values.twin(item)
+            if item is None:
+                return None
+        replaced.append(item)
+    return tree_unflatten(replaced, spec)
+
+
+def _reads_values(error: Exception) -> bool:
+    text = str(error)
+    return any(s in text for s in ("meta tensor", "data-dependent", "data-independent", "no data", "Meta"))
+
+
+def _wants_host_copy(func, args, kwargs) -> bool:
+    """A copy from meta to another device (what .tolist(), .cpu() and .numpy() ask for)."""
+    if func.overloadpacket not in (torch.ops.aten._to_copy, torch.ops.aten.to, torch.ops.aten.copy_):
+        return False
+    device = kwargs.get("device")
+    if func.overloadpacket is torch.ops.aten.copy_:
+        return isinstance(args[0], torch.Tensor) and not _is_meta(args[0])
+    return device is not None and torch.device(device).type != "meta"

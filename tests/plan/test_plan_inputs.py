@@ -1,0 +1,207 @@
+"""Example inputs made from a Hugging Face model's config, and reads of input values during the
+meta capture. The multi-rank equality of these models' sharded outputs and gradients with the
+unsharded model's is in tests/conformance (entries with planning="auto")."""
+
+import copy
+import importlib
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import (AutoConfig, AutoModel, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq, CLIPConfig,
+                          CLIPModel)
+from transformers.utils import logging
+
+import autoshard
+from autoshard.plan.inputs import example_inputs_for
+from autoshard.plan.meta_values import KnownValues
+from hf_models import build
+from multirank import run_on_ranks
+
+logging.set_verbosity_error()
+capture_module = importlib.import_module("autoshard.plan.capture")
+
+SEQ2SEQ = dict(d_model=48, d_kv=8, d_ff=70, num_layers=1, num_decoder_layers=1, num_heads=6, vocab_size=101)
+
+
+def _meta(kind, head, **config):
+    with torch.device("meta"):
+        return head.from_config(AutoConfig.for_model(kind, **config))
+
+
+def _whisper(**extra):
+    return _meta("whisper", AutoModelForSpeechSeq2Seq, d_model=48, encoder_layers=1, decoder_layers=1,
+                 encoder_attention_heads=6, decoder_attention_heads=6, encoder_ffn_dim=70, decoder_ffn_dim=70,
+                 num_mel_bins=10, max_source_positions=12, max_target_positions=6, vocab_size=101, pad_token_id=0,
+                 bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, **extra)
+
+
+def test_inputs_from_the_config():
+    _, t5 = example_inputs_for(_meta("t5", AutoModelForSeq2SeqLM, **SEQ2SEQ))
+    assert set(t5) == {"input_ids", "decoder_input_ids"}
+    assert t5["input_ids"].shape == (2, 8) and t5["input_ids"].dtype == torch.long
+    assert not (t5["input_ids"] == 0).any()  # T5's pad token: no padding in the example
+    _, vit = example_inputs_for(_meta("vit", AutoModel, hidden_size=48, num_hidden_layers=1, num_attention_heads=6,
+                                      intermediate_size=70, image_size=(12, 8), patch_size=4, num_channels=5))
+    assert set(vit) == {"pixel_values"} and vit["pixel_values"].shape == (2, 5, 12, 8)
+    _, whisper = example_inputs_for(_whisper())
+    # Whisper's encoder accepts exactly max_source_positions x its convolutions' strides frames.
+    assert whisper["input_features"].shape == (2, 10, 24)
+    assert whisper["decoder_input_ids"].shape == (2, 6)  # no more than max_target_positions
+    _, clip = example_inputs_for(_meta("clip_text_model", AutoModel, hidden_size=48, num_hidden_layers=1,
+                                       num_attention_heads=6, intermediate_size=70, vocab_size=101))
+    assert set(clip) == {"input_ids"}
+    _, s2t = example_inputs_for(_meta("speech_to_text", AutoModel, d_model=48, encoder_layers=1, decoder_layers=1,
+                                      encoder_attention_heads=6, decoder_attention_heads=6, encoder_ffn_dim=70,
+                                      decoder_ffn_dim=70, vocab_size=101))
+    # Speech2Text: frames x (features per channel x channels), subsampled by two stride-2 convolutions.
+    assert s2t["input_features"].shape == (2, 32, 80) and s2t["decoder_input_ids"].shape == (2, 8)
+
+
+def test_text_and_image_model_gets_both():
+    config = CLIPConfig(text_config=dict(hidden_size=48, num_hidden_layers=1, num_attention_heads=6,
+                                         intermediate_size=70, vocab_size=101),
+                        vision_config=dict(hidden_size=48, num_hidden_layers=1, num_attention_heads=6,
+                                           intermediate_size=70, image_size=8, patch_size=4, num_channels=3),
+                        projection_dim=16)
+    with torch.device("meta"):
+        model = CLIPModel(config)
+    _, kwargs = example_inputs_for(model)
+    assert set(kwargs) == {"input_ids", "pixel_values"} and kwargs["pixel_values"].shape == (2, 3, 8, 8)
+    plan = autoshard.plan(model, world_size=2)
+    assert plan.example["description"] == "input_ids (2, 8), pixel_values (2, 3, 8, 8)"
+
+
+def test_inputs_take_the_model_dtype():
+    model = _whisper().to(torch.float64)
+    _, kwargs = example_inputs_for(model)
+    assert kwargs["input_features"].dtype == torch.float64
+
+
+@pytest.mark.parametrize("name", ["t5", "vit", "whisper", "clip_text"])
+def test_plans_without_example_inputs(name):
+    model = {
+        "t5": lambda: _meta("t5", AutoModelForSeq2SeqLM, **SEQ2SEQ),
+        "vit": lambda: _meta("vit", AutoModel, hidden_size=48, num_hidden_layers=1, num_attention_heads=6,
+                             intermediate_size=70, image_size=8, patch_size=4, num_channels=3),
+        "whisper": _whisper,
+        "clip_text": lambda: _meta("clip_text_model", AutoModel, hidden_size=48, num_hidden_layers=1,
+                                   num_attention_heads=6, intermediate_size=70, vocab_size=101),
+    }[name]()
+    plan = autoshard.plan(model, world_size=2)
+    assert {"column", "row"} <= {layer.style for layer in plan.layers}
+
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(10, 20), nn.Linear(20, 10)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_plain_module_error_says_how_to_pass_inputs():
+    with pytest.raises(ValueError, match=r"example_inputs is required for a Plain: .*example_inputs=\(tensor, \.\.\.\) "
+                                         r"for positional arguments .* example_inputs=\{\"name\": tensor"):
+        autoshard.plan(Plain(), world_size=2)
+    x = torch.randn(2, 10)
+    for given in ((x,), [x], x, {"x": x}):  # the forms plan() accepts
+        assert autoshard.plan(Plain(), world_size=2, example_inputs=given).layer("down").style == "row"
+
+
+def test_encoder_decoder_without_decoder_inputs_names_them():
+    model = _meta("t5", AutoModelForSeq2SeqLM, **SEQ2SEQ)
+    with pytest.raises(RuntimeError, match="example_inputs has no decoder_input_ids"):
+        autoshard.plan(model, world_size=2, example_inputs={"input_ids": torch.ones(2, 5, dtype=torch.long)})
+
+
+class PaddingCheck(nn.Module):
+    """Reads its input's values in forward, as Hugging Face's padding checks do."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, input_ids):
+        ids = input_ids
+        if (ids == 0).any().item() or 0 in ids[:, [-1, 0]].tolist()[0] or ids.nonzero().shape[0] != ids.numel():
+            raise ValueError("padding")
+        positions = torch.arange(ids.shape[1])
+        if int(positions.max()) != ids.shape[1] - 1:  # a value made on meta from constants alone
+            raise ValueError("positions")
+        return self.down(torch.relu(self.up(self.embed(ids))))
+
+
+def test_value_reads_on_the_inputs_are_answered():
+    ids = torch.randint(1, 50, (2, 7))
+    plan = autoshard.plan(PaddingCheck(), world_size=2, example_inputs=(ids,))
+    assert plan.layer("up").style == "column" and plan.layer("down").style == "row"
+    # The answers are the real values: padded inputs take the model's own error path.
+    with pytest.raises(RuntimeError, match="forward failed on the meta device .*padding"):
+        autoshard.plan(PaddingCheck(), world_size=2, example_inputs=(torch.zeros(2, 7, dtype=torch.long),))
+
+
+def test_known_values_follow_in_place_writes():
+    values = KnownValues()
+    weight = torch.empty(4, device="meta")
+    with values:
+        x = values.to_meta(torch.arange(4))
+        y = x * 2
+        assert y.tolist() == [0, 2, 4, 6]
+        y.add_(weight.long())  # unknown values written in: y is no longer known
+        with pytest.raises(RuntimeError, match="depend on more than the example inputs"):
+            y.tolist()
+        assert x.tolist() == [0, 1, 2, 3]
+        # Uninitialized memory is no value to answer with.
+        with pytest.raises(RuntimeError, match="depend on more than the example inputs"):
+            torch.empty(3, device="meta").tolist()
+
+
+class _Passthrough(KnownValues):
+    """KnownValues doing nothing: the capture as it was before reads of values were answered."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "gemma"])
+def test_answering_value_reads_changes_no_plan_that_worked(kind, monkeypatch):
+    """Twins are consulted only where meta fails: a model that planned before plans the same."""
+    model = build(kind, device="meta")
+    ids = {"input_ids": torch.randint(1, 101, (2, 8))}
+    now = json.loads(autoshard.plan(model, world_size=3, example_inputs=ids).to_json())
+    monkeypatch.setattr(capture_module, "KnownValues", _Passthrough)
+    before = json.loads(autoshard.plan(model, world_size=3, example_inputs=ids).to_json())
+    assert now == before
+
+
+def _dry_run_inputs():
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    reference = PaddingCheck()
+    ids = torch.randint(1, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    plan = autoshard.plan(reference, world_size=world, example_inputs={"input_ids": ids})
+    results = {}
+    # The dry run runs on the inputs given to parallelize: padded ones take the model's error path.
+    try:
+        autoshard.parallelize(copy.deepcopy(reference), plan, example_inputs=(torch.zeros(3, 5, dtype=torch.long),))
+    except ValueError as error:
+        results["padded"] = str(error)
+    # Other shapes than the plan's: no shape prediction to compare with, the run itself is checked.
+    other = torch.randint(1, 50, (3, 5), generator=torch.Generator().manual_seed(2))
+    model = autoshard.parallelize(copy.deepcopy(reference), plan, example_inputs=(other,))
+    torch.testing.assert_close(model(other), reference(other), rtol=1e-5, atol=1e-6)
+    # A plan read from JSON keeps only shapes: ids are made of an ordinary token, not padding.
+    again = autoshard.ShardingPlan.from_json(plan.to_json())
+    model = autoshard.parallelize(copy.deepcopy(reference), again)
+    torch.testing.assert_close(model(ids), reference(ids), rtol=1e-5, atol=1e-6)
+    return results
+
+
+def test_parallelize_dry_run_uses_its_example_inputs():
+    for results in run_on_ranks(_dry_run_inputs, 2):
+        assert "meta copy" in results["padded"] and "padding" in results["padded"]
