@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import autoshard
+from gathered import assert_equals_unsharded
 from hf_models import build
 from multirank import run_on_ranks
 
@@ -101,15 +102,7 @@ def _parallelize_stack_that_flips():
         refusal = str(error)
     # Without a plan, parallelize plans again running every block, and computes the model.
     autoshard.parallelize(model, example_inputs=(x,))
-    want, got = reference(x), model(x)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    want.square().sum().backward()
-    got.square().sum().backward()
-    from gathered import gathered_grads
-
-    grads = gathered_grads(model)
-    for name, p in reference.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert_equals_unsharded(model, reference, (x,), rtol=1e-5, atol=1e-6)
     return dict(plan._prediction.graph.folded), refusal, model.autoshard_state.plan.layer("blocks.1.up").style
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from gathered import gathered_grads
+from gathered import assert_equals_unsharded
 from multirank import run_on_ranks
 from soundness_models import build_partial_rotary, build_shared_kv_rotary
 
@@ -51,14 +51,7 @@ def _check_shared_kv_rotary():
     reference.double(), model.double()
     ids = torch.randint(0, 37, (2, 7), generator=torch.Generator().manual_seed(1))
     autoshard.parallelize(model, autoshard.plan(model, world_size=dist.get_world_size(), example_inputs=(ids,)))
-    want = reference(ids)
-    got = model(ids)
-    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
-    want.square().sum().backward()
-    got.square().sum().backward()
-    grads = gathered_grads(model)
-    for name, p in reference.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-11, msg=lambda m: f"{name}: {m}")
+    grads = assert_equals_unsharded(model, reference, (ids,), rtol=1e-9, atol=1e-11)
     return model.attn.rotary_dims, sorted(grads) == sorted(dict(reference.named_parameters()))
 
 

@@ -16,3 +16,18 @@ def gathered_grads(model):
         else:
             grads[name] = p.grad
     return grads
+
+
+def assert_equals_unsharded(model, reference, inputs: tuple, rtol: float, atol: float):
+    """The parallelized `model` against the unsharded `reference` on `inputs`: outputs, then every
+    parameter's gradient of the outputs' sum of squares. Returns the gathered gradients."""
+    import torch
+
+    want, got = reference(*inputs), model(*inputs)
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    grads = gathered_grads(model)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+    return grads
