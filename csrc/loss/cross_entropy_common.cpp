@@ -27,6 +27,7 @@ Reduction parse_reduction(c10::string_view reduction, const char* op) {
   if (reduction == "none") return Reduction::kNone;
   TORCH_CHECK_VALUE(false, op, ": reduction must be \"mean\", \"sum\" or \"none\", got \"", std::string(reduction),
                     "\"");
+  return Reduction::kMean;  // not reached
 }
 
 void check_common(const at::Tensor& logits, const at::Tensor& labels, double label_smoothing, const char* op) {
