@@ -63,7 +63,7 @@ def _check_against_torch():
                         # Ground truth: torch on the whole logits, in float64 for bf16 inputs (our
                         # loss is computed in float32 and rounded once), and torch in the same dtype.
                         ref_dtype = torch.float64 if dtype == torch.bfloat16 else dtype
-                        whole = full.to(ref_dtype).requires_grad_()
+                        whole = full.to(ref_dtype).clone().requires_grad_()
                         want = F.cross_entropy(whole.view(-1, vocab), labels.view(-1), ignore_index=ignore_index,
                                                label_smoothing=smoothing, reduction=reduction)
                         upstream = _upstream(reduction, labels.numel())
@@ -158,7 +158,7 @@ def _opcheck_cases():
             cases.append((torch.ops.autoshard.vocab_parallel_cross_entropy.default,
                           (shard, labels, name, -100, smoothing, reduction)))
         cases.append((torch.ops.autoshard.vocab_parallel_cross_entropy.default,
-                      (shard[0], labels[0].to(torch.int32), name, 3, 0.0, "mean")))
+                      (shard[0], _labels(13, 3)[0].to(torch.int32), name, 3, 0.0, "mean")))
         loss, lse, vocab_range = torch.ops.autoshard.vocab_parallel_cross_entropy.default(
             shard.detach(), labels, name, -100, 0.1, "none")
         cases.append((torch.ops.autoshard.vocab_parallel_cross_entropy_backward.default,
