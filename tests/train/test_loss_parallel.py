@@ -39,10 +39,11 @@ def _model_pair(kind, **options):
 
 
 def _shard_specs(model):
+    """id(parameter) -> its ShardSpec, whichever of its names (a tied head's bias) it goes by."""
     specs = {}
-    for module_name, module in model.named_modules():
+    for module in model.modules():
         for attr, spec in getattr(module, "shard_specs", {}).items():
-            specs[f"{module_name}.{attr}" if module_name else attr] = spec
+            specs[id(getattr(module, attr))] = spec
     return specs
 
 
@@ -53,7 +54,8 @@ def _compare_gradients(model, reference, rtol, atol):
     compared = 0
     for name, param in model.named_parameters():
         full = want[name].grad
-        expected = specs[name].take(full) if name in specs else full
+        spec = specs.get(id(param))
+        expected = spec.take(full) if spec is not None else full
         assert param.grad is not None, name
         torch.testing.assert_close(param.grad, expected, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
         compared += 1
@@ -62,14 +64,14 @@ def _compare_gradients(model, reference, rtol, atol):
 
 
 class _LargestSaved:
-    """The saved tensors autograd keeps that have a vocabulary dimension and at least
-    batch x sequence x vocabulary elements."""
+    """The saved tensors autograd keeps that have a vocabulary dimension and whole logits'
+    elements (batch x sequence x vocabulary, or one position fewer per sequence once shifted)."""
 
     def __init__(self):
         self.whole = []
 
     def pack(self, tensor):
-        if VOCAB in tensor.shape and tensor.numel() >= BATCH * SEQ * VOCAB:
+        if VOCAB in tensor.shape and tensor.numel() >= BATCH * (SEQ - 1) * VOCAB:
             self.whole.append(tuple(tensor.shape))
         return tensor
 
@@ -153,13 +155,17 @@ def _train(kind, steps=20):
             loss.backward()
             o.step()
             losses.append(float(loss))
+    # Hugging Face computes causal-LM losses in float32 even for a float64 model, and AdamW
+    # turns the round-off of small gradients into steps of about lr: the project's float32
+    # tolerance there; BERT's loss stays in float64.
+    tolerance = dict(rtol=1e-9, atol=1e-10) if kind == "bert" else dict(rtol=1e-4, atol=1e-4)
     got, want = autoshard.full_state_dict(model), reference.state_dict()
     assert got.keys() == want.keys()
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], want[name], **tolerance, msg=lambda m: f"{name}: {m}")
     # The pairs of losses (sharded, unsharded) of every step.
     for a, b in zip(losses[0::2], losses[1::2]):
-        assert abs(a - b) <= 1e-5 * abs(b), (a, b)
+        assert abs(a - b) <= tolerance["rtol"] * abs(b), (a, b)
     return losses[-2:]
 
 
