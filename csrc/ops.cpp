@@ -67,6 +67,19 @@ TORCH_LIBRARY(autoshard, m) {
         "(int[] weight_shape, int[] bias_shape, int?[] output_shape)",
         &autoshard::einsum_dense_shapes);
 
+  // --- loss/ : cross-entropy over vocabulary shards. logits [..., V_local] hold this rank's
+  // contiguous range of the vocabulary (split_sizes(V, group size)[rank] entries; V is learned
+  // from the group); labels [...] hold global class ids, the same on every rank. The loss equals
+  // torch's cross_entropy of the whole logits flattened to [N, V] (N = labels.numel()): [N] for
+  // "none", a scalar otherwise, in logits' dtype. Forward issues three all-reduces of one value
+  // per row (row maximum, sum of exponentials, target logit with the smoothing sum); lse (the
+  // rows' log-sum-exp, in float, double for double logits) and vocab_range (int64
+  // [vocab_start, vocab_size]) are what the backward needs to run without a collective.
+  m.def("vocab_parallel_cross_entropy(Tensor logits, Tensor labels, str group_name, int ignore_index=-100, "
+        "float label_smoothing=0.0, str reduction=\"mean\") -> (Tensor loss, Tensor lse, Tensor vocab_range)");
+  m.def("vocab_parallel_cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor labels, Tensor lse, "
+        "Tensor vocab_range, int ignore_index, float label_smoothing, str reduction) -> Tensor");
+
   // --- optim/ : fused multi-tensor optimizer steps over local shards
   // One torch.optim.AdamW step for every tensor of the lists, in place; `step` counts this
   // step (1 on the first), for the bias corrections.

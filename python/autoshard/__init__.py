@@ -4,6 +4,7 @@ from . import checkpoint, comm, nn, ops, optim
 from .clip import clip_grad_norm_
 from .comm import CommCounter
 from .distributed import init_distributed
+from .loss_parallel import gather_logits
 from .parallelize import parallelize
 from .plan import ShardingPlan, plan
 from .pretrained import load_pretrained
@@ -18,6 +19,7 @@ __all__ = [
     "clip_grad_norm_",
     "comm",
     "full_state_dict",
+    "gather_logits",
     "init_distributed",
     "load_pretrained",
     "nn",

@@ -41,6 +41,8 @@ class ParallelState:
         self.gradient_averager = None
         # Sums replicated parameters' partial gradients over the group (partial_gradients.py).
         self.partial_gradients = None
+        # Whether the loss is computed over vocabulary shards, and why (loss_parallel.LossParallel).
+        self.loss_parallel = None
 
     @property
     def model(self) -> Optional[nn.Module]:

@@ -106,6 +106,22 @@ def vocab_parallel_lookup_backward(
     return _ops.vocab_parallel_lookup_backward.default(grad, ids, num_rows, vocab_start, padding_idx)
 
 
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, group_name: str, ignore_index: int, label_smoothing: float,
+    reduction: str,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ops.vocab_parallel_cross_entropy.default(logits, labels, group_name, ignore_index, label_smoothing,
+                                                     reduction)
+
+
+def vocab_parallel_cross_entropy_backward(
+    grad_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, vocab_range: torch.Tensor,
+    ignore_index: int, label_smoothing: float, reduction: str,
+) -> torch.Tensor:
+    return _ops.vocab_parallel_cross_entropy_backward.default(grad_loss, logits, labels, lse, vocab_range,
+                                                              ignore_index, label_smoothing, reduction)
+
+
 def einsum_weight_axes(
     equation: str,
 ) -> Tuple[List[str], List[str], List[Optional[int]], List[Optional[int]]]:

@@ -13,7 +13,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from . import ops, partial_gradients
+from . import loss_parallel as loss_parallelism, ops, partial_gradients
 from .agreement import check_ranks_agree
 from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, resolve, set_default_group
@@ -225,7 +225,8 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_
 
 
 def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Optional[ProcessGroup] = None,
-                mesh=None, *, example_inputs=None, partition_optimizer_state: bool = True,
+                mesh=None, *, example_inputs=None, loss_parallel: bool = True,
+                partition_optimizer_state: bool = True,
                 reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Shards `model` in place over `group` (None: the default tensor-parallel group, or the
     "tp" dimension of `mesh`) following `plan` (None: autoshard.plan(model, example_inputs=...));
@@ -245,11 +246,19 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     averaging buckets) and over "tp" (replicated parameters whose gradients are partial sums,
     such as KV heads held by several ranks). None reduces them in the parameters' own dtype;
     torch.float32 for a bf16 model sums in fp32 and rounds the result once, as torch's
-    MixedPrecisionPolicy(reduce_dtype=torch.float32) does."""
+    MixedPrecisionPolicy(reduce_dtype=torch.float32) does.
+
+    With `loss_parallel` (see loss_parallel.py), a language model called with labels computes
+    its loss over vocabulary shards: the output head keeps its shard and the logits returned
+    beside the loss are this rank's shard (autoshard.gather_logits makes them whole); called
+    without labels it returns whole logits. Models whose loss autoshard cannot prove equal keep
+    whole logits; model.autoshard_state.loss_parallel says which applies and why."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise TypeError(f"parallelize: reduce_dtype must be None or a floating-point torch.dtype, got {reduce_dtype!r}")
+    if not isinstance(loss_parallel, bool):
+        raise TypeError(f"parallelize: loss_parallel must be a bool, got {type(loss_parallel).__name__}")
     if not isinstance(partition_optimizer_state, bool):
         raise TypeError(f"parallelize: partition_optimizer_state must be a bool, "
                         f"got {type(partition_optimizer_state).__name__}")
@@ -287,6 +296,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         if hasattr(type(module), "reduce_dtype"):
             module.reduce_dtype = reduce_dtype
     state = ParallelState(model, plan, group, mesh, data_parallel).attach()
+    state.loss_parallel = loss_parallelism.install(model, plan, group, loss_parallel)
     # Replicated parameters read inside sharded regions: their gradients are summed over the
     # group (and averaged over "dp" with them, so the data-parallel averager leaves them out).
     if group.size() > 1:

@@ -1,5 +1,6 @@
 """Sharded layers: each computes what its unsharded counterpart computes."""
 
+from . import functional
 from .einsum import EinsumDense, ShardedEinsumDense
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -12,4 +13,5 @@ __all__ = [
     "ShardSpec",
     "ShardedEinsumDense",
     "VocabParallelEmbedding",
+    "functional",
 ]
