@@ -255,6 +255,8 @@ def main():
     model.eval()
     with torch.no_grad():
         sharded = model(input_ids=check_ids, labels=check_ids)  # a collective too
+        # With labels the logits are this rank's vocabulary shard (loss parallelism): made whole.
+        sharded_logits = autoshard.gather_logits(model, sharded.logits)
     if leader:
         autoshard.checkpoint.consolidate(manager.latest(), hf_dir)
         print(f"consolidated step-{manager.latest_step()} into {hf_dir}")
@@ -262,7 +264,7 @@ def main():
         reference.eval()
         with torch.no_grad():
             unsharded = reference(input_ids=check_ids, labels=check_ids)
-        difference = (sharded.logits.float() - unsharded.logits.float()).abs().max().item()
+        difference = (sharded_logits.float() - unsharded.logits.float()).abs().max().item()
         print(f"held-out loss: {unsharded.loss.item():.3f} (unsharded copy), {sharded.loss.item():.3f} (sharded)")
         print(f"sharded vs unsharded logits: max abs difference {difference:.2e}")
         path = args.out / "loss_curve.png"
