@@ -255,7 +255,7 @@ def main():
     model.eval()
     with torch.no_grad():
         sharded = model(input_ids=check_ids, labels=check_ids)  # a collective too
-        # With labels the head keeps its vocabulary shard (loss parallelism): gather it whole.
+        # With labels the logits are this rank's vocabulary shard (loss parallelism): made whole.
         sharded_logits = autoshard.gather_logits(model, sharded.logits)
     if leader:
         autoshard.checkpoint.consolidate(manager.latest(), hf_dir)
