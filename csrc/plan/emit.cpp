@@ -3,11 +3,12 @@
 // The document (version 1), every record with named fields:
 //   {"version": 1,
 //    "layers": [{"node", "style", "region", "units", "copy_group", "parts", "letter", "repeat",
-//                "reason", "note", "whole_units"}],
+//                "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",
+//                "sequence_note"}],
 //    "regions": [{"id", "units", "localize", "repeat", "coarse_units", "coarse_localize"}],
 //    "comm": [{"phase", "kind", "count", "elements"}],
 //    "partial_gradients": [{"params", "elements"}],
-//    "tensors": [{"tensor", "region", "coarse", "axis", "outer", "size"}]}
+//    "tensors": [{"tensor", "region", "coarse", "axis", "outer", "size", "sequence"}]}
 #include "plan/emit.h"
 
 #include <algorithm>
@@ -33,7 +34,8 @@ void sort_unique(std::vector<int64_t>& v) {
 
 }  // namespace
 
-Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& why, int64_t world_size) {
+Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& why, int64_t world_size,
+               const std::map<int, std::string>& sequence_refused) {
   Plan plan;
   std::map<int, int> copy_groups;  // input tensor -> group
   std::map<int, RegionSummary> regions;
@@ -89,18 +91,46 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
       }
     }
     const int64_t out_elements = numel(graph.tensor(node.outputs.at(0)).shape);
+    const auto sequence = pass.sequence_roles.find(static_cast<int>(n));
+    const SequenceRole seq = sequence == pass.sequence_roles.end() ? SequenceRole::None : sequence->second;
+    if (seq != SequenceRole::None) {
+      static const char* names[] = {"", "reduce_scatter", "slice", "gather"};
+      d.sequence = names[static_cast<int>(seq)];
+      d.sequence_dim = pass.sequence_axis.at(static_cast<int>(n));
+      d.sequence_region = pass.find(pass.sequence_region.at(static_cast<int>(n)));
+    }
+    if (sequence_refused.count(static_cast<int>(n))) {
+      d.sequence_note = "sequence parallelism refused: " + sequence_refused.at(static_cast<int>(n));
+    }
+    // Counted elements are the full tensor's for a reduce-scatter and for the all-gather that
+    // gives it back: the same data an all-reduce of that tensor moves, in two halves.
     switch (d.style) {
       case Style::Row:
-      case Style::Vocab: comm("forward", "all_reduce", out_elements); break;
+      case Style::Vocab:
+        if (seq == SequenceRole::ReduceScatter) {
+          comm("forward", "reduce_scatter", out_elements);
+          comm("backward", "all_gather", out_elements);
+        } else {
+          comm("forward", "all_reduce", out_elements);
+        }
+        break;
       case Style::ColumnGather: comm("forward", "all_gather", out_elements); [[fallthrough]];
       case Style::Column: {
         const int input = node.inputs.at(0);
         auto [it, fresh] = copy_groups.emplace(input, static_cast<int>(copy_groups.size()));
         d.copy_group = it->second;
-        if (fresh && produced[input]) comm("backward", "all_reduce", numel(graph.tensor(input).shape));
+        const int64_t in_elements = numel(graph.tensor(input).shape);
+        if (fresh && seq == SequenceRole::Gather) {
+          comm("forward", "all_gather", in_elements);
+          comm("backward", "reduce_scatter", in_elements);
+        } else if (fresh && produced[input]) {
+          comm("backward", "all_reduce", in_elements);
+        }
         break;
       }
-      case Style::Replicate: break;
+      case Style::Replicate:
+        if (seq == SequenceRole::Slice) comm("backward", "all_gather", out_elements);
+        break;
     }
     plan.layers.push_back(std::move(d));
   }
@@ -113,7 +143,7 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
   // Partial gradients, in the order backward produces them (the reverse of the parameters').
   if (world_size > 1) {
     for (auto it = pass.partial_params.rbegin(); it != pass.partial_params.rend(); ++it) {
-      const int64_t elements = numel(graph.tensor(it->second).shape);
+      const int64_t elements = it->second;
       if (plan.partial.empty() || plan.partial.back().elements + elements > kBucketElements) {
         plan.partial.emplace_back();
       }
@@ -137,6 +167,11 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     layout.axis = l.factor.axis;
     layout.outer = l.factor.outer;
     layout.size = l.factor.size;
+    layout.sequence = l.sequence;
+    if (l.sequence) {
+      layout.coarse = false;
+      layout.region = root;
+    }
     plan.tensors.push_back(layout);
   }
   return plan;
@@ -187,7 +222,12 @@ std::string plan_to_json(const Plan& plan) {
     write_string(out, d.reason);
     out << ",\"note\":";
     write_string(out, d.note);
-    out << ",\"whole_units\":" << d.whole_units << '}';
+    out << ",\"whole_units\":" << d.whole_units << ",\"sequence\":";
+    write_string(out, d.sequence);
+    out << ",\"sequence_dim\":" << d.sequence_dim << ",\"sequence_region\":" << d.sequence_region
+        << ",\"sequence_note\":";
+    write_string(out, d.sequence_note);
+    out << '}';
   }
   out << "],\"regions\":[";
   for (size_t i = 0; i < plan.regions.size(); ++i) {
@@ -215,7 +255,7 @@ std::string plan_to_json(const Plan& plan) {
     const TensorLayout& t = plan.tensors[i];
     out << (i ? "," : "") << "{\"tensor\":" << t.tensor << ",\"region\":" << t.region
         << ",\"coarse\":" << (t.coarse ? "true" : "false") << ",\"axis\":" << t.axis << ",\"outer\":" << t.outer
-        << ",\"size\":" << t.size << '}';
+        << ",\"size\":" << t.size << ",\"sequence\":" << (t.sequence ? "true" : "false") << '}';
   }
   out << "]}";
   return out.str();

@@ -87,6 +87,12 @@ Graph parse_graph(const std::string& text) {
       TORCH_CHECK_VALUE(style == "replicate" || style == "column_gather", "[plan.bad_override] plan: an override must be 'replicate' or ",
                         "'column_gather', got '", style, "'");
       graph.forced.emplace_back(node, style);
+    } else if (record == "sequence") {
+      std::string value;
+      in >> value;
+      TORCH_CHECK_VALUE(value == "on" || value == "off", "[plan.bad_graph] plan: graph line ", number,
+                        ": 'sequence' must be 'on' or 'off', got '", value, "'");
+      graph.sequence_parallel = value == "on";
     } else {
       TORCH_CHECK_VALUE(false, "[plan.bad_graph] plan: graph line ", number, ": unknown record '", record, "'");
     }

@@ -47,6 +47,8 @@ struct Graph {
   std::vector<Node> nodes;
   // User overrides: layer node -> "replicate" or "column_gather".
   std::vector<std::pair<int, std::string>> forced;
+  // Whether the planner may split the token axis between row and column layers.
+  bool sequence_parallel = true;
 
   const TensorInfo& tensor(int id) const { return tensors.at(id); }
 };
@@ -57,6 +59,7 @@ struct Graph {
 //   output <tensor id>
 //   node <kind> <label> in <n> <id>... out <n> <id>... args <n> <int>...
 //   force <node> <replicate|column_gather>
+//   sequence off          (no sequence parallelism)
 Graph parse_graph(const std::string& text);
 
 }  // namespace autoshard::plan

@@ -19,6 +19,7 @@ from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, resolve, set_default_group
 from .nn.einsum import ShardedEinsumDense
 from .nn.embedding import VocabParallelEmbedding
+from .nn import sequence
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .model_state import ParallelState, attach_layer_state, state_of
 from .partitioned_state import partition_replicated
@@ -29,11 +30,13 @@ from .plan.prediction import ShapeMismatch, check_model_trace
 
 
 class SharedInputCopy:
-    """One copy_to_parallel for several column layers that read the same tensor in a row."""
+    """One copy_to_parallel (or, with sequence parallelism, one gather of the tokens) for
+    several column layers that read the same tensor in a row."""
 
-    def __init__(self, group_name: str, users: int):
+    def __init__(self, group_name: str, users: int, enter=None):
         self.group_name = group_name
         self.users = users
+        self.enter = enter
         self._source = None
         self._copy = None
         self._served = 0
@@ -43,7 +46,7 @@ class SharedInputCopy:
             self._served += 1
             copy = self._copy
         else:
-            copy = ops.copy_to_parallel(x, self.group_name)
+            copy = self.enter(x) if self.enter is not None else ops.copy_to_parallel(x, self.group_name)
             self._source, self._copy, self._served = weakref.ref(x), copy, 1
         if self._served == self.users:
             self._source = self._copy = None  # hold no activation beyond its last reader
@@ -147,7 +150,8 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     for layer in plan.layers:
         if layer.style in ("column", "column_gather"):
             users[layer.copy_group] = users.get(layer.copy_group, 0) + 1
-    copies = {g: SharedInputCopy(group.group_name, n) for g, n in users.items() if n > 1}
+    tokens = sequence.steps(plan, group.group_name)
+    copies = {g: SharedInputCopy(group.group_name, n, tokens.gathers.get(g)) for g, n in users.items() if n > 1}
     # Every place a parameter is registered, so that tied parameters (an embedding shared with
     # the output head, a head's bias also held by its parent) stay one parameter once sharded.
     registrations: Dict[int, list] = {}
@@ -158,6 +162,8 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     replaced: Dict[int, nn.Parameter] = {}
     for layer in plan.layers:
         if layer.style == "replicate":
+            if layer.sequence == "slice":
+                model.get_submodule(layer.module).register_forward_hook(tokens.slice_hook(layer))
             continue
         module = model.get_submodule(layer.module)
         originals = {name: getattr(module, name, None) for name in ("weight", "bias")}
@@ -171,6 +177,10 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
                 replaced[id(original)] = getattr(sharded, name)
         if layer.copy_group in copies:
             sharded.input_copy = copies[layer.copy_group]
+        elif layer.sequence == "gather":
+            sharded.input_copy = tokens.gathers[layer.copy_group]
+        if layer.sequence == "reduce_scatter":
+            sharded.output_tokens = tokens.reduce_scatter(layer)
         _set_submodule(model, layer.module, sharded)
     for key, new in replaced.items():
         for owner, attr in registrations.get(key, []):
@@ -226,7 +236,7 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
 
 def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Optional[ProcessGroup] = None,
                 mesh=None, *, partition_optimizer_state: bool = True,
-                reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
+                reduce_dtype: Optional[torch.dtype] = None, sequence_parallel: bool = True) -> nn.Module:
     """Shards `model` in place over `group` (None: the default tensor-parallel group, or the
     "tp" dimension of `mesh`) following `plan` (None: autoshard.plan(model)); returns it.
 
@@ -242,11 +252,18 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     averaging buckets) and over "tp" (replicated parameters whose gradients are partial sums,
     such as KV heads held by several ranks). None reduces them in the parameters' own dtype;
     torch.float32 for a bf16 model sums in fp32 and rounds the result once, as torch's
-    MixedPrecisionPolicy(reduce_dtype=torch.float32) does."""
+    MixedPrecisionPolicy(reduce_dtype=torch.float32) does.
+
+    `sequence_parallel` lets the plan split the tokens over the ranks between a row layer and
+    the next column layers where every op there is per token (norms, residual adds, dropout):
+    reduce-scatter and all-gather in place of the all-reduce, those activations 1/N the size.
+    Dropout there draws each rank's mask for its own tokens. A given `plan` decides alone."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise TypeError(f"parallelize: reduce_dtype must be None or a floating-point torch.dtype, got {reduce_dtype!r}")
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"parallelize: sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
     if not isinstance(partition_optimizer_state, bool):
         raise TypeError(f"parallelize: partition_optimizer_state must be a bool, "
                         f"got {type(partition_optimizer_state).__name__}")
@@ -267,7 +284,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     # Before anything that could fail on some ranks only (and leave the others waiting).
     check_ranks_agree(model, plan.to_json() if isinstance(plan, ShardingPlan) else None, group)
     if plan is None:
-        plan = make_plan(model, world_size=group.size())
+        plan = make_plan(model, world_size=group.size(), sequence_parallel=sequence_parallel)
     _check_plan_fits(model, plan, group.size())
     _dry_run(model, plan, group)
     _apply(model, plan, group)

@@ -67,7 +67,8 @@ def test_document_is_versioned_with_named_records():
     assert doc["version"] == 1
     assert set(doc) == {"version", "layers", "regions", "comm", "partial_gradients", "tensors"}
     assert set(doc["layers"][0]) == {"node", "style", "region", "units", "copy_group", "parts", "letter", "repeat",
-                                     "reason", "note", "whole_units"}
+                                     "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",
+                                     "sequence_note"}
     assert styles(doc) == ["column", "row"]
     assert doc["layers"][0]["units"] == 6 and doc["layers"][0]["region"] == doc["layers"][1]["region"]
     assert comm(doc, "forward") == {"all_reduce": 1}

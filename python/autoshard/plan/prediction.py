@@ -42,14 +42,19 @@ class Prediction:
             return size // region.coarse_units * spec.local_size()
         return size // region.units * split_sizes(region.units, world)[rank]
 
-    def local_shape(self, tensor: int, rank: int) -> Tuple[int, ...]:
+    def local_shape(self, tensor: int, rank: int, tokens: bool = True) -> Tuple[int, ...]:
+        """The tensor's shape on `rank`; with `tokens` False, as if no token axis were split."""
         shape = list(self.graph.shapes[tensor])
         layout = self.layouts.get(tensor)
-        if layout is not None and layout["region"] in self.plan.regions:
+        if layout is not None and layout.get("sequence"):
+            if tokens:
+                shape[layout["axis"]] = split_sizes(layout["size"], self.plan.world_size)[rank]
+        elif layout is not None and layout["region"] in self.plan.regions:
             shape[layout["axis"]] = layout["outer"] * self.local_size(layout, rank)
         return tuple(shape)
 
-    def nodes(self, rank: int, first: int = 0, end: Optional[int] = None) -> List[Tuple[str, List[tuple], bool]]:
+    def nodes(self, rank: int, first: int = 0, end: Optional[int] = None,
+              tokens: bool = True) -> List[Tuple[str, List[tuple], bool]]:
         """(label, predicted local output shapes, whether it is a no-op on this rank) of the
         graph's nodes [first, end): a reshape or broadcast to its input's own local shape
         (repeat_kv with one query head per KV head) may be skipped by the model."""
@@ -58,15 +63,15 @@ class Prediction:
         for index in range(first, end):
             label, inputs, outputs = self.graph.nodes[index]
             layer = index in self.graph.layers
-            shapes = [self.local_shape(t, rank) for t in outputs]
+            shapes = [self.local_shape(t, rank, tokens) for t in outputs]
             noop = (not layer and len(inputs) == 1 and len(outputs) == 1
-                    and self.local_shape(inputs[0], rank) == shapes[0])
+                    and self.local_shape(inputs[0], rank, tokens) == shapes[0])
             nodes.append(("layer" if layer else label, shapes, noop))
         return nodes
 
-    def module_nodes(self, module: str, rank: int) -> List[Tuple[str, List[tuple], bool]]:
+    def module_nodes(self, module: str, rank: int, tokens: bool = True) -> List[Tuple[str, List[tuple], bool]]:
         first, end = self.graph.module_nodes.get(module, (0, -1))
-        return self.nodes(rank, first, max(end, first))
+        return self.nodes(rank, first, max(end, first), tokens)
 
 
 _SAME_OP = {"_unsafe_view": "view", "_reshape_alias": "view", "reshape": "view"}
@@ -188,7 +193,8 @@ def _cache_key(plan, prediction: Prediction, module_name: str, module: nn.Module
     prefix = module_name + "." if module_name else ""
     layers = tuple((l.module[len(prefix):], l.style, l.units, tuple(l.parts), l.repeat) for l in plan.layers
                    if l.module.startswith(prefix))
-    nodes = tuple((label, tuple(map(tuple, outs)), noop) for label, outs, noop in prediction.module_nodes(module_name, rank))
+    nodes = tuple((label, tuple(map(tuple, outs)), noop)
+                  for label, outs, noop in prediction.module_nodes(module_name, rank, tokens=False))
     return (type(module), attrs, params, nested, tuple(shapes(args)), tuple(shapes(kwargs)), layers, nodes,
             region.units, region.repeat, region.coarse_units, tuple(region.coarse_sizes))
 
@@ -223,7 +229,9 @@ def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, 
 
     def attempt(rank: int, attrs: Dict[str, int]):
         local = _LocalModule(plan, name, module, rank)
-        want = prediction.module_nodes(name, rank)
+        # Head counts are chosen on the tensor-parallel shapes: a region's module is traced from
+        # its recorded, whole inputs, so split tokens would only differ there.
+        want = prediction.module_nodes(name, rank, tokens=False)
         got, error = local.trace(args, kwargs, {a: candidates[a][rank] for a in attrs})
         found = _first_difference(got, want)
         if error is not None:

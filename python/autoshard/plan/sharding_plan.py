@@ -33,6 +33,15 @@ class LayerPlan:
     # Why the planner chose this style when it is not the obvious one, as a code (see
     # csrc/plan/settle.cpp: "conflict", "too_few_units", "model_output", ...); note says it in words.
     reason: str = ""
+    # Sequence parallelism (see csrc/plan/sequence.cpp): "reduce_scatter" (this layer's output
+    # tokens are split over the ranks in place of its all-reduce), "slice" (a replicated
+    # embedding's output cut to this rank's tokens), "gather" (this column layer gathers its
+    # input's tokens in place of copying it), or "". sequence_dim is that token axis, and
+    # sequence_note says why a layer that could split tokens does not.
+    sequence: str = ""
+    sequence_dim: int = -1
+    sequence_region: int = -1
+    sequence_note: str = ""
 
     def weight_dim(self) -> Optional[int]:
         """The weight dimension this layer splits, or None."""
@@ -58,6 +67,12 @@ class LayerPlan:
         full = self.weight_shape[self.weight_dim()]
         return ShardSpec(0, full, rank, world_size, units=self.units or None,
                          parts=tuple(self.parts) if self.parts else None, repeat=self.repeat or None)
+
+
+def _listed(names: List[str], shown: int = 4) -> str:
+    if len(names) <= shown:
+        return ", ".join(names) if names else "-"
+    return f"{', '.join(names[:shown])} and {len(names) - shown} more"
 
 
 @dataclass
@@ -165,6 +180,7 @@ class ShardingPlan:
                 local = {k: "/".join(str(region.local_value(v, r, self.world_size)) for r in range(self.world_size))
                          for k, v in region.attributes.items()}
                 lines.append(f"  {region.module}: local attributes {local}")
+        lines += self._sequence_lines()
         for bucket in self.partial_gradients:
             lines.append(f"  partial gradients summed over the ranks in backward (one all-reduce, "
                          f"{bucket['bytes'] / 2**20:.3f} MiB): {', '.join(bucket['params'])}")
@@ -176,6 +192,29 @@ class ShardingPlan:
         lines.append(f"parameters of planned layers: {b['full'] / 2**20:.2f} MiB unsharded, "
                      f"{b['local'] / 2**20:.2f} MiB on rank 0 (fp32)")
         return "\n".join(lines)
+
+    def sequence_regions(self) -> Dict[int, Dict[str, List[str]]]:
+        """Each sequence region's layers by role: {"reduce_scatter": [...], "slice": [...], "gather": [...]}."""
+        regions: Dict[int, Dict[str, List[str]]] = {}
+        for layer in self.layers:
+            if layer.sequence:
+                roles = regions.setdefault(layer.sequence_region, {"reduce_scatter": [], "slice": [], "gather": []})
+                roles[layer.sequence].append(layer.module)
+        return regions
+
+    def _sequence_lines(self) -> List[str]:
+        lines = []
+        for region, roles in sorted(self.sequence_regions().items()):
+            split = roles["reduce_scatter"] + [f"{m} (sliced)" for m in roles["slice"]]
+            lines.append(f"  sequence parallel (tokens split over the ranks): after {_listed(split)}; "
+                         f"gathered before {_listed(roles['gather'])}")
+        refused: Dict[str, List[str]] = {}
+        for layer in self.layers:
+            if layer.sequence_note:
+                refused.setdefault(layer.sequence_note, []).append(layer.module)
+        for note, modules in refused.items():
+            lines.append(f"  tokens held whole after {_listed(modules)}: {note}")
+        return lines
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
