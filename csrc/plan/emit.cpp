@@ -8,7 +8,9 @@
 //    "regions": [{"id", "units", "localize", "repeat", "coarse_units", "coarse_localize"}],
 //    "comm": [{"phase", "kind", "count", "elements"}],
 //    "partial_gradients": [{"params", "elements"}],
-//    "tensors": [{"tensor", "region", "coarse", "axis", "outer", "size", "sequence"}]}
+//    "tensors": [{"tensor", "region", "coarse", "axis", "outer", "size", "sequence"}],
+//    "sequence_entries": [{"tensor", "module", "leaf", "dim", "region"}],
+//    "sequence_gathers": [{"tensor", "module", "leaf", "dim", "region"}]}
 #include "plan/emit.h"
 
 #include <algorithm>
@@ -94,8 +96,9 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     const auto sequence = pass.sequence_roles.find(static_cast<int>(n));
     const SequenceRole seq = sequence == pass.sequence_roles.end() ? SequenceRole::None : sequence->second;
     if (seq != SequenceRole::None) {
-      static const char* names[] = {"", "reduce_scatter", "slice", "gather"};
+      static const char* names[] = {"", "reduce_scatter", "gather"};
       d.sequence = names[static_cast<int>(seq)];
+      if (seq == SequenceRole::Gather && pass.gather_entry.count(node.inputs.at(0))) d.sequence = "gathered";
       d.sequence_dim = pass.sequence_axis.at(static_cast<int>(n));
       d.sequence_region = pass.find(pass.sequence_region.at(static_cast<int>(n)));
     }
@@ -120,7 +123,9 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
         auto [it, fresh] = copy_groups.emplace(input, static_cast<int>(copy_groups.size()));
         d.copy_group = it->second;
         const int64_t in_elements = numel(graph.tensor(input).shape);
-        if (fresh && seq == SequenceRole::Gather) {
+        if (fresh && d.sequence == "gathered") {
+          // counted once per gathered tensor, below
+        } else if (fresh && seq == SequenceRole::Gather) {
           comm("forward", "all_gather", in_elements);
           comm("backward", "reduce_scatter", in_elements);
         } else if (fresh && produced[input]) {
@@ -128,9 +133,7 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
         }
         break;
       }
-      case Style::Replicate:
-        if (seq == SequenceRole::Slice) comm("backward", "all_gather", out_elements);
-        break;
+      case Style::Replicate: break;
     }
     plan.layers.push_back(std::move(d));
   }
@@ -153,12 +156,29 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     for (const PartialBucket& bucket : plan.partial) comm("backward", "all_reduce", bucket.elements);
   }
 
-  // Every sharded tensor, named by the region the plan reports it under.
+  // Entries: cut in forward, their gradient gathered back in backward.
+  for (const auto& [tensor, index] : pass.entry_of) {
+    const ModuleEntry& entry = graph.entries.at(index);
+    plan.sequence_entries.push_back(
+        {tensor, entry.module, entry.leaf, pass.layouts[tensor].factor.axis, pass.find(pass.layouts[tensor].region)});
+    comm("backward", "all_gather", numel(graph.tensor(tensor).shape));
+  }
+
+  for (const auto& [tensor, index] : pass.gather_entry) {
+    const ModuleEntry& entry = graph.entries.at(index);
+    plan.sequence_gathers.push_back(
+        {tensor, entry.module, entry.leaf, pass.layouts[tensor].factor.axis, pass.find(pass.layouts[tensor].region)});
+    comm("forward", "all_gather", numel(graph.tensor(tensor).shape));
+    comm("backward", "reduce_scatter", numel(graph.tensor(tensor).shape));
+  }
+
+  // Every sharded tensor, named by the region the plan reports it under (an entry is held
+  // whole where it is made).
   std::map<int, int> coarse_to_fine;
   for (const auto& [coarse, fine] : pass.kv_fine) coarse_to_fine[coarse] = fine;
   for (size_t t = 0; t < graph.tensors.size(); ++t) {
     const Layout& l = pass.layouts[t];
-    if (!l.sharded) continue;
+    if (!l.sharded || pass.entry_of.count(static_cast<int>(t))) continue;
     TensorLayout layout;
     layout.tensor = static_cast<int>(t);
     const int root = pass.find(l.region);
@@ -256,6 +276,20 @@ std::string plan_to_json(const Plan& plan) {
     out << (i ? "," : "") << "{\"tensor\":" << t.tensor << ",\"region\":" << t.region
         << ",\"coarse\":" << (t.coarse ? "true" : "false") << ",\"axis\":" << t.axis << ",\"outer\":" << t.outer
         << ",\"size\":" << t.size << ",\"sequence\":" << (t.sequence ? "true" : "false") << '}';
+  }
+  out << "],\"sequence_entries\":[";
+  for (size_t i = 0; i < plan.sequence_entries.size(); ++i) {
+    const SequenceEntry& e = plan.sequence_entries[i];
+    out << (i ? "," : "") << "{\"tensor\":" << e.tensor << ",\"module\":";
+    write_string(out, e.module);
+    out << ",\"leaf\":" << e.leaf << ",\"dim\":" << e.dim << ",\"region\":" << e.region << '}';
+  }
+  out << "],\"sequence_gathers\":[";
+  for (size_t i = 0; i < plan.sequence_gathers.size(); ++i) {
+    const SequenceEntry& e = plan.sequence_gathers[i];
+    out << (i ? "," : "") << "{\"tensor\":" << e.tensor << ",\"module\":";
+    write_string(out, e.module);
+    out << ",\"leaf\":" << e.leaf << ",\"dim\":" << e.dim << ",\"region\":" << e.region << '}';
   }
   out << "]}";
   return out.str();

@@ -55,7 +55,12 @@ void Propagation::settle_gradients() {
     GradState out;
     int sharded_region = -1;
     for (int id : node.outputs) {
-      if (layouts[id].sharded) {
+      if (entry_of.count(id)) {
+        // Cut to the tokens only where a module receives it: its gradient is gathered whole.
+        GradState whole;
+        whole.whole = needs_grad[id];
+        out.join(whole);
+      } else if (layouts[id].sharded) {
         sharded_region = find(layouts[id].region);
       } else if (needs_grad[id]) {
         out.join(grad[id]);

@@ -87,6 +87,12 @@ Graph parse_graph(const std::string& text) {
       TORCH_CHECK_VALUE(style == "replicate" || style == "column_gather", "[plan.bad_override] plan: an override must be 'replicate' or ",
                         "'column_gather', got '", style, "'");
       graph.forced.emplace_back(node, style);
+    } else if (record == "entry") {
+      ModuleEntry e;
+      in >> e.tensor >> e.first >> e.end >> e.leaf >> e.module;
+      TORCH_CHECK_VALUE(!in.fail() && tensor_slot(e.tensor).known, "[plan.bad_graph] plan: graph line ", number,
+                        " names an undeclared tensor");
+      graph.entries.push_back(e);
     } else if (record == "sequence") {
       std::string value;
       in >> value;

@@ -42,6 +42,16 @@ struct Node {
   std::vector<int64_t> args;
 };
 
+// A tensor a module received in its first call: its node range and the tensor's position
+// among the call's flattened inputs (sequence parallelism may cut it there).
+struct ModuleEntry {
+  int tensor = -1;
+  int first = 0;
+  int end = 0;
+  int leaf = 0;
+  std::string module;
+};
+
 struct Graph {
   std::vector<TensorInfo> tensors;
   std::vector<Node> nodes;
@@ -49,6 +59,7 @@ struct Graph {
   std::vector<std::pair<int, std::string>> forced;
   // Whether the planner may split the token axis between row and column layers.
   bool sequence_parallel = true;
+  std::vector<ModuleEntry> entries;
 
   const TensorInfo& tensor(int id) const { return tensors.at(id); }
 };
@@ -60,6 +71,7 @@ struct Graph {
 //   node <kind> <label> in <n> <id>... out <n> <id>... args <n> <int>...
 //   force <node> <replicate|column_gather>
 //   sequence off          (no sequence parallelism)
+//   entry <tensor id> <first node> <end node> <input leaf> <module name>
 Graph parse_graph(const std::string& text);
 
 }  // namespace autoshard::plan

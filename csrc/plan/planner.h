@@ -39,8 +39,7 @@ struct LayerDecision {
   std::string note;            // the same, in words
   int64_t whole_units = 0;     // reason "too_few_units": the units there were
   // Sequence parallelism (sequence.cpp): "reduce_scatter" (its output's tokens are split
-  // instead of all-reduced), "slice" (a replicated embedding's output, cut to this rank's
-  // tokens), "gather" (its input's tokens are gathered instead of copied), or "".
+  // instead of all-reduced), "gather" (its input's tokens are gathered instead of copied), or "".
   std::string sequence;
   int sequence_dim = -1;       // the token axis of that output or input
   int sequence_region = -1;
@@ -84,12 +83,23 @@ struct TensorLayout {
   bool sequence = false;  // split on tokens: `size` tokens split by split_sizes over the ranks
 };
 
+// A tensor held whole cut to this rank's tokens where a module receives it (sequence.cpp).
+struct SequenceEntry {
+  int tensor = -1;
+  std::string module;
+  int leaf = 0;  // its position among the module call's flattened inputs
+  int dim = -1;
+  int region = -1;
+};
+
 struct Plan {
   std::vector<LayerDecision> layers;
   std::vector<RegionSummary> regions;
   std::vector<CommCount> comm;
   std::vector<PartialBucket> partial;
   std::vector<TensorLayout> tensors;  // every sharded tensor; the others are replicated
+  std::vector<SequenceEntry> sequence_entries;
+  std::vector<SequenceEntry> sequence_gathers;  // tensors gathered whole where a module receives them
 };
 
 Plan make_plan(const Graph& graph, int64_t world_size);

@@ -29,7 +29,7 @@ struct Layout {
 };
 
 // How a layer meets a sequence region (sequence.cpp).
-enum class SequenceRole { None, ReduceScatter, Slice, Gather };
+enum class SequenceRole { None, ReduceScatter, Gather };
 
 // A coarse region (KV heads) whose units each feed `ratio` consecutive units of a fine region
 // (the query heads that share a KV head), met through a repeat or a grouped attention.
@@ -81,7 +81,10 @@ class Propagation {
   // Splits the token axis between the layers that end a tensor-parallel region (row layers,
   // vocabulary-parallel embeddings) and those that start the next (column layers), where
   // every op in between is per token (sequence.cpp); `refused` layers start no such region.
-  void run_sequence(const std::set<int>& refused);
+  // `entries` (tensor -> token axis) are tensors held whole that are cut to this rank's tokens
+  // where a module receives them; tensors found to need it are left in wanted_entries.
+  void run_sequence(const std::set<int>& refused, const std::map<int, int>& entries);
+  int find_entry(int tensor) const;
   // Marks a region (and, for KV heads kept apart, the query heads' region) as conflicting.
   void conflict(int region, const std::string& why);
 
@@ -103,6 +106,9 @@ class Propagation {
   std::map<int, SequenceRole> sequence_roles;
   std::map<int, int> sequence_axis;
   std::map<int, int> sequence_region;
+  std::map<int, int> entry_of;        // cut tensor -> its graph entry
+  std::map<int, int> wanted_entries;  // tensor -> token axis, to cut in the next pass
+  std::map<int, int> gather_entry;    // column layers' input -> the entry gathering it
 
   static bool uniform_groups(int64_t units, int64_t ratio, int64_t world_size);
 

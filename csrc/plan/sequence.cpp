@@ -5,14 +5,17 @@
 // input copy an all-gather of them; the per-token ops in between (norms over the features,
 // elementwise ops, dropout, residual adds) run on this rank's tokens only.
 //
-// A sequence region is every tensor reached from its starting layers through per-token ops,
-// merged where two meet (the residual stream joins every block's). A replicated embedding
-// whose output meets one (position embeddings added to the token embeddings) is sliced to
-// this rank's tokens. A region is refused as a whole, keeping its all-reduces, when a tensor
-// of it reaches anything else: an op that mixes tokens, a reshape that merges the token axis,
-// a layer that does not start a tensor-parallel region, a tensor held whole on every rank, or
-// a model output. Replicated parameters read inside a region (norm weights, a row layer's
-// bias) receive a partial gradient there, summed by the plan's partial-gradient buckets.
+// A sequence region is every tensor reached from its row layers through per-token ops, merged
+// where two meet (the residual stream joins every block's). A tensor held whole that meets one
+// (the embedding output entering the first block's residual add) is cut to this rank's tokens
+// where a module receives it, if every op reading it is inside that module's call: a model
+// reads such tensors' shapes before its blocks (position ids from the embedding output's
+// length), which must still see every token. A region is refused as a whole, keeping its
+// all-reduces, when a tensor of it reaches anything else: an op that mixes tokens, a reshape
+// (which may spell the global token count), a layer that does not start a tensor-parallel
+// region, a tensor held whole that no module entry can cut, or a model output. Replicated
+// parameters read inside a region (norm weights, a row layer's bias) receive a partial
+// gradient there, summed by the plan's partial-gradient buckets.
 #include "plan/propagation.h"
 
 namespace autoshard::plan {
@@ -20,21 +23,85 @@ namespace {
 
 int token_axis(const std::vector<int64_t>& shape) { return static_cast<int>(shape.size()) - 2; }
 
+bool sizeless_view(const std::string& label) {
+  for (const char* op : {"aten.alias", "aten.view_as", "aten.lift_fresh", "aten.unsqueeze", "aten.squeeze"}) {
+    const std::string name(op);
+    if (label.compare(0, name.size(), name) == 0 && (label.size() == name.size() || label[name.size()] == '.')) {
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
-void Propagation::run_sequence(const std::set<int>& refused) {
+// The entry (a module's first call receiving `tensor`) whose call holds every op reading the
+// tensor, the outermost if several; -1 if none.
+int Propagation::find_entry(int tensor) const {
+  if (graph_.tensor(tensor).is_output) return -1;
+  std::vector<int> readers;
+  for (size_t n = 0; n < graph_.nodes.size(); ++n) {
+    for (int id : graph_.nodes[n].inputs) {
+      if (id == tensor) readers.push_back(static_cast<int>(n));
+    }
+  }
+  int best = -1;
+  for (size_t e = 0; e < graph_.entries.size(); ++e) {
+    const ModuleEntry& entry = graph_.entries[e];
+    if (entry.tensor != tensor) continue;
+    bool inside = true;
+    for (int n : readers) inside = inside && n >= entry.first && n < entry.end;
+    const ModuleEntry* other = best < 0 ? nullptr : &graph_.entries[best];
+    if (inside && (!other || entry.end - entry.first > other->end - other->first)) best = static_cast<int>(e);
+  }
+  return best;
+}
+
+void Propagation::run_sequence(const std::set<int>& refused, const std::map<int, int>& entries) {
+  for (const auto& [tensor, axis] : entries) {
+    const int entry = find_entry(tensor);
+    if (entry < 0) continue;
+    const int64_t length = graph_.tensor(tensor).shape.at(axis);
+    const int region = new_region(length);
+    regions[region].sequence = true;
+    set_sharded(tensor, {axis, 1, length}, region);
+    layouts[tensor].sequence = true;
+    entry_of[tensor] = entry;
+  }
   for (size_t n = 0; n < graph_.nodes.size(); ++n) sequence_visit(static_cast<int>(n), graph_.nodes[n], refused);
-  // A region that replaces no all-reduce (only sliced embeddings) would add collectives, and
-  // one that no column layer reads has no use for split tokens.
+  // A region that replaces no all-reduce (only cut entries) would add collectives, and one
+  // that no column layer reads has no use for split tokens.
   std::set<int> replacing, gathered;
   for (const auto& [n, role] : sequence_roles) {
     if (role == SequenceRole::ReduceScatter) replacing.insert(find(sequence_region.at(n)));
     if (role == SequenceRole::Gather) gathered.insert(find(sequence_region.at(n)));
   }
+  for (const auto& [tensor, entry] : entry_of) {
+    if (!replacing.count(find(layouts[tensor].region))) conflict(layouts[tensor].region, "it replaces no all-reduce");
+  }
   for (const auto& [n, role] : sequence_roles) {
     const int root = find(sequence_region.at(n));
-    if (role == SequenceRole::Slice && !replacing.count(root)) conflict(root, "it replaces no all-reduce");
     if (role != SequenceRole::Gather && !gathered.count(root)) conflict(root, "no column layer reads its tokens");
+  }
+  // Column layers gather their input's tokens where the outermost module receiving it holds
+  // every op reading it (an attention reads its input's length before its q/k/v layers),
+  // which must then all be those column layers; a layer called on it directly gathers inside.
+  for (const auto& [n, role] : sequence_roles) {
+    if (role != SequenceRole::Gather) continue;
+    const int input = graph_.nodes[n].inputs.at(0);
+    if (gather_entry.count(input)) continue;
+    const int entry = find_entry(input);
+    if (entry < 0) continue;
+    for (size_t m = 0; m < graph_.nodes.size(); ++m) {
+      for (int id : graph_.nodes[m].inputs) {
+        const auto it = sequence_roles.find(static_cast<int>(m));
+        if (id == input && (it == sequence_roles.end() || it->second != SequenceRole::Gather)) {
+          conflict(sequence_region.at(n), graph_.entries[entry].module + " receives tokens that " +
+                                              graph_.nodes[m].label + " reads besides its column layers");
+        }
+      }
+    }
+    gather_entry[input] = entry;
   }
   for (size_t t = 0; t < graph_.tensors.size(); ++t) {
     if (graph_.tensors[t].is_output && layouts[t].sequence) {
@@ -59,8 +126,7 @@ void Propagation::sequence_layer(int n, const Node& node, const std::set<int>& r
   }
   const int out = node.outputs.at(0);
   const auto& shape = graph_.tensor(out).shape;
-  const bool starts = (role == Style::Row && node.kind == Kind::Linear) || role == Style::Vocab ||
-                      (role == Style::Replicate && node.kind == Kind::Embedding);
+  const bool starts = role == Style::Row && node.kind == Kind::Linear;
   if (!starts || refused.count(n) || shape.size() < 2) return;
   const int axis = token_axis(shape);
   if (shape[axis] < 1) return;
@@ -68,7 +134,7 @@ void Propagation::sequence_layer(int n, const Node& node, const std::set<int>& r
   regions[region].sequence = true;
   set_sharded(out, {axis, 1, shape[axis]}, region);
   layouts[out].sequence = true;
-  sequence_roles[n] = role == Style::Replicate ? SequenceRole::Slice : SequenceRole::ReduceScatter;
+  sequence_roles[n] = SequenceRole::ReduceScatter;
   sequence_axis[n] = axis;
   sequence_region[n] = region;
 }
@@ -118,9 +184,13 @@ void Propagation::sequence_visit(int n, const Node& node, const std::set<int>& r
       for (int id : node.inputs) {
         if (layouts[id].sequence) continue;
         const int a = aligned_axis - (static_cast<int>(out_ndim) - static_cast<int>(shape(id).size()));
-        if (a >= 0 && shape(id)[a] != 1) {
-          return refuse(node.label + " combines its tokens with a tensor held whole on every rank");
+        if (a < 0 || shape(id)[a] == 1) continue;
+        // A tensor held whole meets the tokens: cut where a module receives it, if one can.
+        if (shape(id)[a] == x.factor.size && graph_.tensor(id).param < 0 && find_entry(id) >= 0) {
+          wanted_entries[id] = a;
+          continue;
         }
+        return refuse(node.label + " combines its tokens with a tensor held whole that no module entry can cut");
       }
       for (int id : node.outputs) {
         if (shape(id).size() == out_ndim) mark(id, aligned_axis);
@@ -155,6 +225,12 @@ void Propagation::sequence_visit(int n, const Node& node, const std::set<int>& r
       const ReshapeResult r = map_reshape(shape(in), shape(node.outputs.at(0)), x.factor);
       if (!r.ok || r.factor.outer != 1 || r.factor.size != x.factor.size) {
         return refuse(node.label + " merges the token axis with another");
+      }
+      // One given sizes may be written with the global token count even where it keeps the
+      // axis (GPT-2 views its final hidden states to the input's shape); those given none
+      // (an alias, a view like another tensor, an added or dropped axis of one) cannot.
+      if (!sizeless_view(node.label)) {
+        return refuse(node.label + " reshapes the tokens (its sizes may hold the global token count)");
       }
       return mark(node.outputs.at(0), r.factor.axis);
     }

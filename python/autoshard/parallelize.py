@@ -162,8 +162,6 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     replaced: Dict[int, nn.Parameter] = {}
     for layer in plan.layers:
         if layer.style == "replicate":
-            if layer.sequence == "slice":
-                model.get_submodule(layer.module).register_forward_hook(tokens.slice_hook(layer))
             continue
         module = model.get_submodule(layer.module)
         originals = {name: getattr(module, name, None) for name in ("weight", "bias")}
@@ -177,7 +175,7 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
                 replaced[id(original)] = getattr(sharded, name)
         if layer.copy_group in copies:
             sharded.input_copy = copies[layer.copy_group]
-        elif layer.sequence == "gather":
+        elif layer.sequence in ("gather", "gathered"):
             sharded.input_copy = tokens.gathers[layer.copy_group]
         if layer.sequence == "reduce_scatter":
             sharded.output_tokens = tokens.reduce_scatter(layer)
@@ -186,6 +184,11 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
         for owner, attr in registrations.get(key, []):
             if not hasattr(owner, "shard_specs"):
                 owner._parameters[attr] = new
+    for entry in plan.sequence_entries:
+        model.get_submodule(entry["module"]).register_forward_pre_hook(tokens.entry_hook(entry), with_kwargs=True)
+    for entry in plan.sequence_gathers:
+        model.get_submodule(entry["module"]).register_forward_pre_hook(tokens.entry_hook(entry, gather=True),
+                                                                       with_kwargs=True)
     for region in plan.regions.values():
         owner = model.get_submodule(region.module)
         for attr, value in region.attributes.items():

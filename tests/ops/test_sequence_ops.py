@@ -66,12 +66,17 @@ def test_sequence_collectives_match_their_definitions(world_size):
 
 
 def _gradcheck():
+    """A replicated input to a replicated output as a block of sequence parallelism computes
+    it: rank-dependent partial sums reduce-scattered over the tokens, a per-token function of
+    this rank's tokens, the tokens gathered for rank-dependent work again, summed. Every rank
+    computes the same global function, so each rank's numerical and analytical Jacobians agree."""
     group = dist.group.WORLD
-    scale = 1.5 + group.rank()  # rank-dependent work: each rank's input gradient is partial
+    first, second = 1.5 + group.rank(), 0.5 - group.rank()
 
     def f(x):
-        tokens = comm.reduce_scatter_to_sequence(x * scale, 1, group)
-        return comm.all_gather_from_sequence(tokens * tokens, 1, x.shape[1], group)
+        tokens = comm.reduce_scatter_to_sequence(comm.copy_to_parallel(x, group) * first, 1, group)
+        gathered = comm.all_gather_from_sequence(tokens * tokens, 1, x.shape[1], group)
+        return comm.reduce_from_parallel(gathered * second, group)
 
     x = seeded((2, 5, 3), 50, torch.float64).requires_grad_()
     return [torch.autograd.gradcheck(f, (x,)), torch.autograd.gradgradcheck(f, (x,))]
@@ -108,10 +113,10 @@ def _bad_input():
     rank, world = dist.get_rank(), dist.get_world_size()
     local = torch.zeros(2, 3 if rank == 0 else 2, 4)
     errors = []
-    for call in (lambda: comm.all_gather_from_sequence(torch.zeros(2, 5, 4), 1, 7),  # not this rank's piece
-                 lambda: comm.reduce_scatter_to_sequence(torch.zeros(2, 3), 2),  # no dim 2
-                 lambda: comm.all_gather_from_sequence(local, 1, -1)):
-        with pytest.raises(ValueError) as info:
+    for error, call in ((ValueError, lambda: comm.all_gather_from_sequence(torch.zeros(2, 5, 4), 1, 7)),  # not my piece
+                        (IndexError, lambda: comm.reduce_scatter_to_sequence(torch.zeros(2, 3), 2)),  # no dim 2
+                        (ValueError, lambda: comm.all_gather_from_sequence(local, 1, -1))):
+        with pytest.raises(error) as info:
             call()
         errors.append(str(info.value))
     return errors
@@ -120,7 +125,7 @@ def _bad_input():
 def test_bad_input_names_the_op_and_argument():
     errors = run_on_ranks(_bad_input, 2)[0]
     assert "all_gather_from_sequence" in errors[0] and "split_sizes(7, 2)" in errors[0]
-    assert "reduce_scatter_to_sequence" in errors[1] and "dim" in errors[1]
+    assert "reduce_scatter_to_sequence: dim must be in [-2, 2)" in errors[1]
     assert "all_gather_from_sequence" in errors[2] and "length must be >= 0" in errors[2]
 
 

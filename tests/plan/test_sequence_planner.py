@@ -8,9 +8,11 @@ from test_planner_graphs import G, comm
 
 
 def block(g, seq=5, hidden=8, ffn=12, vocab=16, mixing=None, merge=False, pos_embedding=False,
-          hidden_output=False):
-    """A token embedding, a norm, an MLP (column -> row) with a residual add, a final norm and
-    an output head: the smallest transformer-like stream."""
+          hidden_output=False, entry=True, read_after=False):
+    """A token embedding, a block (a norm, an MLP (column -> row), a residual add) that a
+    module "layers.0" computes, a final norm and an output head: the smallest
+    transformer-like stream. With `entry` the graph records that layers.0 receives the
+    embedding output (so it can be cut to the tokens there)."""
     ids = g.tensor(2, seq)
     table = g.tensor(vocab, hidden, param=0)
     x0 = g.tensor(2, seq, hidden)
@@ -24,6 +26,7 @@ def block(g, seq=5, hidden=8, ffn=12, vocab=16, mixing=None, merge=False, pos_em
         g.node("pointwise", [x0, p], [summed], label="add_positions")
         x0 = summed
     w1 = g.tensor(hidden, param=1)
+    first = g.nodes
     n1 = g.tensor(2, seq, hidden)
     g.node("reduce", [x0, w1], [n1], [2], label="norm1")
     _, h = g.linear(n1, hidden, ffn, 2, out_shape=(2, seq, ffn))
@@ -32,6 +35,10 @@ def block(g, seq=5, hidden=8, ffn=12, vocab=16, mixing=None, merge=False, pos_em
     _, y = g.linear(a, ffn, hidden, 3, 4, out_shape=(2, seq, hidden))
     x1 = g.tensor(2, seq, hidden, output=hidden_output)
     g.node("pointwise", [x0, y], [x1], label="residual")
+    if entry:
+        g.lines.append(f"entry {x0} {first} {g.nodes} 0 layers.0")
+    if read_after:
+        g.node("pointwise", [x0], [g.tensor(2, seq, hidden, output=True)], label="read_after")
     if mixing is not None:
         mixed = g.tensor(2, seq, hidden)
         g.node("reduce", [x1], [mixed], [1], label=mixing)  # e.g. a cumsum over the tokens
@@ -62,16 +69,20 @@ def test_stream_between_row_and_column_layers_is_split_on_tokens(world):
     doc = g.plan(world)
     roles = [(layer["style"], layer["sequence"], layer["sequence_dim"]) for layer in doc["layers"]]
     # embed (vocab), up (column), down (row), head (column_gather: its output is a model output)
-    assert roles == [("vocab", "reduce_scatter", 1), ("column", "gather", 1), ("row", "reduce_scatter", 1),
+    assert roles == [("vocab", "", -1), ("column", "gather", 1), ("row", "reduce_scatter", 1),
                      ("column_gather", "gather", 1)]
-    assert len({layer["sequence_region"] for layer in doc["layers"]}) == 1  # the residual joins them
+    region = doc["layers"][2]["sequence_region"]
+    assert doc["layers"][1]["sequence_region"] == doc["layers"][3]["sequence_region"] == region
+    # The embedding output is cut to this rank's tokens where layers.0 receives it.
+    assert doc["sequence_entries"] == [{"tensor": t["x0"], "module": "layers.0", "leaf": 0, "dim": 1, "region": region}]
     sequence = {x["tensor"]: x for x in doc["tensors"] if x["sequence"]}
-    assert set(sequence) >= {t["x0"], t["n1"], t["y"], t["x1"], t["n2"]}
+    assert set(sequence) >= {t["n1"], t["y"], t["x1"], t["n2"]} and t["x0"] not in sequence
     assert all(x["axis"] == 1 and x["size"] == 7 for x in sequence.values())
     # Norm weights and the row layer's bias see this rank's tokens only: partial gradients.
     assert sorted(p for bucket in doc["partial_gradients"] for p in bucket["params"]) == [1, 4, 5]
     stream = 2 * 7 * 8
-    assert by_kind(doc, "forward") == {"reduce_scatter": (2, 2 * stream), "all_gather": (3, 2 * stream + 2 * 7 * 16)}
+    assert by_kind(doc, "forward") == {"all_reduce": (1, stream), "reduce_scatter": (1, stream),
+                                       "all_gather": (3, 2 * stream + 2 * 7 * 16)}
     assert by_kind(doc, "backward") == {"all_gather": (2, 2 * stream), "reduce_scatter": (2, 2 * stream),
                                         "all_reduce": (1, 8 + 8 + 8)}
 
@@ -83,11 +94,13 @@ def test_sequence_off_keeps_the_all_reduces_with_equal_elements():
     assert all(layer["sequence"] == "" and layer["sequence_note"] == "" for layer in off["layers"])
     assert not any(x["sequence"] for x in off["tensors"])
     assert off["partial_gradients"] == []
+    assert off["sequence_entries"] == []
     assert comm(off, "forward") == {"all_reduce": 2, "all_gather": 1}
     assert comm(off, "backward") == {"all_reduce": 2}
-    # Each forward all-reduce becomes a reduce-scatter of the same tensor, each backward one
-    # (of a column layer's input copy) a reduce-scatter of the same tensor too.
-    assert by_kind(on, "forward")["reduce_scatter"][1] == by_kind(off, "forward")["all_reduce"][1]
+    # The row layer's all-reduce becomes a reduce-scatter of the same tensor (the embedding
+    # keeps its own), each backward one (of a column layer's input copy) a reduce-scatter too.
+    replaced = by_kind(off, "forward")["all_reduce"][1] - by_kind(on, "forward")["all_reduce"][1]
+    assert by_kind(on, "forward")["reduce_scatter"][1] == replaced
     assert by_kind(on, "backward")["reduce_scatter"][1] == by_kind(off, "backward")["all_reduce"][1]
 
 
@@ -95,6 +108,10 @@ def test_sequence_off_keeps_the_all_reduces_with_equal_elements():
     (dict(mixing="cumsum"), "cumsum mixes tokens"),
     (dict(merge=True), "flatten_tokens merges the token axis"),
     (dict(hidden_output=True), "its tokens reach a model output"),
+    # The embedding output held whole can only be cut where a module receiving it holds every
+    # op reading it: the model reads its shape before its blocks (position ids).
+    (dict(entry=False), "residual combines its tokens with a tensor held whole that no module entry can cut"),
+    (dict(read_after=True), "residual combines its tokens with a tensor held whole that no module entry can cut"),
 ])
 def test_a_region_that_is_not_per_token_keeps_its_all_reduces(case, why):
     g = G()
@@ -102,21 +119,19 @@ def test_a_region_that_is_not_per_token_keeps_its_all_reduces(case, why):
     doc = g.plan(2)
     off = g.plan(2, ["sequence off"])
     assert all(layer["sequence"] == "" for layer in doc["layers"])
-    notes = {layer["sequence_note"] for layer in doc["layers"] if layer["style"] in ("vocab", "row")}
+    assert doc["sequence_entries"] == []
+    notes = {layer["sequence_note"] for layer in doc["layers"] if layer["style"] == "row"}
     assert len(notes) == 1 and why in notes.pop()
     assert doc["comm"] == off["comm"] and doc["partial_gradients"] == off["partial_gradients"]
 
 
-def test_replicated_position_embedding_is_sliced_to_the_tokens():
+def test_position_embeddings_added_before_the_block_are_cut_with_it():
     g = G()
-    block(g, pos_embedding=True)
+    t = block(g, pos_embedding=True)
     doc = g.plan(2)
-    sequences = {layer["node"]: layer["sequence"] for layer in doc["layers"]}
-    positions = next(layer for layer in doc["layers"] if layer["style"] == "replicate")
-    assert positions["sequence"] == "slice" and positions["sequence_dim"] == 1
-    assert sorted(sequences.values()) == ["gather", "gather", "reduce_scatter", "reduce_scatter", "slice"]
-    # Its gradient is gathered back whole in backward: one more all-gather, and no partial sum.
-    assert comm(doc, "backward")["all_gather"] == 3
+    assert [e["tensor"] for e in doc["sequence_entries"]] == [t["x0"]]
+    assert sorted(layer["sequence"] for layer in doc["layers"]) == ["", "", "gather", "gather", "reduce_scatter"]
+    # The cut tensor's gradient is gathered back whole: no partial sum for the tables.
     assert 7 not in [p for bucket in doc["partial_gradients"] for p in bucket["params"]]
 
 

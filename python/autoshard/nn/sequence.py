@@ -2,11 +2,12 @@
 
 Between a layer that ends a tensor-parallel region (a row layer, a vocabulary-parallel
 embedding) and the column layers that start the next, the plan may split the tokens over the
-ranks instead of holding them whole (``LayerPlan.sequence``). The ending layer's all-reduce
-becomes a reduce-scatter over the token axis (``ReduceScatterTokens``), a replicated
-embedding's output is cut to this rank's tokens (``SliceTokens``), and each column layer
-gathers the tokens back before its matmul (``GatherTokens``, shared like an input copy by the
-column layers reading one tensor). Tokens are split with ``split_sizes`` (numpy's
+ranks instead of holding them whole (``LayerPlan.sequence``). The row layer's all-reduce
+becomes a reduce-scatter over the token axis (``ReduceScatterTokens``), a tensor held whole
+that joins the region (the embedding output entering the first block) is cut to this rank's
+tokens where a module receives it (``SliceTokens``, ``ShardingPlan.sequence_entries``), and
+each column layer gathers the tokens back before its matmul (``GatherTokens``, shared like an
+input copy by the column layers reading one tensor). Tokens are split with ``split_sizes`` (numpy's
 array_split rule), so any sequence length works.
 
 The layers that split a region record its full length in one ``SequenceShards`` per region,
@@ -16,6 +17,8 @@ which the gathering layers read: a rank's piece alone does not say how long the 
 from typing import Optional
 
 import torch
+
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import ops
 
@@ -56,7 +59,7 @@ class ReduceScatterTokens(_Step):
 
 
 class SliceTokens(_Step):
-    """A replicated embedding's output cut to this rank's tokens (its gradient gathered back)."""
+    """A tensor held whole cut to this rank's tokens (its gradient gathered back whole)."""
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         self._record(y)
@@ -78,13 +81,32 @@ class PlanSteps:
     """The steps of a plan's sequence regions, one SequenceShards per region; `gathers` maps
     each column layers' copy group that gathers tokens to its GatherTokens."""
 
+    def entry_hook(self, entry: dict, gather: bool = False):
+        """A forward pre-hook cutting the module's input leaf `entry["leaf"]` to this rank's
+        tokens, or with `gather` gathering every rank's tokens of it."""
+        shards = self.shards.setdefault(entry["region"], SequenceShards(self._group_name, entry["region"]))
+        step = (GatherTokens if gather else SliceTokens)(shards, entry["dim"])
+        leaf = entry["leaf"]
+
+        def hook(module, args, kwargs):
+            leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+            if leaf >= len(leaves) or not isinstance(leaves[leaf], torch.Tensor):
+                raise RuntimeError(f"sequence parallelism: {entry['module']!r} was called without the tensor the plan "
+                                   f"cuts to this rank's tokens (input {leaf})")
+            leaves[leaf] = step(leaves[leaf])
+            return tree_unflatten(leaves, spec)
+
+        return hook
+
     def __init__(self, plan, group_name: str):
         self.shards = {}
         self.gathers = {}
+        self._group_name = group_name
         for layer in plan.layers:
             if layer.sequence == "gather" and layer.copy_group not in self.gathers:
                 self.gathers[layer.copy_group] = GatherTokens(self._region(layer, group_name), layer.sequence_dim)
-        self._group_name = group_name
+            elif layer.sequence == "gathered":
+                self.gathers[layer.copy_group] = _already_gathered
 
     def _region(self, layer, group_name: str) -> SequenceShards:
         if layer.sequence_region not in self.shards:
@@ -94,9 +116,11 @@ class PlanSteps:
     def reduce_scatter(self, layer) -> ReduceScatterTokens:
         return ReduceScatterTokens(self._region(layer, self._group_name), layer.sequence_dim)
 
-    def slice_hook(self, layer):
-        step = SliceTokens(self._region(layer, self._group_name), layer.sequence_dim)
-        return lambda module, inputs, output: step(output)
+
+
+def _already_gathered(x: torch.Tensor) -> torch.Tensor:
+    """A column layer's input copy where the module holding the layer gathered the tokens."""
+    return x
 
 
 def steps(plan, group_name: str) -> PlanSteps:

@@ -75,9 +75,13 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
         region_plans[region]._localize = record["localize"]
     result = ShardingPlan(world_size=world_size, layers=layers, regions=region_plans, comm=comm,
                           partial_gradients=partial,
+                          sequence_entries=[{k: e[k] for k in ("module", "leaf", "dim", "region")}
+                                            for e in data["sequence_entries"]],
+                          sequence_gathers=[{k: e[k] for k in ("module", "leaf", "dim", "region")}
+                                            for e in data["sequence_gathers"]],
                           example={"description": graph.description, "inputs": graph.example_inputs,
                                    "output_shapes": [list(s) for s in graph.output_shapes]})
-    result._prediction = Prediction(graph, data["tensors"])
+    result._prediction = Prediction(graph, data["tensors"], data["sequence_entries"], data["sequence_gathers"])
     result._prediction.plan = result
     return result
 

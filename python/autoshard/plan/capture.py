@@ -249,11 +249,16 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
     handles = []
     module_inputs: Dict[str, Tuple[tuple, dict]] = {}
     module_nodes: Dict[str, Tuple[int, int]] = {}
+    module_entries: Dict[str, List[Tuple[int, int]]] = {}
     for name, module in shadow.named_modules():
         def remember(mod, a, kw, name=name):
             if name not in module_inputs:
                 module_inputs[name] = (_replayable(a), _replayable(dict(kw)))
                 module_nodes[name] = (recorder.node_count, -1)
+                # Where each recorded tensor enters the call, for the planner's "entry" records.
+                leaves = tree_flatten((tuple(a), dict(kw)))[0]
+                module_entries[name] = [(i, recorder.ids[id(t)]) for i, t in enumerate(leaves)
+                                        if isinstance(t, torch.Tensor) and id(t) in recorder.ids]
 
         def finished(mod, a, out, name=name):
             if name in module_nodes and module_nodes[name][1] < 0:
@@ -305,6 +310,12 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
     flat = [o for o in tree_flatten(outputs)[0] if isinstance(o, torch.Tensor)]
     for o in flat:
         recorder.lines.append(f"output {recorder.tensor_id(o)}")
+    # entry <tensor> <first node> <end node> <input leaf> <module>: a tensor a module's first
+    # call received, where sequence parallelism may cut it to this rank's tokens.
+    for name, entries in module_entries.items():
+        first, end = module_nodes[name]
+        if name and end >= first:
+            recorder.lines += [f"entry {tensor} {first} {end} {leaf} {name}" for leaf, tensor in entries]
     return CapturedGraph(
         text="\n".join(recorder.lines) + "\n",
         layers=layers,

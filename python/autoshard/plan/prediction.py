@@ -28,10 +28,20 @@ class ShapeMismatch(ValueError):
 class Prediction:
     """Local shapes per rank of the tensors of a captured graph, from the planner's layouts."""
 
-    def __init__(self, graph: CapturedGraph, tensors: List[dict]):
+    def __init__(self, graph: CapturedGraph, tensors: List[dict], entries: Optional[List[dict]] = None,
+                 gathers: Optional[List[dict]] = None):
         self.graph = graph
         self.layouts = {t["tensor"]: t for t in tensors}
         self.plan = None  # set once the plan exists
+        # Sequence parallelism's cut entries: a module's first node -> the tensors its pre-hook
+        # cuts to this rank's tokens (one scatter op each, traced before the module's own ops).
+        self.entries: Dict[int, List[dict]] = {}
+        for entry in entries or ():
+            first = graph.module_nodes[entry["module"]][0]
+            self.entries.setdefault(first, []).append(dict(entry, gather=False))
+        for entry in gathers or ():  # ... or gathers every rank's tokens of it
+            first = graph.module_nodes[entry["module"]][0]
+            self.entries.setdefault(first, []).append(dict(entry, gather=True))
 
     def local_size(self, layout: dict, rank: int) -> int:
         region = self.plan.regions[layout["region"]]
@@ -61,6 +71,13 @@ class Prediction:
         end = len(self.graph.nodes) if end is None else end
         nodes = []
         for index in range(first, end):
+            for entry in self.entries.get(index, ()) if tokens else ():
+                shape = list(self.graph.shapes[entry["tensor"]])
+                if entry["gather"]:
+                    nodes.append(("autoshard.all_gather_from_sequence.default", [tuple(shape)], False))
+                    continue
+                shape[entry["dim"]] = split_sizes(shape[entry["dim"]], self.plan.world_size)[rank]
+                nodes.append(("autoshard.scatter_to_parallel.default", [tuple(shape)], False))
             label, inputs, outputs = self.graph.nodes[index]
             layer = index in self.graph.layers
             shapes = [self.local_shape(t, rank, tokens) for t in outputs]

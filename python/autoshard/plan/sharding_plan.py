@@ -34,9 +34,8 @@ class LayerPlan:
     # csrc/plan/settle.cpp: "conflict", "too_few_units", "model_output", ...); note says it in words.
     reason: str = ""
     # Sequence parallelism (see csrc/plan/sequence.cpp): "reduce_scatter" (this layer's output
-    # tokens are split over the ranks in place of its all-reduce), "slice" (a replicated
-    # embedding's output cut to this rank's tokens), "gather" (this column layer gathers its
-    # input's tokens in place of copying it), or "". sequence_dim is that token axis, and
+    # tokens are split over the ranks in place of its all-reduce), "gather" (this column layer
+    # gathers its input's tokens in place of copying it), or "". sequence_dim is that token axis, and
     # sequence_note says why a layer that could split tokens does not.
     sequence: str = ""
     sequence_dim: int = -1
@@ -111,6 +110,12 @@ class ShardingPlan:
     # Replicated parameters read inside a sharded region get a partial gradient on each rank,
     # summed over the group in backward: one all-reduce per bucket {"params": names, "bytes"}.
     partial_gradients: List[Dict[str, object]] = field(default_factory=list)
+    # Tensors held whole cut to this rank's tokens where a module receives them (sequence
+    # parallelism): {"module", "leaf" (its position among the call's flattened inputs), "dim", "region"}.
+    sequence_entries: List[Dict[str, object]] = field(default_factory=list)
+    # Tensors whose tokens are gathered where a module receives them, for the column layers
+    # inside it ("gathered"): an attention reading its input's length sees every token.
+    sequence_gathers: List[Dict[str, object]] = field(default_factory=list)
 
     # ---- queries
 
@@ -194,20 +199,26 @@ class ShardingPlan:
         return "\n".join(lines)
 
     def sequence_regions(self) -> Dict[int, Dict[str, List[str]]]:
-        """Each sequence region's layers by role: {"reduce_scatter": [...], "slice": [...], "gather": [...]}."""
+        """Each sequence region's modules by role: {"reduce_scatter": [...], "gather": [...], "entry": [...]}."""
         regions: Dict[int, Dict[str, List[str]]] = {}
+        empty = lambda: {"reduce_scatter": [], "gather": [], "gathered": [], "entry": []}
         for layer in self.layers:
             if layer.sequence:
-                roles = regions.setdefault(layer.sequence_region, {"reduce_scatter": [], "slice": [], "gather": []})
-                roles[layer.sequence].append(layer.module)
+                regions.setdefault(layer.sequence_region, empty())[layer.sequence].append(layer.module)
+        for entry in self.sequence_entries:
+            regions.setdefault(entry["region"], empty())["entry"].append(entry["module"])
+        for entry in self.sequence_gathers:
+            regions.setdefault(entry["region"], empty())["gather"].append(entry["module"])
+        for roles in regions.values():
+            roles.pop("gathered", None)
         return regions
 
     def _sequence_lines(self) -> List[str]:
         lines = []
         for region, roles in sorted(self.sequence_regions().items()):
-            split = roles["reduce_scatter"] + [f"{m} (sliced)" for m in roles["slice"]]
-            lines.append(f"  sequence parallel (tokens split over the ranks): after {_listed(split)}; "
-                         f"gathered before {_listed(roles['gather'])}")
+            cut = f"; cut on entering {_listed(roles['entry'])}" if roles["entry"] else ""
+            lines.append(f"  sequence parallel (tokens split over the ranks): after {_listed(roles['reduce_scatter'])}"
+                         f"{cut}; gathered before {_listed(roles['gather'])}")
         refused: Dict[str, List[str]] = {}
         for layer in self.layers:
             if layer.sequence_note:
@@ -230,4 +241,6 @@ class ShardingPlan:
             example=data.get("example", {}),
             overrides=data.get("overrides", {}),
             partial_gradients=data.get("partial_gradients", []),
+            sequence_entries=data.get("sequence_entries", []),
+            sequence_gathers=data.get("sequence_gathers", []),
         )
