@@ -67,8 +67,12 @@ def dtensor_sequence_parallel(model: LlamaForCausalLM, world: int) -> None:
                                                    SequenceParallel, parallelize_module)
 
     mesh = init_device_mesh("cpu", (world,))
+    # The embedding output stays whole (Llama reads its length for the position ids) and is
+    # cut to this rank's tokens where the first block receives it.
     parallelize_module(model, mesh, {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                             use_local_output=True),
         "model.norm": SequenceParallel(use_local_output=True),
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     })
@@ -103,9 +107,13 @@ def measure(model, ids, labels, repeats: int):
 
     def pack(t):
         local = _local(t)
-        storage = local.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        largest[0] = max(largest[0], local.numel() * local.element_size())
+        size = local.numel() * local.element_size()
+        try:
+            storage = local.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        except RuntimeError:  # a tensor without a storage of its own (a wrapper): its own bytes
+            storages[("tensor", id(local))] = size
+        largest[0] = max(largest[0], size)
         return t
 
     def step(record: bool):

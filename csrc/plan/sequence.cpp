@@ -91,7 +91,16 @@ void Propagation::run_sequence(const std::set<int>& refused, const std::map<int,
     const int input = graph_.nodes[n].inputs.at(0);
     if (gather_entry.count(input)) continue;
     const int entry = find_entry(input);
-    if (entry < 0) continue;
+    if (entry < 0) {
+      // Gathered inside the column layers: only if no other module receives the tokens (one
+      // with ops of its own could read their length, as Phi's attention does beside its MLP).
+      for (const ModuleEntry& other : graph_.entries) {
+        if (other.tensor == input && other.end > other.first) {
+          conflict(sequence_region.at(n), other.module + " receives tokens that not all of its readers are inside");
+        }
+      }
+      continue;
+    }
     for (size_t m = 0; m < graph_.nodes.size(); ++m) {
       for (int id : graph_.nodes[m].inputs) {
         const auto it = sequence_roles.find(static_cast<int>(m));
