@@ -85,6 +85,7 @@ class Propagation {
   // where a module receives them; tensors found to need it are left in wanted_entries.
   void run_sequence(const std::set<int>& refused, const std::map<int, int>& entries);
   int find_entry(int tensor) const;
+  bool narrowed_parameter(int tensor, int depth = 0) const;
   // Marks a region (and, for KV heads kept apart, the query heads' region) as conflicting.
   void conflict(int region, const std::string& why);
 

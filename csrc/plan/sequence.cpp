@@ -18,6 +18,8 @@
 // gradient there, summed by the plan's partial-gradient buckets.
 #include "plan/propagation.h"
 
+#include <algorithm>
+
 namespace autoshard::plan {
 namespace {
 
@@ -37,6 +39,23 @@ bool sizeless_view(const std::string& label) {
 
 // The entry (a module's first call receiving `tensor`) whose call holds every op reading the
 // tensor, the outermost if several; -1 if none.
+// Whether `tensor` is computed by elementwise ops from a parameter cast to a narrower
+// floating-point dtype (the capture marks such casts): Gemma's norms scale by
+// (1 + weight.float()).
+bool Propagation::narrowed_parameter(int tensor, int depth) const {
+  if (depth > 8) return false;
+  for (const Node& node : graph_.nodes) {
+    if (std::find(node.outputs.begin(), node.outputs.end(), tensor) == node.outputs.end()) continue;
+    if (node.kind != Kind::Pointwise) return false;
+    for (int id : node.inputs) {
+      if (node.label.find("@narrowing") != std::string::npos && graph_.tensor(id).param >= 0) return true;
+      if (narrowed_parameter(id, depth + 1)) return true;
+    }
+    return false;
+  }
+  return false;
+}
+
 int Propagation::find_entry(int tensor) const {
   if (graph_.tensor(tensor).is_output) return -1;
   std::vector<int> readers;
@@ -193,7 +212,13 @@ void Propagation::sequence_visit(int n, const Node& node, const std::set<int>& r
       for (int id : node.inputs) {
         if (layouts[id].sequence) continue;
         const int a = aligned_axis - (static_cast<int>(out_ndim) - static_cast<int>(shape(id).size()));
-        if (a < 0 || shape(id)[a] == 1) continue;
+        if (a < 0 || shape(id)[a] == 1) {
+          if (narrowed_parameter(id)) {
+            return refuse(node.label + " reads a parameter cast to a narrower dtype: its partial gradients would "
+                          "be rounded to that dtype on each rank before they are summed");
+          }
+          continue;
+        }
         // A tensor held whole meets the tokens: cut where a module receives it, if one can.
         if (shape(id)[a] == x.factor.size && graph_.tensor(id).param < 0 && find_entry(id) >= 0) {
           wanted_entries[id] = a;

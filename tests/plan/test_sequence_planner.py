@@ -8,7 +8,7 @@ from test_planner_graphs import G, comm
 
 
 def block(g, seq=5, hidden=8, ffn=12, vocab=16, mixing=None, merge=False, pos_embedding=False,
-          hidden_output=False, entry=True, read_after=False):
+          hidden_output=False, entry=True, read_after=False, narrow=False):
     """A token embedding, a block (a norm, an MLP (column -> row), a residual add) that a
     module "layers.0" computes, a final norm and an output head: the smallest
     transformer-like stream. With `entry` the graph records that layers.0 receives the
@@ -29,6 +29,12 @@ def block(g, seq=5, hidden=8, ffn=12, vocab=16, mixing=None, merge=False, pos_em
     first = g.nodes
     n1 = g.tensor(2, seq, hidden)
     g.node("reduce", [x0, w1], [n1], [2], label="norm1")
+    if narrow:  # the norm scales by (1 + weight) computed in a narrower dtype (Gemma in float64)
+        cast, scale, scaled = g.tensor(hidden), g.tensor(hidden), g.tensor(2, seq, hidden)
+        g.node("pointwise", [w1], [cast], label="aten._to_copy.default@narrowing")
+        g.node("pointwise", [cast], [scale], label="aten.add.Tensor")
+        g.node("pointwise", [n1, scale], [scaled], label="aten.mul.Tensor")
+        n1 = scaled
     _, h = g.linear(n1, hidden, ffn, 2, out_shape=(2, seq, ffn))
     a = g.tensor(2, seq, ffn)
     g.node("pointwise", [h], [a], label="act")
@@ -112,6 +118,7 @@ def test_sequence_off_keeps_the_all_reduces_with_equal_elements():
     # op reading it: the model reads its shape before its blocks (position ids).
     (dict(entry=False), "residual combines its tokens with a tensor held whole that no module entry can cut"),
     (dict(read_after=True), "residual combines its tokens with a tensor held whole that no module entry can cut"),
+    (dict(narrow=True), "aten.mul.Tensor reads a parameter cast to a narrower dtype"),
 ])
 def test_a_region_that_is_not_per_token_keeps_its_all_reduces(case, why):
     g = G()

@@ -57,6 +57,11 @@ class CapturedGraph:
     module_nodes: Dict[str, Tuple[int, int]] = field(default_factory=dict)  # first call: [first, end) nodes
 
 
+def _narrows(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether a cast rounds floating-point values to a narrower dtype."""
+    return x.is_floating_point() and out.is_floating_point() and out.element_size() < x.element_size()
+
+
 def _normalize_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
@@ -149,6 +154,8 @@ class _Recorder(TorchDispatchMode):
         elif packet in (aten.slice, aten.narrow, aten.select):
             self.node("slice", label, inputs[:1], [self.tensor_id(flat_out[0])], self.slice_args(packet, x, args))
         elif packet in _COPIES or torch.Tag.pointwise in func.tags:
+            if packet in (aten._to_copy, aten.to) and _narrows(x, flat_out[0]):
+                label += "@narrowing"  # the planner keeps such casts of parameters out of sequence regions
             self.node("pointwise", label, inputs, [self.tensor_id(o) for o in flat_out])
         else:
             self.node("opaque", label, inputs, [self.tensor_id(o) for o in flat_out])
