@@ -26,6 +26,11 @@ TORCH_LIBRARY(autoshard, m) {
   m.def("reduce_from_parallel(Tensor x, str group_name) -> Tensor");  // all-reduce (sum); grad identity
   m.def("gather_from_parallel(Tensor x, int dim, int length, str group_name) -> Tensor");
   m.def("scatter_to_parallel(Tensor x, int dim, str group_name) -> Tensor");  // this rank's piece
+  // Sequence parallelism's pair, along a token axis `dim` (pieces follow split_sizes):
+  // forward sum over the group keeping this rank's piece; grad all-gathered.
+  m.def("reduce_scatter_to_sequence(Tensor x, int dim, str group_name) -> Tensor");
+  // forward every rank's piece concatenated (`length` in all); grad summed, this rank's piece kept.
+  m.def("all_gather_from_sequence(Tensor x, int dim, int length, str group_name) -> Tensor");
   // Every other collective autoshard issues. Pieces of unequal sizes (rank r's holding
   // sizes[r] elements) are padded for the wire and unpadded inside the op.
   // Sums (reduce_op "sum") or takes the maximum ("max") of x over the group, in place.

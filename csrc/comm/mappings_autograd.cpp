@@ -39,6 +39,21 @@ at::Tensor call_scatter_to_parallel(const at::Tensor& x, int64_t dim, c10::strin
   return op.call(x, dim, group_name);
 }
 
+at::Tensor call_reduce_scatter_to_sequence(const at::Tensor& x, int64_t dim, c10::string_view group_name) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("autoshard::reduce_scatter_to_sequence", "")
+                       .typed<at::Tensor(const at::Tensor&, int64_t, c10::string_view)>();
+  return op.call(x, dim, group_name);
+}
+
+at::Tensor call_all_gather_from_sequence(const at::Tensor& x, int64_t dim, int64_t length,
+                                         c10::string_view group_name) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("autoshard::all_gather_from_sequence", "")
+                       .typed<at::Tensor(const at::Tensor&, int64_t, int64_t, c10::string_view)>();
+  return op.call(x, dim, length, group_name);
+}
+
 class CopyToParallel : public torch::autograd::Function<CopyToParallel> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::string_view group_name) {
@@ -106,6 +121,57 @@ class ScatterToParallel : public torch::autograd::Function<ScatterToParallel> {
   }
 };
 
+// The tokens' gradients come back whole: this rank's piece of each rank's sum, gathered.
+class ReduceScatterToSequence : public torch::autograd::Function<ReduceScatterToSequence> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, c10::string_view group_name) {
+    ctx->saved_data["group_name"] = std::string(group_name);
+    ctx->saved_data["dim"] = dim;
+    at::Tensor piece;
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      piece = call_reduce_scatter_to_sequence(x, dim, group_name);
+    }
+    ctx->saved_data["length"] = x.sym_size(dim < 0 ? dim + x.dim() : dim).guard_int(__FILE__, __LINE__);
+    return piece;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor grad_x =
+        call_all_gather_from_sequence(grads[0], ctx->saved_data["dim"].toInt(), ctx->saved_data["length"].toInt(),
+                                      ctx->saved_data["group_name"].toStringRef());
+    return {grad_x, at::Tensor(), at::Tensor()};
+  }
+};
+
+// Each rank's gradient of the gathered tokens is partial (its share of the features that
+// read them): summed over the group, this rank keeps its tokens' piece.
+class AllGatherFromSequence : public torch::autograd::Function<AllGatherFromSequence> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, int64_t length,
+                            c10::string_view group_name) {
+    ctx->saved_data["group_name"] = std::string(group_name);
+    ctx->saved_data["dim"] = dim;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_all_gather_from_sequence(x, dim, length, group_name);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor grad_x = call_reduce_scatter_to_sequence(grads[0], ctx->saved_data["dim"].toInt(),
+                                                              ctx->saved_data["group_name"].toStringRef());
+    return {grad_x, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor reduce_scatter_to_sequence_autograd(const at::Tensor& x, int64_t dim, c10::string_view group_name) {
+  return ReduceScatterToSequence::apply(x, dim, group_name);
+}
+
+at::Tensor all_gather_from_sequence_autograd(const at::Tensor& x, int64_t dim, int64_t length,
+                                             c10::string_view group_name) {
+  return AllGatherFromSequence::apply(x, dim, length, group_name);
+}
+
 at::Tensor copy_to_parallel_autograd(const at::Tensor& x, c10::string_view group_name) {
   return CopyToParallel::apply(x, group_name);
 }
@@ -130,6 +196,8 @@ TORCH_LIBRARY_IMPL(autoshard, Autograd, m) {
   m.impl("reduce_from_parallel", &reduce_from_parallel_autograd);
   m.impl("gather_from_parallel", &gather_from_parallel_autograd);
   m.impl("scatter_to_parallel", &scatter_to_parallel_autograd);
+  m.impl("reduce_scatter_to_sequence", &reduce_scatter_to_sequence_autograd);
+  m.impl("all_gather_from_sequence", &all_gather_from_sequence_autograd);
 }
 
 }  // namespace autoshard::comm

@@ -35,6 +35,17 @@ at::Tensor scatter_to_parallel_meta(const at::Tensor& x, int64_t dim, c10::strin
   return resized_along(x, d, piece.length);
 }
 
+at::Tensor reduce_scatter_to_sequence_meta(const at::Tensor& x, int64_t dim, c10::string_view group_name) {
+  const auto group = resolve_group(group_name, "reduce_scatter_to_sequence");
+  const auto [d, piece] = checked_scatter_piece(x, dim, *group, "reduce_scatter_to_sequence");
+  return resized_along(x, d, piece.length);
+}
+
+at::Tensor all_gather_from_sequence_meta(const at::Tensor& x, int64_t dim, int64_t length, c10::string_view group_name) {
+  const auto group = resolve_group(group_name, "all_gather_from_sequence");
+  return resized_along(x, checked_gather_dim(x, dim, length, *group, "all_gather_from_sequence"), length);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(autoshard, Meta, m) {
@@ -42,6 +53,8 @@ TORCH_LIBRARY_IMPL(autoshard, Meta, m) {
   m.impl("reduce_from_parallel", &reduce_from_parallel_meta);
   m.impl("gather_from_parallel", &gather_from_parallel_meta);
   m.impl("scatter_to_parallel", &scatter_to_parallel_meta);
+  m.impl("reduce_scatter_to_sequence", &reduce_scatter_to_sequence_meta);
+  m.impl("all_gather_from_sequence", &all_gather_from_sequence_meta);
 }
 
 }  // namespace autoshard::comm

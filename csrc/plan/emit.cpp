@@ -3,11 +3,14 @@
 // The document (version 1), every record with named fields:
 //   {"version": 1,
 //    "layers": [{"node", "style", "region", "units", "copy_group", "parts", "letter", "repeat",
-//                "reason", "note", "whole_units"}],
+//                "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",
+//                "sequence_note"}],
 //    "regions": [{"id", "units", "localize", "repeat", "coarse_units", "coarse_localize"}],
 //    "comm": [{"phase", "kind", "count", "elements"}],
 //    "partial_gradients": [{"params", "elements"}],
-//    "tensors": [{"tensor", "region", "coarse", "axis", "outer", "size"}]}
+//    "tensors": [{"tensor", "region", "coarse", "axis", "outer", "size", "sequence"}],
+//    "sequence_entries": [{"tensor", "module", "leaf", "dim", "region"}],
+//    "sequence_gathers": [{"tensor", "module", "leaf", "dim", "region"}]}
 #include "plan/emit.h"
 
 #include <algorithm>
@@ -33,7 +36,8 @@ void sort_unique(std::vector<int64_t>& v) {
 
 }  // namespace
 
-Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& why, int64_t world_size) {
+Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& why, int64_t world_size,
+               const std::map<int, std::string>& sequence_refused) {
   Plan plan;
   std::map<int, int> copy_groups;  // input tensor -> group
   std::map<int, RegionSummary> regions;
@@ -89,15 +93,44 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
       }
     }
     const int64_t out_elements = numel(graph.tensor(node.outputs.at(0)).shape);
+    const auto sequence = pass.sequence_roles.find(static_cast<int>(n));
+    const SequenceRole seq = sequence == pass.sequence_roles.end() ? SequenceRole::None : sequence->second;
+    if (seq != SequenceRole::None) {
+      static const char* names[] = {"", "reduce_scatter", "gather"};
+      d.sequence = names[static_cast<int>(seq)];
+      if (seq == SequenceRole::Gather && pass.gather_entry.count(node.inputs.at(0))) d.sequence = "gathered";
+      d.sequence_dim = pass.sequence_axis.at(static_cast<int>(n));
+      d.sequence_region = pass.find(pass.sequence_region.at(static_cast<int>(n)));
+    }
+    if (sequence_refused.count(static_cast<int>(n))) {
+      d.sequence_note = "sequence parallelism refused: " + sequence_refused.at(static_cast<int>(n));
+    }
+    // Counted elements are the full tensor's for a reduce-scatter and for the all-gather that
+    // gives it back: the same data an all-reduce of that tensor moves, in two halves.
     switch (d.style) {
       case Style::Row:
-      case Style::Vocab: comm("forward", "all_reduce", out_elements); break;
+      case Style::Vocab:
+        if (seq == SequenceRole::ReduceScatter) {
+          comm("forward", "reduce_scatter", out_elements);
+          comm("backward", "all_gather", out_elements);
+        } else {
+          comm("forward", "all_reduce", out_elements);
+        }
+        break;
       case Style::ColumnGather: comm("forward", "all_gather", out_elements); [[fallthrough]];
       case Style::Column: {
         const int input = node.inputs.at(0);
         auto [it, fresh] = copy_groups.emplace(input, static_cast<int>(copy_groups.size()));
         d.copy_group = it->second;
-        if (fresh && produced[input]) comm("backward", "all_reduce", numel(graph.tensor(input).shape));
+        const int64_t in_elements = numel(graph.tensor(input).shape);
+        if (fresh && d.sequence == "gathered") {
+          // counted once per gathered tensor, below
+        } else if (fresh && seq == SequenceRole::Gather) {
+          comm("forward", "all_gather", in_elements);
+          comm("backward", "reduce_scatter", in_elements);
+        } else if (fresh && produced[input]) {
+          comm("backward", "all_reduce", in_elements);
+        }
         break;
       }
       case Style::Replicate: break;
@@ -113,7 +146,7 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
   // Partial gradients, in the order backward produces them (the reverse of the parameters').
   if (world_size > 1) {
     for (auto it = pass.partial_params.rbegin(); it != pass.partial_params.rend(); ++it) {
-      const int64_t elements = numel(graph.tensor(it->second).shape);
+      const int64_t elements = it->second;
       if (plan.partial.empty() || plan.partial.back().elements + elements > kBucketElements) {
         plan.partial.emplace_back();
       }
@@ -123,12 +156,29 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     for (const PartialBucket& bucket : plan.partial) comm("backward", "all_reduce", bucket.elements);
   }
 
-  // Every sharded tensor, named by the region the plan reports it under.
+  // Entries: cut in forward, their gradient gathered back in backward.
+  for (const auto& [tensor, index] : pass.entry_of) {
+    const ModuleEntry& entry = graph.entries.at(index);
+    plan.sequence_entries.push_back(
+        {tensor, entry.module, entry.leaf, pass.layouts[tensor].factor.axis, pass.find(pass.layouts[tensor].region)});
+    comm("backward", "all_gather", numel(graph.tensor(tensor).shape));
+  }
+
+  for (const auto& [tensor, index] : pass.gather_entry) {
+    const ModuleEntry& entry = graph.entries.at(index);
+    plan.sequence_gathers.push_back(
+        {tensor, entry.module, entry.leaf, pass.layouts[tensor].factor.axis, pass.find(pass.layouts[tensor].region)});
+    comm("forward", "all_gather", numel(graph.tensor(tensor).shape));
+    comm("backward", "reduce_scatter", numel(graph.tensor(tensor).shape));
+  }
+
+  // Every sharded tensor, named by the region the plan reports it under (an entry is held
+  // whole where it is made).
   std::map<int, int> coarse_to_fine;
   for (const auto& [coarse, fine] : pass.kv_fine) coarse_to_fine[coarse] = fine;
   for (size_t t = 0; t < graph.tensors.size(); ++t) {
     const Layout& l = pass.layouts[t];
-    if (!l.sharded) continue;
+    if (!l.sharded || pass.entry_of.count(static_cast<int>(t))) continue;
     TensorLayout layout;
     layout.tensor = static_cast<int>(t);
     const int root = pass.find(l.region);
@@ -137,6 +187,11 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     layout.axis = l.factor.axis;
     layout.outer = l.factor.outer;
     layout.size = l.factor.size;
+    layout.sequence = l.sequence;
+    if (l.sequence) {
+      layout.coarse = false;
+      layout.region = root;
+    }
     plan.tensors.push_back(layout);
   }
   return plan;
@@ -187,7 +242,12 @@ std::string plan_to_json(const Plan& plan) {
     write_string(out, d.reason);
     out << ",\"note\":";
     write_string(out, d.note);
-    out << ",\"whole_units\":" << d.whole_units << '}';
+    out << ",\"whole_units\":" << d.whole_units << ",\"sequence\":";
+    write_string(out, d.sequence);
+    out << ",\"sequence_dim\":" << d.sequence_dim << ",\"sequence_region\":" << d.sequence_region
+        << ",\"sequence_note\":";
+    write_string(out, d.sequence_note);
+    out << '}';
   }
   out << "],\"regions\":[";
   for (size_t i = 0; i < plan.regions.size(); ++i) {
@@ -215,7 +275,21 @@ std::string plan_to_json(const Plan& plan) {
     const TensorLayout& t = plan.tensors[i];
     out << (i ? "," : "") << "{\"tensor\":" << t.tensor << ",\"region\":" << t.region
         << ",\"coarse\":" << (t.coarse ? "true" : "false") << ",\"axis\":" << t.axis << ",\"outer\":" << t.outer
-        << ",\"size\":" << t.size << '}';
+        << ",\"size\":" << t.size << ",\"sequence\":" << (t.sequence ? "true" : "false") << '}';
+  }
+  out << "],\"sequence_entries\":[";
+  for (size_t i = 0; i < plan.sequence_entries.size(); ++i) {
+    const SequenceEntry& e = plan.sequence_entries[i];
+    out << (i ? "," : "") << "{\"tensor\":" << e.tensor << ",\"module\":";
+    write_string(out, e.module);
+    out << ",\"leaf\":" << e.leaf << ",\"dim\":" << e.dim << ",\"region\":" << e.region << '}';
+  }
+  out << "],\"sequence_gathers\":[";
+  for (size_t i = 0; i < plan.sequence_gathers.size(); ++i) {
+    const SequenceEntry& e = plan.sequence_gathers[i];
+    out << (i ? "," : "") << "{\"tensor\":" << e.tensor << ",\"module\":";
+    write_string(out, e.module);
+    out << ",\"leaf\":" << e.leaf << ",\"dim\":" << e.dim << ",\"region\":" << e.region << '}';
   }
   out << "]}";
   return out.str();

@@ -1,5 +1,6 @@
 #pragma once
 // Turning the last, settled pass into a Plan (emit.cpp).
+#include <map>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,8 @@ struct Why {
   int64_t whole_units = 0;
 };
 
-Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& why, int64_t world_size);
+// `sequence_refused`: layers that could start a sequence region, and why they do not.
+Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& why, int64_t world_size,
+               const std::map<int, std::string>& sequence_refused = {});
 
 }  // namespace autoshard::plan

@@ -45,7 +45,7 @@ void Propagation::settle_gradients() {
   std::vector<GradState> grad(tensor_count);
   for (size_t t = 0; t < tensor_count; ++t) grad[t].whole = graph_.tensors[t].is_output;
   std::map<int64_t, GradState> param_grad;
-  std::map<int64_t, int> param_tensor;
+  std::map<int64_t, int64_t> param_elements;
   auto refuse = [&](const GradState& state, const std::string& why) {
     for (int r : state.partial) conflict(r, why);
   };
@@ -55,7 +55,12 @@ void Propagation::settle_gradients() {
     GradState out;
     int sharded_region = -1;
     for (int id : node.outputs) {
-      if (layouts[id].sharded) {
+      if (entry_of.count(id)) {
+        // Cut to the tokens only where a module receives it: its gradient is gathered whole.
+        GradState whole;
+        whole.whole = needs_grad[id];
+        out.join(whole);
+      } else if (layouts[id].sharded) {
         sharded_region = find(layouts[id].region);
       } else if (needs_grad[id]) {
         out.join(grad[id]);
@@ -72,6 +77,14 @@ void Propagation::settle_gradients() {
         grad[node.inputs.at(0)].join(whole);
       } else if (role == Style::Row || role == Style::Vocab) {
         refuse(out, "gives a partial gradient to " + node.label + "'s output");
+        // A row layer's bias added to this rank's tokens only: a partial gradient.
+        const int64_t bias = node.bias_param;
+        if (sharded_region >= 0 && node.kind == Kind::Linear && bias >= 0) {
+          GradState state;
+          state.partial.insert(sharded_region);
+          param_grad[bias].join(state);
+          param_elements[bias] = node.out_features;
+        }
       } else {
         // A replicated layer passes its output's gradient on to its input and parameters; a
         // partial one would need its weights summed too, which the plan does not do.
@@ -98,7 +111,9 @@ void Propagation::settle_gradients() {
     const int64_t param = graph_.tensors[t].param;
     if (param >= 0) {
       param_grad[param].join(state);
-      param_tensor[param] = static_cast<int>(t);
+      int64_t elements = 1;
+      for (int64_t size : graph_.tensors[t].shape) elements *= size;
+      param_elements[param] = elements;
     } else if (state.whole && !state.partial.empty()) {
       refuse(state, "would make a gradient partly partial (a replicated activation meets its shards)");
     }
@@ -110,7 +125,7 @@ void Propagation::settle_gradients() {
       refuse(state, "would make a parameter's gradient partly partial (it is also used outside the region)");
       continue;
     }
-    partial_params[param] = param_tensor.at(param);
+    partial_params[param] = param_elements.at(param);
   }
 }
 

@@ -99,6 +99,11 @@ Node parse_node(const JsonValue& record, const std::string& where) {
       node.stop = integer(record, "stop", where);
       node.drop_dim = field(record, "drop_dim", Type::Bool, where).boolean;
       break;
+    case Kind::Pointwise: {
+      const JsonValue* narrowing = record.find("narrowing");
+      node.narrowing = narrowing != nullptr && narrowing->type == Type::Bool && narrowing->boolean;
+      break;
+    }
     default: break;
   }
   return node;
@@ -144,6 +149,25 @@ Graph parse_graph(const std::string& document) {
       TORCH_CHECK_VALUE(style == "replicate" || style == "column_gather", "[plan.bad_override] plan: an override must be ",
                         "'replicate' or 'column_gather', got '", style, "'");
       graph.forced.emplace_back(static_cast<int>(integer(record, "node", where)), style);
+    }
+  }
+  if (const JsonValue* sequence = root.find("sequence_parallel")) {
+    TORCH_CHECK_VALUE(sequence->type == Type::Bool, "[plan.bad_graph] plan: 'sequence_parallel' must be true or false");
+    graph.sequence_parallel = sequence->boolean;
+  }
+  if (const JsonValue* entries = root.find("entries")) {
+    TORCH_CHECK_VALUE(entries->type == Type::Array, "[plan.bad_graph] plan: 'entries' must be a list");
+    for (const auto& record : entries->items) {
+      const std::string where = "entry " + std::to_string(graph.entries.size());
+      ModuleEntry e;
+      e.tensor = static_cast<int>(integer(record, "tensor", where));
+      e.first = static_cast<int>(integer(record, "first", where));
+      e.end = static_cast<int>(integer(record, "end", where));
+      e.leaf = static_cast<int>(integer(record, "leaf", where));
+      e.module = field(record, "module", Type::String, where).string;
+      TORCH_CHECK_VALUE(e.tensor >= 0 && e.tensor < tensor_count, "[plan.bad_graph] plan: ", where,
+                        " names undeclared tensor ", e.tensor);
+      graph.entries.push_back(std::move(e));
     }
   }
   return graph;

@@ -16,7 +16,7 @@ enum class Kind {
   View,       // any reshape; the axis mapping follows from the two shapes
   Permute,    // permutation
   Expand,     // broadcast of size-1 dims (and new leading dims)
-  Pointwise,  // elementwise with broadcasting
+  Pointwise,  // elementwise with broadcasting; narrowing (optional): a cast to a narrower dtype
   Reduce,     // axes: the reduced input axes (softmax and norms count as reductions)
   Matmul,     // inputs {a, b}: [..., m, k] @ [..., k, n]
   Attention,  // inputs {q, k, v, ...}: heads on axis -3
@@ -60,6 +60,17 @@ struct Node {
   int64_t dim = 0;                   // Split, Cat, Slice
   int64_t start = 0, stop = 0;       // Slice
   bool drop_dim = false;             // Slice: select drops the axis
+  bool narrowing = false;            // Pointwise: a cast to a narrower floating-point dtype
+};
+
+// A tensor a module received in its first call: its node range and the tensor's position
+// among the call's flattened inputs (sequence parallelism may cut it there).
+struct ModuleEntry {
+  int tensor = -1;
+  int first = 0;
+  int end = 0;
+  int leaf = 0;
+  std::string module;
 };
 
 struct Graph {
@@ -67,6 +78,9 @@ struct Graph {
   std::vector<Node> nodes;
   // User overrides: layer node -> "replicate" or "column_gather".
   std::vector<std::pair<int, std::string>> forced;
+  // Whether the planner may split the token axis between row and column layers.
+  bool sequence_parallel = true;
+  std::vector<ModuleEntry> entries;
 
   const TensorInfo& tensor(int id) const { return tensors.at(id); }
 };
@@ -76,7 +90,10 @@ struct Graph {
 //    "tensors": [{"shape": [...], "param": index (optional), "output": bool (optional)}, ...],
 //    "nodes": [{"kind": "linear", "label": "...", "inputs": [ids], "outputs": [ids],
 //               and the fields of its kind named in Kind above}, ...],
-//    "forced": [{"node": index, "style": "replicate" | "column_gather"}, ...] (optional)}
+//    "forced": [{"node": index, "style": "replicate" | "column_gather"}, ...] (optional),
+//    "sequence_parallel": bool (optional, true),
+//    "entries": [{"tensor": id, "first": node, "end": node, "leaf": index, "module": "..."}, ...]
+//               (optional: ModuleEntry)}
 // A tensor's id is its index in "tensors"; einsum letters are objects
 // {"letter": "d", "role": "output" | "contracted" | "batch", "input_dim": int, "output_dim": int}.
 Graph parse_graph(const std::string& document);

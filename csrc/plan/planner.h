@@ -38,6 +38,12 @@ struct LayerDecision {
   std::string reason;          // a code saying why, when it is not the obvious choice (see settle.cpp)
   std::string note;            // the same, in words
   int64_t whole_units = 0;     // reason "too_few_units": the units there were
+  // Sequence parallelism (sequence.cpp): "reduce_scatter" (its output's tokens are split
+  // instead of all-reduced), "gather" (its input's tokens are gathered instead of copied), or "".
+  std::string sequence;
+  int sequence_dim = -1;       // the token axis of that output or input
+  int sequence_region = -1;
+  std::string sequence_note;   // why a layer that could start a sequence region does not
 };
 
 struct RegionSummary {
@@ -53,7 +59,7 @@ struct RegionSummary {
 
 struct CommCount {
   std::string phase;  // "forward" or "backward"
-  std::string kind;   // "all_reduce" or "all_gather"
+  std::string kind;   // "all_reduce", "all_gather" or "reduce_scatter"
   int64_t count = 0;
   int64_t elements = 0;  // summed over collectives, at the graph's example shapes
 };
@@ -74,6 +80,16 @@ struct TensorLayout {
   int axis = -1;
   int64_t outer = 1;
   int64_t size = 0;
+  bool sequence = false;  // split on tokens: `size` tokens split by split_sizes over the ranks
+};
+
+// A tensor held whole cut to this rank's tokens where a module receives it (sequence.cpp).
+struct SequenceEntry {
+  int tensor = -1;
+  std::string module;
+  int leaf = 0;  // its position among the module call's flattened inputs
+  int dim = -1;
+  int region = -1;
 };
 
 struct Plan {
@@ -82,6 +98,8 @@ struct Plan {
   std::vector<CommCount> comm;
   std::vector<PartialBucket> partial;
   std::vector<TensorLayout> tensors;  // every sharded tensor; the others are replicated
+  std::vector<SequenceEntry> sequence_entries;
+  std::vector<SequenceEntry> sequence_gathers;  // tensors gathered whole where a module receives them
 };
 
 Plan make_plan(const Graph& graph, int64_t world_size);

@@ -23,7 +23,13 @@ struct Layout {
   // The size the axis right after the sharded one was broadcast to from 1 (repeat_kv's
   // expand), so that a reshape merging the two repeats each unit that many times.
   int64_t repeat_next = 0;
+  // Sharded on a token axis (sequence parallelism): factor.axis holds the tokens, split like
+  // split_sizes(factor.size, ranks); the region is a sequence region.
+  bool sequence = false;
 };
+
+// How a layer meets a sequence region (sequence.cpp).
+enum class SequenceRole { None, ReduceScatter, Gather };
 
 // A coarse region (KV heads) whose units each feed `ratio` consecutive units of a fine region
 // (the query heads that share a KV head), met through a repeat or a grouped attention.
@@ -39,6 +45,7 @@ struct Region {
   bool reaches_output = false;
   std::string reason;
   std::vector<int64_t> localize;
+  bool sequence = false;  // a sequence region: the residual stream split on its token axis
 };
 
 bool is_layer(const Node& node);
@@ -55,6 +62,14 @@ class Propagation {
   // gradient is a partial sum on each rank, and refuses regions that would make a gradient
   // partly whole and partly partial.
   void settle_gradients();
+  // Splits the token axis between the layers that end a tensor-parallel region (row layers,
+  // vocabulary-parallel embeddings) and those that start the next (column layers), where
+  // every op in between is per token (sequence.cpp); `refused` layers start no such region.
+  // `entries` (tensor -> token axis) are tensors held whole that are cut to this rank's tokens
+  // where a module receives them; tensors found to need it are left in wanted_entries.
+  void run_sequence(const std::set<int>& refused, const std::map<int, int>& entries);
+  int find_entry(int tensor) const;
+  bool narrowed_parameter(int tensor, int depth = 0) const;
   // Marks a region (and, for KV heads kept apart, the query heads' region) as conflicting.
   void conflict(int region, const std::string& why);
 
@@ -68,9 +83,17 @@ class Propagation {
   // Coarse region root -> its fine region root, for links kept apart by settle_links: the
   // KV heads are then replicated on the ranks whose query heads use them.
   std::map<int, int> kv_fine;
-  // Parameters (by index) whose gradient is partial on every rank, with the tensor each is
-  // read as (for its size), set by settle_gradients.
-  std::map<int64_t, int> partial_params;
+  // Parameters (by index) whose gradient is partial on every rank, with their number of
+  // elements, set by settle_gradients.
+  std::map<int64_t, int64_t> partial_params;
+  // Layers meeting a sequence region: their role there, the token axis (of the output for
+  // ReduceScatter and Slice, of the input for Gather) and the region.
+  std::map<int, SequenceRole> sequence_roles;
+  std::map<int, int> sequence_axis;
+  std::map<int, int> sequence_region;
+  std::map<int, int> entry_of;        // cut tensor -> its graph entry
+  std::map<int, int> wanted_entries;  // tensor -> token axis, to cut in the next pass
+  std::map<int, int> gather_entry;    // column layers' input -> the entry gathering it
 
   static bool uniform_groups(int64_t units, int64_t ratio, int64_t world_size);
 
@@ -99,6 +122,8 @@ class Propagation {
   void visit_split(const Node& node);
   void visit_cat(const Node& node);
   void visit_slice(const Node& node);
+  void sequence_visit(int n, const Node& node, const std::set<int>& refused);
+  void sequence_layer(int n, const Node& node, const std::set<int>& refused);
 
   const Graph& graph_;
   const std::vector<Force>& forced_;

@@ -128,7 +128,42 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
                                    : Why{"weight_shared", "replicated: it shares its weight with a layer split differently"});
       }
     }
-    if (!changed) return emit_plan(graph, pass, why, world_size);
+    if (!changed) {
+      if (!graph.sequence_parallel || world_size == 1) return emit_plan(graph, pass, why, world_size);
+      break;
+    }
+  }
+  // Sequence parallelism over the settled roles: a region refused (see sequence.cpp) refuses
+  // the layers that start it, and the passes repeat until none is refused anew.
+  std::set<int> refused;
+  std::map<int, std::string> refusals;
+  std::map<int, int> entries;
+  for (size_t round = 0;; ++round) {
+    TORCH_CHECK(round <= 2 * (count + graph.tensors.size()) + 2, "[plan.unsettled] plan: sequence parallelism did not settle");
+    Propagation pass(graph, forced);
+    pass.run(vocab);
+    pass.settle_links(world_size);
+    pass.run_sequence(refused, entries);
+    pass.settle_gradients();
+    bool more = false;
+    for (const auto& [tensor, axis] : pass.wanted_entries) more |= entries.emplace(tensor, axis).second;
+    if (more) continue;
+    for (const auto& [tensor, entry] : pass.entry_of) {
+      if (pass.regions[pass.find(pass.layouts[tensor].region)].conflict) {
+        entries.erase(tensor);
+        more = true;
+      }
+    }
+    for (const auto& [n, role] : pass.sequence_roles) {
+      if (role == SequenceRole::Gather || refused.count(n)) continue;
+      const Region& region = pass.regions[pass.find(pass.sequence_region.at(n))];
+      if (region.conflict) {
+        refused.insert(n);
+        refusals[n] = region.reason;
+        more = true;
+      }
+    }
+    if (!more) return emit_plan(graph, pass, why, world_size, refusals);
   }
 }
 

@@ -7,6 +7,8 @@ backward are issued (and counted) in C++ too::
     reduce_from_parallel  forward all-reduce (sum)    backward identity
     gather_from_parallel  forward all-gather          backward this rank's piece
     scatter_to_parallel   forward this rank's piece   backward all-gather
+    reduce_scatter_to_sequence  forward reduce-scatter (tokens)  backward all-gather
+    all_gather_from_sequence    forward all-gather (tokens)      backward reduce-scatter
 
 Pieces along a split dimension follow ``split_sizes(length, world_size)``: rank r holds
 ``split_sizes(length, world_size)[r]`` elements, uneven sizes included. A group of one
@@ -81,6 +83,23 @@ def scatter_to_parallel(x: torch.Tensor, dim: int, group: Optional[ProcessGroup]
     size); backward all-gathers the gradient."""
     _check_tensor(x, "scatter_to_parallel")
     return ops.scatter_to_parallel(x, _as_int(dim, "dim", "scatter_to_parallel"), group_name(group))
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, dim: int, group: Optional[ProcessGroup] = None) -> torch.Tensor:
+    """Sequence parallelism's exit from a row layer: the sum of ``x`` over the group, of which
+    this rank keeps its ``split_sizes`` piece along the token axis ``dim``; backward
+    all-gathers the gradient."""
+    _check_tensor(x, "reduce_scatter_to_sequence")
+    return ops.reduce_scatter_to_sequence(x, _as_int(dim, "dim", "reduce_scatter_to_sequence"), group_name(group))
+
+
+def all_gather_from_sequence(x: torch.Tensor, dim: int, length: int,
+                             group: Optional[ProcessGroup] = None) -> torch.Tensor:
+    """Sequence parallelism's entry to a column layer: every rank's tokens along ``dim``
+    (``length`` in all); backward sums the gradient over the group and keeps this rank's piece."""
+    _check_tensor(x, "all_gather_from_sequence")
+    return ops.all_gather_from_sequence(x, _as_int(dim, "dim", "all_gather_from_sequence"),
+                                        _as_int(length, "length", "all_gather_from_sequence"), group_name(group))
 
 
 def all_reduce_(x: torch.Tensor, op: str = "sum", group: Optional[ProcessGroup] = None) -> torch.Tensor:

@@ -46,6 +46,14 @@ def scatter_to_parallel(x: torch.Tensor, dim: int, group_name: str) -> torch.Ten
     return _ops.scatter_to_parallel.default(x, dim, group_name)
 
 
+def reduce_scatter_to_sequence(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    return _ops.reduce_scatter_to_sequence.default(x, dim, group_name)
+
+
+def all_gather_from_sequence(x: torch.Tensor, dim: int, length: int, group_name: str) -> torch.Tensor:
+    return _ops.all_gather_from_sequence.default(x, dim, length, group_name)
+
+
 def all_reduce_(x: torch.Tensor, reduce_op: str, group_name: str) -> None:
     _ops.all_reduce_.default(x, reduce_op, group_name)
 

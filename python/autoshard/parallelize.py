@@ -19,6 +19,7 @@ from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, resolve, set_default_group
 from .nn.einsum import ShardedEinsumDense
 from .nn.embedding import VocabParallelEmbedding
+from .nn import sequence
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .model_state import ParallelState, attach_layer_state, state_of
 from .partitioned_state import partition_replicated
@@ -31,11 +32,13 @@ from .plan.prediction import FoldedBlockMismatch, ShapeMismatch, check_model_tra
 
 
 class SharedInputCopy:
-    """One copy_to_parallel for several column layers that read the same tensor in a row."""
+    """One copy_to_parallel (or, with sequence parallelism, one gather of the tokens) for
+    several column layers that read the same tensor in a row."""
 
-    def __init__(self, group_name: str, users: int):
+    def __init__(self, group_name: str, users: int, enter=None):
         self.group_name = group_name
         self.users = users
+        self.enter = enter
         self._source = None
         self._copy = None
         self._served = 0
@@ -45,7 +48,7 @@ class SharedInputCopy:
             self._served += 1
             copy = self._copy
         else:
-            copy = ops.copy_to_parallel(x, self.group_name)
+            copy = self.enter(x) if self.enter is not None else ops.copy_to_parallel(x, self.group_name)
             self._source, self._copy, self._served = weakref.ref(x), copy, 1
         if self._served == self.users:
             self._source = self._copy = None  # hold no activation beyond its last reader
@@ -128,7 +131,8 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     for layer in plan.layers:
         if layer.style in ("column", "column_gather"):
             users[layer.copy_group] = users.get(layer.copy_group, 0) + 1
-    copies = {g: SharedInputCopy(group.group_name, n) for g, n in users.items() if n > 1}
+    tokens = sequence.steps(plan, group.group_name)
+    copies = {g: SharedInputCopy(group.group_name, n, tokens.gathers.get(g)) for g, n in users.items() if n > 1}
     # Every place a parameter is registered, so that tied parameters (an embedding shared with
     # the output head, a head's bias also held by its parent) stay one parameter once sharded.
     registrations: Dict[int, list] = {}
@@ -152,11 +156,20 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
                 replaced[id(original)] = getattr(sharded, name)
         if layer.copy_group in copies:
             sharded.input_copy = copies[layer.copy_group]
+        elif layer.sequence in ("gather", "gathered"):
+            sharded.input_copy = tokens.gathers[layer.copy_group]
+        if layer.sequence == "reduce_scatter":
+            sharded.output_tokens = tokens.reduce_scatter(layer)
         _set_submodule(model, layer.module, sharded)
     for key, new in replaced.items():
         for owner, attr in registrations.get(key, []):
             if not hasattr(owner, "shard_specs"):
                 owner._parameters[attr] = new
+    for entry in plan.sequence_entries:
+        model.get_submodule(entry["module"]).register_forward_pre_hook(tokens.entry_hook(entry), with_kwargs=True)
+    for entry in plan.sequence_gathers:
+        model.get_submodule(entry["module"]).register_forward_pre_hook(tokens.entry_hook(entry, gather=True),
+                                                                       with_kwargs=True)
     for region in plan.regions.values():
         owner = model.get_submodule(region.module)
         for attr, value in region.attributes.items():
@@ -225,7 +238,7 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_
 
 
 def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Optional[ProcessGroup] = None,
-                mesh=None, *, example_inputs=None, loss_parallel: bool = True,
+                mesh=None, *, example_inputs=None, sequence_parallel: bool = True, loss_parallel: bool = True,
                 partition_optimizer_state: bool = True,
                 reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Shards `model` in place over `group` (None: the default tensor-parallel group, or the
@@ -248,6 +261,11 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     torch.float32 for a bf16 model sums in fp32 and rounds the result once, as torch's
     MixedPrecisionPolicy(reduce_dtype=torch.float32) does.
 
+    `sequence_parallel` lets the plan split the tokens over the ranks between a row layer and
+    the next column layers where every op there is per token (norms, residual adds, dropout):
+    reduce-scatter and all-gather in place of the all-reduce, those activations 1/N the size.
+    Dropout there draws each rank's mask for its own tokens. A given `plan` decides alone.
+
     With `loss_parallel` (see loss_parallel.py), a language model called with labels computes
     its loss over vocabulary shards: the output head keeps its shard and the logits returned
     beside the loss are this rank's shard (autoshard.gather_logits makes them whole); called
@@ -257,6 +275,8 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         raise TypeError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise TypeError(f"parallelize: reduce_dtype must be None or a floating-point torch.dtype, got {reduce_dtype!r}")
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"parallelize: sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
     if not isinstance(loss_parallel, bool):
         raise TypeError(f"parallelize: loss_parallel must be a bool, got {type(loss_parallel).__name__}")
     if not isinstance(partition_optimizer_state, bool):
@@ -280,7 +300,8 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     check_ranks_agree(model, plan.to_json() if isinstance(plan, ShardingPlan) else None, group)
     planned_here = plan is None
     if planned_here:
-        plan = make_plan(model, world_size=group.size(), example_inputs=example_inputs)
+        plan = make_plan(model, world_size=group.size(), example_inputs=example_inputs,
+                         sequence_parallel=sequence_parallel)
     _check_plan_fits(model, plan, group.size())
     try:
         _dry_run(model, plan, group, example_inputs)
@@ -288,7 +309,8 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         if not (planned_here and getattr(refusal, "folded_block", False)):
             raise
         with every_block_run():  # a block that looked identical to another computes otherwise
-            plan = make_plan(model, world_size=group.size(), example_inputs=example_inputs)
+            plan = make_plan(model, world_size=group.size(), example_inputs=example_inputs,
+                             sequence_parallel=sequence_parallel)
         _check_plan_fits(model, plan, group.size())
         _dry_run(model, plan, group, example_inputs)
     _apply(model, plan, group)

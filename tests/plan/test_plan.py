@@ -22,9 +22,12 @@ def linear_layers(model):
 @pytest.mark.parametrize("kind", KINDS)
 def test_plan_reaches_megatron_minimum(kind, world_size):
     model = build(kind, device="meta")
-    p = plan(model, world_size=world_size)
+    p = plan(model, world_size=world_size, sequence_parallel=False)
     blocks = layer_count(kind)
     forward, backward = p.collectives("forward"), p.collectives("backward")
+    # Sequence parallelism turns some of those all-reduces into reduce-scatters, one for one.
+    split = plan(model, world_size=world_size).collectives("forward")
+    assert split.get("all_reduce", 0) + split.get("reduce_scatter", 0) == forward.get("all_reduce", 0)
     # Two all-reduces per block and one for the token embedding; the head gathers once.
     assert forward.get("all_reduce", 0) + forward.get("all_gather", 0) <= 2 * blocks + 2
     # A KV projection whose heads are shared by several ranks adds the all-reduce of its gradient.
@@ -172,7 +175,9 @@ def test_cli_prints_plan_and_cost(capsys):
                  "--set", "vocab_size=100"]) == 0
     out = capsys.readouterr().out
     assert "ShardingPlan for 2 ranks" in out and "model.layers.1.mlp.down_proj" in out
-    assert "all_reduce x5" in out and "planned in" in out
+    # The embedding's all-reduce; the row layers' four are reduce-scatters (sequence parallelism).
+    assert "forward  all_reduce x1" in out and "forward  reduce_scatter x4" in out and "planned in" in out
+    assert "sequence parallel (tokens split over the ranks)" in out
 
 
 def test_one_rank_plans_no_collectives():

@@ -13,7 +13,7 @@ class G:
     """A graph document in the planner's input format (csrc/plan/graph.h)."""
 
     def __init__(self):
-        self.tensors, self.nodes, self.forced = [], [], []
+        self.tensors, self.nodes, self.forced, self.entries = [], [], [], []
 
     def tensor(self, *shape, param=None, output=False):
         self.tensors.append({"shape": list(shape)})
@@ -37,11 +37,12 @@ class G:
                       bias_param=bias)
         return n, y
 
-    def document(self):
-        return json.dumps({"version": 1, "tensors": self.tensors, "nodes": self.nodes, "forced": self.forced})
+    def document(self, sequence_parallel=True):
+        return json.dumps({"version": 1, "tensors": self.tensors, "nodes": self.nodes, "forced": self.forced,
+                           "entries": self.entries, "sequence_parallel": sequence_parallel})
 
-    def plan(self, world_size):
-        return json.loads(torch.ops.autoshard.plan_graph(self.document(), world_size))
+    def plan(self, world_size, sequence_parallel=True):
+        return json.loads(torch.ops.autoshard.plan_graph(self.document(sequence_parallel), world_size))
 
 
 def letters(*spec):
@@ -73,9 +74,11 @@ def test_document_is_versioned_with_named_records():
     g.node("pointwise", [y, x], [out])
     doc = g.plan(2)
     assert doc["version"] == 1
-    assert set(doc) == {"version", "layers", "regions", "comm", "partial_gradients", "tensors"}
+    assert set(doc) == {"version", "layers", "regions", "comm", "partial_gradients", "tensors", "sequence_entries",
+                        "sequence_gathers"}
     assert set(doc["layers"][0]) == {"node", "style", "region", "units", "copy_group", "parts", "letter", "repeat",
-                                     "reason", "note", "whole_units"}
+                                     "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",
+                                     "sequence_note"}
     assert styles(doc) == ["column", "row"]
     assert doc["layers"][0]["units"] == 6 and doc["layers"][0]["region"] == doc["layers"][1]["region"]
     assert comm(doc, "forward") == {"all_reduce": 1}

@@ -117,9 +117,13 @@ def _partition_report(model, opt, dp_size, dp_rank):
     shards = state_of(model).shards()
     sharded_ids = {id(p) for p in model.parameters() if id(p) in shards and shards[id(p)][0].world_size > 1}
     sharded = sum(p.numel() for p in model.parameters() if id(p) in sharded_ids)
+    # Replicated parameters with partial gradients (norm weights under sequence parallelism)
+    # are summed over tp and averaged over dp by their own reducer, their state kept whole.
+    reducer = state_of(model).partial_gradients
+    summed = {id(p) for bucket in (reducer.buckets if reducer else ()) for p in bucket.params}
     padded_pieces, mismatched, partitioned = 0, [], 0
     for name, p in model.named_parameters():
-        if id(p) in sharded_ids:
+        if id(p) in sharded_ids or id(p) in summed:
             shapes = {k: tuple(v.shape) for k, v in opt.state[p].items() if k != "step"}
             if any(shape != tuple(p.shape) for shape in shapes.values()):
                 mismatched.append((name, "sharded", shapes))
@@ -135,7 +139,8 @@ def _partition_report(model, opt, dp_size, dp_rank):
                 trainable=trainable)
 
 
-def _train_on_mesh(model_kind, optimizer_kind, shape, partition=True, micro_batches=1, steps=20):
+def _train_on_mesh(model_kind, optimizer_kind, shape, partition=True, micro_batches=1, steps=20,
+                   sequence_parallel=True):
     """Each data-parallel replica trains on its part of the batch (in `micro_batches`
     backward passes that accumulate); the reference trains on the whole batch."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -145,7 +150,8 @@ def _train_on_mesh(model_kind, optimizer_kind, shape, partition=True, micro_batc
     dp_rank = mesh.get_local_rank("dp")
     model, reference = build(model_kind, seed=0), build(model_kind, seed=0)
     try:
-        autoshard.parallelize(model, mesh=mesh, partition_optimizer_state=partition)
+        autoshard.parallelize(model, mesh=mesh, partition_optimizer_state=partition,
+                              sequence_parallel=sequence_parallel)
         opt, ref_opt = _optimizers(optimizer_kind, model, reference)
         norms, live = [], {}
         log = PhaseCounters(mesh.get_group("dp"))
@@ -203,11 +209,21 @@ def _check_partitioned_traffic(r, dp_size, micro_batches=1, steps=20):
 @pytest.mark.parametrize("optimizer_kind", ["adamw", "sgd"])
 @pytest.mark.parametrize("model_kind", ["gpt2", "llama"])
 def test_data_by_tensor_parallel_mesh_matches_full_batch(model_kind, optimizer_kind):
-    """2 x 2 dp x tp mesh, replicated parameters' state partitioned over dp."""
-    results = run_on_ranks(_train_on_mesh, 4, model_kind, optimizer_kind, (2, 2), timeout=900)
+    """2 x 2 dp x tp mesh, replicated parameters' state partitioned over dp. Sequence
+    parallelism off: with it, Llama's only replicated parameters (norm weights) have partial
+    gradients, summed by their own reducer and left out of the partitions this test counts."""
+    results = run_on_ranks(_train_on_mesh, 4, model_kind, optimizer_kind, (2, 2), timeout=900,
+                           sequence_parallel=False)
     _check_mesh_training(results)
     for r in results:
         _check_partitioned_traffic(r, dp_size=2)
+
+
+def test_mesh_with_sequence_parallelism_matches_full_batch():
+    """2 x 2 dp x tp mesh with sequence parallelism (the default): the norm weights' partial
+    gradients are summed over tp and averaged over dp, and training equals the full batch's."""
+    results = run_on_ranks(_train_on_mesh, 4, "llama", "adamw", (2, 2), timeout=900)
+    _check_mesh_training(results)
 
 
 def test_mesh_without_partitioning_all_reduces_everything():

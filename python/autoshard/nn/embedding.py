@@ -126,6 +126,9 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         padding_idx = -1 if self.padding_idx is None else self.padding_idx
         partial = ops.vocab_parallel_lookup(ids, self.weight, self.vocab_start, padding_idx, self.num_embeddings)
+        output_tokens = getattr(self, "output_tokens", None)
+        if output_tokens is not None:
+            return output_tokens(partial)  # sequence parallelism: this rank's tokens of the sum
         return comm.reduce_from_parallel(partial, self.group)
 
     def extra_repr(self) -> str:

@@ -213,7 +213,8 @@ class ColumnParallelLinear(_ParallelLinear):
         super().__init__()
         self.gather_output = bool(gather_output)
         # Column layers that read the same tensor (q, k and v) may share one input copy, so
-        # that backward all-reduces their summed input gradient once (see parallelize).
+        # that backward all-reduces their summed input gradient once (see parallelize). With
+        # sequence parallelism it gathers the input's tokens instead (nn.sequence.GatherTokens).
         self.input_copy = None
         self._setup(in_features, out_features, bias, group, device, dtype, units, parts, repeat)
         self.local_out_features = self.shard_specs["weight"].local_size()
@@ -266,6 +267,9 @@ class RowParallelLinear(_ParallelLinear):
                  parts: Optional[Sequence[int]] = None):
         super().__init__()
         self.input_is_parallel = bool(input_is_parallel)
+        # Sequence parallelism (set by parallelize): a ReduceScatterTokens in place of the
+        # all-reduce, leaving each rank its tokens of the output.
+        self.output_tokens = None
         self._setup(in_features, out_features, bias, group, device, dtype, units, parts)
         self.local_in_features = self.shard_specs["weight"].local_size()
         if not self.input_is_parallel and not self._plain_split:
@@ -288,7 +292,11 @@ class RowParallelLinear(_ParallelLinear):
         else:
             self._check_input(x, self.in_features, "in_features")
             x = ops.scatter_to_parallel(x, -1, self._group_name)
-        y = ops.reduce_from_parallel(F.linear(x, self._linear_weight()), self._group_name)
+        partial = F.linear(x, self._linear_weight())
+        if self.output_tokens is not None:
+            y = self.output_tokens(partial)  # sequence parallelism: this rank's tokens of the sum
+        else:
+            y = ops.reduce_from_parallel(partial, self._group_name)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -60,6 +60,8 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
             region=record["region"], copy_group=record["copy_group"], note=record["note"],
             equation=info.equation, letter=record["letter"], repeat=record["repeat"], reason=record["reason"],
             bias_axes=info.bias_axes,
+            sequence=record["sequence"], sequence_dim=record["sequence_dim"],
+            sequence_region=record["sequence_region"], sequence_note=record["sequence_note"],
         ))
         layers[-1]._whole_units = record["whole_units"]
     comm = [{"phase": c["phase"], "kind": c["kind"], "count": c["count"], "bytes": c["elements"] * element_size}
@@ -76,20 +78,26 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
         region_plans[region]._localize = record["localize"]
     result = ShardingPlan(world_size=world_size, layers=layers, regions=region_plans, comm=comm,
                           partial_gradients=partial,
+                          sequence_entries=[{k: e[k] for k in ("module", "leaf", "dim", "region")}
+                                            for e in data["sequence_entries"]],
+                          sequence_gathers=[{k: e[k] for k in ("module", "leaf", "dim", "region")}
+                                            for e in data["sequence_gathers"]],
                           example={"description": graph.description, "inputs": graph.example_inputs,
                                    "output_shapes": [list(s) for s in graph.output_shapes]})
-    result._prediction = Prediction(graph, data["tensors"])
+    result._prediction = Prediction(graph, data["tensors"], data["sequence_entries"], data["sequence_gathers"])
     result._prediction.plan = result
     return result
 
 
 def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None,
-         overrides: Optional[Dict[str, str]] = None) -> ShardingPlan:
+         overrides: Optional[Dict[str, str]] = None, sequence_parallel: bool = True) -> ShardingPlan:
     """The sharding plan for `model` on `world_size` ranks, derived from its dataflow.
 
     With world_size given no process group is needed, so plans can be inspected offline.
     `overrides` maps name patterns (fnmatch, on module or parameter names) to "replicate" or
-    "column_gather", and the plan is made again around them."""
+    "column_gather", and the plan is made again around them. With `sequence_parallel` the
+    tokens between a row layer and the next column layers are split over the ranks where every
+    op there is per token (see csrc/plan/sequence.cpp)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
     if world_size is None:
@@ -100,6 +108,8 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
         world_size = group_world_size()
     if type(world_size) is not int or world_size <= 0:
         raise ValueError(f"plan: world_size must be a positive int, got {world_size!r}")
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"plan: sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
     graph = capture(model, example_inputs)
     forced = []
     for pattern, style in (overrides or {}).items():
@@ -113,7 +123,8 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
             if style == "column_gather" and graph.layers[node].kind != "linear":
                 raise ValueError(f"plan: override {pattern!r}: only Linear layers can be column_gather")
             forced.append({"node": node, "style": style})
-    document = torch.ops.autoshard.plan_graph(json.dumps({**graph.document, "forced": forced}), world_size)
+    document = torch.ops.autoshard.plan_graph(
+        json.dumps({**graph.document, "forced": forced, "sequence_parallel": sequence_parallel}), world_size)
     result = _parse(document, graph, world_size, _element_size(model))
     too_small = [layer for layer in result.layers if layer.reason == "too_few_units"]
     if too_small and all(layer.style == "replicate" for layer in result.layers):

@@ -81,6 +81,11 @@ class CapturedGraph:
     folded: Dict[str, str] = field(default_factory=dict)  # block recorded without running -> the block it copies
 
 
+def _narrows(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether a cast rounds floating-point values to a narrower dtype."""
+    return x.is_floating_point() and out.is_floating_point() and out.element_size() < x.element_size()
+
+
 def _normalize_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
@@ -195,7 +200,10 @@ class _Recorder(TorchDispatchMode):
         elif packet in (aten.slice, aten.narrow, aten.select):
             self.node("slice", label, inputs[:1], [self.tensor_id(flat_out[0])], self.slice_fields(packet, x, args))
         elif packet in _COPIES or torch.Tag.pointwise in func.tags:
-            self.node("pointwise", label, inputs, [self.tensor_id(o) for o in flat_out])
+            # The planner keeps narrowing casts of parameters out of sequence regions.
+            narrowing = packet in (aten._to_copy, aten.to) and _narrows(x, flat_out[0])
+            self.node("pointwise", label, inputs, [self.tensor_id(o) for o in flat_out],
+                      {"narrowing": True} if narrowing else None)
         else:
             self.node("opaque", label, inputs, [self.tensor_id(o) for o in flat_out])
 
@@ -296,8 +304,9 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
     handles = []
     module_inputs: Dict[str, Tuple[tuple, dict]] = {}
     module_nodes: Dict[str, Tuple[int, int]] = {}
+    module_entries: Dict[str, List[Tuple[int, int]]] = {}
     folder = BlockFolder(shadow, recorder, param_index, layers, module_inputs, module_nodes, enabled=FOLD_BLOCKS,
-                         replayable=lambda a, kw: (_replayable(a), _replayable(dict(kw))))
+                         replayable=lambda a, kw: (_replayable(a), _replayable(dict(kw))), module_entries=module_entries)
     for name, module in shadow.named_modules():
         def remember(mod, a, kw, name=name):
             if name not in module_nodes:
@@ -305,6 +314,10 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
                 if name not in folder.folds:
                     module_inputs[name] = (_replayable(a), _replayable(dict(kw)))
                 module_nodes[name] = (recorder.node_count, -1)
+                # Where each recorded tensor enters the call, for the planner's "entry" records.
+                leaves = tree_flatten((tuple(a), dict(kw)))[0]
+                module_entries[name] = [(i, recorder.ids[id(t)]) for i, t in enumerate(leaves)
+                                        if isinstance(t, torch.Tensor) and id(t) in recorder.ids]
 
         def finished(mod, a, out, name=name):
             if name in module_nodes and module_nodes[name][1] < 0:
@@ -357,8 +370,15 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
     if hasattr(outputs, "to_tuple"):
         outputs = outputs.to_tuple()
     flat = [o for o in tree_flatten(outputs)[0] if isinstance(o, torch.Tensor)]
+    # A tensor a module's first call received, where sequence parallelism may cut it to this
+    # rank's tokens: {"tensor", "first", "end" (the call's nodes), "leaf" (its place among the
+    # call's flattened inputs), "module"}.
+    entries = [{"tensor": tensor, "first": module_nodes[name][0], "end": module_nodes[name][1], "leaf": leaf,
+                "module": name}
+               for name, received in module_entries.items() if name and module_nodes[name][1] >= module_nodes[name][0]
+               for leaf, tensor in received]
     return CapturedGraph(
-        document=recorder.document([recorder.tensor_id(o) for o in flat]),
+        document={**recorder.document([recorder.tensor_id(o) for o in flat]), "entries": entries},
         layers=layers,
         param_names=param_names,
         output_shapes=[tuple(o.shape) for o in flat],

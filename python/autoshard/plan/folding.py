@@ -123,8 +123,10 @@ class BlockFolder:
     """Installed around one capture: records first blocks and replays them for the others."""
 
     def __init__(self, model: nn.Module, recorder, param_index: Dict[int, int], layers: dict,
-                 module_inputs: dict, module_nodes: dict, enabled: bool = True, replayable=None):
+                 module_inputs: dict, module_nodes: dict, enabled: bool = True, replayable=None,
+                 module_entries: Optional[dict] = None):
         self.model = model
+        self.module_entries = {} if module_entries is None else module_entries  # name -> [(leaf, tensor id)]
         self.replayable = replayable  # (args, kwargs) -> what module_inputs keeps of a call
         self.recorder = recorder
         self.param_index = param_index
@@ -222,6 +224,9 @@ class BlockFolder:
                 self.module_nodes.setdefault(prefix_now + rel, (first + node_offset, end + node_offset))
                 if module_name in self.module_inputs:
                     self.module_inputs.setdefault(prefix_now + rel, self.module_inputs[module_name])
+                if module_name in self.module_entries:
+                    self.module_entries.setdefault(prefix_now + rel, [(leaf, ids.get(t, t))
+                                                                      for leaf, t in self.module_entries[module_name]])
         self.folded.append(name)
         inputs_by_id = {id(b): n for b, n in zip(recording.flat_inputs, flat) if isinstance(b, torch.Tensor)}
 

@@ -32,11 +32,21 @@ class FoldedBlockMismatch(ShapeMismatch):
 class Prediction:
     """Local shapes per rank of the tensors of a captured graph, from the planner's layouts."""
 
-    def __init__(self, graph: CapturedGraph, tensors: List[dict]):
+    def __init__(self, graph: CapturedGraph, tensors: List[dict], entries: Optional[List[dict]] = None,
+                 gathers: Optional[List[dict]] = None):
         self.graph = graph
         self.layouts = {t["tensor"]: t for t in tensors}
         self.plan = None  # set once the plan exists
         self._repeat_axes: Optional[Dict[int, Tuple[int, int]]] = None
+        # Sequence parallelism's cut entries: a module's first node -> the tensors its pre-hook
+        # cuts to this rank's tokens (one scatter op each, traced before the module's own ops).
+        self.entries: Dict[int, List[dict]] = {}
+        for entry in entries or ():
+            first = graph.module_nodes[entry["module"]][0]
+            self.entries.setdefault(first, []).append(dict(entry, gather=False))
+        for entry in gathers or ():  # ... or gathers every rank's tokens of it
+            first = graph.module_nodes[entry["module"]][0]
+            self.entries.setdefault(first, []).append(dict(entry, gather=True))
 
     def local_size(self, layout: dict, rank: int) -> int:
         region = self.plan.regions[layout["region"]]
@@ -75,10 +85,14 @@ class Prediction:
         self._repeat_axes = axes
         return axes
 
-    def local_shape(self, tensor: int, rank: int) -> Tuple[int, ...]:
+    def local_shape(self, tensor: int, rank: int, tokens: bool = True) -> Tuple[int, ...]:
+        """The tensor's shape on `rank`; with `tokens` False, as if no token axis were split."""
         shape = list(self.graph.shapes[tensor])
         layout = self.layouts.get(tensor)
-        if layout is not None and layout["region"] in self.plan.regions:
+        if layout is not None and layout.get("sequence"):
+            if tokens:
+                shape[layout["axis"]] = split_sizes(layout["size"], self.plan.world_size)[rank]
+        elif layout is not None and layout["region"] in self.plan.regions:
             shape[layout["axis"]] = layout["outer"] * self.local_size(layout, rank)
         repeat = self.repeat_axes().get(tensor)
         if repeat is not None:
@@ -86,24 +100,36 @@ class Prediction:
             shape[axis] = self.plan.regions[region].local_value(shape[axis], rank, self.plan.world_size)
         return tuple(shape)
 
-    def nodes(self, rank: int, first: int = 0, end: Optional[int] = None) -> List[Tuple[str, List[tuple], Optional[int]]]:
+    def nodes(self, rank: int, first: int = 0, end: Optional[int] = None,
+              tokens: bool = True) -> List[Tuple[str, List[tuple], Optional[int]]]:
         """(label, predicted local output shapes, where the model may go on instead) of the
-        graph's nodes [first, end). The third field is None, or the index (relative to `first`)
-        past a run of reshapes, broadcasts and copies that starts here and ends at its first
-        input's own local shape: the model may skip such a run on this rank (repeat_kv with one
-        query head per KV head returns its input)."""
+        graph's nodes [first, end), with sequence parallelism's cut and gather ops where a module
+        receives its tokens (unless `tokens` is False). The third field is None, or the index in
+        the returned list past an op, or a run of reshapes, broadcasts and copies, that starts
+        here and ends at its first input's own local shape: the model may skip it on this rank
+        (repeat_kv with one query head per KV head returns its input)."""
         end = len(self.graph.nodes) if end is None else end
         local = {}
-        shape_of = lambda t: local.setdefault(t, self.local_shape(t, rank))
-        nodes = []
+        shape_of = lambda t: local.setdefault(t, self.local_shape(t, rank, tokens))
+        rows, start_of = [], {}  # start_of: graph index -> its first row (its cut/gather ops first)
         for index in range(first, end):
+            start_of[index] = len(rows)
+            for entry in self.entries.get(index, ()) if tokens else ():
+                shape = list(self.graph.shapes[entry["tensor"]])
+                if entry["gather"]:
+                    rows.append(("autoshard.all_gather_from_sequence.default", [tuple(shape)], None))
+                    continue
+                shape[entry["dim"]] = split_sizes(shape[entry["dim"]], self.plan.world_size)[rank]
+                rows.append(("autoshard.scatter_to_parallel.default", [tuple(shape)], None))
             label, inputs, outputs = self.graph.nodes[index]
             layer = index in self.graph.layers
             shapes = [shape_of(t) for t in outputs]
-            nodes.append(("layer" if layer else label, shapes, None if layer else self._skippable(index, end, shape_of)))
-        return [(label, shapes, None if skip is None else skip - first) for label, shapes, skip in nodes]
+            rows.append(("layer" if layer else label, shapes, None if layer else self._skippable(index, end, shape_of)))
+        start_of[end] = len(rows)
+        return [(label, shapes, None if skip is None else start_of[skip]) for label, shapes, skip in rows]
 
     def _skippable(self, index: int, end: int, shape_of) -> Optional[int]:
+        """The graph index past a run the model may skip that starts at `index`, or None."""
         label, inputs, outputs = self.graph.nodes[index]
         if len(inputs) != 1 or len(outputs) != 1:
             return None
@@ -121,9 +147,9 @@ class Prediction:
                 return j + 1
         return None
 
-    def module_nodes(self, module: str, rank: int) -> List[Tuple[str, List[tuple], Optional[int]]]:
+    def module_nodes(self, module: str, rank: int, tokens: bool = True) -> List[Tuple[str, List[tuple], Optional[int]]]:
         first, end = self.graph.module_nodes.get(module, (0, -1))
-        return self.nodes(rank, first, max(end, first))
+        return self.nodes(rank, first, max(end, first), tokens)
 
 
 _SAME_OP = {"_unsafe_view": "view", "_reshape_alias": "view", "reshape": "view"}
@@ -251,7 +277,8 @@ def _cache_key(plan, prediction: Prediction, module_name: str, module: nn.Module
     prefix = module_name + "." if module_name else ""
     layers = tuple((l.module[len(prefix):], l.style, l.units, tuple(l.parts), l.repeat) for l in plan.layers
                    if l.module.startswith(prefix))
-    nodes = tuple((label, tuple(map(tuple, outs)), noop) for label, outs, noop in prediction.module_nodes(module_name, rank))
+    nodes = tuple((label, tuple(map(tuple, outs)), noop)
+                  for label, outs, noop in prediction.module_nodes(module_name, rank, tokens=False))
     return (type(module), attrs, params, nested, tuple(shapes(args)), tuple(shapes(kwargs)), layers, nodes,
             region.units, region.repeat, region.coarse_units, tuple(region.coarse_sizes))
 
@@ -321,7 +348,9 @@ def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, 
 
     def attempt(rank: int, attrs: Dict[str, int]):
         local = _LocalModule(plan, name, module, rank, prediction.graph.values)
-        want = prediction.module_nodes(name, rank)
+        # Head counts are chosen on the tensor-parallel shapes: a region's module is traced from
+        # its recorded, whole inputs, so split tokens would only differ there.
+        want = prediction.module_nodes(name, rank, tokens=False)
         got, error = local.trace(args, kwargs, {a: candidates[a][rank] for a in attrs})
         found = _first_difference(got, want)
         if error is not None:

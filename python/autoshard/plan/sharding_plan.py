@@ -35,6 +35,14 @@ class LayerPlan:
     # csrc/plan/settle.cpp: "conflict", "too_few_units", "model_output", ...); note says it in words.
     reason: str = ""
     bias_axes: str = ""  # einsum layers: the output letters the bias spans
+    # Sequence parallelism (see csrc/plan/sequence.cpp): "reduce_scatter" (this layer's output
+    # tokens are split over the ranks in place of its all-reduce), "gather" (this column layer
+    # gathers its input's tokens in place of copying it), or "". sequence_dim is that token axis, and
+    # sequence_note says why a layer that could split tokens does not.
+    sequence: str = ""
+    sequence_dim: int = -1
+    sequence_region: int = -1
+    sequence_note: str = ""
 
     def weight_dim(self) -> Optional[int]:
         """The weight dimension this layer splits, or None."""
@@ -60,6 +68,12 @@ class LayerPlan:
         full = self.weight_shape[self.weight_dim()]
         return ShardSpec(0, full, rank, world_size, units=self.units or None,
                          parts=tuple(self.parts) if self.parts else None, repeat=self.repeat or None)
+
+
+def _listed(names: List[str], shown: int = 4) -> str:
+    if len(names) <= shown:
+        return ", ".join(names) if names else "-"
+    return f"{', '.join(names[:shown])} and {len(names) - shown} more"
 
 
 @dataclass
@@ -101,6 +115,12 @@ class ShardingPlan:
     # Every parameter of the model, tied ones once: {"shape", "module", "module_class"} by name
     # (see holdings): what each rank holds is counted from these and the shard specs.
     parameters: Dict[str, Dict[str, object]] = field(default_factory=dict)
+    # Tensors held whole cut to this rank's tokens where a module receives them (sequence
+    # parallelism): {"module", "leaf" (its position among the call's flattened inputs), "dim", "region"}.
+    sequence_entries: List[Dict[str, object]] = field(default_factory=list)
+    # Tensors whose tokens are gathered where a module receives them, for the column layers
+    # inside it ("gathered"): an attention reading its input's length sees every token.
+    sequence_gathers: List[Dict[str, object]] = field(default_factory=list)
 
     # ---- queries
 
@@ -198,6 +218,7 @@ class ShardingPlan:
                 local = {k: "/".join(str(region.local_value(v, r, self.world_size)) for r in range(self.world_size))
                          for k, v in region.attributes.items()}
                 lines.append(f"  {region.module}: local attributes {local}")
+        lines += self._sequence_lines()
         for bucket in self.partial_gradients:
             lines.append(f"  partial gradients summed over the ranks in backward (one all-reduce, "
                          f"{bucket['bytes'] / 2**20:.3f} MiB): {', '.join(bucket['params'])}")
@@ -210,6 +231,35 @@ class ShardingPlan:
                      f"{b['local'] / 2**20:.2f} MiB on rank 0 (fp32)")
         lines += holdings.summary_lines(self)
         return "\n".join(lines)
+
+    def sequence_regions(self) -> Dict[int, Dict[str, List[str]]]:
+        """Each sequence region's modules by role: {"reduce_scatter": [...], "gather": [...], "entry": [...]}."""
+        regions: Dict[int, Dict[str, List[str]]] = {}
+        empty = lambda: {"reduce_scatter": [], "gather": [], "gathered": [], "entry": []}
+        for layer in self.layers:
+            if layer.sequence:
+                regions.setdefault(layer.sequence_region, empty())[layer.sequence].append(layer.module)
+        for entry in self.sequence_entries:
+            regions.setdefault(entry["region"], empty())["entry"].append(entry["module"])
+        for entry in self.sequence_gathers:
+            regions.setdefault(entry["region"], empty())["gather"].append(entry["module"])
+        for roles in regions.values():
+            roles.pop("gathered", None)
+        return regions
+
+    def _sequence_lines(self) -> List[str]:
+        lines = []
+        for region, roles in sorted(self.sequence_regions().items()):
+            cut = f"; cut on entering {_listed(roles['entry'])}" if roles["entry"] else ""
+            lines.append(f"  sequence parallel (tokens split over the ranks): after {_listed(roles['reduce_scatter'])}"
+                         f"{cut}; gathered before {_listed(roles['gather'])}")
+        refused: Dict[str, List[str]] = {}
+        for layer in self.layers:
+            if layer.sequence_note:
+                refused.setdefault(layer.sequence_note, []).append(layer.module)
+        for note, modules in refused.items():
+            lines.append(f"  tokens held whole after {_listed(modules)}: {note}")
+        return lines
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -226,4 +276,6 @@ class ShardingPlan:
             overrides=data.get("overrides", {}),
             partial_gradients=data.get("partial_gradients", []),
             parameters=data.get("parameters", {}),
+            sequence_entries=data.get("sequence_entries", []),
+            sequence_gathers=data.get("sequence_gathers", []),
         )

@@ -1,0 +1,127 @@
+"""Sequence parallelism's steps, attached to the layers at the edges of a sequence region.
+
+Between a layer that ends a tensor-parallel region (a row layer, a vocabulary-parallel
+embedding) and the column layers that start the next, the plan may split the tokens over the
+ranks instead of holding them whole (``LayerPlan.sequence``). The row layer's all-reduce
+becomes a reduce-scatter over the token axis (``ReduceScatterTokens``), a tensor held whole
+that joins the region (the embedding output entering the first block) is cut to this rank's
+tokens where a module receives it (``SliceTokens``, ``ShardingPlan.sequence_entries``), and
+each column layer gathers the tokens back before its matmul (``GatherTokens``, shared like an
+input copy by the column layers reading one tensor). Tokens are split with ``split_sizes`` (numpy's
+array_split rule), so any sequence length works.
+
+The layers that split a region record its full length in one ``SequenceShards`` per region,
+which the gathering layers read: a rank's piece alone does not say how long the sequence was.
+"""
+
+from typing import Optional
+
+import torch
+
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .. import ops
+
+
+class SequenceShards:
+    """One sequence region's state during a forward: how many tokens it holds in all."""
+
+    def __init__(self, group_name: str, region: int):
+        self.group_name = group_name
+        self.region = region
+        self.length: Optional[int] = None
+
+    def __repr__(self) -> str:
+        return f"SequenceShards(region={self.region}, length={self.length})"
+
+
+class _Step:
+    def __init__(self, shards: SequenceShards, dim: int):
+        self.shards = shards
+        self.dim = dim
+
+    def _record(self, x: torch.Tensor) -> None:
+        if x.dim() <= self.dim:
+            raise ValueError(f"{type(self).__name__}: the plan splits tokens on dim {self.dim}, but the tensor has "
+                             f"shape {tuple(x.shape)}")
+        self.shards.length = int(x.shape[self.dim])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dim={self.dim}, region={self.shards.region})"
+
+
+class ReduceScatterTokens(_Step):
+    """In place of a row layer's all-reduce: the sum over the group of this rank's tokens."""
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        self._record(y)
+        return ops.reduce_scatter_to_sequence(y, self.dim, self.shards.group_name)
+
+
+class SliceTokens(_Step):
+    """A tensor held whole cut to this rank's tokens (its gradient gathered back whole)."""
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        self._record(y)
+        return ops.scatter_to_parallel(y, self.dim, self.shards.group_name)
+
+
+class GatherTokens(_Step):
+    """In place of a column layer's input copy: every rank's tokens, in order (its gradient
+    summed over the group, this rank keeping its tokens' piece)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shards.length is None:
+            raise RuntimeError("GatherTokens: no layer has split this region's tokens yet in this forward; the plan's "
+                               "sequence region does not match the model's call order")
+        return ops.all_gather_from_sequence(x, self.dim, self.shards.length, self.shards.group_name)
+
+
+class PlanSteps:
+    """The steps of a plan's sequence regions, one SequenceShards per region; `gathers` maps
+    each column layers' copy group that gathers tokens to its GatherTokens."""
+
+    def entry_hook(self, entry: dict, gather: bool = False):
+        """A forward pre-hook cutting the module's input leaf `entry["leaf"]` to this rank's
+        tokens, or with `gather` gathering every rank's tokens of it."""
+        shards = self.shards.setdefault(entry["region"], SequenceShards(self._group_name, entry["region"]))
+        step = (GatherTokens if gather else SliceTokens)(shards, entry["dim"])
+        leaf = entry["leaf"]
+
+        def hook(module, args, kwargs):
+            leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+            if leaf >= len(leaves) or not isinstance(leaves[leaf], torch.Tensor):
+                raise RuntimeError(f"sequence parallelism: {entry['module']!r} was called without the tensor the plan "
+                                   f"cuts to this rank's tokens (input {leaf})")
+            leaves[leaf] = step(leaves[leaf])
+            return tree_unflatten(leaves, spec)
+
+        return hook
+
+    def __init__(self, plan, group_name: str):
+        self.shards = {}
+        self.gathers = {}
+        self._group_name = group_name
+        for layer in plan.layers:
+            if layer.sequence == "gather" and layer.copy_group not in self.gathers:
+                self.gathers[layer.copy_group] = GatherTokens(self._region(layer, group_name), layer.sequence_dim)
+            elif layer.sequence == "gathered":
+                self.gathers[layer.copy_group] = _already_gathered
+
+    def _region(self, layer, group_name: str) -> SequenceShards:
+        if layer.sequence_region not in self.shards:
+            self.shards[layer.sequence_region] = SequenceShards(group_name, layer.sequence_region)
+        return self.shards[layer.sequence_region]
+
+    def reduce_scatter(self, layer) -> ReduceScatterTokens:
+        return ReduceScatterTokens(self._region(layer, self._group_name), layer.sequence_dim)
+
+
+
+def _already_gathered(x: torch.Tensor) -> torch.Tensor:
+    """A column layer's input copy where the module holding the layer gathered the tokens."""
+    return x
+
+
+def steps(plan, group_name: str) -> PlanSteps:
+    return PlanSteps(plan, group_name)
