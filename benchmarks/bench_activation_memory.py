@@ -8,8 +8,11 @@ model, per rank, on N = 2 and 4 gloo ranks in the same run, for:
     dtensor tp+sp              torch.distributed.tensor.parallel with a hand-written
                                SequenceParallel plan (the peer a user would pick instead)
 
-and, once parallelize accepts loss_parallel=, "tp+sp+loss parallel" (PENDING below: move it
-into CONFIGS to measure it).
+    tp+sp+loss parallel        autoshard.parallelize(model) with the model's own loss from labels:
+                               the head keeps its vocabulary shard (vocab_parallel_cross_entropy)
+
+The other configurations compute the loss from whole logits (F.cross_entropy), which is what
+they hold.
 
     python benchmarks/bench_activation_memory.py [--hidden 1024 --layers 8 --heads 16
         --vocab 32000 --batch 2 --seq 512 --intermediate 2816 --repeats 2 --worlds 2 4]
@@ -40,11 +43,8 @@ logging.set_verbosity_error()
 # name -> keyword arguments of autoshard.parallelize (None: the model is not parallelized).
 CONFIGS = {
     "unsharded": None,
-    "tp": {"sequence_parallel": False},
-    "tp+sp": {"sequence_parallel": True},
-}
-# Measured once parallelize accepts these keywords: move the entry into CONFIGS.
-PENDING = {
+    "tp": {"sequence_parallel": False, "loss_parallel": False},
+    "tp+sp": {"sequence_parallel": True, "loss_parallel": False},
     "tp+sp+loss parallel": {"sequence_parallel": True, "loss_parallel": True},
 }
 PEER = "dtensor tp+sp"
@@ -101,8 +101,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def measure(model, ids, labels, repeats: int):
-    """(bytes saved for backward, largest saved tensor's bytes, median step seconds)."""
+def measure(model, ids, labels, repeats: int, model_loss: bool = False):
+    """(bytes saved for backward, largest saved tensor's bytes, median step seconds); with
+    `model_loss` the loss is the model's own from labels (loss parallelism), else F.cross_entropy
+    of the whole logits."""
     storages, largest = {}, [0]
 
     def pack(t):
@@ -116,15 +118,19 @@ def measure(model, ids, labels, repeats: int):
         largest[0] = max(largest[0], size)
         return t
 
+    def loss_of_step():
+        if model_loss:
+            return model(input_ids=ids, labels=labels).loss
+        logits = _local(model(ids).logits)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
     def step(record: bool):
         model.zero_grad(set_to_none=True)
         if record:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                logits = _local(model(ids).logits)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+                loss = loss_of_step()
         else:
-            logits = _local(model(ids).logits)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+            loss = loss_of_step()
         loss.backward()
 
     step(True)
@@ -151,7 +157,8 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
             dtensor_sequence_parallel(model, world)
         elif options is not None:
             autoshard.parallelize(model, **options)
-        results[name] = measure(model, ids, labels, args.repeats)
+        model_loss = isinstance(options, dict) and options.get("loss_parallel", False)
+        results[name] = measure(model, ids, labels, args.repeats, model_loss)
         del model
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
@@ -172,8 +179,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
-    for name in PENDING:
-        print(f"{name}: pending (needs parallelize({', '.join(f'{k}=' for k in PENDING[name])}))")
     rows = []
     for world in args.worlds:
         with socket.socket() as s:
