@@ -12,7 +12,7 @@ called like its first block is run as usual. parallelize's dry run traces the wh
 unfolded and checks it against the plan's prediction.
 """
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn

@@ -126,7 +126,7 @@ def summary_lines(plan) -> List[str]:
         full = sum(_numel(plan.parameters[n]["shape"]) for n in names)
         rows.append((cls, full, [sum(c[n] for n in names) / full if full else 1.0 for c in per_rank]))
     width = max(len(r[0]) for r in rows)
-    lines = [f"parameters held per rank (fraction of each class's parameters; tied parameters counted once):"]
+    lines = ["parameters held per rank (fraction of each class's parameters; tied parameters counted once):"]
     lines.append(f"  {'module class'.ljust(width)}  {'params':>10}" + "".join(f"{f'rank {r}':>9}" for r in ranks))
     for cls, full, fractions in rows:
         lines.append(f"  {cls.ljust(width)}  {full:>10,}" + "".join(f"{f:>9.2f}" for f in fractions))

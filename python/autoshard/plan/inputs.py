@@ -70,7 +70,7 @@ def _pixel_values(config) -> torch.Tensor:
     size = _config_value(config, "image_size")
     channels = _config_value(config, "num_channels", default=3)
     if size is None:
-        raise MissingInputs(f"its config has no image_size to make pixel_values from")
+        raise MissingInputs("its config has no image_size to make pixel_values from")
     height, width = (size, size) if isinstance(size, int) else tuple(size)
     return torch.zeros(BATCH, channels, height, width)
 
