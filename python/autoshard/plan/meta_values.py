@@ -124,19 +124,10 @@ class KnownValues(TorchDispatchMode):
     def _twin_arguments(self, args, kwargs):
         """args and kwargs with every meta tensor replaced by its twin (and device="meta" by
         the CPU), or None if some meta tensor has no known values."""
-        flat, spec = tree_flatten((args, kwargs))
-        replaced = []
-        for value in flat:
-            if isinstance(value, torch.Tensor):
-                twin = self.twin(value)
-                if twin is None:
-                    return None
-                replaced.append(twin)
-            elif isinstance(value, torch.device) and value.type == "meta":
-                replaced.append(torch.device("cpu"))
-            else:
-                replaced.append(value)
-        twin_args, twin_kwargs = tree_unflatten(replaced, spec)
+        replaced = _twins(self, (args, kwargs))
+        if replaced is None:
+            return None
+        twin_args, twin_kwargs = replaced
         if twin_kwargs.get("device") == "meta":
             twin_kwargs["device"] = torch.device("cpu")
         return twin_args, twin_kwargs
@@ -228,7 +219,7 @@ class _IndexingValues(TorchFunctionMode):
         if (func is torch.Tensor.__getitem__ and _is_meta(out) and self.values.twin(out) is None
                 and len(args) == 2):
             source = self.values.twin(args[0])
-            index = _index_twin(self.values, args[1])
+            index = _twins(self.values, args[1])
             if source is not None and index is not None:
                 with _disable_current_modes():
                     try:
@@ -240,15 +231,19 @@ class _IndexingValues(TorchFunctionMode):
         return out
 
 
-def _index_twin(values: KnownValues, index):
-    flat, spec = tree_flatten(index)
+def _twins(values: KnownValues, tree):
+    """`tree` with every meta tensor replaced by its twin (and device "meta" by the CPU), or
+    None if some meta tensor has no known values."""
+    flat, spec = tree_flatten(tree)
     replaced = []
-    for item in flat:
-        if isinstance(item, torch.Tensor):
-            item = values.twin(item)
-            if item is None:
+    for value in flat:
+        if isinstance(value, torch.Tensor):
+            value = values.twin(value)
+            if value is None:
                 return None
-        replaced.append(item)
+        elif isinstance(value, torch.device) and value.type == "meta":
+            value = torch.device("cpu")
+        replaced.append(value)
     return tree_unflatten(replaced, spec)
 
 
