@@ -123,16 +123,35 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
             if style == "column_gather" and graph.layers[node].kind != "linear":
                 raise ValueError(f"plan: override {pattern!r}: only Linear layers can be column_gather")
             forced.append({"node": node, "style": style})
-    document = torch.ops.autoshard.plan_graph(
-        json.dumps({**graph.document, "forced": forced, "sequence_parallel": sequence_parallel}), world_size)
-    result = _parse(document, graph, world_size, _element_size(model))
-    too_small = [layer for layer in result.layers if layer.reason == "too_few_units"]
-    if too_small and all(layer.style == "replicate" for layer in result.layers):
-        raise ValueError(f"plan: world_size={world_size} is larger than every dimension autoshard could split "
-                         f"(e.g. {too_small[0].module}: only {too_small[0]._whole_units} whole unit(s) (heads) "
-                         f"to split across {world_size} ranks)")
-    if world_size > 1:
-        localize_attributes(result, result._prediction)
+    # Layers replicated because their region's module computes other shapes than the plan
+    # predicts on some rank (a size written into the model as a constant): node -> why.
+    mismatched: Dict[int, str] = {}
+    while True:
+        replicated = [{"node": node, "style": "replicate"} for node in mismatched]
+        document = torch.ops.autoshard.plan_graph(
+            json.dumps({**graph.document, "forced": forced + replicated, "sequence_parallel": sequence_parallel}),
+            world_size)
+        result = _parse(document, graph, world_size, _element_size(model))
+        too_small = [layer for layer in result.layers if layer.reason == "too_few_units"]
+        if too_small and all(layer.style == "replicate" for layer in result.layers):
+            raise ValueError(f"plan: world_size={world_size} is larger than every dimension autoshard could split "
+                             f"(e.g. {too_small[0].module}: only {too_small[0]._whole_units} whole unit(s) (heads) "
+                             f"to split across {world_size} ranks)")
+        if world_size <= 1:
+            break
+        try:
+            localize_attributes(result, result._prediction)
+            break
+        except ShapeMismatch as error:
+            members = {layer.module for layer in result.layers
+                       if layer.style != "replicate" and layer.region == getattr(error, "region", None)}
+            nodes = [node for node, info in graph.layers.items() if info.name in members and node not in mismatched]
+            if not nodes:
+                raise
+            mismatched.update((node, str(error)) for node in nodes)
+    for node, why in mismatched.items():
+        layer = result.layer(graph.layers[node].name)
+        layer.reason, layer.note = "shape_mismatch", "replicated: " + why.removeprefix("plan: ")
     # The modules' recorded inputs are views of the model's own tensors (its buffers): kept, they
     # would hold those tensors' use counts up, and load_pretrained could not give them storage in
     # place. Only the attribute choice above replays them.

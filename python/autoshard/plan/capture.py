@@ -192,6 +192,18 @@ class _Recorder(TorchDispatchMode):
         elif packet in _SPLITS:
             dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
             self.node("split", label, inputs[:1], [self.tensor_id(o) for o in flat_out], {"dim": _normalize_dim(dim, x.dim())})
+        elif packet is aten.stack:
+            self.record_stack(label, args, kwargs, flat_in, inputs, flat_out[0])
+        elif packet is aten.repeat:
+            self.record_repeat(label, args[1], x, inputs[0], flat_out[0])
+        elif packet is aten.view_as_complex:
+            # [..., n, 2] real pairs -> [..., n] complex: the last axis folds away, as if reduced.
+            self.node("reduce", label, inputs, [self.tensor_id(flat_out[0])], {"axes": [x.dim() - 1]})
+        elif packet is aten.view_as_real:
+            # [..., n] complex -> [..., n, 2]: a trailing axis of 1, broadcast to the pair.
+            pairs = self.declare(tuple(x.shape) + (1,))
+            self.node("view", label, inputs, [pairs])
+            self.node("expand", label, [pairs], [self.tensor_id(flat_out[0])])
         elif packet is aten.cat:
             dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
             # cat drops empty 1-d tensors, which may come with any shape.
@@ -206,6 +218,41 @@ class _Recorder(TorchDispatchMode):
                       {"narrowing": True} if narrowing else None)
         else:
             self.node("opaque", label, inputs, [self.tensor_id(o) for o in flat_out])
+
+    def record_stack(self, label, args, kwargs, flat_in, inputs, out) -> None:
+        """stack is a cat of its inputs, each given a new axis of 1 at `dim`."""
+        dim = _normalize_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), out.dim())
+        unsqueezed = []
+        for tensor, source in zip(flat_in, inputs):
+            shape = list(tensor.shape)
+            shape.insert(dim, 1)
+            unsqueezed.append(self.declare(shape))
+            self.node("view", label, [source], [unsqueezed[-1]])
+        self.node("cat", label, unsqueezed, [self.tensor_id(out)], {"dim": dim})
+
+    def record_repeat(self, label, repeats, x, source, out) -> None:
+        """repeat as the broadcast it is: an axis of 1 repeated is expanded; an axis longer than
+        1 is tiled, which is a view giving it an axis of 1 in front, expanded, then merged (so
+        a sharded axis repeated whole becomes an outer factor, and one left alone passes)."""
+        repeats = [int(r) for r in repeats]
+        shape = [1] * (len(repeats) - x.dim()) + list(x.shape)
+        tiled = [i for i, (r, s) in enumerate(zip(repeats, shape)) if r > 1 and s > 1]
+        if not tiled:
+            self.node("expand", label, [source], [self.tensor_id(out)])
+            return
+        spread, grown = [], []
+        for i, (r, s) in enumerate(zip(repeats, shape)):
+            if i in tiled:
+                spread += [1, s]
+                grown += [r, s]
+            else:
+                spread.append(s)
+                grown.append(r * s)
+        before = self.declare(spread)
+        after = self.declare(grown)
+        self.node("view", label, [source], [before])
+        self.node("expand", label, [before], [after])
+        self.node("view", label, [after], [self.tensor_id(out)])
 
     @staticmethod
     def permutation(packet, x, args) -> List[int]:

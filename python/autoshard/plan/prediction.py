@@ -380,8 +380,10 @@ def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, 
         if result is not None:
             index, why = result
             where = f"op {index} of its call"
-            raise ShapeMismatch(f"plan: on rank {r} of {plan.world_size}, module {name!r} does not compute the shapes "
-                                f"the plan predicts ({where}: {why}); local attributes tried: {sorted(chosen)}")
+            error = ShapeMismatch(f"plan: on rank {r} of {plan.world_size}, module {name!r} does not compute the "
+                                  f"shapes the plan predicts ({where}: {why}); local attributes tried: {sorted(chosen)}")
+            error.region = next((i for i, candidate in plan.regions.items() if candidate is region), None)
+            raise error
     return {attr: getattr(module, attr) for attr in chosen}
 
 
