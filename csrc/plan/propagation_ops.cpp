@@ -135,6 +135,9 @@ void Propagation::visit_attention(const Node& node) {
       link(l.region, q.region);  // grouped-query attention: fewer KV heads than query heads
       continue;
     }
+    // A tiled repeat of the KV heads (head h reads KV head h % kv) leaves them as an outer
+    // factor: no contiguous split of the query heads meets its KV heads on one rank.
+    if (l.factor.outer != q.factor.outer) return conflict(q.region, node.label + " pairs heads laid out differently");
     unite(q.region, l.region);
     constrain(q.region, l.factor.size);
   }

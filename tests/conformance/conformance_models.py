@@ -9,6 +9,12 @@ other than the model while every shape still fits:
 - a replicated weight multiplying a sharded tensor: a scalar gain on the MLP's hidden features,
   a gain over head_dim on every head of q.
 
+Rotary embeddings over every feature of a head in other layouts, which the plan must follow
+through their ops (`rotary_layout`): "stack" (GPT-J: even and odd features rotated in pairs
+with stack and flatten, the table widened by repeat_interleave), "interleave" (pairs as complex
+numbers: view_as_complex, a complex product, view_as_real), "repeat" (the table widened by
+`.repeat`, and the KV heads repeated for their query heads with `.repeat` instead of expand).
+
 And one that reads its inputs' values in forward, as Hugging Face's padding checks do
 (`.item()`, `nonzero`, `.tolist()`), which the meta device alone cannot answer.
 
@@ -48,10 +54,36 @@ def _rotate(x, pairs: int, positions):
     return torch.cat([rot * cos + rotated * sin, rest], -1)
 
 
+def _angles(x, positions):
+    pairs = x.shape[-1] // 2
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(pairs, dtype=x.dtype, device=x.device) / pairs))
+    return positions.to(x.dtype)[:, None] * inv_freq[None, :]  # (tokens, pairs)
+
+
+def _rotate_layout(x, layout: str, positions):
+    """Rotates every feature of each head of x (batch, heads, tokens, head_dim) in `layout`."""
+    angles = _angles(x, positions)
+    if layout == "stack":
+        cos, sin = (torch.repeat_interleave(t, 2, dim=-1) for t in (angles.cos(), angles.sin()))
+        rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+        return x * cos + rotated * sin
+    if layout == "interleave":
+        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+        turn = torch.polar(torch.ones_like(angles), angles)
+        return torch.view_as_real(pairs * turn).flatten(-2)
+    if layout == "repeat":
+        cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * cos + rotated * sin
+    raise ValueError(f"rotary_layout must be 'stack', 'interleave' or 'repeat', got {layout!r}")
+
+
 class Attention(nn.Module):
     def __init__(self, hidden, heads, kv_heads, head_dim, *, qk_norm=False, rotary_dim=0, head_scale=False,
-                 score_gain=False, head_dim_gain=False):
+                 score_gain=False, head_dim_gain=False, rotary_layout=None):
         super().__init__()
+        self.rotary_layout = rotary_layout
         self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.rotary_dim = rotary_dim
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
@@ -77,9 +109,16 @@ class Attention(nn.Module):
         if self.rotary_dim:
             positions = torch.arange(t, device=x.device)
             q, k = _rotate(q, self.rotary_dim // 2, positions), _rotate(k, self.rotary_dim // 2, positions)
+        if self.rotary_layout:
+            positions = torch.arange(t, device=x.device)
+            q, k = _rotate_layout(q, self.rotary_layout, positions), _rotate_layout(k, self.rotary_layout, positions)
         group = self.num_heads // self.num_kv_heads
-        k = k[:, :, None].expand(b, self.num_kv_heads, group, t, self.head_dim).reshape(b, self.num_heads, t, self.head_dim)
-        v = v[:, :, None].expand(b, self.num_kv_heads, group, t, self.head_dim).reshape(b, self.num_heads, t, self.head_dim)
+        if self.rotary_layout == "repeat":
+            k = k[:, :, None].repeat(1, 1, group, 1, 1).reshape(b, self.num_heads, t, self.head_dim)
+            v = v[:, :, None].repeat(1, 1, group, 1, 1).reshape(b, self.num_heads, t, self.head_dim)
+        else:
+            k = k[:, :, None].expand(b, self.num_kv_heads, group, t, self.head_dim).reshape(b, self.num_heads, t, self.head_dim)
+            v = v[:, :, None].expand(b, self.num_kv_heads, group, t, self.head_dim).reshape(b, self.num_heads, t, self.head_dim)
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
         if self.score_gain is not None:
             scores = scores * self.score_gain[:, None, None]

@@ -59,7 +59,7 @@ class Prediction:
 
     def repeat_axes(self) -> Dict[int, Tuple[int, int]]:
         """tensor -> (axis, region) for the axis that repeats each shared KV head for its query
-        heads (repeat_kv's expand of a (.., kv, 1, ..) view to (.., kv, n_rep, ..)): its local
+        heads (repeat_kv's expand, or repeat, of a (.., kv, 1, ..) view to (.., kv, n_rep, ..)): its local
         size is the query heads per KV head on the rank, not the global n_rep."""
         if self._repeat_axes is not None:
             return self._repeat_axes
@@ -72,7 +72,8 @@ class Prediction:
             if source in axes and _op(label) in _LAYOUT_COPIES and shapes[source] == shapes[out]:
                 axes[out] = axes[source]
                 continue
-            if _op(label) != "expand" or len(shapes[source]) != len(shapes[out]):
+            # A repeat of axes of 1 is recorded as the broadcast it is (capture.record_repeat).
+            if _op(label) not in ("expand", "repeat") or len(shapes[source]) != len(shapes[out]):
                 continue
             grown = [d for d, (a, b) in enumerate(zip(shapes[source], shapes[out])) if a != b]
             layout = self.layouts.get(source)
