@@ -21,13 +21,14 @@ from .nn.einsum import ShardedEinsumDense
 from .nn.embedding import VocabParallelEmbedding
 from .nn import sequence
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
+from .nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from .model_state import ParallelState, attach_layer_state, state_of
 from .partitioned_state import partition_replicated
 from .plan import ShardingPlan, plan as make_plan
 from .plan.capture import every_block_run, input_shapes, inputs_on_meta, meta_shadow, trace_shapes
 from .plan.inputs import ordinary_token
 from .plan.meta_values import KnownValues
-from .plan.layers import describe_layer
+from .plan.layers import is_layer_module
 from .plan.prediction import FoldedBlockMismatch, ShapeMismatch, check_model_trace
 
 
@@ -69,10 +70,11 @@ def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> N
     params = dict(model.named_parameters(remove_duplicate=False))
     for layer in plan.layers:
         try:
-            module = model.get_submodule(layer.module)
+            attention = _attention_of(model, layer)
+            module = attention if attention is not None else model.get_submodule(layer.module)
         except AttributeError:
             raise ValueError(f"parallelize: the plan names layer {layer.module!r}, which the model lacks") from None
-        weight = getattr(module, "weight", None)
+        weight = getattr(module, "in_proj_weight" if attention is not None else "weight", None)
         if not isinstance(weight, torch.Tensor) or list(weight.shape) != list(layer.weight_shape):
             got = None if weight is None else list(weight.shape)
             raise ValueError(f"parallelize: layer {layer.module!r} has weight shape {got}, "
@@ -81,6 +83,15 @@ def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> N
             raise ValueError(f"parallelize: layer {layer.module!r} is already sharded")
         if layer.weight not in params:
             raise ValueError(f"parallelize: the plan names parameter {layer.weight!r}, which the model lacks")
+
+
+def _attention_of(model: nn.Module, layer) -> Optional[nn.MultiheadAttention]:
+    """The nn.MultiheadAttention whose q/k/v projection `layer` is (`<attention>.in_proj`), or None."""
+    owner, _, child = layer.module.rpartition(".")
+    if child != IN_PROJECTION:
+        return None
+    module = model.get_submodule(owner) if owner else model
+    return module if isinstance(module, nn.MultiheadAttention) else None
 
 
 class _VocabParallelLookup(nn.Embedding):
@@ -125,6 +136,20 @@ def _sharded_layer(layer, module: nn.Module, group: ProcessGroup) -> nn.Module:
     return RowParallelLinear.from_linear(module, group, input_is_parallel=True, units=units, parts=parts)
 
 
+def _shard_attention(model, plan, layer, attention, group, copies, tokens) -> None:
+    """Splits an nn.MultiheadAttention by heads: its q/k/v projection `layer` (column) and its
+    out_proj (the row layer the planner paired with it)."""
+    out_layer = plan.layer(layer.module.rpartition(".")[0] + ".out_proj")
+    out_proj = _sharded_layer(out_layer, attention.out_proj, group)
+    if out_layer.sequence == "reduce_scatter":
+        out_proj.output_tokens = tokens.reduce_scatter(out_layer)
+    shard_multihead_attention(attention, layer.weight_spec(group.rank(), group.size()), out_proj, group)
+    if layer.copy_group in copies:
+        attention.in_proj.input_copy = copies[layer.copy_group]
+    elif layer.sequence in ("gather", "gathered"):
+        attention.in_proj.input_copy = tokens.gathers[layer.copy_group]
+
+
 def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     rank, world = group.rank(), group.size()
     users: Dict[int, int] = {}
@@ -141,8 +166,14 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
             if param is not None:
                 registrations.setdefault(id(param), []).append((owner, attr))
     replaced: Dict[int, nn.Parameter] = {}
+    attentions = {layer.module: _attention_of(model, layer) for layer in plan.layers if layer.style != "replicate"}
+    attentions = {name: module for name, module in attentions.items() if module is not None}
+    inside_attention = {name.rpartition(".")[0] + ".out_proj" for name in attentions}
     for layer in plan.layers:
-        if layer.style == "replicate":
+        if layer.style == "replicate" or layer.module in inside_attention:
+            continue
+        if layer.module in attentions:
+            _shard_attention(model, plan, layer, attentions[layer.module], group, copies, tokens)
             continue
         module = model.get_submodule(layer.module)
         originals = {name: getattr(module, name, None) for name in ("weight", "bias")}
@@ -199,7 +230,7 @@ def _example_inputs(model: nn.Module, plan: ShardingPlan, example_inputs, values
 
 
 def _is_layer(module: nn.Module) -> bool:
-    return hasattr(module, "shard_specs") or describe_layer("", module, {}) is not None
+    return is_layer_module(module)
 
 
 def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_inputs=None) -> None:

@@ -41,6 +41,11 @@ def own(**options):
     return functools.partial(conformance_models.tiny_decoder, **options)
 
 
+def own_multihead(**options):
+    """A builder of our decoder of torch.nn.MultiheadAttention blocks (see conformance_models)."""
+    return functools.partial(conformance_models.multihead_decoder, **options)
+
+
 def _ids(generator, vocab=VOCAB, seq=SEQ):
     # Token 0 is avoided: some models treat it as padding.
     return torch.randint(1, vocab, (BATCH, seq), generator=generator)

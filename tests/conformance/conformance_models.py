@@ -179,3 +179,50 @@ class TinyDecoder(nn.Module):
 
 def tiny_decoder(**options) -> nn.Module:
     return TinyDecoder(**options)
+
+
+class MultiheadBlock(nn.Module):
+    """A pre-norm block whose attention is torch.nn.MultiheadAttention, causal."""
+
+    def __init__(self, hidden, ffn, heads, *, batch_first, bias, need_weights):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(hidden)
+        self.attn = nn.MultiheadAttention(hidden, heads, bias=bias, batch_first=batch_first)
+        self.mlp_norm = nn.LayerNorm(hidden)
+        self.mlp = MLP(hidden, ffn)
+        self.need_weights = need_weights
+
+    def forward(self, x):  # (batch, tokens, hidden)
+        h = self.attn_norm(x)
+        if not self.attn.batch_first:
+            h = h.transpose(0, 1)
+        t = x.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        out, _ = self.attn(h, h, h, attn_mask=causal, need_weights=self.need_weights)
+        if not self.attn.batch_first:
+            out = out.transpose(0, 1)
+        x = x + out
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class MultiheadDecoder(nn.Module):
+    """A decoder of nn.MultiheadAttention blocks: its attention applies `in_proj_weight` (q, k
+    and v fused) and `out_proj.weight` with functional calls, never calling a Linear module."""
+
+    def __init__(self, hidden=48, ffn=70, heads=6, layers=2, batch_first=True, bias=True, need_weights=False):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, hidden)
+        self.blocks = nn.ModuleList(MultiheadBlock(hidden, ffn, heads, batch_first=batch_first, bias=bias,
+                                                   need_weights=need_weights) for _ in range(layers))
+        self.norm = nn.LayerNorm(hidden)
+        self.lm_head = nn.Linear(hidden, VOCAB, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+
+def multihead_decoder(**options) -> nn.Module:
+    return MultiheadDecoder(**options)

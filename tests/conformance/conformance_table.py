@@ -23,7 +23,7 @@ grouped-query attention), hidden 48 (head_dim 8), intermediate 70, vocabulary 10
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from conformance_builders import audio_features, hf, own, pixels, seq2seq_ids, token_ids
+from conformance_builders import audio_features, hf, own, own_multihead, pixels, seq2seq_ids, token_ids
 from conformance_harness import GradientMismatch, LogitsMismatch, Refused
 
 WORLD_SIZES = (2, 3, 4)
@@ -95,7 +95,8 @@ TABLE = [
     Arch("gpt_neox", hf("gpt_neox", hidden_size=48, num_hidden_layers=L, num_attention_heads=H,
                         intermediate_size=I, rotary_pct=0.5), token_ids()),
     Arch("bloom", hf("bloom", hidden_size=48, n_layer=L, n_head=H), token_ids()),
-    Arch("gptj", hf("gptj", n_embd=48, n_layer=L, n_head=H, n_positions=32, rotary_dim=4), token_ids()),
+    # Rotates pairs of even and odd features with stack and flatten.
+    Arch("gptj", hf("gptj", n_embd=48, n_layer=L, n_head=H, n_positions=32, rotary_dim=4), token_ids(), small=True),
     Arch("olmo", hf("olmo", **LLAMA_LIKE), token_ids()),
     Arch("olmo2", hf("olmo2", **LLAMA_LIKE), token_ids()),
     Arch("starcoder2", hf("starcoder2", **LLAMA_LIKE), token_ids()),
@@ -167,6 +168,16 @@ TABLE = [
     Arch("own_score_gain", own(score_gain=True), token_ids(97)),
     Arch("own_head_dim_gain", own(head_dim_gain=True), token_ids(97), small=True),
     Arch("own_mlp_scalar_gain", own(scalar_gain=True), token_ids(97), small=True),
+    # Rotary layouts the plan follows through their ops (stack and flatten; complex pairs; repeat).
+    Arch("own_rotary_stack", own(rotary_layout="stack"), token_ids(97), small=True),
+    Arch("own_rotary_interleave", own(rotary_layout="interleave"), token_ids(97), small=True),
+    Arch("own_rotary_repeat", own(rotary_layout="repeat"), token_ids(97), small=(2, 3, 4)),
+    # torch.nn.MultiheadAttention: in_proj_weight split by heads in its q/k/v parts, out_proj a row layer.
+    Arch("own_multihead", own_multihead(), token_ids(97), small=True),
+    Arch("own_multihead_seq_first", own_multihead(batch_first=False), token_ids(97), small=True),
+    Arch("own_multihead_no_bias", own_multihead(bias=False), token_ids(97), small=True),
+    # Returns the weights averaged over the heads: kept whole.
+    Arch("own_multihead_weights", own_multihead(need_weights=True), token_ids(97), small=(2,)),
 ]
 
 # Our own models written to exhibit the defect classes; each is in the small matrix.

@@ -8,6 +8,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
+from ..nn.multihead_attention import IN_PROJECTION
 from .capture import CapturedGraph, capture
 from .holdings import imbalance_warning, inventory
 from .prediction import Prediction, ShapeMismatch, localize_attributes
@@ -89,6 +90,28 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
     return result
 
 
+_UNPAIRED = "its nn.MultiheadAttention"
+
+
+def _unpaired_attentions(result: ShardingPlan, graph: CapturedGraph) -> Dict[int, str]:
+    """The projections of each nn.MultiheadAttention that is neither split by heads (its
+    q/k/v projection a column layer, its out_proj the row layer after it) nor whole: node ->
+    why. ParallelMultiheadAttention computes only the first; the module computes the second."""
+    found = {}
+    nodes = {info.name: node for node, info in graph.layers.items()}
+    for layer in result.layers:
+        owner, _, child = layer.module.rpartition(".")
+        if child != IN_PROJECTION or owner + ".out_proj" not in nodes:
+            continue
+        out = result.layer(owner + ".out_proj")
+        if (layer.style, out.style) in (("column", "row"), ("replicate", "replicate")):
+            continue
+        why = (f"{_UNPAIRED} {owner!r} would have its q/k/v projection {layer.style} and out_proj {out.style}; it is "
+               "split only as a whole (by heads: column, then row)")
+        found.update({nodes[layer.module]: why, nodes[out.module]: why})
+    return found
+
+
 def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None,
          overrides: Optional[Dict[str, str]] = None, sequence_parallel: bool = True) -> ShardingPlan:
     """The sharding plan for `model` on `world_size` ranks, derived from its dataflow.
@@ -137,6 +160,10 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
             raise ValueError(f"plan: world_size={world_size} is larger than every dimension autoshard could split "
                              f"(e.g. {too_small[0].module}: only {too_small[0]._whole_units} whole unit(s) (heads) "
                              f"to split across {world_size} ranks)")
+        unpaired = _unpaired_attentions(result, graph)
+        if unpaired:
+            mismatched.update(unpaired)
+            continue
         if world_size <= 1:
             break
         try:
@@ -151,7 +178,9 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
             mismatched.update((node, str(error)) for node in nodes)
     for node, why in mismatched.items():
         layer = result.layer(graph.layers[node].name)
-        layer.reason, layer.note = "shape_mismatch", "replicated: " + why.removeprefix("plan: ")
+        attention = why.startswith(_UNPAIRED)
+        layer.reason = "attention_unpaired" if attention else "shape_mismatch"
+        layer.note = "replicated: " + why.removeprefix("plan: ")
     # The modules' recorded inputs are views of the model's own tensors (its buffers): kept, they
     # would hold those tensors' use counts up, and load_pretrained could not give them storage in
     # place. Only the attribute choice above replays them.

@@ -12,13 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..nn.multihead_attention import AttentionCalls, ParallelMultiheadAttention, multihead_attention, unsupported
 from .folding import BlockFolder
 from .inputs import example_inputs_for, missing_decoder_inputs
-from .layers import LayerInfo, describe_layer
+from .layers import LayerInfo, describe_layer, in_projection_layer
 from .meta_values import KnownValues
 
 aten = torch.ops.aten
@@ -297,6 +299,37 @@ class _Recorder(TorchDispatchMode):
         return {"dim": dim, "start": start, "stop": stop, "drop_dim": False}
 
 
+def attention_calls(root: nn.Module, recorder: "_Recorder", record_layer) -> contextlib.AbstractContextManager:
+    """While active, the calls of root's nn.MultiheadAttention modules compute their attention
+    with multihead_attention (the sharded module's own computation), their q/k/v projection
+    recorded by `record_layer(module name, module, x, out)` as one layer and their out_proj
+    called as the module it is. Calls it does not compute are left to torch."""
+    owners = {id(m.in_proj_weight): (name, m) for name, m in root.named_modules()
+              if isinstance(m, nn.MultiheadAttention) and not isinstance(m, ParallelMultiheadAttention)
+              and m.in_proj_weight is not None}
+    if not owners:
+        return contextlib.nullcontext()
+
+    def attend(arguments):
+        owner = owners.get(id(arguments["in_proj_weight"]))
+        if owner is None or recorder.layer_depth != 0 or unsupported(arguments) is not None:
+            return None
+        name, module = owner
+
+        def project(x):
+            recorder.layer_depth += 1
+            try:
+                out = F.linear(x, arguments["in_proj_weight"], arguments["in_proj_bias"])
+            finally:
+                recorder.layer_depth -= 1
+            record_layer(name, module, x, out)
+            return out
+
+        return multihead_attention(arguments, project, module.out_proj)
+
+    return AttentionCalls(attend)
+
+
 def meta_shadow(model: nn.Module, always_copy: bool = False) -> nn.Module:
     """The model itself if it is already on meta (unless always_copy), else a meta copy that
     shares no storage with it."""
@@ -395,9 +428,15 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
 
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
+    def record_in_projection(name, module, x, out):
+        info = in_projection_layer(name, module, param_index)
+        node = recorder.node(info.kind, info.name, [recorder.tensor_id(x)], [recorder.tensor_id(out)],
+                             info.planner_fields(x, out))
+        layers[node] = info.record_call(x, out)
+
     example = describe_inputs(args, kwargs)
     try:
-        with torch.no_grad(), values, recorder, folder:
+        with torch.no_grad(), values, recorder, folder, attention_calls(shadow, recorder, record_in_projection):
             outputs = shadow(*args, **kwargs)
     except Exception as error:
         hint = ""
@@ -533,9 +572,14 @@ def trace_text(module: nn.Module, args: tuple, kwargs: dict, values: Optional[Kn
     """The ATen-level graph of one module call, for comparing two variants of a module."""
     recorder = _Recorder({})
     args, kwargs = replay_inputs((args, kwargs))
-    with torch.no_grad(), values or contextlib.nullcontext(), recorder:
+    with torch.no_grad(), values or contextlib.nullcontext(), recorder, attention_calls(module, recorder, _as_layer(recorder)):
         module(*args, **kwargs)
     return repr((recorder.tensors, recorder.node_records))
+
+
+def _as_layer(recorder: _Recorder):
+    """record_layer for attention_calls in a trace: the projection is one "layer" node."""
+    return lambda name, module, x, out: recorder.nodes.append(("layer", (), (recorder.tensor_id(out),)))
 
 
 def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values: Optional[KnownValues] = None):
@@ -560,7 +604,8 @@ def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values:
     error = None
     args, kwargs = replay_inputs((args, kwargs))
     try:
-        with torch.no_grad(), values or contextlib.nullcontext(), recorder:
+        with torch.no_grad(), values or contextlib.nullcontext(), recorder, \
+                attention_calls(module, recorder, _as_layer(recorder)):
             module(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - the caller reports where the trace stopped
         error = e

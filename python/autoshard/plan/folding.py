@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .layers import describe_layer
+from .layers import layer_at
 
 _PLAIN = (int, float, str, bool, type(None))
 
@@ -210,8 +210,7 @@ class BlockFolder:
             info = self.layers.get(index)
             if info is not None:
                 rel = info.name[len(prefix_before):]
-                module = block.get_submodule(rel)
-                now = describe_layer(prefix_now + rel, module, self.param_index)
+                now = layer_at(block, rel, prefix_now + rel, self.param_index)
                 now.input_shape, now.output_shape = info.input_shape, info.output_shape
                 label = now.name
                 fields = {k: params.get(v, v) if k in ("weight_param", "bias_param") else v for k, v in fields.items()}

@@ -22,6 +22,7 @@ REASONS = {
     "conflict": "its output reaches an op that needs the whole axis",
     "too_few_units": "fewer whole heads than ranks",
     "override_replicate": "replicated by override",
+    "attention_unpaired": "an nn.MultiheadAttention whose projections cannot be split by heads together",
     "shape_mismatch": "its module computes other local shapes than the plan's (a size fixed in the model's code)",
     "weight_read_elsewhere": "its weight is also read outside the layer",
     "weight_shared": "its weight is shared with a layer split differently",

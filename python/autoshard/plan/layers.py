@@ -76,6 +76,39 @@ def describe_layer(name: str, module: nn.Module, param_index: Dict[int, int]) ->
     return None
 
 
+def in_projection_layer(name: str, module: nn.MultiheadAttention, param_index: Dict[int, int]) -> LayerInfo:
+    """The q/k/v projection of an nn.MultiheadAttention named `name` (its in_proj_weight,
+    [q | k | v] by rows), as the layer `name + ".in_proj"` (see nn.multihead_attention)."""
+    from ..nn.multihead_attention import IN_PROJECTION
+
+    index = lambda p: param_index.get(id(p), -1) if p is not None else -1
+    prefix = name + "." if name else ""
+    return LayerInfo(prefix + IN_PROJECTION, "linear", module.embed_dim, 3 * module.embed_dim, False,
+                     index(module.in_proj_weight), index(module.in_proj_bias))
+
+
+def layer_at(root: nn.Module, relative: str, name: str, param_index: Dict[int, int]) -> Optional[LayerInfo]:
+    """The layer at `relative` inside `root`, named `name`: a module, or the q/k/v projection
+    of an nn.MultiheadAttention (`<attention>.in_proj`, which is no module)."""
+    from ..nn.multihead_attention import IN_PROJECTION
+
+    parent, _, child = relative.rpartition(".")
+    owner = root.get_submodule(parent) if parent else root
+    if child == IN_PROJECTION and isinstance(owner, nn.MultiheadAttention):
+        return in_projection_layer(name[:-len(IN_PROJECTION) - 1], owner, param_index)
+    return describe_layer(name, root.get_submodule(relative), param_index)
+
+
+def is_layer_module(module: nn.Module) -> bool:
+    """Whether a trace records a module's call as one layer: a layer the planner plans, a
+    sharded one, unless the module says otherwise (`autoshard_layer`: a sharded attention is
+    traced op by op, its q/k/v projection is one layer)."""
+    flag = getattr(type(module), "autoshard_layer", None)
+    if flag is not None:
+        return flag
+    return hasattr(module, "shard_specs") or describe_layer("", module, {}) is not None
+
+
 def einsum_letters(equation: str, input_ndim: int, output_ndim: int) -> List[Dict[str, object]]:
     """The planner's description of an einsum layer's weight letters, from the C++ equation
     parser: per weight letter, its role ("output", "contracted" or "batch") and its dims in the

@@ -15,10 +15,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
 from .capture import CapturedGraph, trace_shapes
-from .layers import describe_layer
+from .layers import describe_layer, is_layer_module
 
 
 class ShapeMismatch(ValueError):
@@ -211,8 +212,9 @@ class _LocalModule:
                 for attr, value in region.attributes.items():
                     setattr(owner, attr, region.local_value(value, rank, world))
         self.supported = True
+        done = self._local_attentions(plan, prefix, rank)
         for layer in plan.layers:
-            if not layer.module.startswith(prefix) or layer.style == "replicate":
+            if not layer.module.startswith(prefix) or layer.style == "replicate" or layer.module in done:
                 continue
             if layer.kind != "linear":
                 self.supported = False  # einsum layers: no local stand-in
@@ -232,10 +234,31 @@ class _LocalModule:
             stand_in = nn.Linear(in_features, out_features, bias=False, device="meta", dtype=dtype)
             setattr(self.module.get_submodule(parent) if parent else self.module, child, stand_in)
 
+    def _local_attentions(self, plan, prefix: str, rank: int) -> set:
+        """Makes each split nn.MultiheadAttention inside the module the ParallelMultiheadAttention
+        of `rank`, with no collective; returns the names of the layers it stands for."""
+        done = set()
+        layers = {layer.module: layer for layer in plan.layers}
+        for layer in plan.layers:
+            owner_name, _, child = layer.module.rpartition(".")
+            if child != IN_PROJECTION or layer.style == "replicate" or not (layer.module.startswith(prefix)):
+                continue
+            relative = owner_name[len(prefix):] if owner_name != prefix[:-1] else ""
+            owner = self.module.get_submodule(relative) if relative else self.module
+            if not isinstance(owner, nn.MultiheadAttention):
+                continue
+            out_layer = layers[owner_name + ".out_proj"]
+            out_spec = out_layer.weight_spec(rank, plan.world_size)
+            out_proj = nn.Linear(out_spec.local_size(), owner.embed_dim, bias=owner.out_proj.bias is not None,
+                                 device="meta", dtype=owner.out_proj.weight.dtype)
+            shard_multihead_attention(owner, layer.weight_spec(rank, plan.world_size), out_proj, None)
+            done.update((layer.module, out_layer.module))
+        return done
+
     def trace(self, args, kwargs, attributes: Dict[str, int]):
         for attr, value in attributes.items():
             setattr(self.module, attr, value)
-        return trace_shapes(self.module, args, kwargs, lambda m: describe_layer("", m, {}) is not None, self.values)
+        return trace_shapes(self.module, args, kwargs, is_layer_module, self.values)
 
 
 def _representative_ranks(plan, region) -> List[int]:
