@@ -1,0 +1,112 @@
+"""Attention the plan follows through other layouts: rotary embeddings built with stack and
+flatten (GPT-J), complex pairs, repeat (of the table and of the KV heads), and
+torch.nn.MultiheadAttention, whose fused q/k/v weight is applied with functional calls. The
+tiny models (hidden 48, 6 heads, 2 layers) split their attention: a rank holds at most
+1/N + 0.1 of the parameters. Exactness is checked by the conformance entries
+(tests/conformance: own_rotary_*, own_multihead*, gptj)."""
+
+import copy
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.nn.multihead_attention import shard_multihead_attention
+from autoshard.nn.spec import ShardSpec
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conformance"))
+
+import conformance_models  # noqa: E402
+from conformance_builders import hf  # noqa: E402
+
+IDS = {"input_ids": torch.randint(1, conformance_models.VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))}
+
+
+def _plan(model, world_size=2, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autoshard.plan(model, world_size=world_size, **kwargs)
+
+
+MODELS = {
+    "gptj": hf("gptj", n_embd=48, n_layer=2, n_head=6, n_positions=32, rotary_dim=4),
+    "rotary_stack": lambda: conformance_models.tiny_decoder(rotary_layout="stack"),
+    "rotary_interleave": lambda: conformance_models.tiny_decoder(rotary_layout="interleave"),
+    "rotary_repeat": lambda: conformance_models.tiny_decoder(rotary_layout="repeat"),
+    "multihead": lambda: conformance_models.multihead_decoder(),
+    "multihead_seq_first": lambda: conformance_models.multihead_decoder(batch_first=False),
+    "multihead_no_bias": lambda: conformance_models.multihead_decoder(bias=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_attention_is_split_and_a_rank_holds_its_share(name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    plan = _plan(model, example_inputs=None if name == "gptj" else IDS)
+    attention = [layer for layer in plan.layers if ".attn." in layer.module]
+    assert attention and all(layer.style in ("column", "row") for layer in attention), \
+        [(layer.module, layer.style, layer.note) for layer in attention]
+    assert plan.held_fraction(0) <= 0.5 + 0.1, plan.held_fraction(0)
+
+
+def test_multihead_attention_projections_are_a_fused_column_and_a_row():
+    plan = _plan(conformance_models.multihead_decoder(), world_size=3, example_inputs=IDS)
+    in_proj, out_proj = plan.layer("blocks.0.attn.in_proj"), plan.layer("blocks.0.attn.out_proj")
+    assert (in_proj.style, in_proj.parts, in_proj.units, in_proj.weight) == \
+        ("column", [48, 48, 48], 6, "blocks.0.attn.in_proj_weight")
+    assert (out_proj.style, out_proj.units) == ("row", 6)
+    # Each of q, k and v gives the rank its heads: 2 heads of 8 features on 3 ranks.
+    assert in_proj.weight_spec(1, 3).local_size() == 3 * 16
+
+
+def test_multihead_attention_returning_averaged_weights_stays_whole():
+    """The weights averaged over the heads need every head: both projections stay whole,
+    never the out_proj alone split as a column layer of its own."""
+    plan = _plan(conformance_models.multihead_decoder(need_weights=True), example_inputs=IDS)
+    for block in range(2):
+        styles = {plan.layer(f"blocks.{block}.attn.{p}").style for p in ("in_proj", "out_proj")}
+        assert styles == {"replicate"}, styles
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_parallel_multihead_attention_computes_the_module_and_refuses_other_calls(batch_first):
+    """With every head (one rank, no collective) it computes what nn.MultiheadAttention computes,
+    masks and returned weights included; a cross-attention call, which no plan split, is refused."""
+    torch.manual_seed(0)
+    reference = nn.MultiheadAttention(48, 6, batch_first=batch_first).double()
+    attention = copy.deepcopy(reference)
+    spec = ShardSpec(0, 144, 0, 1, units=6, parts=(48, 48, 48))
+    shard_multihead_attention(attention, spec, attention.out_proj, None)
+    assert [name for name, _ in attention.named_parameters()] == [name for name, _ in reference.named_parameters()]
+    shape = (2, 5, 48) if batch_first else (5, 2, 48)  # 2 sequences of 5 tokens
+    x = torch.randn(*shape, dtype=torch.float64)
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    for kwargs in (dict(need_weights=False), dict(attn_mask=causal), dict(key_padding_mask=padding),
+                   dict(attn_mask=causal, key_padding_mask=padding, average_attn_weights=False),
+                   dict(attn_mask=causal, is_causal=True, need_weights=False)):
+        got, want = attention(x, x, x, **kwargs), reference(x, x, x, **kwargs)
+        torch.testing.assert_close(got[0], want[0])
+        assert (got[1] is None) == (want[1] is None)
+        if want[1] is not None:
+            torch.testing.assert_close(got[1], want[1])
+    y = torch.randn(*shape, dtype=torch.float64)
+    with pytest.raises(ValueError, match="only self-attention is split"):
+        attention(x, y, y)
+
+
+def test_codegen_attention_with_its_fixed_group_count_stays_whole():
+    """CodeGen reshapes its fused q/v/k features into a fixed 4 groups (mp_num, a constant of
+    its code): the rank's share cannot be laid out so, which the plan's trace finds; the
+    attention is replicated with that reason while the MLP is split."""
+    model = hf("codegen", n_embd=64, n_layer=2, n_head=8, n_positions=32, rotary_dim=4)()
+    plan = _plan(model)
+    qkv = plan.layer("transformer.h.0.attn.qkv_proj")
+    assert (qkv.style, qkv.reason) == ("replicate", "shape_mismatch"), qkv.note
+    assert "does not compute the shapes the plan predicts" in qkv.note
+    assert plan.layer("transformer.h.0.mlp.fc_in").style == "column"
