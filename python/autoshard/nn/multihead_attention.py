@@ -164,6 +164,16 @@ class ParallelMultiheadAttention(nn.MultiheadAttention):
             arguments, lambda x: self.in_proj(x, self.in_proj_weight, self.in_proj_bias), self.out_proj)
 
 
+_FORWARD = inspect.signature(nn.MultiheadAttention.forward)
+
+
+def _self_attention_only(module, args, kwargs):
+    call = _FORWARD.bind(module, *args, **kwargs).arguments
+    if not (call["query"] is call["key"] and call["key"] is call["value"]):
+        raise ValueError("ParallelMultiheadAttention: this call cannot be computed with the rank's heads: query, key "
+                         "and value are not one tensor (only self-attention is split)")
+
+
 def shard_multihead_attention(module: nn.MultiheadAttention, spec: ShardSpec, out_proj: nn.Module,
                               group: Optional[ProcessGroup]) -> nn.MultiheadAttention:
     """Makes `module` (in place) a ParallelMultiheadAttention holding the rows of
@@ -194,6 +204,10 @@ def shard_multihead_attention(module: nn.MultiheadAttention, spec: ShardSpec, ou
     module.group = group
     cls = type(module)
     if not issubclass(cls, ParallelMultiheadAttention):
+        # A hook of its own also keeps torch's fused encoder-layer kernel from running it
+        # (nn.TransformerEncoderLayer in inference takes it only for modules without hooks):
+        # that kernel reads in_proj_weight as holding every head.
+        module.register_forward_pre_hook(_self_attention_only, with_kwargs=True)
         module.__class__ = ParallelMultiheadAttention if cls is nn.MultiheadAttention else type(
             f"Parallel{cls.__name__}", (ParallelMultiheadAttention, cls), {})
     if group is not None:
