@@ -14,6 +14,8 @@ through their ops (`rotary_layout`): "stack" (GPT-J: even and odd features rotat
 with stack and flatten, the table widened by repeat_interleave), "interleave" (pairs as complex
 numbers: view_as_complex, a complex product, view_as_real), "repeat" (the table widened by
 `.repeat`, and the KV heads repeated for their query heads with `.repeat` instead of expand).
+With `tiled_kv` the KV heads are tiled instead (`k.repeat(1, group, 1, 1)`: query head h reads
+KV head h % kv_heads), which no contiguous split of the query heads meets on one rank.
 
 And one that reads its inputs' values in forward, as Hugging Face's padding checks do
 (`.item()`, `nonzero`, `.tolist()`), which the meta device alone cannot answer.
@@ -81,8 +83,9 @@ def _rotate_layout(x, layout: str, positions):
 
 class Attention(nn.Module):
     def __init__(self, hidden, heads, kv_heads, head_dim, *, qk_norm=False, rotary_dim=0, head_scale=False,
-                 score_gain=False, head_dim_gain=False, rotary_layout=None):
+                 score_gain=False, head_dim_gain=False, rotary_layout=None, tiled_kv=False):
         super().__init__()
+        self.tiled_kv = tiled_kv
         self.rotary_layout = rotary_layout
         self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.rotary_dim = rotary_dim
@@ -113,7 +116,9 @@ class Attention(nn.Module):
             positions = torch.arange(t, device=x.device)
             q, k = _rotate_layout(q, self.rotary_layout, positions), _rotate_layout(k, self.rotary_layout, positions)
         group = self.num_heads // self.num_kv_heads
-        if self.rotary_layout == "repeat":
+        if self.tiled_kv:
+            k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)
+        elif self.rotary_layout == "repeat":
             k = k[:, :, None].repeat(1, 1, group, 1, 1).reshape(b, self.num_heads, t, self.head_dim)
             v = v[:, :, None].repeat(1, 1, group, 1, 1).reshape(b, self.num_heads, t, self.head_dim)
         else:

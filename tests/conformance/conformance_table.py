@@ -172,6 +172,8 @@ TABLE = [
     Arch("own_rotary_stack", own(rotary_layout="stack"), token_ids(97), small=True),
     Arch("own_rotary_interleave", own(rotary_layout="interleave"), token_ids(97), small=True),
     Arch("own_rotary_repeat", own(rotary_layout="repeat"), token_ids(97), small=(2, 3, 4)),
+    # KV heads tiled for their query heads: kept whole.
+    Arch("own_tiled_kv", own(tiled_kv=True), token_ids(97), small=True),
     # torch.nn.MultiheadAttention: in_proj_weight split by heads in its q/k/v parts, out_proj a row layer.
     Arch("own_multihead", own_multihead(), token_ids(97), small=True),
     Arch("own_multihead_seq_first", own_multihead(batch_first=False), token_ids(97), small=True),
