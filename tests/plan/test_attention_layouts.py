@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import autoshard
+from autoshard import checkpoint
 from autoshard.nn.multihead_attention import shard_multihead_attention
 from autoshard.nn.spec import ShardSpec
 
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import conformance_models  # noqa: E402
 from conformance_builders import hf  # noqa: E402
+from multirank import run_on_ranks  # noqa: E402
 
 IDS = {"input_ids": torch.randint(1, conformance_models.VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))}
 
@@ -110,3 +112,30 @@ def test_codegen_attention_with_its_fixed_group_count_stays_whole():
     assert (qkv.style, qkv.reason) == ("replicate", "shape_mismatch"), qkv.note
     assert "does not compute the shapes the plan predicts" in qkv.note
     assert plan.layer("transformer.h.0.mlp.fc_in").style == "column"
+
+
+def _save_sharded_multihead(path):
+    torch.manual_seed(0)
+    model = conformance_models.multihead_decoder()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        autoshard.parallelize(model, example_inputs=IDS)
+    assert type(model.blocks[0].attn).__name__ == "ParallelMultiheadAttention"
+    opt = autoshard.optim.SGD(model.parameters(), lr=0.1)
+    model(**IDS).sum().backward()
+    opt.step()
+    checkpoint.save(path, model, extra={"step": 1})
+    return {k: v.clone() for k, v in autoshard.full_state_dict(model).items()}
+
+
+def test_sharded_multihead_attention_checkpoint_reloads_unsharded(tmp_path):
+    """Saved on 4 ranks (6 heads: 2, 2, 1, 1 per rank, in each of q, k and v), reloaded into the
+    plain model on one process: the same tensors under nn.MultiheadAttention's own names."""
+    path = str(tmp_path / "step-1")
+    full = run_on_ranks(_save_sharded_multihead, 4, path, timeout=300)[0]
+    model = conformance_models.multihead_decoder()
+    assert checkpoint.load(path, model) == {"step": 1}
+    state = model.state_dict()
+    assert state.keys() == full.keys() and "blocks.0.attn.in_proj_weight" in state
+    for name, value in full.items():
+        assert torch.equal(state[name], value), name

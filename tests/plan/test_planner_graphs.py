@@ -301,6 +301,39 @@ def test_grouped_query_attention_shares_kv_heads():
     assert any(t["coarse"] for t in doc["tensors"])
 
 
+def test_attention_refuses_kv_heads_tiled_as_an_outer_factor():
+    """k.repeat(1, 2, 1, 1) of 2 KV heads gives 4 heads laid out [repeat][kv] (query head h
+    reads KV head h % 2): no contiguous split of the query heads pairs them on one rank, so the
+    attention is replicated rather than paired head by head."""
+    g = G()
+    x = g.tensor(2, 4, 8)
+    _, q = g.linear(x, 8, 8, 0, out_shape=(2, 4, 8))   # 4 query heads of 2
+    _, k = g.linear(x, 8, 4, 1, out_shape=(2, 4, 4))   # 2 KV heads of 2
+    _, v = g.linear(x, 8, 4, 2, out_shape=(2, 4, 4))
+    qh, qt = g.tensor(2, 4, 4, 2), g.tensor(2, 4, 4, 2)
+    g.node("view", [q], [qh])
+    g.node("permute", [qh], [qt], permutation=[0, 2, 1, 3])
+    tiled = []
+    for source in (k, v):  # (batch, tokens, 2 * 2) -> (batch, 2 heads, tokens, 2), tiled to 4 heads
+        heads, moved = g.tensor(2, 4, 2, 2), g.tensor(2, 2, 4, 2)
+        spread, grown, merged = g.tensor(2, 1, 2, 4, 2), g.tensor(2, 2, 2, 4, 2), g.tensor(2, 4, 4, 2)
+        g.node("view", [source], [heads])
+        g.node("permute", [heads], [moved], permutation=[0, 2, 1, 3])
+        g.node("view", [moved], [spread], label="aten.repeat.default")
+        g.node("expand", [spread], [grown], label="aten.repeat.default")
+        g.node("view", [grown], [merged], label="aten.repeat.default")
+        tiled.append(merged)
+    o = g.tensor(2, 4, 4, 2)
+    g.node("attention", [qt, tiled[0], tiled[1]], [o], label="sdpa")
+    ot, flat = g.tensor(2, 4, 4, 2), g.tensor(2, 4, 8)
+    g.node("permute", [o], [ot], permutation=[0, 2, 1, 3])
+    g.node("view", [ot], [flat])
+    g.linear(flat, 8, 8, 3, out_shape=(2, 4, 8), output=True)
+    doc = g.plan(2)
+    assert styles(doc)[:3] == ["replicate", "replicate", "replicate"], styles(doc)
+    assert "sdpa pairs heads laid out differently" in doc["layers"][0]["note"]
+
+
 def _document(tensors=(), nodes=(), forced=(), version=1):
     return json.dumps({"version": version, "tensors": [{"shape": list(t)} for t in tensors], "nodes": list(nodes),
                        "forced": list(forced)})
