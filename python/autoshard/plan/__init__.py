@@ -166,16 +166,16 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
             continue
         if world_size <= 1:
             break
-        try:
-            localize_attributes(result, result._prediction)
+        failures: Dict[int, ShapeMismatch] = {}
+        localize_attributes(result, result._prediction, failures=failures)
+        if not failures:
             break
-        except ShapeMismatch as error:
-            members = {layer.module for layer in result.layers
-                       if layer.style != "replicate" and layer.region == getattr(error, "region", None)}
-            nodes = [node for node, info in graph.layers.items() if info.name in members and node not in mismatched]
-            if not nodes:
-                raise
-            mismatched.update((node, str(error)) for node in nodes)
+        found = {node: str(failures[layer.region]) for node, info in graph.layers.items()
+                 for layer in [result.layer(info.name)]
+                 if layer.style != "replicate" and layer.region in failures and node not in mismatched}
+        if not found:
+            raise next(iter(failures.values()))
+        mismatched.update(found)
     for node, why in mismatched.items():
         layer = result.layer(graph.layers[node].name)
         attention = why.startswith(_UNPAIRED)

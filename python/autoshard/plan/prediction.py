@@ -307,11 +307,21 @@ def _cache_key(plan, prediction: Prediction, module_name: str, module: nn.Module
             region.units, region.repeat, region.coarse_units, tuple(region.coarse_sizes))
 
 
-def localize_attributes(plan, prediction: Prediction, cache: Optional[dict] = None) -> None:
+def localize_attributes(plan, prediction: Prediction, cache: Optional[dict] = None,
+                        failures: Optional[Dict[int, ShapeMismatch]] = None) -> None:
     """Sets each region's `attributes`: the integer attributes of its module that must hold
-    local sizes for the traced shapes to equal the prediction on every rank."""
+    local sizes for the traced shapes to equal the prediction on every rank. A region whose
+    module computes other shapes whatever its attributes raises ShapeMismatch, or, with
+    `failures` given, is entered there (region id -> the error) and the others go on."""
     graph = prediction.graph
     cache = {} if cache is None else cache
+    region_ids = {id(region): index for index, region in plan.regions.items()}
+    failed: Dict[int, ShapeMismatch] = {}
+
+    def fail(region, error):
+        if failures is None:
+            raise error
+        failed[id(region)] = failures[region_ids[id(region)]] = error
     for region in plan.regions.values():
         region.attributes = {}
     by_module = {region.module: region for region in plan.regions.values()}
@@ -330,6 +340,8 @@ def localize_attributes(plan, prediction: Prediction, cache: Optional[dict] = No
         if first is not None and id(first) in done and _same_region(members, first, region):
             region.attributes = dict(first.attributes)  # a folded block's region: its first block's choice
             done.add(id(region))
+            if id(first) in failed:
+                fail(region, failed[id(first)])
             continue
         done.add(id(region))
         if name not in graph.module_inputs or name not in graph.module_nodes:
@@ -339,9 +351,17 @@ def localize_attributes(plan, prediction: Prediction, cache: Optional[dict] = No
         ranks = _representative_ranks(plan, region)
         key = _cache_key(plan, prediction, name, module, region, ranks[0], values)
         if key in cache:
-            region.attributes = dict(cache[key])
+            if isinstance(cache[key], ShapeMismatch):
+                fail(region, cache[key])
+            else:
+                region.attributes = dict(cache[key])
             continue
-        region.attributes = _choose(plan, prediction, name, module, region, values, ranks)
+        try:
+            region.attributes = _choose(plan, prediction, name, module, region, values, ranks)
+        except ShapeMismatch as error:
+            cache[key] = error
+            fail(region, error)
+            continue
         cache[key] = dict(region.attributes)
 
 
@@ -404,10 +424,8 @@ def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, 
         if result is not None:
             index, why = result
             where = f"op {index} of its call"
-            error = ShapeMismatch(f"plan: on rank {r} of {plan.world_size}, module {name!r} does not compute the "
-                                  f"shapes the plan predicts ({where}: {why}); local attributes tried: {sorted(chosen)}")
-            error.region = next((i for i, candidate in plan.regions.items() if candidate is region), None)
-            raise error
+            raise ShapeMismatch(f"plan: on rank {r} of {plan.world_size}, module {name!r} does not compute the shapes "
+                                f"the plan predicts ({where}: {why}); local attributes tried: {sorted(chosen)}")
     return {attr: getattr(module, attr) for attr in chosen}
 
 
