@@ -22,7 +22,7 @@ saved_tensors_hooks), parameters included where autograd saves them (a Linear sa
 weight). The step time is the median of --repeats steps after a first one; the parallel
 configurations are held together and timed in turns, so that the machine's load falls on each
 alike, and "step / tp" compares each with tensor parallelism alone. Prints a table and writes
-benchmarks/results/bench_activation_memory_cpu.json.
+benchmarks/results/bench_activation_memory_cpu.json and .txt.
 """
 
 import argparse
@@ -40,7 +40,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging
 
 import autoshard
-from common import print_table, save_json
+from common import save_json, save_text, table_text
 
 logging.set_verbosity_error()
 
@@ -207,12 +207,13 @@ def main() -> None:
                 row["step / tp"] = row["step s"] / base["tp"]["step s"]
     size = (f"hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}, "
             f"batch {args.batch}, seq {args.seq}, intermediate {args.intermediate}")
-    print(size)
-    print_table(rows, ["N", "config", "saved MiB/rank", "largest saved MiB", "step s", "saved / tp",
-                       "saved / dtensor", "step / tp", "step / dtensor"])
+    text = size + "\n" + table_text(rows, ["N", "config", "saved MiB/rank", "largest saved MiB", "step s", "saved / tp",
+                                            "saved / dtensor", "step / tp", "step / dtensor"])
+    print(text)
     for row in rows:
         row["size"] = size
-    print("saved", save_json("bench_activation_memory", torch.device("cpu"), rows))
+    print("saved", save_json("bench_activation_memory", torch.device("cpu"), rows),
+          save_text("bench_activation_memory", torch.device("cpu"), text))
 
 
 if __name__ == "__main__":
