@@ -70,6 +70,10 @@ HEAD_DIM = Xfail(Refused, "head_dim equals the query head count and is localised
 # QK-norm's gradients, summed over heads in another order once sharded (on 4 ranks, partial
 # per holder of a shared KV head), agree to float32's precision. The defects show at 1e-3.
 NORM_IN_FP32 = dict(rtol=1e-5, atol=1e-6)
+# Cohere applies its rotary embedding in float32 (`q.float()`) even in a float64 model; with its
+# attention split by heads (its rotary pairs features with stack and flatten), the rounding of
+# q and k to float32 differs where the sharded sums differ in their last float64 bits.
+ROTARY_IN_FP32 = NORM_IN_FP32
 
 L, H, KV, I = 2, 6, 3, 70  # layers, heads, KV heads, intermediate size
 LLAMA_LIKE = dict(hidden_size=48, intermediate_size=I, num_hidden_layers=L, num_attention_heads=H,
@@ -107,7 +111,7 @@ TABLE = [
     Arch("stablelm", hf("stablelm", **LLAMA_LIKE), token_ids(), small=(4,)),
     Arch("persimmon", hf("persimmon", hidden_size=48, intermediate_size=I, num_hidden_layers=L,
                          num_attention_heads=H), token_ids()),
-    Arch("cohere", hf("cohere", **LLAMA_LIKE), token_ids()),
+    Arch("cohere", hf("cohere", **LLAMA_LIKE), token_ids(), tolerance=ROTARY_IN_FP32),
     Arch("granite", hf("granite", **LLAMA_LIKE), token_ids()),
     Arch("mixtral", hf("mixtral", **LLAMA_LIKE, num_local_experts=3, num_experts_per_tok=2,
                         experts_implementation="eager"), token_ids(),  # grouped_mm: no fp32 on meta
