@@ -1,0 +1,131 @@
+"""Mixture-of-experts weights held as 3-D parameters (Mixtral, Qwen2-MoE): planned from the
+dataflow under the models' default expert implementation, split on each expert's FFN axis
+(a column side in gate/up parts, a row side), the router replicated; what the plan says each
+rank holds against what parallelize leaves on 2 gloo ranks; the meta answers the capture
+gives (the grouped matmul's shapes against its CPU kernel, every token routed to every expert)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging
+
+import autoshard
+from autoshard.plan.meta_values import KnownValues
+from multirank import run_on_ranks
+
+logging.set_verbosity_error()
+
+TINY = dict(vocab_size=101, hidden_size=48, intermediate_size=70, num_hidden_layers=2, num_attention_heads=6,
+            num_key_value_heads=3)
+MODELS = {
+    "mixtral": ("mixtral", dict(num_local_experts=3, num_experts_per_tok=2)),
+    "mixtral_eager": ("mixtral", dict(num_local_experts=3, num_experts_per_tok=2, experts_implementation="eager")),
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=30,
+                                    shared_expert_intermediate_size=40)),
+}
+
+
+def _build(name: str, device="cpu"):
+    kind, overrides = MODELS[name]
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **TINY, **overrides))
+
+
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_experts_split_on_the_ffn_axis(name):
+    model = _build(name, device="meta")
+    plan = autoshard.plan(model, world_size=2)
+    experts = [layer for layer in plan.layers if layer.kind == "experts"]
+    assert len(experts) == 2 * TINY["num_hidden_layers"]
+    ffn = MODELS[name][1].get("moe_intermediate_size", TINY["intermediate_size"])
+    for column, row in zip(experts[::2], experts[1::2]):
+        assert column.module == row.module and column.module.endswith("mlp.experts")
+        assert (column.style, row.style) == ("column", "row")
+        assert column.weight.endswith("gate_up_proj") and row.weight.endswith("down_proj")
+        # gate and up each split on the FFN axis (dim 1 of [E, 2F, H]); down on dim 2 of [E, H, F].
+        spec, row_spec = column.weight_spec(1, 2), row.weight_spec(1, 2)
+        assert (spec.dim, spec.parts, row_spec.dim) == (1, (ffn, ffn), 2)
+        first, second = autoshard.split_sizes(ffn, 2)
+        assert spec.local_ranges() == [(first, second), (ffn + first, second)]
+        assert row_spec.local_ranges() == [(first, second)]
+    specs = plan.param_specs(0)
+    assert not any(n.endswith("mlp.gate.weight") for n in specs)  # the router stays whole
+    assert plan.held_fraction(0) <= 1 / 2 + 0.1 and plan.held_fraction(1) <= 1 / 2 + 0.1
+    experts_class = type(model.model.layers[0].mlp.experts).__name__
+    assert plan.held_fraction(0, experts_class) == pytest.approx(autoshard.split_sizes(ffn, 2)[0] / ffn)
+
+
+def test_mixtral_8x7b_plans_on_meta_under_default_settings():
+    config = AutoConfig.for_model("mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                  num_local_experts=8, num_experts_per_tok=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert next(model.parameters()).dtype == torch.float32
+    assert model.config._experts_implementation == "grouped_mm"  # the default, left as it is
+    plan = autoshard.plan(model, world_size=8)
+    total = sum(_numel(r["shape"]) for r in plan.parameters.values())
+    sharded = sum(_numel(plan.parameters[n]["shape"]) for n in plan.param_specs(0))
+    assert total > 46e9
+    assert sharded / total >= 0.95, sharded / total
+    assert plan.held_fraction(0) <= 1 / 8 + 0.01
+
+
+def _held_on_rank(name: str) -> dict:
+    model = _build(name)
+    plan = autoshard.plan(model, world_size=dist.get_world_size())
+    said = plan.held_parameters(dist.get_rank())
+    autoshard.parallelize(model, plan)
+    return {"said": said, "real": {n: p.numel() for n, p in model.named_parameters()},
+            "fraction": plan.held_fraction(dist.get_rank())}
+
+
+def _check_all():
+    return {name: _held_on_rank(name) for name in MODELS}
+
+
+def test_held_parameters_equal_what_parallelize_leaves():
+    results = run_on_ranks(_check_all, 2, timeout=600)
+    for name in MODELS:
+        full = {n: p.numel() for n, p in _build(name).named_parameters()}
+        for by_model in results:
+            report = by_model[name]
+            assert report["said"] == report["real"], name
+            assert report["fraction"] == pytest.approx(sum(report["real"].values()) / sum(full.values()))
+            assert report["fraction"] <= 0.6, (name, report["fraction"])
+
+
+def test_grouped_matmul_shapes_on_meta_equal_its_cpu_kernel():
+    """torch's grouped matmul has a meta kernel for bf16 only; the capture answers its shapes."""
+    x, w = torch.randn(5, 8), torch.randn(3, 12, 8).transpose(-2, -1)
+    offsets = torch.tensor([2, 2, 5], dtype=torch.int32)
+    want = torch.nn.functional.grouped_mm(x, w, offs=offsets)
+    with pytest.raises(RuntimeError, match="BF16"):
+        torch.nn.functional.grouped_mm(x.to("meta"), w.to("meta"), offs=offsets.to("meta"))
+    with KnownValues():
+        got = torch.nn.functional.grouped_mm(x.to("meta"), w.to("meta"), offs=offsets.to("meta"))
+    assert got.device.type == "meta" and (got.shape, got.dtype) == (want.shape, want.dtype)
+
+
+def test_routing_of_unknown_values_reaches_every_expert():
+    """nonzero of a value that depends on weights (which expert a token goes to) answers as if
+    every element were nonzero; known values keep their own answer."""
+    values = KnownValues()
+    weight = torch.empty(3, 4, device="meta")
+    with values:
+        hit = (weight > 0).nonzero()
+        assert hit.shape == (12, 2)
+        assert hit.tolist() == torch.ones(3, 4).nonzero().tolist()
+        (positions,) = torch.where(weight[1] > 0)  # the eager expert loop's tokens of one expert
+        assert positions.tolist() == [0, 1, 2, 3]
+        known = values.to_meta(torch.tensor([0, 2, 0, 1])).nonzero()
+        assert known.tolist() == [[1], [3]]
