@@ -122,6 +122,9 @@ TABLE = [
     # The eager loop over experts (nonzero on the routing), with an uneven FFN split, in fp64.
     Arch("mixtral_eager", hf("mixtral", **LLAMA_LIKE, num_local_experts=3, num_experts_per_tok=2,
                               experts_implementation="eager"), token_ids()),
+    # The batched implementation (each routed token's expert weights gathered, then bmm), fp64.
+    Arch("mixtral_batched", hf("mixtral", **LLAMA_LIKE, num_local_experts=3, num_experts_per_tok=2,
+                                experts_implementation="batched_mm"), token_ids()),
     # A shared expert (plain Linear layers) beside the routed ones, and the default implementation.
     Arch("qwen2_moe", hf("qwen2_moe", **LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                           shared_expert_intermediate_size=40), token_ids(), small=True, fp64=False,
