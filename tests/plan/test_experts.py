@@ -129,3 +129,40 @@ def test_routing_of_unknown_values_reaches_every_expert():
         assert positions.tolist() == [0, 1, 2, 3]
         known = values.to_meta(torch.tensor([0, 2, 0, 1])).nonzero()
         assert known.tolist() == [[1], [3]]
+
+
+def _ids(step: int) -> torch.Tensor:
+    return torch.randint(1, 101, (2, 8), generator=torch.Generator().manual_seed(step))
+
+
+def _train_and_save(path: str) -> dict:
+    model = autoshard.parallelize(_build("mixtral_eager"))
+    optimizer = autoshard.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = _ids(0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    autoshard.checkpoint.save(path, model, optimizer)
+    return {n: v.clone() for n, v in autoshard.full_state_dict(model).items()}
+
+
+def _load(path: str, sharded: bool = True) -> dict:
+    torch.manual_seed(1)
+    model = _build("mixtral_eager")
+    for p in model.parameters():
+        torch.nn.init.normal_(p)  # other weights than the checkpoint's
+    if sharded:
+        autoshard.parallelize(model)
+    autoshard.checkpoint.load(path, model)
+    return {n: v.clone() for n, v in (autoshard.full_state_dict(model) if sharded else model.state_dict()).items()}
+
+
+def test_expert_slices_checkpoint_on_two_ranks_reload_on_three_and_unsharded(tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = run_on_ranks(_train_and_save, 2, path, timeout=600)[0]
+    before = {n: p.detach() for n, p in _build("mixtral_eager").state_dict().items()}
+    assert not torch.equal(saved["model.layers.0.mlp.experts.gate_up_proj"],
+                           before["model.layers.0.mlp.experts.gate_up_proj"])  # the step changed them
+    for loaded in (run_on_ranks(_load, 3, path, timeout=600)[0], _load(path, sharded=False)):
+        assert loaded.keys() == saved.keys()
+        for name, value in saved.items():
+            assert torch.equal(loaded[name], value), name
