@@ -166,3 +166,83 @@ def test_expert_slices_checkpoint_on_two_ranks_reload_on_three_and_unsharded(tmp
         assert loaded.keys() == saved.keys()
         for name, value in saved.items():
             assert torch.equal(loaded[name], value), name
+
+
+class _Experts(torch.nn.Module):
+    """Experts of our own (no transformers): each token through every expert, weighted."""
+
+    def __init__(self, normalized: bool = False):
+        super().__init__()
+        self.gate_up = torch.nn.Parameter(torch.randn(3, 2 * 10, 8))
+        self.down = torch.nn.Parameter(torch.randn(3, 8, 10))
+        self.normalized = normalized
+
+    def forward(self, x, weights):
+        gate_up = self.gate_up
+        if self.normalized:  # a norm over each expert's FFN axis: not a split-able expert MLP
+            gate_up = gate_up / gate_up.norm(dim=1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in range(gate_up.shape[0]):
+            gate, up = (x @ gate_up[e].t()).chunk(2, dim=-1)
+            out = out + weights[:, e:e + 1] * ((torch.nn.functional.silu(gate) * up) @ self.down[e].t())
+        return out
+
+
+class _MoE(torch.nn.Module):
+    def __init__(self, normalized: bool = False):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8))  # the experts' input needs a gradient
+        self.router = torch.nn.Linear(8, 3)
+        self.experts = _Experts(normalized)
+
+    def forward(self, x):
+        x = x * self.scale
+        return x + self.experts(x, self.router(x).softmax(-1))
+
+
+def test_experts_of_our_own_are_split_and_other_uses_of_their_weights_refused():
+    x = torch.randn(5, 8)
+    plan = autoshard.plan(_MoE(), world_size=2, example_inputs=(x,))
+    assert [(l.module, l.kind, l.style) for l in plan.layers] == [
+        ("router", "linear", "replicate"), ("experts", "experts", "column"), ("experts", "experts", "row")]
+    assert plan.layers[1].parts == [10, 10]
+    with pytest.raises(RuntimeError, match=r"experts holds mixture-of-experts weights.*aten\.linalg_vector_norm"):
+        autoshard.plan(_MoE(normalized=True), world_size=2, example_inputs=(x,))
+
+
+def _own_experts_on_ranks():
+    torch.manual_seed(0)
+    model = _MoE().double()
+    reference = _MoE().double()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    autoshard.parallelize(model, example_inputs=(x,))
+    with autoshard.CommCounter() as forward:
+        out = model(x)
+    with autoshard.CommCounter() as backward:
+        out.pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    shards = autoshard.model_state.state_of(model).shards()
+    grads = {}
+    for name, p in model.named_parameters():
+        want = reference.get_parameter(name).grad
+        if id(p) in shards:
+            spec = shards[id(p)][0]
+            want = torch.cat([want.narrow(spec.dim, s, n) for s, n in spec.local_ranges()], spec.dim)
+        grads[name] = (p.grad, want)
+    plan = autoshard.model_state.state_of(model).plan
+    return {"out": (out.detach(), reference(x).detach()), "grads": grads,
+            "comm": ({k: v for k, v in forward.counts.items() if v}, plan.collectives("forward"),
+                     {k: v for k, v in backward.counts.items() if v}, plan.collectives("backward"))}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_experts_of_our_own_compute_the_unsharded_result(world_size):
+    for result in run_on_ranks(_own_experts_on_ranks, world_size, timeout=300):
+        torch.testing.assert_close(*result["out"], rtol=1e-12, atol=1e-12)
+        for name, (got, want) in result["grads"].items():
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)
+        counted_forward, planned_forward, counted_backward, planned_backward = result["comm"]
+        assert counted_forward == planned_forward == {"all_reduce": 1}
+        # The hidden states' gradient and the routing weights': one all-reduce each.
+        assert counted_backward == planned_backward == {"all_reduce": 2}

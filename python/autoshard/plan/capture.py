@@ -52,6 +52,14 @@ _REDUCE_DIMS = {
 _NORMS = {aten.native_layer_norm, aten.layer_norm}
 _SPLITS = {aten.split, aten.split_with_sizes, aten.unsafe_split, aten.chunk, aten.unsafe_split_with_sizes}
 _ATTENTION_PREFIX = "_scaled_dot_product"
+# What an experts module may do with its 3-D weights: take experts and views of them, and
+# multiply them by activations (per expert, batched or grouped).
+_EXPERT_WEIGHT_VIEWS = {
+    aten.select, aten.index, aten.index_select, aten.transpose, aten.t, aten.permute, aten.view, aten._unsafe_view,
+    aten.reshape, aten.unsqueeze, aten.squeeze, aten.slice, aten.expand, aten.alias, aten.detach, aten._to_copy,
+    aten.clone, aten.contiguous, aten.unbind, aten.lift_fresh,
+}
+_EXPERT_WEIGHT_PRODUCTS = {aten.mm, aten.bmm, aten._grouped_mm, aten.addmm, aten.baddbmm, aten.matmul, aten.linear}
 _COPIES = {
     aten.clone, aten._to_copy, aten.detach, aten.copy_, aten.native_dropout, aten.dropout, aten.contiguous,
     aten.where, aten.masked_fill, aten.type_as, aten.to,
@@ -111,6 +119,8 @@ class _Recorder(TorchDispatchMode):
         # nodes), and nodes a trace sees as one layer call (its combining node); see Prediction.
         self.inner_nodes = set()
         self.layer_calls = set()
+        # Within an experts module's call: (id -> its weights and their views, ops refused).
+        self.experts_reads = None
 
     def tensor_id(self, t: torch.Tensor) -> int:
         key = id(t)
@@ -190,7 +200,25 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.layer_depth == 0:
             self.record(func, args, kwargs, out)
+        elif self.experts_reads is not None:
+            self.follow_expert_weights(func, args, kwargs, out)
         return out
+
+    def follow_expert_weights(self, func, args, kwargs, out) -> None:
+        """Inside an experts module's call: its weights (and the views and experts taken of them)
+        may only be multiplied by activations. Anything else (a norm over a weight's FFN axis)
+        would compute otherwise than split experts, and is refused by name."""
+        tracked, refusals = self.experts_reads
+        read = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and id(t) in tracked]
+        if not read:
+            return
+        packet = func.overloadpacket
+        if packet in _EXPERT_WEIGHT_VIEWS:
+            for o in tree_flatten(out)[0]:
+                if isinstance(o, torch.Tensor):
+                    tracked[id(o)] = o
+        elif packet not in _EXPERT_WEIGHT_PRODUCTS:
+            refusals.append(str(func))
 
     def record(self, func, args, kwargs, out) -> None:
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
@@ -377,10 +405,20 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
             if recorder.layer_depth == 0:
                 info.input = inputs[0] if inputs else None
                 info.inputs = tuple(inputs)
+                if info.kind == "experts":
+                    recorder.experts_reads = ({id(p): p for p in mod._parameters.values() if p is not None}, [])
             recorder.layer_depth += 1
 
         def post(mod, inputs, output, info=info):
             recorder.layer_depth -= 1
+            refusals = []
+            if info.kind == "experts" and recorder.layer_depth == 0:
+                refusals = recorder.experts_reads[1]
+                recorder.experts_reads = None
+            if refusals:
+                raise RuntimeError(f"{info.name} holds mixture-of-experts weights, 3-D [E, F, H] and [E, H, F], but "
+                                   f"passes them to {refusals[0]}, not only to products with its inputs; autoshard "
+                                   "splits such weights on their FFN axis only where each expert is an MLP")
             if (info.kind == "experts" and recorder.layer_depth == 0 and isinstance(info.input, torch.Tensor)
                     and isinstance(output, torch.Tensor) and output.shape == info.input.shape):
                 recorder.experts_nodes(info, output, layers)
