@@ -29,7 +29,7 @@ from .plan.capture import every_block_run, input_shapes, inputs_on_meta, meta_sh
 from .plan.inputs import ordinary_token
 from .plan.meta_values import KnownValues
 from .plan.layers import describe_layer
-from .plan.prediction import FoldedBlockMismatch, ShapeMismatch, check_model_trace
+from .plan.prediction import FoldedBlockMismatch, ShapeMismatch, check_model_trace, set_attribute
 
 
 class SharedInputCopy:
@@ -180,7 +180,7 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     for region in plan.regions.values():
         owner = model.get_submodule(region.module)
         for attr, value in region.attributes.items():
-            setattr(owner, attr, region.local_value(value, rank, world))
+            set_attribute(owner, attr, region.local_value(value, rank, world))
 
 
 def _shard_experts(model: nn.Module, name: str, sides, group: ProcessGroup, rank: int, world: int, copies) -> None:

@@ -143,6 +143,9 @@ TABLE = [
     Arch("distilbert", hf("distilbert", "masked", dim=48, n_layers=L, n_heads=H, hidden_dim=I,
                           max_position_embeddings=32), token_ids()),
     Arch("albert", hf("albert", "masked", **BERT_LIKE, embedding_size=16), token_ids()),
+    # RemBERT keeps all_head_size on its attention's `self` submodule, below the region's module.
+    Arch("rembert", hf("rembert", "masked", **BERT_LIKE, input_embedding_size=16, output_embedding_size=16),
+         token_ids()),
     # DeBERTa's forward checks input_ids for padding (`pad_token_id in input_ids[:, [-1, 0]]`).
     Arch("deberta", hf("deberta", "masked", **BERT_LIKE), token_ids(), planning="auto"),
     Arch("clip_text", hf("clip_text_model", "base", **BERT_LIKE), token_ids(), small=True, planning="auto"),
