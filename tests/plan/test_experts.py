@@ -200,20 +200,22 @@ class _MoE(torch.nn.Module):
         return x + self.experts(x, self.router(x).softmax(-1))
 
 
-def test_experts_of_our_own_are_split_and_other_uses_of_their_weights_refused():
+def test_experts_of_our_own_are_split_and_other_uses_of_their_weights_kept_whole():
     x = torch.randn(5, 8)
     plan = autoshard.plan(_MoE(), world_size=2, example_inputs=(x,))
     assert [(l.module, l.kind, l.style) for l in plan.layers] == [
         ("router", "linear", "replicate"), ("experts", "experts", "column"), ("experts", "experts", "row")]
     assert plan.layers[1].parts == [10, 10]
-    with pytest.raises(RuntimeError, match=r"experts holds mixture-of-experts weights.*aten\.linalg_vector_norm"):
-        autoshard.plan(_MoE(normalized=True), world_size=2, example_inputs=(x,))
+    # A norm over each expert's FFN axis: splitting it would compute something else.
+    plan = autoshard.plan(_MoE(normalized=True), world_size=2, example_inputs=(x,))
+    assert [(l.module, l.style) for l in plan.layers] == [("router", "replicate")]
+    assert plan.held_fraction(0) == 1.0
 
 
-def _own_experts_on_ranks():
+def _own_experts_on_ranks(normalized: bool = False):
     torch.manual_seed(0)
-    model = _MoE().double()
-    reference = _MoE().double()
+    model = _MoE(normalized).double()
+    reference = _MoE(normalized).double()
     reference.load_state_dict(model.state_dict())
     x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     autoshard.parallelize(model, example_inputs=(x,))
@@ -238,6 +240,11 @@ def _own_experts_on_ranks():
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_experts_of_our_own_compute_the_unsharded_result(world_size):
+    for result in run_on_ranks(_own_experts_on_ranks, world_size, True, timeout=300):
+        torch.testing.assert_close(*result["out"], rtol=1e-12, atol=1e-12)  # kept whole: the same ops
+        for name, (got, want) in result["grads"].items():
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=name)
+        assert result["comm"] == ({}, {}, {}, {})
     for result in run_on_ranks(_own_experts_on_ranks, world_size, timeout=300):
         torch.testing.assert_close(*result["out"], rtol=1e-12, atol=1e-12)
         for name, (got, want) in result["grads"].items():

@@ -98,7 +98,7 @@ def _add_routing_gradients(comm, data, graph: CapturedGraph, element_size: int) 
     elements = []
     for node in graph.layer_calls:
         inner_linear = node - 1  # the experts' "out" node comes right before its combine
-        if inner_linear not in split:
+        if inner_linear not in split or graph.layers[inner_linear].side != "out":
             continue
         _, inputs, _ = graph.nodes[node]
         floating = graph.document["nodes"][node]["routing_floating"]

@@ -411,19 +411,19 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
 
         def post(mod, inputs, output, info=info):
             recorder.layer_depth -= 1
-            refusals = []
             if info.kind == "experts" and recorder.layer_depth == 0:
                 refusals = recorder.experts_reads[1]
                 recorder.experts_reads = None
-            if refusals:
-                raise RuntimeError(f"{info.name} holds mixture-of-experts weights, 3-D [E, F, H] and [E, H, F], but "
-                                   f"passes them to {refusals[0]}, not only to products with its inputs; autoshard "
-                                   "splits such weights on their FFN axis only where each expert is an MLP")
-            if (info.kind == "experts" and recorder.layer_depth == 0 and isinstance(info.input, torch.Tensor)
-                    and isinstance(output, torch.Tensor) and output.shape == info.input.shape):
-                recorder.experts_nodes(info, output, layers)
-            elif info.kind == "experts":
-                pass  # called otherwise than as experts: its parameters stay whole
+                if (not refusals and isinstance(info.input, torch.Tensor) and isinstance(output, torch.Tensor)
+                        and output.shape == info.input.shape):
+                    recorder.experts_nodes(info, output, layers)
+                else:
+                    # Its weights used otherwise than multiplied by its inputs (a norm over the
+                    # FFN axis), or a call of another form: one opaque call, its weights whole.
+                    received = [t for t in tree_flatten(info.inputs)[0] if isinstance(t, torch.Tensor)]
+                    made = [o for o in tree_flatten(output)[0] if isinstance(o, torch.Tensor)]
+                    recorder.node("opaque", info.name or "<model>", [recorder.tensor_id(t) for t in received],
+                                  [recorder.tensor_id(o) for o in made], {"routing_floating": []}, "call")
             elif recorder.layer_depth == 0 and isinstance(info.input, torch.Tensor) and isinstance(output, torch.Tensor):
                 node = recorder.node(info.kind, info.name or "<model>", [recorder.tensor_id(info.input)],
                                      [recorder.tensor_id(output)], info.planner_fields(info.input, output))
