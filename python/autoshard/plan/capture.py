@@ -207,7 +207,7 @@ class _Recorder(TorchDispatchMode):
     def follow_expert_weights(self, func, args, kwargs, out) -> None:
         """Inside an experts module's call: its weights (and the views and experts taken of them)
         may only be multiplied by activations. Anything else (a norm over a weight's FFN axis)
-        would compute otherwise than split experts, and is refused by name."""
+        would compute otherwise than split experts: the module is then kept whole."""
         tracked, refusals = self.experts_reads
         read = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and id(t) in tracked]
         if not read:
