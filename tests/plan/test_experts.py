@@ -4,6 +4,9 @@ dataflow under the models' default expert implementation, split on each expert's
 rank holds against what parallelize leaves on 2 gloo ranks; the meta answers the capture
 gives (the grouped matmul's shapes against its CPU kernel, every token routed to every expert)."""
 
+import json
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -253,3 +256,46 @@ def test_experts_of_our_own_compute_the_unsharded_result(world_size):
         assert counted_forward == planned_forward == {"all_reduce": 1}
         # The hidden states' gradient and the routing weights': one all-reduce each.
         assert counted_backward == planned_backward == {"all_reduce": 2}
+
+
+# FFN sizes whose slices on 2 and 3 ranks keep torch's CPU grouped matmul's 16-byte strides.
+ALIGNED = {"mixtral": dict(num_local_experts=3, num_experts_per_tok=2, intermediate_size=96),
+           "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                             shared_expert_intermediate_size=40)}
+
+
+def _aligned_config(kind: str):
+    return AutoConfig.for_model(kind, **{**TINY, **ALIGNED[kind]})
+
+
+def _load_pretrained_on_ranks(kind: str, path: str) -> dict:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_aligned_config(kind))
+    autoshard.parallelize(model)
+    autoshard.load_pretrained(model, path, progress=False)
+    ids = _ids(7)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    return {"logits": logits, "state": autoshard.full_state_dict(model)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_load_pretrained_stacks_each_ranks_slices_of_per_expert_tensors(world_size, tmp_path):
+    """save_pretrained writes one tensor per expert and projection (Mixtral's w1/w2/w3, Qwen2-MoE's
+    gate/up/down_proj); each rank reads its FFN slices of them into its 3-D expert weights."""
+    for kind in ALIGNED:
+        path = str(tmp_path / kind)
+        torch.manual_seed(4)
+        AutoModelForCausalLM.from_config(_aligned_config(kind)).save_pretrained(path, max_shard_size="20KB")
+        with open(os.path.join(path, "model.safetensors.index.json")) as index:
+            keys = json.load(index)["weight_map"]
+        assert any(".experts.2." in k for k in keys) and not any(k.endswith("gate_up_proj") for k in keys)
+        reference = AutoModelForCausalLM.from_pretrained(path).eval()
+        with torch.no_grad():
+            want = reference(input_ids=_ids(7)).logits
+        for result in run_on_ranks(_load_pretrained_on_ranks, world_size, kind, path, timeout=600):
+            torch.testing.assert_close(result["logits"], want, rtol=1e-5, atol=1e-5)
+            state = reference.state_dict()
+            assert result["state"].keys() == state.keys()
+            for name, value in state.items():
+                assert torch.equal(result["state"][name], value), (kind, name)
