@@ -19,6 +19,7 @@ from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, resolve, set_default_group
 from .nn.einsum import ShardedEinsumDense
 from .nn.embedding import VocabParallelEmbedding
+from .nn.experts import shard_experts
 from .nn import sequence
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
@@ -74,7 +75,9 @@ def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> N
             module = attention if attention is not None else model.get_submodule(layer.module)
         except AttributeError:
             raise ValueError(f"parallelize: the plan names layer {layer.module!r}, which the model lacks") from None
-        weight = getattr(module, "in_proj_weight" if attention is not None else "weight", None)
+        weight_name = ("in_proj_weight" if attention is not None
+                       else layer.weight.rpartition(".")[2] if layer.kind == "experts" else "weight")
+        weight = getattr(module, weight_name, None)
         if not isinstance(weight, torch.Tensor) or list(weight.shape) != list(layer.weight_shape):
             got = None if weight is None else list(weight.shape)
             raise ValueError(f"parallelize: layer {layer.module!r} has weight shape {got}, "
@@ -169,7 +172,11 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     attentions = {layer.module: _attention_of(model, layer) for layer in plan.layers if layer.style != "replicate"}
     attentions = {name: module for name, module in attentions.items() if module is not None}
     inside_attention = {name.rpartition(".")[0] + ".out_proj" for name in attentions}
+    experts: Dict[str, list] = {}
     for layer in plan.layers:
+        if layer.kind == "experts":
+            experts.setdefault(layer.module, []).append(layer)
+            continue
         if layer.style == "replicate" or layer.module in inside_attention:
             continue
         if layer.module in attentions:
@@ -192,6 +199,8 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
         if layer.sequence == "reduce_scatter":
             sharded.output_tokens = tokens.reduce_scatter(layer)
         _set_submodule(model, layer.module, sharded)
+    for name, sides in experts.items():
+        _shard_experts(model, name, sides, group, rank, world, copies)
     for key, new in replaced.items():
         for owner, attr in registrations.get(key, []):
             if not hasattr(owner, "shard_specs"):
@@ -205,6 +214,21 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
         owner = model.get_submodule(region.module)
         for attr, value in region.attributes.items():
             set_attribute(owner, attr, region.local_value(value, rank, world))
+
+
+def _shard_experts(model: nn.Module, name: str, sides, group: ProcessGroup, rank: int, world: int, copies) -> None:
+    """An experts module's two sides, a column and a row layer on the FFN axis (see
+    nn/experts.py), or both replicated."""
+    styles = tuple(layer.style for layer in sides)
+    if styles == ("replicate", "replicate"):
+        return
+    if styles != ("column", "row") or any(layer.sequence for layer in sides):
+        raise ValueError(f"parallelize: experts module {name!r} is planned as {styles}"
+                         f"{' with sequence parallelism' if any(l.sequence for l in sides) else ''}; its 3-D weights "
+                         "can only be split as a column side followed by a row side, or replicated")
+    column, row = sides
+    shard_experts(model.get_submodule(name), column.weight.rpartition(".")[2], column.weight_spec(rank, world),
+                  row.weight.rpartition(".")[2], row.weight_spec(rank, world), group, copies.get(column.copy_group))
 
 
 def _example_inputs(model: nn.Module, plan: ShardingPlan, example_inputs, values: KnownValues):

@@ -123,8 +123,10 @@ class Prediction:
                     continue
                 shape[entry["dim"]] = split_sizes(shape[entry["dim"]], self.plan.world_size)[rank]
                 rows.append(("autoshard.scatter_to_parallel.default", [tuple(shape)], None))
+            if index in self.graph.inner_nodes:
+                continue  # inside a layer whose call the trace sees as one node
             label, inputs, outputs = self.graph.nodes[index]
-            layer = index in self.graph.layers
+            layer = index in self.graph.layers or index in self.graph.layer_calls
             shapes = [shape_of(t) for t in outputs]
             rows.append(("layer" if layer else label, shapes, None if layer else self._skippable(index, end, shape_of)))
         start_of[end] = len(rows)

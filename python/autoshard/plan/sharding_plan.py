@@ -51,6 +51,8 @@ class LayerPlan:
         """The weight dimension this layer splits, or None."""
         if self.kind == "einsum":
             return None if self.style == "replicate" else ops.einsum_weight_axes(self.equation)[0].index(self.letter)
+        if self.kind == "experts":  # [E, out, in]: the FFN axis is out for the column side, in for the row side
+            return {"column": 1, "row": 2}.get(self.style)
         if self.style in ("column", "column_gather", "vocab"):
             return 1 if self.transposed else 0
         if self.style == "row":
