@@ -73,6 +73,33 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
     }
   }
 
+  // Head cuts (head_cuts.cpp): those in use, and those dropped because the scores they would
+  // meet are not sharded after all (never asked for again, so the passes settle).
+  std::map<int, AxisFactor> cuts;
+  std::set<int> dropped_cuts;
+  auto settle_cuts = [&](Propagation& pass) {
+    bool changed = false;
+    for (const auto& [entry, region] : pass.cut_region) {
+      const int root = pass.find(region);
+      bool meets_layer = false;
+      for (size_t n = 0; n < count; ++n) {
+        meets_layer = meets_layer || (pass.roles[n] == Style::Column && pass.find(pass.node_region[n]) == root);
+      }
+      if (pass.regions[root].conflict || !meets_layer) {
+        cuts.erase(entry);
+        dropped_cuts.insert(entry);
+        changed = true;
+      }
+    }
+    for (const auto& [entry, factor] : pass.wanted_cuts) {
+      if (!cuts.count(entry) && !dropped_cuts.count(entry)) {
+        cuts[entry] = factor;
+        changed = true;
+      }
+    }
+    return changed;
+  };
+
   auto force = [&](int n, Force f, Why w) {
     if (forced[n] == f || forced[n] == Force::Replicate) return false;
     forced[n] = f;
@@ -83,10 +110,10 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   for (size_t iteration = 0;; ++iteration) {
     TORCH_CHECK(iteration <= count + 1, "[plan.unsettled] plan: decisions did not settle");
     Propagation pass(graph, forced);
-    pass.run(vocab);
+    pass.run(vocab, cuts);
     pass.settle_links(world_size);
     pass.settle_gradients();
-    bool changed = false;
+    bool changed = settle_cuts(pass);
     for (size_t n = 0; n < count; ++n) {
       const Style role = pass.roles[n];
       if (role != Style::Column && role != Style::Vocab) continue;
@@ -141,7 +168,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   for (size_t round = 0;; ++round) {
     TORCH_CHECK(round <= 2 * (count + graph.tensors.size()) + 2, "[plan.unsettled] plan: sequence parallelism did not settle");
     Propagation pass(graph, forced);
-    pass.run(vocab);
+    pass.run(vocab, cuts);
     pass.settle_links(world_size);
     pass.run_sequence(refused, entries);
     pass.settle_gradients();

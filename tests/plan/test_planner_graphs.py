@@ -75,7 +75,7 @@ def test_document_is_versioned_with_named_records():
     doc = g.plan(2)
     assert doc["version"] == 1
     assert set(doc) == {"version", "layers", "regions", "comm", "partial_gradients", "tensors", "sequence_entries",
-                        "sequence_gathers"}
+                        "sequence_gathers", "head_entries"}
     assert set(doc["layers"][0]) == {"node", "style", "region", "units", "copy_group", "parts", "letter", "repeat",
                                      "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",
                                      "sequence_note"}
@@ -333,3 +333,66 @@ def test_errors_carry_codes_and_name_the_field(document, world, code, field):
     with pytest.raises(ValueError) as error:
         torch.ops.autoshard.plan_graph(document, world)
     assert code in str(error.value) and field in str(error.value), str(error.value)
+
+
+def bias_block(g, bias_param=None, entry=True):
+    """Heads split 3 ways with a bias over the heads added to them (ALiBi): the bias is made
+    outside the attention (from positions, or from a parameter) and received by it."""
+    source = g.tensor(3, 2, param=bias_param)
+    if bias_param is None:
+        g.node("source", [], [source])
+    bias = g.tensor(3, 2)
+    g.node("pointwise", [source], [bias])
+    x = g.tensor(2, 8)
+    first = len(g.nodes)
+    _, q = g.linear(x, 8, 6, 0, out_shape=(2, 6))
+    heads = g.tensor(2, 3, 2)
+    g.node("view", [q], [heads])
+    biased = g.tensor(2, 3, 2)
+    g.node("pointwise", [heads, bias], [biased])
+    flat = g.tensor(2, 6)
+    g.node("view", [biased], [flat])
+    _, y = g.linear(flat, 6, 8, 1, out_shape=(2, 8), output=True)
+    if entry:
+        g.entries.append({"tensor": bias, "first": first, "end": len(g.nodes), "leaf": 1, "module": "attn"})
+    return bias
+
+
+def test_bias_over_the_heads_is_cut_where_the_attention_receives_it():
+    g = G()
+    bias = bias_block(g)
+    doc = g.plan(2)
+    assert styles(doc) == ["column", "row"]
+    region = doc["layers"][0]["region"]
+    assert doc["head_entries"] == [{"tensor": bias, "module": "attn", "leaf": 1, "axis": 0, "outer": 1, "size": 3,
+                                    "region": region}]
+    assert bias not in [t["tensor"] for t in doc["tensors"]]  # held whole where it is made
+    # The cut communicates nothing (no gradient reaches the bias; x is a model input).
+    assert comm(doc, "forward") == {"all_reduce": 1} and comm(doc, "backward") == {}
+
+
+def test_bias_with_a_gradient_or_without_an_entry_keeps_attention_whole():
+    for g, bias in ((G(), 5), (G(), None)):
+        bias_block(g, bias_param=bias, entry=bias is not None)
+        doc = g.plan(2)
+        assert styles(doc)[0] == "replicate" and doc["head_entries"] == []
+        assert "replicated tensor" in doc["layers"][0]["note"]
+
+
+def test_one_bias_for_two_attentions_is_cut_at_each():
+    g = G()
+    source = g.tensor(3, 2)
+    g.node("source", [], [source])
+    x = g.tensor(2, 8)
+    for block in range(2):
+        first = len(g.nodes)
+        _, q = g.linear(x, 8, 6, 2 * block, out_shape=(2, 6))
+        heads, biased, flat = g.tensor(2, 3, 2), g.tensor(2, 3, 2), g.tensor(2, 6)
+        g.node("view", [q], [heads])
+        g.node("pointwise", [heads, source], [biased])
+        g.node("view", [biased], [flat])
+        _, x = g.linear(flat, 6, 8, 2 * block + 1, out_shape=(2, 8), output=block == 1)
+        g.entries.append({"tensor": source, "first": first, "end": len(g.nodes), "leaf": 1, "module": f"attn{block}"})
+    doc = g.plan(3)
+    assert styles(doc) == ["column", "row", "column", "row"]
+    assert [e["module"] for e in doc["head_entries"]] == ["attn0", "attn1"]

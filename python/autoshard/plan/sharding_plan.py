@@ -121,6 +121,10 @@ class ShardingPlan:
     # Tensors whose tokens are gathered where a module receives them, for the column layers
     # inside it ("gathered"): an attention reading its input's length sees every token.
     sequence_gathers: List[Dict[str, object]] = field(default_factory=list)
+    # Tensors held whole cut to this rank's heads where a module receives them (an ALiBi bias
+    # passed to each attention): {"module", "leaf", "axis", "outer", "size", "region"}; see
+    # nn/head_cuts.py.
+    head_entries: List[Dict[str, object]] = field(default_factory=list)
 
     # ---- queries
 
@@ -278,4 +282,5 @@ class ShardingPlan:
             parameters=data.get("parameters", {}),
             sequence_entries=data.get("sequence_entries", []),
             sequence_gathers=data.get("sequence_gathers", []),
+            head_entries=data.get("head_entries", []),
         )

@@ -1,0 +1,85 @@
+// Head cuts: a tensor held whole that is added to sharded attention scores along their heads
+// axis (an ALiBi bias, built from the head count and passed to every attention) is cut to this
+// rank's heads where a module receives it, as sequence parallelism cuts tokens.
+//
+// An elementwise op pairs element i of its inputs, so the rank computing heads [start, stop)
+// of the scores needs exactly those heads of the bias: the cut is exact whatever the bias
+// holds. It is made on the module call that holds the op reading the bias and every op between
+// the entry and that read (slices of other axes, transposes, copies), and only for a tensor no
+// gradient reaches (a bias made from the mask or from positions), so backward never crosses it.
+// Inside the call the tensor is sharded like the scores; outside it is held whole, so one bias
+// passed to every block is cut once per attention.
+#include "plan/propagation.h"
+
+namespace autoshard::plan {
+
+bool Propagation::request_cut(int tensor, int axis, const AxisFactor& merged) {
+  const int n = current_node_;
+  if (n < 0) return false;
+  int t = tensor, a = axis, earliest = n;
+  for (int step = 0; step < 16; ++step) {
+    if (carries_grad_.at(t) || layouts[t].sharded || graph_.tensor(t).is_output) return false;
+    int best = -1;
+    for (size_t e = 0; e < graph_.entries.size(); ++e) {
+      const ModuleEntry& entry = graph_.entries[e];
+      if (entry.tensor != t || entry.end <= entry.first || entry.first > earliest || entry.end <= n) continue;
+      if (best < 0 || entry.end - entry.first < graph_.entries[best].end - graph_.entries[best].first) {
+        best = static_cast<int>(e);
+      }
+    }
+    const auto& out_shape = graph_.tensor(t).shape;
+    if (best >= 0) {
+      if (out_shape.at(a) != merged.outer * merged.size) return false;
+      wanted_cuts[best] = {a, merged.outer, merged.size};
+      return true;
+    }
+    const int p = producer_.at(t);
+    if (p < 0) return false;
+    const Node& node = graph_.nodes[p];
+    if (node.inputs.empty()) return false;
+    const int in = node.inputs[0];
+    const auto& in_shape = graph_.tensor(in).shape;
+    switch (node.kind) {
+      case Kind::Permute:
+        a = static_cast<int>(node.permutation.at(a));
+        break;
+      case Kind::Slice:
+        if (node.drop_dim && node.dim <= a) ++a;
+        if (node.dim == a && (node.start > 0 || node.stop < in_shape.at(a))) return false;
+        break;
+      case Kind::Pointwise:
+        if (node.inputs.size() != 1 || in_shape != out_shape) return false;
+        break;
+      case Kind::Expand: {
+        const int in_axis = a - static_cast<int>(out_shape.size() - in_shape.size());
+        if (in_axis < 0 || in_shape.at(in_axis) != out_shape.at(a)) return false;
+        a = in_axis;
+        break;
+      }
+      default:
+        return false;
+    }
+    t = in;
+    earliest = p;
+  }
+  return false;
+}
+
+// Before node `n`: the cuts whose module call ends here give their tensor back whole, those
+// whose call begins here hold it sharded, each in a region of its own that the scores join.
+void Propagation::open_cuts(int n, const std::map<int, AxisFactor>& cuts) {
+  for (const auto& [index, factor] : cuts) {
+    const ModuleEntry& entry = graph_.entries.at(index);
+    if (entry.end == n && cut_region.count(index)) layouts[entry.tensor] = Layout{};
+  }
+  for (const auto& [index, factor] : cuts) {
+    const ModuleEntry& entry = graph_.entries.at(index);
+    if (entry.first != n || entry.end <= entry.first) continue;
+    const int region = new_region(factor.size);
+    set_sharded(entry.tensor, factor, region);
+    cut_region[index] = region;
+    cut_factor[index] = factor;
+  }
+}
+
+}  // namespace autoshard::plan
