@@ -121,12 +121,6 @@ class Prediction:
         rows, start_of = [], {}  # start_of: graph index -> its first row (its cut/gather ops first)
         for index in range(first, end):
             start_of[index] = len(rows)
-            # A module traced alone from its recorded inputs gets them already cut (tokens False).
-            for entry in self.head_entries.get(index, ()) if tokens or index != first else ():
-                units = self.plan.regions[entry["region"]].units
-                for op, shape in cut_steps(self.graph.shapes[entry["tensor"]], entry, units, rank,
-                                           self.plan.world_size):
-                    rows.append((op, [shape], None))
             for entry in self.entries.get(index, ()) if tokens else ():
                 shape = list(self.graph.shapes[entry["tensor"]])
                 if entry["gather"]:
@@ -134,6 +128,13 @@ class Prediction:
                     continue
                 shape[entry["dim"]] = split_sizes(shape[entry["dim"]], self.plan.world_size)[rank]
                 rows.append(("autoshard.scatter_to_parallel.default", [tuple(shape)], None))
+            # After the token hooks (registered first); a module traced alone from its recorded
+            # inputs gets them already cut (tokens False).
+            for entry in self.head_entries.get(index, ()) if tokens or index != first else ():
+                units = self.plan.regions[entry["region"]].units
+                for op, shape in cut_steps(self.graph.shapes[entry["tensor"]], entry, units, rank,
+                                           self.plan.world_size):
+                    rows.append((op, [shape], None))
             label, inputs, outputs = self.graph.nodes[index]
             layer = index in self.graph.layers
             shapes = [shape_of(t) for t in outputs]
