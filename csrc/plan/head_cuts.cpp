@@ -12,15 +12,26 @@
 #include "plan/propagation.h"
 
 namespace autoshard::plan {
+namespace {
+
+// A tensor of one value throughout: made at this rank's size it holds this rank's part of it.
+bool uniform(const Node& node) {
+  for (const char* op : {"aten.zeros.", "aten.ones.", "aten.full."}) {
+    if (node.label.rfind(op, 0) == 0) return true;
+  }
+  return false;
+}
+
+}  // namespace
 
 bool Propagation::request_cut(int tensor, int axis, const AxisFactor& merged) {
   const int n = current_node_;
   if (n < 0) return false;
   int t = tensor, a = axis, earliest = n;
   for (int step = 0; step < 16; ++step) {
-    if (carries_grad_.at(t) || layouts[t].sharded || graph_.tensor(t).is_output) return false;
+    if (layouts[t].sharded || graph_.tensor(t).is_output) return false;
     int best = -1;
-    for (size_t e = 0; e < graph_.entries.size(); ++e) {
+    for (size_t e = 0; e < graph_.entries.size() && !carries_grad_.at(t); ++e) {
       const ModuleEntry& entry = graph_.entries[e];
       if (entry.tensor != t || entry.end <= entry.first || entry.first > earliest || entry.end <= n) continue;
       if (best < 0 || entry.end - entry.first < graph_.entries[best].end - graph_.entries[best].first) {
@@ -36,6 +47,12 @@ bool Propagation::request_cut(int tensor, int axis, const AxisFactor& merged) {
     const int p = producer_.at(t);
     if (p < 0) return false;
     const Node& node = graph_.nodes[p];
+    const bool embedding = node.kind == Kind::Embedding && roles[p] == Style::Replicate;
+    if ((embedding && a == static_cast<int>(out_shape.size()) - 1) || (node.kind == Kind::Source && uniform(node))) {
+      if (out_shape.at(a) != merged.outer * merged.size) return false;
+      wanted_node_cuts[p] = {a, merged.outer, merged.size};
+      return true;
+    }
     if (node.inputs.empty()) return false;
     const int in = node.inputs[0];
     const auto& in_shape = graph_.tensor(in).shape;
@@ -50,6 +67,12 @@ bool Propagation::request_cut(int tensor, int axis, const AxisFactor& merged) {
       case Kind::Pointwise:
         if (node.inputs.size() != 1 || in_shape != out_shape) return false;
         break;
+      case Kind::View: {
+        const ReshapeResult r = map_reshape(out_shape, in_shape, {a, merged.outer, merged.size});
+        if (!r.ok || r.factor.outer != merged.outer || r.factor.size != merged.size) return false;
+        a = r.factor.axis;
+        break;
+      }
       case Kind::Expand: {
         const int in_axis = a - static_cast<int>(out_shape.size() - in_shape.size());
         if (in_axis < 0 || in_shape.at(in_axis) != out_shape.at(a)) return false;
@@ -74,7 +97,8 @@ void Propagation::open_cuts(int n, const std::map<int, AxisFactor>& cuts) {
   }
   for (const auto& [index, factor] : cuts) {
     const ModuleEntry& entry = graph_.entries.at(index);
-    if (entry.first != n || entry.end <= entry.first) continue;
+    // A tensor sharded where it is made (a bias passed on from the first attention) needs no cut.
+    if (entry.first != n || entry.end <= entry.first || layouts[entry.tensor].sharded) continue;
     const int region = new_region(factor.size);
     set_sharded(entry.tensor, factor, region);
     cut_region[index] = region;

@@ -113,6 +113,9 @@ struct Plan {
   std::vector<SequenceEntry> sequence_entries;
   std::vector<SequenceEntry> sequence_gathers;  // tensors gathered whole where a module receives them
   std::vector<HeadEntry> head_entries;
+  // Replicated embeddings whose output is cut to this rank's heads as it leaves them (module,
+  // axis, outer, size, region; tensor is the output, leaf unused).
+  std::vector<HeadEntry> head_outputs;
 };
 
 Plan make_plan(const Graph& graph, int64_t world_size);

@@ -18,7 +18,8 @@ Propagation::Propagation(const Graph& graph, const std::vector<Force>& forced) :
   node_region.assign(graph.nodes.size(), -1);
 }
 
-void Propagation::run(const std::set<int>& vocab_embeddings, const std::map<int, AxisFactor>& cuts) {
+void Propagation::run(const std::set<int>& vocab_embeddings, const std::map<int, AxisFactor>& cuts,
+                      const std::map<int, AxisFactor>& node_cuts) {
   producer_.assign(graph_.tensors.size(), -1);
   carries_grad_.assign(graph_.tensors.size(), false);
   for (size_t t = 0; t < graph_.tensors.size(); ++t) carries_grad_[t] = graph_.tensors[t].param >= 0;
@@ -35,6 +36,13 @@ void Propagation::run(const std::set<int>& vocab_embeddings, const std::map<int,
     current_node_ = static_cast<int>(n);
     open_cuts(current_node_, cuts);
     visit(current_node_, vocab_embeddings);
+    const auto cut = node_cuts.find(current_node_);
+    if (cut != node_cuts.end()) {
+      const int region = new_region(cut->second.size);
+      set_sharded(graph_.nodes[n].outputs.at(0), cut->second, region);
+      node_cut_region[current_node_] = region;
+      node_cut_factor[current_node_] = cut->second;
+    }
   }
   open_cuts(static_cast<int>(graph_.nodes.size()), cuts);
   current_node_ = -1;

@@ -56,7 +56,8 @@ class Propagation {
 
   // `cuts` (graph entry -> the factor of its tensor's axis holding heads): tensors held whole
   // that are cut to this rank's heads where a module receives them (head_cuts.cpp).
-  void run(const std::set<int>& vocab_embeddings, const std::map<int, AxisFactor>& cuts = {});
+  void run(const std::set<int>& vocab_embeddings, const std::map<int, AxisFactor>& cuts = {},
+           const std::map<int, AxisFactor>& node_cuts = {});
   int find(int r);
   // Decides every KV link once the pass has run (links.cpp).
   void settle_links(int64_t world_size);
@@ -101,6 +102,13 @@ class Propagation {
   std::map<int, AxisFactor> wanted_cuts;
   std::map<int, int> cut_region;
   std::map<int, AxisFactor> cut_factor;
+  // Node cuts: the output of a replicated embedding (T5's relative position bias, whose
+  // embedding dim is the heads) cut to this rank's heads as it leaves the layer, or a tensor of
+  // one value throughout (zeros, ones, full) made at this rank's size: node -> the factor of its
+  // output's heads axis.
+  std::map<int, AxisFactor> wanted_node_cuts;
+  std::map<int, int> node_cut_region;
+  std::map<int, AxisFactor> node_cut_factor;
 
   static bool uniform_groups(int64_t units, int64_t ratio, int64_t world_size);
 

@@ -75,29 +75,36 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
 
   // Head cuts (head_cuts.cpp): those in use, and those dropped because the scores they would
   // meet are not sharded after all (never asked for again, so the passes settle).
-  std::map<int, AxisFactor> cuts;
-  std::set<int> dropped_cuts;
-  auto settle_cuts = [&](Propagation& pass) {
+  // Likewise node cuts (an embedding's output, a tensor of one value), by node.
+  std::map<int, AxisFactor> cuts, node_cuts;
+  std::set<int> dropped_cuts, dropped_node_cuts;
+  auto settle_kind = [&](Propagation& pass, const std::map<int, int>& in_use, const std::map<int, AxisFactor>& wanted,
+                         std::map<int, AxisFactor>& kept, std::set<int>& dropped) {
     bool changed = false;
-    for (const auto& [entry, region] : pass.cut_region) {
+    for (const auto& [key, region] : in_use) {
       const int root = pass.find(region);
       bool meets_layer = false;
       for (size_t n = 0; n < count; ++n) {
         meets_layer = meets_layer || (pass.roles[n] == Style::Column && pass.find(pass.node_region[n]) == root);
       }
       if (pass.regions[root].conflict || !meets_layer) {
-        cuts.erase(entry);
-        dropped_cuts.insert(entry);
+        kept.erase(key);
+        dropped.insert(key);
         changed = true;
       }
     }
-    for (const auto& [entry, factor] : pass.wanted_cuts) {
-      if (!cuts.count(entry) && !dropped_cuts.count(entry)) {
-        cuts[entry] = factor;
+    for (const auto& [key, factor] : wanted) {
+      if (!kept.count(key) && !dropped.count(key)) {
+        kept[key] = factor;
         changed = true;
       }
     }
     return changed;
+  };
+  auto settle_cuts = [&](Propagation& pass) {
+    const bool entries_changed = settle_kind(pass, pass.cut_region, pass.wanted_cuts, cuts, dropped_cuts);
+    return settle_kind(pass, pass.node_cut_region, pass.wanted_node_cuts, node_cuts, dropped_node_cuts) ||
+           entries_changed;
   };
 
   auto force = [&](int n, Force f, Why w) {
@@ -110,10 +117,13 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   for (size_t iteration = 0;; ++iteration) {
     TORCH_CHECK(iteration <= count + 1, "[plan.unsettled] plan: decisions did not settle");
     Propagation pass(graph, forced);
-    pass.run(vocab, cuts);
+    pass.run(vocab, cuts, node_cuts);
     pass.settle_links(world_size);
     pass.settle_gradients();
-    bool changed = settle_cuts(pass);
+    // A pass that found new cuts (or dropped some) saw bias tensors held whole that the next one
+    // cuts: its conflicts and partial gradients are not the model's, so nothing is forced on them.
+    if (settle_cuts(pass)) continue;
+    bool changed = false;
     for (size_t n = 0; n < count; ++n) {
       const Style role = pass.roles[n];
       if (role != Style::Column && role != Style::Vocab) continue;
@@ -168,7 +178,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   for (size_t round = 0;; ++round) {
     TORCH_CHECK(round <= 2 * (count + graph.tensors.size()) + 2, "[plan.unsettled] plan: sequence parallelism did not settle");
     Propagation pass(graph, forced);
-    pass.run(vocab, cuts);
+    pass.run(vocab, cuts, node_cuts);
     pass.settle_links(world_size);
     pass.run_sequence(refused, entries);
     pass.settle_gradients();

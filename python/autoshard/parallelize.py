@@ -173,6 +173,9 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     for entry in plan.head_entries:
         model.get_submodule(entry["module"]).register_forward_pre_hook(
             head_cuts.entry_hook(entry, plan.regions[entry["region"]].units, group.group_name), with_kwargs=True)
+    for entry in plan.head_outputs:
+        model.get_submodule(entry["module"]).register_forward_hook(
+            head_cuts.output_hook(entry, plan.regions[entry["region"]].units, group.group_name))
     for region in plan.regions.values():
         owner = model.get_submodule(region.module)
         for attr, value in region.attributes.items():

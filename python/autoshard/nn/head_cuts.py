@@ -1,6 +1,8 @@
 """Head cuts: a tensor held whole that a module adds to its sharded attention scores along the
 heads axis (an ALiBi bias made from the head count and passed to every attention) is cut to
-this rank's heads where the module receives it (``ShardingPlan.head_entries``).
+this rank's heads where the module receives it (``ShardingPlan.head_entries``); a replicated
+embedding whose embedding dim is the heads (T5's relative position bias) has its output cut as
+it leaves the layer (``ShardingPlan.head_outputs``), its gradient gathered back whole.
 
 Elementwise, the rank holding heads [start, stop) of the scores reads exactly those heads of
 the bias, so the cut is exact whatever the bias holds. The heads axis may carry an outer factor
@@ -85,5 +87,15 @@ def entry_hook(entry: dict, units: int, group_name: str):
 
     def hook(module, args, kwargs):
         return cut_leaf(args, kwargs, entry["leaf"], step, entry["module"])
+
+    return hook
+
+
+def output_hook(entry: dict, units: int, group_name: str):
+    """A forward hook cutting the module's output to this rank's heads."""
+    step = SliceHeads(entry, units, group_name)
+
+    def hook(module, args, output):
+        return step(output)
 
     return hook

@@ -84,6 +84,8 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                                             for e in data["sequence_gathers"]],
                           head_entries=[{k: e[k] for k in ("module", "leaf", "axis", "outer", "size", "region")}
                                         for e in data.get("head_entries", [])],
+                          head_outputs=[{k: e[k] for k in ("module", "axis", "outer", "size", "region")}
+                                        for e in data.get("head_outputs", [])],
                           example={"description": graph.description, "inputs": graph.example_inputs,
                                    "output_shapes": [list(s) for s in graph.output_shapes]})
     result._prediction = Prediction(graph, data["tensors"], data["sequence_entries"], data["sequence_gathers"],

@@ -223,6 +223,13 @@ class _LocalModule:
                 owner = self.module.get_submodule(region.module[len(prefix):])
                 for attr, value in region.attributes.items():
                     setattr(owner, attr, region.local_value(value, rank, world))
+        # Embeddings whose output the plan cuts to this rank's heads: cut here too, to its shape.
+        for entry in plan.head_outputs:
+            if entry["module"].startswith(prefix):
+                units = plan.regions[entry["region"]].units
+                cut = lambda mod, a, out, entry=entry, units=units: torch.empty(
+                    local_heads_shape(out.shape, entry, units, rank, world), dtype=out.dtype, device="meta")
+                self.module.get_submodule(entry["module"][len(prefix):]).register_forward_hook(cut)
         self.supported = True
         for layer in plan.layers:
             if not layer.module.startswith(prefix) or layer.style == "replicate":

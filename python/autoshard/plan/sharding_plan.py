@@ -125,6 +125,10 @@ class ShardingPlan:
     # passed to each attention): {"module", "leaf", "axis", "outer", "size", "region"}; see
     # nn/head_cuts.py.
     head_entries: List[Dict[str, object]] = field(default_factory=list)
+    # Replicated embeddings whose output is cut to this rank's heads as it leaves them (T5's
+    # relative position bias, whose embedding dim is the heads): {"module", "axis", "outer",
+    # "size", "region"}; their gradient is gathered back whole in backward.
+    head_outputs: List[Dict[str, object]] = field(default_factory=list)
 
     # ---- queries
 
@@ -283,4 +287,5 @@ class ShardingPlan:
             sequence_entries=data.get("sequence_entries", []),
             sequence_gathers=data.get("sequence_gathers", []),
             head_entries=data.get("head_entries", []),
+            head_outputs=data.get("head_outputs", []),
         )
