@@ -54,7 +54,24 @@ bool Propagation::request_cut(int tensor, int axis, const AxisFactor& merged) {
       return true;
     }
     if (node.inputs.empty()) return false;
-    const int in = node.inputs[0];
+    int in = node.inputs[0];
+    if (node.kind == Kind::Pointwise && node.inputs.size() > 1) {
+      // An elementwise op with one input holding the heads, the others broadcast along them (a
+      // mask applied with where): the heads come from that input.
+      int full = -1;
+      for (int id : node.inputs) {
+        const auto& s = graph_.tensor(id).shape;
+        const int ax = a - static_cast<int>(out_shape.size() - s.size());
+        if (ax < 0 || s[ax] == 1) continue;
+        if (full >= 0 || s[ax] != out_shape.at(a) || layouts[id].sharded) return false;
+        full = id;
+      }
+      if (full < 0) return false;
+      a -= static_cast<int>(out_shape.size() - graph_.tensor(full).shape.size());
+      t = full;
+      earliest = p;
+      continue;
+    }
     const auto& in_shape = graph_.tensor(in).shape;
     switch (node.kind) {
       case Kind::Permute:
@@ -65,7 +82,7 @@ bool Propagation::request_cut(int tensor, int axis, const AxisFactor& merged) {
         if (node.dim == a && (node.start > 0 || node.stop < in_shape.at(a))) return false;
         break;
       case Kind::Pointwise:
-        if (node.inputs.size() != 1 || in_shape != out_shape) return false;
+        if (in_shape != out_shape) return false;
         break;
       case Kind::View: {
         const ReshapeResult r = map_reshape(out_shape, in_shape, {a, merged.outer, merged.size});

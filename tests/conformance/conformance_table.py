@@ -151,6 +151,10 @@ TABLE = [
          seq2seq_ids(), planning="parallelize"),
     Arch("t5", hf("t5", "seq2seq", d_model=48, d_kv=8, d_ff=I, num_layers=1, num_decoder_layers=1, num_heads=H),
          seq2seq_ids(), small=True, planning="auto"),
+    # Two blocks per stack: the first attention's relative position bias (cut to each rank's heads
+    # as it leaves its embedding) is passed on to the second, whose heads it then shares.
+    Arch("t5_two_layers", hf("t5", "seq2seq", d_model=48, d_kv=8, d_ff=I, num_layers=2, num_decoder_layers=2,
+                             num_heads=H), seq2seq_ids(), small=True),
     Arch("t5_example_inputs", hf("t5", "seq2seq", d_model=48, d_kv=8, d_ff=I, num_layers=1, num_decoder_layers=1,
                                  num_heads=H), seq2seq_ids()),
     Arch("whisper", hf("whisper", "speech", d_model=48, encoder_layers=1, decoder_layers=1,

@@ -1,5 +1,5 @@
 """Attention with a bias over its heads (ALiBi: Bloom, MPT, our own model's buffer or computed
-bias) and multi-query attention (one KV head held by every rank): the tiny models' attention is
+bias; T5's relative position bias, an embedding over the heads) and multi-query attention (one KV head held by every rank): the tiny models' attention is
 sharded, so that a rank holds at most 1/N + 0.1 of the parameters at N=2 (hidden 48, 6 heads,
 2 layers). Exactness is checked by the conformance entries of the same models."""
 
@@ -31,11 +31,10 @@ MODELS = {
     "own_alibi_buffer": lambda: TinyDecoder(alibi="buffer"),
     "own_alibi_computed": lambda: TinyDecoder(alibi="computed"),
     "own_mqa": lambda: TinyDecoder(kv_heads=1),
+    "t5": lambda: _hf("t5", AutoModelForSeq2SeqLM, d_model=48, d_kv=8, d_ff=70, num_layers=2, num_decoder_layers=2,
+                      num_heads=6),
 }
 NOT_YET = {
-    "t5": (lambda: _hf("t5", AutoModelForSeq2SeqLM, d_model=48, d_kv=8, d_ff=70, num_layers=2, num_decoder_layers=2,
-                       num_heads=6),
-           "the relative position bias comes from an Embedding inside the first attention, not a module entry"),
     "falcon_mqa": (lambda: _hf("falcon", hidden_size=48, num_hidden_layers=2, num_attention_heads=6, multi_query=True,
                                new_decoder_architecture=False),
                    "FalconLinear has a forward of its own and is not planned as a Linear"),
@@ -90,3 +89,11 @@ def test_multi_query_kv_projection_is_held_by_every_rank():
             assert layer.style == "column" and layer.units == 1 and layer.repeat == 6
         if layer.module.endswith("q_proj"):
             assert layer.style == "column" and layer.units == 6
+
+
+def test_relative_position_bias_is_cut_as_it_leaves_its_embedding():
+    plan, _ = _held("t5", MODELS["t5"])
+    assert sorted(entry["module"] for entry in plan.head_outputs) == [
+        f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias" for stack in ("decoder", "encoder")]
+    for name in ("encoder.block.1.layer.0.SelfAttention.q", "decoder.block.1.layer.1.EncDecAttention.o"):
+        assert plan.layer(name).style != "replicate"

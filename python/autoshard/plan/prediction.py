@@ -373,7 +373,7 @@ def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, 
         # its recorded, whole inputs, so split tokens would only differ there; the inputs it
         # cuts to its heads are given to it cut.
         want = prediction.module_nodes(name, rank, tokens=False)
-        call_args, call_kwargs = _cut_heads(plan, name, args, kwargs, rank)
+        call_args, call_kwargs = _cut_heads(plan, prediction, name, args, kwargs, rank)
         got, error = local.trace(call_args, call_kwargs, {a: candidates[a][rank] for a in attrs})
         found = _first_difference(got, want)
         if error is not None:
@@ -408,9 +408,17 @@ def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, 
     return {attr: getattr(module, attr) for attr in chosen}
 
 
-def _cut_heads(plan, name: str, args, kwargs, rank: int):
-    """A module's recorded inputs with those the plan cuts to this rank's heads where the
-    module receives them (nn/head_cuts.py) at their local shapes."""
+def _cut_heads(plan, prediction: Prediction, name: str, args, kwargs, rank: int):
+    """A module's recorded inputs with those that are sharded on heads where the module receives
+    them at their local shapes: tensors sharded where they are made (a position bias passed on
+    from another attention), and those the plan cuts as the module receives them (nn/head_cuts.py)."""
+    for entry in prediction.graph.document.get("entries", ()):
+        layout = prediction.layouts.get(entry["tensor"])
+        if entry["module"] != name or layout is None or layout.get("sequence"):
+            continue
+        local = lambda x, t=entry["tensor"]: torch.empty(prediction.local_shape(t, rank, tokens=False),
+                                                         dtype=x.dtype, device="meta")
+        args, kwargs = cut_leaf(args, kwargs, entry["leaf"], local, name)
     for entry in plan.head_entries:
         if entry["module"] != name:
             continue
