@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 from transformers.utils import logging
 
 import autoshard
+from autoshard.plan import ShardingPlan
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conformance"))
 from conformance_models import TinyDecoder  # noqa: E402
@@ -97,3 +98,11 @@ def test_relative_position_bias_is_cut_as_it_leaves_its_embedding():
         f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias" for stack in ("decoder", "encoder")]
     for name in ("encoder.block.1.layer.0.SelfAttention.q", "decoder.block.1.layer.1.EncDecAttention.o"):
         assert plan.layer(name).style != "replicate"
+
+
+def test_head_cuts_round_trip_through_json():
+    for name in ("bloom", "t5"):
+        plan, _ = _held(name, MODELS[name])
+        again = ShardingPlan.from_json(plan.to_json())
+        assert (again.head_entries, again.head_outputs) == (plan.head_entries, plan.head_outputs)
+        assert again.head_entries or again.head_outputs
