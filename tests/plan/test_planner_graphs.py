@@ -396,3 +396,61 @@ def test_one_bias_for_two_attentions_is_cut_at_each():
     doc = g.plan(3)
     assert styles(doc) == ["column", "row", "column", "row"]
     assert [e["module"] for e in doc["head_entries"]] == ["attn0", "attn1"]
+
+
+def test_multi_query_attention_holds_its_one_kv_head_on_every_rank():
+    g = G()
+    x = g.tensor(2, 4, 8)
+    _, q = g.linear(x, 8, 8, 0, out_shape=(2, 4, 8))   # 4 query heads of 2
+    _, k = g.linear(x, 8, 2, 1, out_shape=(2, 4, 2))   # 1 KV head of 2
+    _, v = g.linear(x, 8, 2, 2, out_shape=(2, 4, 2))
+    qh, kh, vh = g.tensor(2, 4, 4, 2), g.tensor(2, 4, 1, 2), g.tensor(2, 4, 1, 2)
+    # A view given its sizes spells the one KV head as a dimension of length 1.
+    for a, b in ((q, qh), (k, kh), (v, vh)):
+        g.node("view", [a], [b], label="aten.view.default")
+    qt, kt, vt = g.tensor(2, 4, 4, 2), g.tensor(2, 1, 4, 2), g.tensor(2, 1, 4, 2)
+    for a, b in ((qh, qt), (kh, kt), (vh, vt)):
+        g.node("permute", [a], [b], permutation=[0, 2, 1, 3])
+    o = g.tensor(2, 4, 4, 2)
+    g.node("attention", [qt, kt, vt], [o])
+    ot = g.tensor(2, 4, 4, 2)
+    g.node("permute", [o], [ot], permutation=[0, 2, 1, 3])
+    flat = g.tensor(2, 4, 8)
+    g.node("view", [ot], [flat], label="aten.view.default")
+    g.linear(flat, 8, 8, 3, out_shape=(2, 4, 8), output=True)
+    doc = g.plan(3)
+    assert styles(doc) == ["column", "column", "column", "row"]
+    assert [layer["repeat"] for layer in doc["layers"]] == [0, 4, 4, 0]
+    assert doc["regions"][0]["coarse_units"] == 1
+    # Each rank sums the KV projections' gradients (weights only: no biases) in backward.
+    assert comm(doc, "backward") == {"all_reduce": 2}
+
+
+def test_embedding_over_the_heads_has_its_output_cut():
+    g = G()
+    ids = g.tensor(4, 4)
+    table = g.tensor(4, 4, 3)  # (queries, keys, heads)
+    g.node("embedding", [ids], [table], num_embeddings=7, embedding_dim=3, weight_param=9)
+    moved = g.tensor(3, 4, 4)
+    g.node("permute", [table], [moved], permutation=[2, 0, 1])
+    tokens, x = g.tensor(4), g.tensor(4, 6)
+    g.node("embedding", [tokens], [x], num_embeddings=50, embedding_dim=6, weight_param=8)  # the token table
+    _, q = g.linear(x, 6, 6, 0, out_shape=(4, 6))
+    split, heads = g.tensor(4, 3, 2), g.tensor(3, 4, 2)
+    g.node("view", [q], [split], label="aten.view.default")
+    g.node("permute", [split], [heads], permutation=[1, 0, 2])
+    scores = g.tensor(3, 4, 4)
+    g.node("matmul", [heads, g.tensor(2, 4)], [scores])
+    biased = g.tensor(3, 4, 4)
+    g.node("pointwise", [scores, moved], [biased])
+    mixed, back = g.tensor(3, 4, 2), g.tensor(4, 3, 2)
+    g.node("matmul", [biased, g.tensor(4, 2)], [mixed])
+    g.node("permute", [mixed], [back], permutation=[1, 0, 2])
+    flat = g.tensor(4, 6)
+    g.node("view", [back], [flat], label="aten.view.default")
+    g.linear(flat, 6, 6, 1, out_shape=(4, 6), output=True)
+    doc = g.plan(3, sequence_parallel=False)
+    assert styles(doc) == ["replicate", "vocab", "column", "row"], [l["note"] for l in doc["layers"]]
+    assert [(e["module"], e["axis"], e["size"]) for e in doc["head_outputs"]] == [("embedding0", 2, 3)]
+    # The cut's backward gathers the table's gradient whole: one all-gather, no partial sum.
+    assert comm(doc, "backward").get("all_gather") == 1 and doc["partial_gradients"] == []
