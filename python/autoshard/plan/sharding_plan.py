@@ -226,6 +226,12 @@ class ShardingPlan:
                 local = {k: "/".join(str(region.local_value(v, r, self.world_size)) for r in range(self.world_size))
                          for k, v in region.attributes.items()}
                 lines.append(f"  {region.module}: local attributes {local}")
+        if self.head_entries:
+            lines.append(f"  bias over the heads cut to each rank's heads on entering "
+                         f"{_listed([e['module'] for e in self.head_entries])}")
+        if self.head_outputs:
+            lines.append(f"  output cut to each rank's heads as it leaves "
+                         f"{_listed([e['module'] for e in self.head_outputs])} (its gradient gathered back)")
         lines += self._sequence_lines()
         for bucket in self.partial_gradients:
             lines.append(f"  partial gradients summed over the ranks in backward (one all-reduce, "
