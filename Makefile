@@ -45,10 +45,10 @@ build: $(VENV)/.built
 test: build
 	$(PY) -m pytest -q tests
 
-# Trains a small GPT-2 on 2 tensor-parallel ranks (gloo on CPU, NCCL on GPUs): a few minutes.
+# Trains a small Llama on 2 tensor-parallel ranks (gloo on CPU, NCCL on GPUs): a few minutes.
 # DTYPE=bf16 trains in bfloat16 with fp32 master weights (the example reads DTYPE).
 demo: build
-	DTYPE=$(DTYPE) $(PY) -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_gpt.py
+	DTYPE=$(DTYPE) $(PY) -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_lm.py
 
 # The full conformance matrix: every architecture of tests/conformance at 2, 3 and 4 ranks
 # (make test runs its small part).

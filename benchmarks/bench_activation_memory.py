@@ -17,12 +17,16 @@ they hold.
     python benchmarks/bench_activation_memory.py [--hidden 1024 --layers 8 --heads 16
         --vocab 32000 --batch 2 --seq 512 --intermediate 2816 --repeats 2 --worlds 2 4]
 
-Saved bytes count each storage once (torch.autograd.graph.saved_tensors_hooks), parameters
-included where autograd saves them (a Linear saves its weight). Prints a table and writes
-benchmarks/results/bench_activation_memory_cpu.json.
+Saved bytes count each storage once (autoshard.SavedTensorCounter, over torch's
+saved_tensors_hooks), parameters included where autograd saves them (a Linear saves its
+weight). The step time is the median of --repeats steps after a first one; the parallel
+configurations are held together and timed in turns, so that the machine's load falls on each
+alike, and "step / tp" compares each with tensor parallelism alone. Prints a table and writes
+benchmarks/results/bench_activation_memory_cpu.json and .txt.
 """
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -36,7 +40,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging
 
 import autoshard
-from common import print_table, save_json
+from common import save_json, save_text, table_text
 
 logging.set_verbosity_error()
 
@@ -101,46 +105,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def measure(model, ids, labels, repeats: int, model_loss: bool = False):
-    """(bytes saved for backward, largest saved tensor's bytes, median step seconds); with
-    `model_loss` the loss is the model's own from labels (loss parallelism), else F.cross_entropy
-    of the whole logits."""
-    storages, largest = {}, [0]
-
-    def pack(t):
-        local = _local(t)
-        size = local.numel() * local.element_size()
-        try:
-            storage = local.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        except RuntimeError:  # a tensor without a storage of its own (a wrapper): its own bytes
-            storages[("tensor", id(local))] = size
-        largest[0] = max(largest[0], size)
-        return t
-
-    def loss_of_step():
+def _step(model, ids, labels, model_loss: bool, counter=None) -> None:
+    """One forward, loss and backward; with `model_loss` the loss is the model's own from labels
+    (loss parallelism), else F.cross_entropy of the whole logits."""
+    model.zero_grad(set_to_none=True)
+    with counter if counter is not None else contextlib.nullcontext():
         if model_loss:
-            return model(input_ids=ids, labels=labels).loss
-        logits = _local(model(ids).logits)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
-
-    def step(record: bool):
-        model.zero_grad(set_to_none=True)
-        if record:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = loss_of_step()
+            loss = model(input_ids=ids, labels=labels).loss
         else:
-            loss = loss_of_step()
-        loss.backward()
+            logits = _local(model(ids).logits)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+    loss.backward()
 
-    step(True)
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        step(False)
-        times.append(time.perf_counter() - start)
-    return sum(storages.values()), largest[0], statistics.median(times)
+
+def _timed_step(model, ids, labels, model_loss: bool) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    _step(model, ids, labels, model_loss)
+    return time.perf_counter() - start
+
+
+def _build_config(name, options, args, world):
+    model = build(args)
+    if options == "peer":
+        dtensor_sequence_parallel(model, world)
+    elif options is not None:
+        autoshard.parallelize(model, **options)
+    return model, isinstance(options, dict) and options.get("loss_parallel", False)
 
 
 def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
@@ -150,16 +141,29 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
     labels = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
-    results = {}
-    for name, options in list(CONFIGS.items()) + [(PEER, "peer")]:
-        model = build(args)
-        if options == "peer":
-            dtensor_sequence_parallel(model, world)
-        elif options is not None:
-            autoshard.parallelize(model, **options)
-        model_loss = isinstance(options, dict) and options.get("loss_parallel", False)
-        results[name] = measure(model, ids, labels, args.repeats, model_loss)
-        del model
+    configs = list(CONFIGS.items()) + [(PEER, "peer")]
+    # Bytes saved for backward (parameters included where autograd saves them), each storage once.
+    memory, models = {}, {}
+    for name, options in configs:
+        model, model_loss = _build_config(name, options, args, world)
+        counter = autoshard.SavedTensorCounter()
+        _step(model, ids, labels, model_loss, counter)
+        memory[name] = (counter.bytes, counter.largest)
+        if options is None:
+            # The unsharded model is timed on its own, then dropped: it is the largest by far.
+            unsharded_times = [_timed_step(model, ids, labels, False) for _ in range(args.repeats)]
+            del model
+        else:
+            models[name] = (model, model_loss)
+    # The parallel configurations are timed in turns, so that a change in the machine's load
+    # falls on all of them alike.
+    times = {name: [] for name in models}
+    for _ in range(args.repeats):
+        for name, (model, model_loss) in models.items():
+            times[name].append(_timed_step(model, ids, labels, model_loss))
+    times["unsharded"] = unsharded_times
+    results = {name: (*memory[name], statistics.median(times[name])) for name, _ in configs}
+    del models
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -200,14 +204,16 @@ def main() -> None:
                 row["saved / tp"] = row["saved MiB/rank"] / base["tp"]["saved MiB/rank"]
                 row["saved / dtensor"] = row["saved MiB/rank"] / base[PEER]["saved MiB/rank"]
                 row["step / dtensor"] = row["step s"] / base[PEER]["step s"]
+                row["step / tp"] = row["step s"] / base["tp"]["step s"]
     size = (f"hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}, "
             f"batch {args.batch}, seq {args.seq}, intermediate {args.intermediate}")
-    print(size)
-    print_table(rows, ["N", "config", "saved MiB/rank", "largest saved MiB", "step s", "saved / tp",
-                       "saved / dtensor", "step / dtensor"])
+    text = size + "\n" + table_text(rows, ["N", "config", "saved MiB/rank", "largest saved MiB", "step s", "saved / tp",
+                                            "saved / dtensor", "step / tp", "step / dtensor"])
+    print(text)
     for row in rows:
         row["size"] = size
-    print("saved", save_json("bench_activation_memory", torch.device("cpu"), rows))
+    print("saved", save_json("bench_activation_memory", torch.device("cpu"), rows),
+          save_text("bench_activation_memory", torch.device("cpu"), text))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """Planning time: autoshard.plan on Llama-7B, Llama-70B and Mixtral-8x7B configs built on the
 meta device (world size 8), against the time of the model's own forward on meta, its peer: the
 capture runs each kind of block once and records identical blocks again without running them.
+The models keep every default setting (fp32, the default attention and expert implementations);
+Mixtral's default grouped expert matmul has no fp32 meta kernel, so its peer forward runs in
+bf16 (peer_dtype). sharded_params is the fraction of the parameters in sharded layers.
 
     python benchmarks/bench_plan.py [--world-size 8] [--repeats 3]
 
@@ -32,11 +35,29 @@ CONFIGS = {
 
 def build(kind: str, overrides: dict):
     config = AutoConfig.for_model(kind, **overrides)
-    config._attn_implementation = "eager"
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    # bf16, as such models are trained (Mixtral's grouped expert matmul takes nothing else).
-    return model.to(torch.bfloat16)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def meta_forward(model, ids, repeats: int):
+    """(seconds, dtype) of the model's forward on meta: in its own dtype, else in bf16."""
+    try:
+        model(input_ids=ids)
+    except RuntimeError:
+        model = model.to(torch.bfloat16)
+    return best_of(lambda: model(input_ids=ids), repeats), str(next(model.parameters()).dtype).replace("torch.", "")
+
+
+def sharded_fraction(plan) -> float:
+    total = sum(_numel(record["shape"]) for record in plan.parameters.values())
+    return sum(_numel(plan.parameters[name]["shape"]) for name in plan.param_specs(0)) / total
+
+
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
 
 
 def best_of(fn, repeats: int) -> float:
@@ -57,16 +78,18 @@ def main() -> None:
     for name, (kind, overrides) in CONFIGS.items():
         model = build(kind, overrides)
         ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
-        forward = best_of(lambda: model(input_ids=ids), args.repeats)
+        forward, peer_dtype = meta_forward(model, ids, args.repeats)
         planning = best_of(lambda: autoshard.plan(model, world_size=args.world_size), args.repeats)
         p = autoshard.plan(model, world_size=args.world_size)
         styles = {}
         for layer in p.layers:
             styles[layer.style] = styles.get(layer.style, 0) + 1
         rows.append({"model": name, "world_size": args.world_size, "plan_s": planning, "meta_forward_s": forward,
-                     "ratio": planning / forward, "layers": len(p.layers),
+                     "peer_dtype": peer_dtype, "ratio": planning / forward, "layers": len(p.layers),
+                     "sharded_params": sharded_fraction(p), "held_rank0": p.held_fraction(0),
                      "styles": " ".join(f"{k}={v}" for k, v in sorted(styles.items()))})
-    print_table(rows, ["model", "world_size", "plan_s", "meta_forward_s", "ratio", "layers", "styles"])
+    print_table(rows, ["model", "world_size", "plan_s", "meta_forward_s", "peer_dtype", "ratio", "layers",
+                       "sharded_params", "held_rank0", "styles"])
     print(f"saved {save_json('bench_plan', torch.device('cpu'), rows)}")
 
 

@@ -33,13 +33,25 @@ def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int =
     return statistics.median(times)
 
 
-def print_table(rows: List[Dict[str, object]], columns: List[str]) -> None:
+def table_text(rows: List[Dict[str, object]], columns: List[str]) -> str:
     cells = [[_format(row.get(c)) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
-    print("  ".join("-" * w for w in widths))
-    for r in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def print_table(rows: List[Dict[str, object]], columns: List[str]) -> None:
+    print(table_text(rows, columns))
+
+
+def save_text(name: str, device: torch.device, text: str) -> str:
+    """The printed table beside the JSON, for reading without tools."""
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, f"{name}_{device.type}.txt")
+    with open(path, "w") as f:
+        f.write(text + "\n")
+    return path
 
 
 def _format(value) -> str:

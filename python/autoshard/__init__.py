@@ -5,6 +5,7 @@ from .clip import clip_grad_norm_
 from .comm import CommCounter
 from .distributed import init_distributed
 from .loss_parallel import gather_logits
+from .memory import SavedTensorCounter
 from .parallelize import parallelize
 from .plan import ShardingPlan, plan
 from .pretrained import load_pretrained
@@ -13,6 +14,7 @@ from .state import full_state_dict
 
 __all__ = [
     "CommCounter",
+    "SavedTensorCounter",
     "ShardingPlan",
     "array_split",
     "checkpoint",

@@ -19,6 +19,7 @@ from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, resolve, set_default_group
 from .nn.einsum import ShardedEinsumDense
 from .nn.embedding import VocabParallelEmbedding
+from .nn.experts import shard_experts
 from .nn import head_cuts, sequence
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .model_state import ParallelState, attach_layer_state, state_of
@@ -28,7 +29,7 @@ from .plan.capture import every_block_run, input_shapes, inputs_on_meta, meta_sh
 from .plan.inputs import ordinary_token
 from .plan.meta_values import KnownValues
 from .plan.layers import describe_layer
-from .plan.prediction import FoldedBlockMismatch, ShapeMismatch, check_model_trace
+from .plan.prediction import FoldedBlockMismatch, ShapeMismatch, check_model_trace, set_attribute
 
 
 class SharedInputCopy:
@@ -72,7 +73,7 @@ def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> N
             module = model.get_submodule(layer.module)
         except AttributeError:
             raise ValueError(f"parallelize: the plan names layer {layer.module!r}, which the model lacks") from None
-        weight = getattr(module, "weight", None)
+        weight = getattr(module, layer.weight.rpartition(".")[2] if layer.kind == "experts" else "weight", None)
         if not isinstance(weight, torch.Tensor) or list(weight.shape) != list(layer.weight_shape):
             got = None if weight is None else list(weight.shape)
             raise ValueError(f"parallelize: layer {layer.module!r} has weight shape {got}, "
@@ -141,7 +142,11 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
             if param is not None:
                 registrations.setdefault(id(param), []).append((owner, attr))
     replaced: Dict[int, nn.Parameter] = {}
+    experts: Dict[str, list] = {}
     for layer in plan.layers:
+        if layer.kind == "experts":
+            experts.setdefault(layer.module, []).append(layer)
+            continue
         if layer.style == "replicate":
             continue
         module = model.get_submodule(layer.module)
@@ -161,6 +166,8 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
         if layer.sequence == "reduce_scatter":
             sharded.output_tokens = tokens.reduce_scatter(layer)
         _set_submodule(model, layer.module, sharded)
+    for name, sides in experts.items():
+        _shard_experts(model, name, sides, group, rank, world, copies)
     for key, new in replaced.items():
         for owner, attr in registrations.get(key, []):
             if not hasattr(owner, "shard_specs"):
@@ -179,7 +186,22 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     for region in plan.regions.values():
         owner = model.get_submodule(region.module)
         for attr, value in region.attributes.items():
-            setattr(owner, attr, region.local_value(value, rank, world))
+            set_attribute(owner, attr, region.local_value(value, rank, world))
+
+
+def _shard_experts(model: nn.Module, name: str, sides, group: ProcessGroup, rank: int, world: int, copies) -> None:
+    """An experts module's two sides, a column and a row layer on the FFN axis (see
+    nn/experts.py), or both replicated."""
+    styles = tuple(layer.style for layer in sides)
+    if styles == ("replicate", "replicate"):
+        return
+    if styles != ("column", "row") or any(layer.sequence for layer in sides):
+        raise ValueError(f"parallelize: experts module {name!r} is planned as {styles}"
+                         f"{' with sequence parallelism' if any(l.sequence for l in sides) else ''}; its 3-D weights "
+                         "can only be split as a column side followed by a row side, or replicated")
+    column, row = sides
+    shard_experts(model.get_submodule(name), column.weight.rpartition(".")[2], column.weight_spec(rank, world),
+                  row.weight.rpartition(".")[2], row.weight_spec(rank, world), group, copies.get(column.copy_group))
 
 
 def _example_inputs(model: nn.Module, plan: ShardingPlan, example_inputs, values: KnownValues):

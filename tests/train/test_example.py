@@ -6,55 +6,85 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_lm.py"
 
 
-def test_train_gpt_learns_and_equals_the_unsharded_model(tmp_path):
+def _run(tmp_path, *options):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(EXAMPLE), "--steps", "20", "--seq-len", "32", "--batch-size", "4", "--save-every", "10",
-               "--out", str(tmp_path)]
+               str(EXAMPLE), "--seq-len", "32", "--batch-size", "4", "--out", str(tmp_path), *options]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-
+    assert result.returncode == 0, result.stdout + result.stderr
     assert "ShardingPlan for 2 ranks" in result.stdout
-    # GPT-2's 5 heads over 2 ranks: 3 and 2 heads of 48 in each of q, k and v.
-    assert re.search(r"transformer\.h\.0\.attn\.c_attn\s+column\s+5\s+432/288 of 720", result.stdout), result.stdout
+    return result.stdout
+
+
+def _collectives(stdout):
+    line = re.search(r"collectives per step: (.*)", stdout)
+    assert line, stdout
+    return {kind: int(n) for kind, n in re.findall(r"'(\w+)': (\d+)", line.group(1).split("(planned")[0])}
+
+
+def test_train_llama_learns_and_equals_the_unsharded_model(tmp_path):
+    stdout = _run(tmp_path, "--steps", "20", "--save-every", "10")
+    # 5 heads over 2 ranks: 3 and 2 heads of 48.
+    assert re.search(r"model\.layers\.0\.self_attn\.q_proj\s+column\s+5\s+144/96 of 240", stdout), stdout
+    assert "sequence parallel (tokens split over the ranks)" in stdout
+    assert "loss parallelism on: with labels, 'lm_head' keeps its vocabulary shard" in stdout
 
     memory = re.search(r"parameters: ([\d.]+) MiB unsharded; rank 0 holds ([\d.]+) MiB .*rank 1 holds ([\d.]+) MiB",
-                       result.stdout)
-    assert memory, result.stdout
+                       stdout)
+    assert memory, stdout
     full, rank0, rank1 = map(float, memory.groups())
     assert rank0 < full and rank1 < full and rank0 + rank1 > full  # small layers stay replicated
 
-    loss = re.search(r"loss: ([\d.]+) -> ([\d.]+)", result.stdout)
-    assert loss, result.stdout
+    loss = re.search(r"loss: ([\d.]+) -> ([\d.]+)", stdout)
+    assert loss, stdout
     first, last = map(float, loss.groups())
     assert 5.0 < first < 6.0  # about ln 256: random weights guess bytes uniformly
     assert last < first - 0.5
 
-    line = re.search(r"collectives per step: (.*)", result.stdout)
-    assert line, result.stdout
-    counts = {kind: int(n) for kind, n in re.findall(r"'(\w+)': (\d+)", line.group(1).split("(planned")[0])}
-    # Megatron's minimum: one all-reduce per attention and per MLP in forward and in backward over 4
-    # blocks, plus the vocab-parallel lookup's and the head's input gradient. Loss parallelism keeps
-    # the logits sharded: no gather, three all-reduces of one value per token in the loss. Clipping
-    # adds one all-reduce of the shards' squared norms.
-    assert "all_gather" not in counts, line.group(0)
-    assert counts.get("all_reduce") == 18 + 3 + 1, line.group(0)
+    # Megatron's minimum with sequence parallelism, over 4 blocks: each attention and each MLP
+    # gathers its tokens and reduce-scatters its output in forward, and the reverse in backward;
+    # the head gathers its tokens (and reduce-scatters their gradient). The vocab-parallel lookup
+    # sums its shards once before the tokens are cut, the norms' partial gradients are summed in
+    # one bucket, the loss over vocabulary shards takes three all-reduces of a few values per token
+    # (no gather of the logits), and clipping one all-reduce of the shards' squared norms.
+    assert _collectives(stdout) == {"all_gather": 2 * 4 * 2 + 1 + 1, "reduce_scatter": 2 * 4 * 2 + 1,
+                                    "all_reduce": 1 + 1 + 3 + 1}, stdout
+
+    saved = re.search(r"activations saved for backward per step: ([\d.]+) MiB unsharded \(largest tensor ([\d.]+) "
+                      r"MiB\); rank 0 holds ([\d.]+) MiB \(\d+%; largest tensor ([\d.]+) MiB\), rank 1 holds ([\d.]+) "
+                      r"MiB \(\d+%; largest tensor ([\d.]+) MiB\)", stdout)
+    assert saved, stdout
+    unsharded, unsharded_largest, rank0, largest0, rank1, largest1 = map(float, saved.groups())
+    # Every sharded activation and half the tokens between the blocks: well under the whole.
+    assert rank0 < 0.7 * unsharded and rank1 < 0.7 * unsharded, saved.group(0)
+    assert largest0 < unsharded_largest and largest1 < unsharded_largest, saved.group(0)
 
     # Saved asynchronously at steps 10 and 20, both kept; the last one consolidated for transformers.
-    assert re.search(r"checkpoints: step-10, step-20 kept in ", result.stdout), result.stdout
+    assert re.search(r"checkpoints: step-10, step-20 kept in ", stdout), stdout
     assert (tmp_path / "checkpoints" / "step-20" / "COMMITTED").exists()
-    assert "consolidated step-20 into" in result.stdout and (tmp_path / "hf" / "model.safetensors").exists()
+    assert "consolidated step-20 into" in stdout and (tmp_path / "hf" / "model.safetensors").exists()
 
-    difference = re.search(r"max abs difference ([\d.e+-]+)", result.stdout)
-    assert difference, result.stdout
+    difference = re.search(r"max abs difference ([\d.e+-]+)", stdout)
+    assert difference, stdout
     assert float(difference.group(1)) < 1e-4
 
-    curve = re.search(r"loss curve: (\S+)", result.stdout)
-    assert curve, result.stdout
+    curve = re.search(r"loss curve: (\S+)", stdout)
+    assert curve, stdout
     png = Path(curve.group(1))
     assert png.parent == tmp_path
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_gpt2_keeps_its_tokens_whole_and_says_why(tmp_path):
+    stdout = _run(tmp_path, "--model", "gpt2", "--steps", "4", "--save-every", "4")
+    # GPT-2's fused c_attn: 3 and 2 heads of 48 in each of q, k and v.
+    assert re.search(r"transformer\.h\.0\.attn\.c_attn\s+column\s+5\s+432/288 of 720", stdout), stdout
+    assert "sequence parallelism refused" in stdout
+    # One all-reduce per attention and per MLP in forward and in backward over 4 blocks, the
+    # lookup's and the head's input gradient, the loss's three and clipping's one.
+    assert _collectives(stdout) == {"all_reduce": 18 + 3 + 1}, stdout
+    difference = re.search(r"max abs difference ([\d.e+-]+)", stdout)
+    assert difference and float(difference.group(1)) < 1e-4, stdout

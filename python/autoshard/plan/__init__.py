@@ -48,7 +48,7 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
         info = graph.layers[record["node"]]
         if info.kind == "linear":
             shape = [info.in_features, info.out_features] if info.transposed else [info.out_features, info.in_features]
-        elif info.kind == "einsum":
+        elif info.kind in ("einsum", "experts"):
             shape = list(info.weight_shape)
         else:
             shape = [info.num_embeddings, info.embedding_dim]
@@ -66,6 +66,7 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
         layers[-1]._whole_units = record["whole_units"]
     comm = [{"phase": c["phase"], "kind": c["kind"], "count": c["count"], "bytes": c["elements"] * element_size}
             for c in data["comm"]]
+    _add_routing_gradients(comm, data, graph, element_size)
     partial = [{"params": [names[i] for i in bucket["params"]], "bytes": bucket["elements"] * element_size}
                for bucket in data["partial_gradients"]]
     region_plans = {}
@@ -93,6 +94,35 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                                     data.get("head_entries", []))
     result._prediction.plan = result
     return result
+
+
+def _add_routing_gradients(comm, data, graph: CapturedGraph, element_size: int) -> None:
+    """A sharded experts module's routing weights meet every rank's partial expert outputs in
+    the combine: their gradient is partial, summed over the ranks in backward (one all-reduce
+    per floating-point routing input). The planner does not follow the routing; counted here."""
+    split = {record["node"] for record in data["layers"] if record["style"] != "replicate"}
+    elements = []
+    for node in graph.layer_calls:
+        inner_linear = node - 1  # the experts' "out" node comes right before its combine
+        if inner_linear not in split or graph.layers[inner_linear].side != "out":
+            continue
+        _, inputs, _ = graph.nodes[node]
+        floating = graph.document["nodes"][node]["routing_floating"]
+        elements += [graph.shapes[t] for t, f in zip(inputs[1:], floating) if f]
+    if not elements:
+        return
+    count = 0
+    for shape in elements:
+        count_elements = 1
+        for s in shape:
+            count_elements *= s
+        count += count_elements
+    for c in comm:
+        if c["phase"] == "backward" and c["kind"] == "all_reduce":
+            c["count"] += len(elements)
+            c["bytes"] += count * element_size
+            return
+    comm.append({"phase": "backward", "kind": "all_reduce", "count": len(elements), "bytes": count * element_size})
 
 
 def _attention_copies(region_plans: Dict[int, RegionPlan], layers, graph: CapturedGraph) -> None:

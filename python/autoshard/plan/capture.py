@@ -52,6 +52,14 @@ _REDUCE_DIMS = {
 _NORMS = {aten.native_layer_norm, aten.layer_norm}
 _SPLITS = {aten.split, aten.split_with_sizes, aten.unsafe_split, aten.chunk, aten.unsafe_split_with_sizes}
 _ATTENTION_PREFIX = "_scaled_dot_product"
+# What an experts module may do with its 3-D weights: take experts and views of them, and
+# multiply them by activations (per expert, batched or grouped).
+_EXPERT_WEIGHT_VIEWS = {
+    aten.select, aten.index, aten.index_select, aten.transpose, aten.t, aten.permute, aten.view, aten._unsafe_view,
+    aten.reshape, aten.unsqueeze, aten.squeeze, aten.slice, aten.expand, aten.alias, aten.detach, aten._to_copy,
+    aten.clone, aten.contiguous, aten.unbind, aten.lift_fresh,
+}
+_EXPERT_WEIGHT_PRODUCTS = {aten.mm, aten.bmm, aten._grouped_mm, aten.addmm, aten.baddbmm, aten.matmul, aten.linear}
 _COPIES = {
     aten.clone, aten._to_copy, aten.detach, aten.copy_, aten.native_dropout, aten.dropout, aten.contiguous,
     aten.where, aten.masked_fill, aten.type_as, aten.to,
@@ -79,6 +87,8 @@ class CapturedGraph:
     # The example inputs (args, kwargs) with their values on the CPU (None where too large to keep).
     input_values: Optional[Tuple[tuple, dict]] = None
     folded: Dict[str, str] = field(default_factory=dict)  # block recorded without running -> the block it copies
+    inner_nodes: set = field(default_factory=set)  # nodes inside a layer, which no trace sees
+    layer_calls: set = field(default_factory=set)  # nodes a trace sees as a layer's call
 
 
 def _narrows(x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -105,6 +115,12 @@ class _Recorder(TorchDispatchMode):
         # What was recorded, in order: ("tensor", id) and ("node", kind, label, inputs, outputs,
         # fields), so that a call of a block can be recorded again for an identical block.
         self.log: List[tuple] = []
+        # Nodes a layer stands for without a traced op of their own (an experts module's inner
+        # nodes), and nodes a trace sees as one layer call (its combining node); see Prediction.
+        self.inner_nodes = set()
+        self.layer_calls = set()
+        # Within an experts module's call: (id -> its weights and their views, ops refused).
+        self.experts_reads = None
 
     def tensor_id(self, t: torch.Tensor) -> int:
         key = id(t)
@@ -129,14 +145,48 @@ class _Recorder(TorchDispatchMode):
         return self.tensor_id(stand_in)
 
     def node(self, kind: str, label: str, inputs: Sequence[int], outputs: Sequence[int],
-             fields: Optional[Dict[str, Any]] = None) -> int:
+             fields: Optional[Dict[str, Any]] = None, traced: str = "") -> int:
+        """traced: "" for an op a trace sees, "inner" for a node inside a layer, "call" for the
+        node a trace sees as the layer's call."""
         fields = dict(fields or {})
         self.node_records.append({"kind": kind, "label": label, "inputs": list(inputs), "outputs": list(outputs),
                                   **fields})
         self.nodes.append((label, tuple(inputs), tuple(outputs)))
-        self.log.append(("node", kind, label, tuple(inputs), tuple(outputs), fields))
+        self.log.append(("node", kind, label, tuple(inputs), tuple(outputs), fields, traced))
+        if traced == "inner":
+            self.inner_nodes.add(self.node_count)
+        elif traced == "call":
+            self.layer_calls.add(self.node_count)
         self.node_count += 1
         return self.node_count - 1
+
+    def experts_nodes(self, info: LayerInfo, output: torch.Tensor, layers: Dict[int, LayerInfo]) -> None:
+        """An experts module's call as the planner reads it: every token through one gated MLP
+        of Linear-like nodes on the FFN axis ("in", the gate/up split and product, "out"), whose
+        output a routing-weighted combine (opaque: the routing is not followed) turns into the
+        module's output. What the ranks compute per expert is exactly this MLP on the FFN
+        slice each holds, so its splits are the MLP's."""
+        x = info.input
+        tokens = tuple(x.shape[:-1])
+        in_side, out_side = info.experts_side("in"), info.experts_side("out")
+        fused = self.declare(tokens + (in_side.out_features,))
+        node = self.node("linear", info.name, [self.tensor_id(x)], [fused], in_side.planner_fields(x, output), "inner")
+        layers[node] = in_side.record_call(x, output)
+        hidden = fused
+        if info.parts == 2:
+            gate, up = self.declare(tokens + (out_side.in_features,)), self.declare(tokens + (out_side.in_features,))
+            self.node("split", info.name + ".gate_up", [fused], [gate, up], {"dim": len(tokens)}, "inner")
+            hidden = self.declare(tokens + (out_side.in_features,))
+            self.node("pointwise", info.name + ".gate", [gate, up], [hidden], None, "inner")
+        else:
+            hidden = self.declare(tokens + (out_side.in_features,))
+            self.node("pointwise", info.name + ".act", [fused], [hidden], None, "inner")
+        down = self.declare(tokens + (out_side.out_features,))
+        node = self.node("linear", info.name, [hidden], [down], out_side.planner_fields(x, output), "inner")
+        layers[node] = out_side.record_call(x, output)
+        routing = [t for t in info.inputs[1:] if isinstance(t, torch.Tensor)]
+        self.node("opaque", info.name + ".combine", [down] + [self.tensor_id(t) for t in routing],
+                  [self.tensor_id(output)], {"routing_floating": [t.is_floating_point() for t in routing]}, "call")
 
     def document(self, outputs: Sequence[int] = ()) -> Dict[str, Any]:
         """The planner's graph document, version 1 (csrc/plan/graph.h)."""
@@ -150,7 +200,25 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.layer_depth == 0:
             self.record(func, args, kwargs, out)
+        elif self.experts_reads is not None:
+            self.follow_expert_weights(func, args, kwargs, out)
         return out
+
+    def follow_expert_weights(self, func, args, kwargs, out) -> None:
+        """Inside an experts module's call: its weights (and the views and experts taken of them)
+        may only be multiplied by activations. Anything else (a norm over a weight's FFN axis)
+        would compute otherwise than split experts: the module is then kept whole."""
+        tracked, refusals = self.experts_reads
+        read = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and id(t) in tracked]
+        if not read:
+            return
+        packet = func.overloadpacket
+        if packet in _EXPERT_WEIGHT_VIEWS:
+            for o in tree_flatten(out)[0]:
+                if isinstance(o, torch.Tensor):
+                    tracked[id(o)] = o
+        elif packet not in _EXPERT_WEIGHT_PRODUCTS:
+            refusals.append(str(func))
 
     def record(self, func, args, kwargs, out) -> None:
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
@@ -336,15 +404,32 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
         def pre(mod, inputs, info=info):
             if recorder.layer_depth == 0:
                 info.input = inputs[0] if inputs else None
+                info.inputs = tuple(inputs)
+                if info.kind == "experts":
+                    recorder.experts_reads = ({id(p): p for p in mod._parameters.values() if p is not None}, [])
             recorder.layer_depth += 1
 
         def post(mod, inputs, output, info=info):
             recorder.layer_depth -= 1
-            if recorder.layer_depth == 0 and isinstance(info.input, torch.Tensor) and isinstance(output, torch.Tensor):
+            if info.kind == "experts" and recorder.layer_depth == 0:
+                refusals = recorder.experts_reads[1]
+                recorder.experts_reads = None
+                if (not refusals and isinstance(info.input, torch.Tensor) and isinstance(output, torch.Tensor)
+                        and output.shape == info.input.shape):
+                    recorder.experts_nodes(info, output, layers)
+                else:
+                    # Its weights used otherwise than multiplied by its inputs (a norm over the
+                    # FFN axis), or a call of another form: one opaque call, its weights whole.
+                    received = [t for t in tree_flatten(info.inputs)[0] if isinstance(t, torch.Tensor)]
+                    made = [o for o in tree_flatten(output)[0] if isinstance(o, torch.Tensor)]
+                    recorder.node("opaque", info.name or "<model>", [recorder.tensor_id(t) for t in received],
+                                  [recorder.tensor_id(o) for o in made], {"routing_floating": []}, "call")
+            elif recorder.layer_depth == 0 and isinstance(info.input, torch.Tensor) and isinstance(output, torch.Tensor):
                 node = recorder.node(info.kind, info.name or "<model>", [recorder.tensor_id(info.input)],
                                      [recorder.tensor_id(output)], info.planner_fields(info.input, output))
                 layers[node] = info.record_call(info.input, output)
             info.input = None
+            info.inputs = ()
 
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
@@ -392,6 +477,8 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
         values=values,
         input_values=input_values,
         folded={name: folder.folds[name] for name in folder.folded},
+        inner_nodes=recorder.inner_nodes,
+        layer_calls=recorder.layer_calls,
     )
 
 

@@ -205,17 +205,22 @@ class BlockFolder:
                 if entry[1] not in ids:  # made inside the block
                     ids[entry[1]] = recorder.declare(recorder.shapes[entry[1]])
                 continue
-            _, kind, label, inputs, outputs, fields = entry
+            _, kind, label, inputs, outputs, fields, traced = entry
             index = recorder.node_count - node_offset
             info = self.layers.get(index)
             if info is not None:
                 rel = info.name[len(prefix_before):]
                 module = block.get_submodule(rel)
                 now = describe_layer(prefix_now + rel, module, self.param_index)
+                if info.side:
+                    now = now.experts_side(info.side)
                 now.input_shape, now.output_shape = info.input_shape, info.output_shape
                 label = now.name
                 fields = {k: params.get(v, v) if k in ("weight_param", "bias_param") else v for k, v in fields.items()}
-            node = recorder.node(kind, label, [ids.get(t, t) for t in inputs], [ids.get(t, t) for t in outputs], fields)
+            if info is None and traced:
+                label = prefix_now + label[len(prefix_before):] if label.startswith(prefix_before) else label
+            node = recorder.node(kind, label, [ids.get(t, t) for t in inputs], [ids.get(t, t) for t in outputs], fields,
+                                 traced)
             if info is not None:
                 self.layers[node] = now
         for module_name, (first, end) in list(self.module_nodes.items()):

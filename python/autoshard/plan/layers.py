@@ -34,10 +34,30 @@ class LayerInfo:
     input_shape: Optional[tuple] = None
     output_shape: Optional[tuple] = None
     input: Optional[torch.Tensor] = field(default=None, repr=False)
+    # Experts (kind "experts"): the module holds E experts' weights as two 3-D parameters,
+    # [E, parts * ffn, hidden] read first and [E, hidden, ffn] read second; each is recorded as
+    # one Linear-like node on the FFN axis ("in": hidden -> parts * ffn, "out": ffn -> hidden).
+    side: str = ""
+    experts_params: tuple = ()  # (in parameter index, out parameter index)
+    parts: int = 1
+    inputs: tuple = field(default=(), repr=False)  # the whole call's positional inputs
+
+    def planner_kind(self) -> str:
+        return "linear" if self.kind == "experts" else self.kind
+
+    def experts_side(self, side: str) -> "LayerInfo":
+        """The "in" or "out" layer node of an experts module."""
+        experts, features_in, hidden = self.weight_shape
+        ffn = features_in // self.parts
+        in_side = side == "in"
+        return LayerInfo(self.name, "experts", hidden if in_side else ffn, features_in if in_side else hidden,
+                         weight_param=self.experts_params[0 if in_side else 1],
+                         weight_shape=(experts, features_in, hidden) if in_side else (experts, hidden, ffn),
+                         side=side, experts_params=self.experts_params, parts=self.parts)
 
     def planner_fields(self, inputs: torch.Tensor, output: torch.Tensor) -> Dict[str, object]:
         """The fields of this layer's node in the planner's graph document (csrc/plan/graph.h)."""
-        if self.kind == "linear":
+        if self.kind in ("linear", "experts"):
             return {"in_features": self.in_features, "out_features": self.out_features,
                     "weight_param": self.weight_param, "bias_param": self.bias_param}
         if self.kind == "einsum":
@@ -73,7 +93,37 @@ def describe_layer(name: str, module: nn.Module, param_index: Dict[int, int]) ->
     if isinstance(module, nn.Embedding):
         return LayerInfo(name, "embedding", weight_param=index(module.weight),
                          num_embeddings=module.num_embeddings, embedding_dim=module.embedding_dim)
+    experts = experts_weights(module)
+    if experts is not None:
+        first, second, parts = experts
+        info = LayerInfo(name, "experts", weight_shape=tuple(getattr(module, first).shape), parts=parts,
+                         experts_params=(index(getattr(module, first)), index(getattr(module, second))))
+        info.weight_param = info.experts_params[0]
+        return info
     return None
+
+
+def experts_weights(module: nn.Module) -> Optional[tuple]:
+    """(in weight name, out weight name, parts) of a module holding mixture-of-experts weights as
+    3-D parameters, or None: exactly two parameters, [E, parts * F, H] then [E, H, F] (each
+    expert a gated or plain MLP whose input and output have H features), gated ones holding the
+    gate and up projections one after the other on the FFN axis (parts = 2)."""
+    params = [(name, p) for name, p in module._parameters.items() if p is not None]
+    if len(params) != 2 or any(p.dim() != 3 for _, p in params):
+        return None
+    if getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True) \
+            or getattr(module, "has_bias", False):
+        return None
+    (first, a), (second, b) = params
+    experts, features_in, hidden = a.shape
+    if b.shape[0] != experts or b.shape[1] != hidden or b.shape[2] == 0:
+        return None
+    ffn = b.shape[2]
+    parts = features_in // ffn if features_in % ffn == 0 else 0
+    has_gate = getattr(module, "has_gate", parts == 2)
+    if parts != (2 if has_gate else 1):
+        return None
+    return first, second, parts
 
 
 def einsum_letters(equation: str, input_ndim: int, output_ndim: int) -> List[Dict[str, object]]:

@@ -7,8 +7,9 @@ small CPU twin holding their values, and answers an op that meta cannot compute 
 twins, exactly as the real forward would on the same inputs. Nothing else changes: every op
 that meta computes runs on meta as before, and a twin is only consulted when meta fails, so a
 model that ran on meta without it traces the same ops. A value computed from weights or
-buffers (which meta does not hold, e.g. mixture-of-experts routing) stays unknown, and reading
-it fails with an error that says so.
+buffers (which meta does not hold) stays unknown, and reading it fails with an error that says
+so, with one exception: `nonzero` of such a value (mixture-of-experts routing, which tokens
+reach an expert) answers as if every element were nonzero, so that every expert is followed.
 """
 
 from typing import Dict, Optional, Tuple
@@ -117,6 +118,9 @@ class KnownValues(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as error:  # what meta cannot compute
+            fake = _fake_result(func, args, kwargs)
+            if fake is not None:
+                return fake
             return self._answer(func, args, kwargs, error)
         self._follow(func, args, kwargs, out)
         return out
@@ -180,6 +184,10 @@ class KnownValues(TorchDispatchMode):
 
     def _answer(self, func, args, kwargs, error: Exception):
         replaced = self._twin_arguments(args, kwargs)
+        if replaced is None and func.overloadpacket is torch.ops.aten.nonzero and _is_meta(args[0]):
+            # Routing: which tokens an expert receives depends on the router's weights. Every
+            # token is assumed to reach every expert, so that the capture follows each expert.
+            replaced = (torch.ones(args[0].shape, dtype=torch.bool),), {}
         if replaced is None:
             unknown = [tuple(a.shape) for a in tree_flatten((args, kwargs))[0]
                        if _is_meta(a) and self.twin(a) is None]
@@ -245,6 +253,30 @@ def _twins(values: KnownValues, tree):
             value = torch.device("cpu")
         replaced.append(value)
     return tree_unflatten(replaced, spec)
+
+
+def _fake_result(func, args, kwargs) -> Optional[torch.Tensor]:
+    """The meta result of an op whose meta kernel refuses the arguments' dtype or strides
+    (torch's grouped matmul takes only bf16 with 16-byte strides there, while its CPU kernel
+    takes fp32): a tensor of the shape the op gives, or None for any other op."""
+    if func.overloadpacket is not torch.ops.aten._grouped_mm:
+        return None
+    a, b = args[0], args[1]
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    if not (_is_meta(a) and _is_meta(b)):
+        return None
+    dtype = kwargs.get("out_dtype") or a.dtype
+    if a.dim() == 2 and b.dim() == 3:
+        shape = (a.shape[0], b.shape[-1])
+    elif a.dim() == 3 and b.dim() == 2:
+        shape = (a.shape[0] if offs is None else offs.shape[0], a.shape[1], b.shape[-1])
+    elif a.dim() == 3 and b.dim() == 3:
+        shape = (a.shape[0], a.shape[1], b.shape[-1])
+    elif a.dim() == 2 and b.dim() == 2 and offs is not None:
+        shape = (offs.shape[0], a.shape[0], b.shape[-1])
+    else:
+        return None
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def _reads_values(error: Exception) -> bool:

@@ -135,8 +135,10 @@ class Prediction:
                 for op, shape in cut_steps(self.graph.shapes[entry["tensor"]], entry, units, rank,
                                            self.plan.world_size):
                     rows.append((op, [shape], None))
+            if index in self.graph.inner_nodes:
+                continue  # inside a layer whose call the trace sees as one node
             label, inputs, outputs = self.graph.nodes[index]
-            layer = index in self.graph.layers
+            layer = index in self.graph.layers or index in self.graph.layer_calls
             shapes = [shape_of(t) for t in outputs]
             rows.append(("layer" if layer else label, shapes, None if layer else self._skippable(index, end, shape_of)))
         start_of[end] = len(rows)
@@ -222,7 +224,7 @@ class _LocalModule:
             if region.module.startswith(prefix) and region.module != module_name and region.attributes:
                 owner = self.module.get_submodule(region.module[len(prefix):])
                 for attr, value in region.attributes.items():
-                    setattr(owner, attr, region.local_value(value, rank, world))
+                    set_attribute(owner, attr, region.local_value(value, rank, world))
         # Embeddings whose output the plan cuts to this rank's heads: cut here too, to its shape.
         for entry in plan.head_outputs:
             if entry["module"].startswith(prefix):
@@ -254,7 +256,7 @@ class _LocalModule:
 
     def trace(self, args, kwargs, attributes: Dict[str, int]):
         for attr, value in attributes.items():
-            setattr(self.module, attr, value)
+            set_attribute(self.module, attr, value)
         return trace_shapes(self.module, args, kwargs, lambda m: describe_layer("", m, {}) is not None, self.values)
 
 
@@ -271,13 +273,37 @@ def _representative_ranks(plan, region) -> List[int]:
     return ranks
 
 
-def _candidates(module: nn.Module, region, values, world_size: int) -> Dict[str, Dict[int, int]]:
+def set_attribute(module: nn.Module, dotted: str, value) -> None:
+    """Sets `dotted` ("num_heads", or "self.all_head_size" on a submodule) on `module`."""
+    owner, _, attr = dotted.rpartition(".")
+    setattr(module.get_submodule(owner) if owner else module, attr, value)
+
+
+def _integer_attributes(module: nn.Module, module_name: str, plan, values):
+    """(dotted name, value) of the integer attributes holding one of `values`: the module's own,
+    then those of its submodules that no nested region or planned layer owns (RemBERT keeps
+    `all_head_size` on the attention's `self` while the region is the attention)."""
+    prefix = module_name + "." if module_name else ""
+    owned = [r.module[len(prefix):] for r in plan.regions.values()
+             if r.module.startswith(prefix) and r.module != module_name]
+    owned += [l.module[len(prefix):] for l in plan.layers if l.module.startswith(prefix)]
+    found = []
+    for sub_name, sub in module.named_modules():
+        if sub_name and any(sub_name == o or sub_name.startswith(o + ".") for o in owned):
+            continue
+        for attr, value in vars(sub).items():
+            if type(value) is int and value in values:
+                found.append((f"{sub_name}.{attr}" if sub_name else attr, value))
+    return found
+
+
+def _candidates(module: nn.Module, module_name: str, plan, region, values) -> Dict[str, Dict[int, int]]:
     """Integer attributes holding one of `values`, with their local value per rank."""
     found = {}
-    for attr, value in vars(module).items():
-        if type(value) is not int or value not in values or value <= 1:
+    for attr, value in _integer_attributes(module, module_name, plan, values):
+        if value <= 1:
             continue
-        local = {r: region.local_value(value, r, world_size) for r in range(world_size)}
+        local = {r: region.local_value(value, r, plan.world_size) for r in range(plan.world_size)}
         if any(v != value for v in local.values()):
             found[attr] = local
     return found
@@ -290,7 +316,7 @@ def _cache_key(plan, prediction: Prediction, module_name: str, module: nn.Module
     wrong reuse would still be caught by parallelize's shape check."""
     args, kwargs = prediction.graph.module_inputs[module_name]
     shapes = lambda v: [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in torch.utils._pytree.tree_flatten(v)[0]]
-    attrs = tuple(sorted((k, v) for k, v in vars(module).items() if type(v) is int and v in values))
+    attrs = tuple(sorted(_integer_attributes(module, module_name, plan, values)))
     params = tuple((k, tuple(p.shape)) for k, p in module.named_parameters())
     prefix = module_name + "." if module_name else ""
     nested = tuple(sorted((r.module[len(prefix):], tuple(sorted(r.attributes.items()))) for r in plan.regions.values()
@@ -364,7 +390,7 @@ def _same_region(members: Dict[str, list], a, b) -> bool:
 
 def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, int]:
     args, kwargs = prediction.graph.module_inputs[name]
-    candidates = _candidates(module, region, values, plan.world_size)
+    candidates = _candidates(module, name, plan, region, values)
     chosen: Dict[str, int] = {}
 
     def attempt(rank: int, attrs: Dict[str, int]):
@@ -405,7 +431,7 @@ def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, 
             where = f"op {index} of its call"
             raise ShapeMismatch(f"plan: on rank {r} of {plan.world_size}, module {name!r} does not compute the shapes "
                                 f"the plan predicts ({where}: {why}); local attributes tried: {sorted(chosen)}")
-    return {attr: getattr(module, attr) for attr in chosen}
+    return {attr: dict(_integer_attributes(module, name, plan, values))[attr] for attr in chosen}
 
 
 def _cut_heads(plan, prediction: Prediction, name: str, args, kwargs, rank: int):
@@ -437,6 +463,8 @@ def _fallback(graph, name, module, candidates) -> Dict[str, int]:
     baseline = trace_text(module, args, kwargs, graph.values)
     found = {}
     for attr, local in candidates.items():
+        if "." in attr:
+            continue  # the module's own attributes only, as this rule always took
         value = getattr(module, attr)
         setattr(module, attr, next(v for v in local.values() if v != value))
         try:

@@ -10,6 +10,9 @@ from ..nn.spec import ShardSpec
 from ..split import split_sizes
 
 OVERRIDE_STYLES = ("replicate", "column_gather")
+# vocab_parallel_cross_entropy's forward: the rows' maxima, their sums of exponentials and their
+# target logits (csrc/loss/cross_entropy_common.cpp).
+LOSS_PARALLEL_ALL_REDUCES = 3
 
 
 @dataclass
@@ -48,6 +51,8 @@ class LayerPlan:
         """The weight dimension this layer splits, or None."""
         if self.kind == "einsum":
             return None if self.style == "replicate" else ops.einsum_weight_axes(self.equation)[0].index(self.letter)
+        if self.kind == "experts":  # [E, out, in]: the FFN axis is out for the column side, in for the row side
+            return {"column": 1, "row": 2}.get(self.style)
         if self.style in ("column", "column_gather", "vocab"):
             return 1 if self.transposed else 0
         if self.style == "row":
@@ -129,6 +134,9 @@ class ShardingPlan:
     # relative position bias, whose embedding dim is the heads): {"module", "axis", "outer",
     # "size", "region"}; their gradient is gathered back whole in backward.
     head_outputs: List[Dict[str, object]] = field(default_factory=list)
+    # The output head whose loss parallelize computes over vocabulary shards when the model is
+    # called with labels ("" when it does not): that call keeps the head's logits sharded.
+    loss_parallel_head: str = ""
 
     # ---- queries
 
@@ -148,8 +156,17 @@ class ShardingPlan:
                     specs[name] = spec
         return specs
 
-    def collectives(self, phase: str) -> Dict[str, int]:
-        return {c["kind"]: c["count"] for c in self.comm if c["phase"] == phase}
+    def collectives(self, phase: str, labels: bool = False) -> Dict[str, int]:
+        """Collectives per step in `phase` ("forward" or "backward"). With `labels`, those of a call
+        with labels: where loss parallelism is on, the head's gather of its logits gives way to the
+        loss's three all-reduces of a few values per token (its backward needs none)."""
+        counts = {c["kind"]: c["count"] for c in self.comm if c["phase"] == phase}
+        if labels and self.loss_parallel_head and phase == "forward":
+            counts["all_gather"] -= 1
+            if not counts["all_gather"]:
+                del counts["all_gather"]
+            counts["all_reduce"] = counts.get("all_reduce", 0) + LOSS_PARALLEL_ALL_REDUCES
+        return counts
 
     def parameter_bytes(self, rank: int, element_size: int = 4) -> Dict[str, int]:
         """Bytes of the planned layers' parameters: all of them, and the part `rank` holds."""
@@ -238,8 +255,12 @@ class ShardingPlan:
                          f"{bucket['bytes'] / 2**20:.3f} MiB): {', '.join(bucket['params'])}")
         shape = self.example.get("description", "the example inputs")
         lines.append(f"collectives per step on {shape}:")
-        for c in self.comm:
+        for c in sorted(self.comm, key=lambda c: c["phase"] != "forward"):
             lines.append(f"  {c['phase']:<8} {c['kind']:<10} x{c['count']:<4} {c['bytes'] / 2**20:.3f} MiB")
+        if self.loss_parallel_head:
+            lines.append(f"  called with labels (loss parallelism): {self.loss_parallel_head}'s all_gather of the logits "
+                         f"gives way to all_reduce x{LOSS_PARALLEL_ALL_REDUCES} of a few values per token, so forward "
+                         f"is {self.collectives('forward', labels=True)}")
         b = self.parameter_bytes(0)
         lines.append(f"parameters of planned layers: {b['full'] / 2**20:.2f} MiB unsharded, "
                      f"{b['local'] / 2**20:.2f} MiB on rank 0 (fp32)")
@@ -294,4 +315,5 @@ class ShardingPlan:
             sequence_gathers=data.get("sequence_gathers", []),
             head_entries=data.get("head_entries", []),
             head_outputs=data.get("head_outputs", []),
+            loss_parallel_head=data.get("loss_parallel_head", ""),
         )

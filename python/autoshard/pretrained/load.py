@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint import Target, model_targets
-from ..tensor_io import SafetensorsReader
+from ..tensor_io import SafetensorsReader, Selection
 from .files import open_checkpoint
 from .initialise import check_computable, check_movable, initialise_remaining, materialize
-from .names import match_names
+from .names import StackedExpert, match_names, stacked_experts
 
 _LISTED = 20  # names shown in an error before "... and N more"
 
@@ -76,13 +76,51 @@ def _check_arguments(model, dtype, strict, progress) -> None:
             raise TypeError(f"load_pretrained: {name} must be a bool, got {type(value).__name__}")
 
 
+def _expert_blocks(target: Target, entries: List[Tuple[str, StackedExpert]], where: Dict[str, SafetensorsReader]
+                   ) -> Tuple[List[Tuple[str, Selection]], Optional[str]]:
+    """(key, the block of the target's full tensor it holds) for per-expert checkpoint tensors
+    stacked into `target` (see names.stacked_experts), or a problem: they must cover it exactly."""
+    shape = tuple(target.selection.shape)
+    first = entries[0][1]
+    by_block = {(stacked.expert, stacked.part): key for key, stacked in entries}
+    wanted = {(e, p) for e in range(shape[0]) for p in range(first.parts)} if len(shape) == 3 else set()
+    if set(by_block) != wanted or len(by_block) != len(entries):
+        return [], f"{target.name!r}: the per-expert tensors do not cover its {shape[0] if shape else 0} experts"
+    blocks = []
+    for (expert, part), key in sorted(by_block.items()):
+        stored = tuple(where[key].tensors[key].shape)
+        runs = [((expert, 1),)]
+        for dim in (1, 2):
+            size = stored[dim - 1] if len(stored) == 2 else -1
+            offset = 0
+            if dim == first.concat_dim:
+                offset = sum(where[k].tensors[k].shape[dim - 1] for (e, p), k in by_block.items()
+                             if e == expert and p < part)
+            runs.append(((offset, size),))
+        try:
+            block = Selection(shape, tuple(runs))
+        except ValueError:
+            block = None
+        if block is None or len(stored) != 2:
+            return [], f"{key!r} of shape {list(stored)} is no block of {target.name!r} {list(shape)}"
+        blocks.append((key, block))
+    covered = sum(b.local_shape[1] * b.local_shape[2] for _, b in blocks)
+    if covered != shape[0] * shape[1] * shape[2]:
+        return [], f"the per-expert tensors of {target.name!r} do not cover its shape {list(shape)} exactly"
+    return blocks, None
+
+
 def _plan_reads(model: nn.Module, path, where: Dict[str, SafetensorsReader], targets: Dict[str, Target],
-                strict: bool) -> List[Tuple[Target, str, SafetensorsReader]]:
-    """(target, checkpoint key, reader) for every tensor to read; every check is made here,
-    before anything is changed."""
+                strict: bool) -> List[Tuple[Target, str, SafetensorsReader, Optional[Selection]]]:
+    """(target, checkpoint key, reader, the part of the target's full tensor the key holds (None:
+    all of it)) for every tensor to read; every check is made here, before anything is changed."""
     by_alias = {alias: target for target in targets.values() for alias in target.aliases}
     computed = _non_persistent_buffers(model)
     matched, converted = match_names(model, where, list(by_alias) + list(computed))
+    stacked: Dict[str, List[Tuple[str, StackedExpert]]] = {}
+    for key, expert in stacked_experts(model, converted, by_alias).items():
+        stacked.setdefault(by_alias[expert.name].name, []).append((key, expert))
+    stacked_keys = {key for entries in stacked.values() for key, _ in entries}
     ignore_unexpected = _ignore_patterns(model, "_keys_to_ignore_on_load_unexpected")
     ignore_missing = _ignore_patterns(model, "_keys_to_ignore_on_load_missing")
 
@@ -96,9 +134,17 @@ def _plan_reads(model: nn.Module, path, where: Dict[str, SafetensorsReader], tar
             unexpected.append(key)
         # else: a buffer the model computes itself (older checkpoints saved some), or a key
         # that needs a conversion, reported below.
-    missing = [name for name in targets if name not in source
-               and not (ignore_missing and ignore_missing.search(name))]
     mismatched = []
+    stacked_reads = []
+    for name, entries in stacked.items():
+        if name in source:
+            continue  # stored whole as well: read whole
+        blocks, problem = _expert_blocks(targets[name], entries, where)
+        if problem:
+            mismatched.append(problem)
+        stacked_reads += [(targets[name], key, where[key], block) for key, block in blocks]
+    missing = [name for name in targets if name not in source and name not in stacked
+               and not (ignore_missing and ignore_missing.search(name))]
     for name, key in source.items():
         target, info = targets[name], where[key].tensors[key]
         if tuple(info.shape) != tuple(target.selection.shape):
@@ -107,6 +153,7 @@ def _plan_reads(model: nn.Module, path, where: Dict[str, SafetensorsReader], tar
     problems = []
     if mismatched:
         problems.append("shapes differ: " + "; ".join(mismatched[:_LISTED]))
+    converted = [key for key in converted if key not in stacked_keys]
     if converted:
         problems.append(f"tensors that only a conversion beyond renaming would load (not supported slice by "
                         f"slice): {_listing(converted)}")
@@ -118,7 +165,7 @@ def _plan_reads(model: nn.Module, path, where: Dict[str, SafetensorsReader], tar
         raise ValueError(f"load_pretrained: the checkpoint at {os.fspath(path)} does not fit the model "
                          f"({type(model).__name__}): " + "; ".join(problems)
                          + ("; pass strict=False to load what matches" if strict and not (converted or mismatched) else ""))
-    reads = [(targets[name], key, where[key]) for name, key in source.items()]
+    reads = [(targets[name], key, where[key], None) for name, key in source.items()] + stacked_reads
     reads.sort(key=lambda r: (r[2].path, r[2].tensors[r[1]].begin))  # each file front to back
     return reads
 
@@ -131,9 +178,12 @@ def _progress_bar(total: int, enabled: bool):
                 disable=not (enabled and first))
 
 
-def _local_bytes(target: Target, reader: SafetensorsReader, key: str) -> int:
+def _local_bytes(target: Target, reader: SafetensorsReader, key: str, block: Optional[Selection] = None) -> int:
     numel = 1
-    for n in target.selection.local_shape:
+    for dim, n in enumerate(target.selection.local_shape):
+        if block is not None:  # the part of the block this rank holds
+            n = sum(max(0, min(s + k, b + m) - max(s, b)) for s, k in target.selection.runs[dim]
+                    for b, m in block.runs[dim])
         numel *= n
     return numel * reader.tensors[key].dtype.itemsize
 
@@ -176,7 +226,7 @@ def load_pretrained(model: nn.Module, path, device=None, dtype: Optional[torch.d
 
         check_movable({**{t.name: t.tensor for t in targets.values()}, **_non_persistent_buffers(model)})
         _check_dtype_applies(targets, dtype)
-        read_names = {target.name for target, _, _ in reads}
+        read_names = {target.name for target, _, _, _ in reads}
         check_computable(model, {**{t.name: t.tensor for t in targets.values() if t.name not in read_names},
                                  **_non_persistent_buffers(model)})
 
@@ -184,12 +234,12 @@ def load_pretrained(model: nn.Module, path, device=None, dtype: Optional[torch.d
             return dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
 
         loaded: Dict[str, torch.Tensor] = {}
-        for target, _, _ in reads:
+        for target, _, _, _ in reads:
             if target.tensor.device.type == "meta":
                 materialize(target.tensor, target_device, dtype_of(target.tensor))
             loaded[target.name] = target.tensor
         pending: Dict[str, torch.Tensor] = {}
-        read_names = {target.name for target, _, _ in reads}
+        read_names = {target.name for target, _, _, _ in reads}
         left = [(t.name, t.tensor) for t in targets.values() if t.name not in read_names]
         left += list(_non_persistent_buffers(model).items())
         for name, tensor in left:
@@ -197,14 +247,17 @@ def load_pretrained(model: nn.Module, path, device=None, dtype: Optional[torch.d
                 materialize(tensor, target_device, dtype_of(tensor) if isinstance(tensor, nn.Parameter) else tensor.dtype)
                 pending[name] = tensor
 
-        with torch.no_grad(), _progress_bar(sum(_local_bytes(t, rd, k) for t, k, rd in reads), progress) as bar:
-            for target, key, reader in reads:
+        total = sum(_local_bytes(t, rd, k, b) for t, k, rd, b in reads)
+        with torch.no_grad(), _progress_bar(total, progress) as bar:
+            for target, key, reader, block in reads:
                 dest = target.tensor
                 staging = dest if dest.is_contiguous() else torch.empty(dest.shape, dtype=dest.dtype,
                                                                         device=dest.device)
-                reader.read_into(key, staging, target.selection)
+                if block is not None and staging is not dest:
+                    staging.copy_(dest)  # other blocks already read into it
+                reader.read_into(key, staging, target.selection, block, keep_rest=block is not None)
                 if staging is not dest:
                     dest.copy_(staging)
-                bar.update(_local_bytes(target, reader, key))
+                bar.update(_local_bytes(target, reader, key, block))
     initialise_remaining(model, pending, loaded)
     return model

@@ -5,11 +5,16 @@ tensors ``transformer.h.0...``, one of the bare model (GPT2Model) ``h.0...``; ol
 hold legacy names (BERT's ``LayerNorm.gamma``). For a transformers model these are resolved
 by transformers' own renaming rules for that model (the ones its ``from_pretrained`` applies:
 the ``base_model_prefix`` added or stripped, legacy renamings, per-model renamings). A rule
-that does more than rename (splitting or fusing tensors) cannot be loaded slice by slice;
-such tensors are reported. Any other module is matched by name exactly.
+that does more than rename cannot be loaded slice by slice, and such tensors are reported,
+with one exception: per-expert tensors stacked into a mixture-of-experts module's 3-D weights
+(transformers' MergeModulelist on dim 0, then optionally Concatenate), each of which fills a
+block of the 3-D tensor that a rank can read its part of (see ``stacked_experts``). Any other
+module is matched by name exactly.
 """
 
+import re
 import sys
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 
@@ -62,3 +67,56 @@ def match_names(model, checkpoint_keys: Iterable[str], model_names: Iterable[str
         elif name in model_names:
             matched[key] = name
     return matched, converted
+
+
+@dataclass(frozen=True)
+class StackedExpert:
+    """A checkpoint tensor that is one expert's block of a model's 3-D experts weight: expert
+    `expert` (index on dim 0), source `part` of `parts` concatenated on `concat_dim` of the 3-D
+    weight (None: a single source)."""
+    name: str
+    expert: int
+    part: int
+    parts: int
+    concat_dim: Optional[int]
+
+
+def stacked_experts(model, keys: Iterable[str], model_names: Iterable[str]) -> Dict[str, StackedExpert]:
+    """key -> StackedExpert for the checkpoint keys (among those that need a conversion) that
+    transformers' rules stack per expert into a model weight."""
+    keys = sorted(keys)
+    if not keys or "transformers" not in sys.modules:
+        return {}
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (Concatenate, MergeModulelist, WeightConverter, WeightRenaming,
+                                                     rename_source_key)
+    except ImportError:
+        return {}
+    if not isinstance(model, PreTrainedModel):
+        return {}
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    known = {name: True for name in model_names}
+    found = {}
+    for key in keys:
+        name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, known)
+        converter = next((c for c in converters if pattern in c.source_patterns), None)
+        if converter is None or name not in known:
+            continue
+        operations = list(converter.operations)
+        if not operations or type(operations[0]) is not MergeModulelist or operations[0].dim != 0:
+            continue
+        if len(operations) > 2 or (len(operations) == 2 and type(operations[1]) is not Concatenate):
+            continue
+        concat_dim = operations[1].dim if len(operations) == 2 else None
+        if concat_dim is None and len(converter.source_patterns) != 1:
+            continue
+        match = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
+        if match is None or len(match.groups()) != 1:
+            continue
+        found[key] = StackedExpert(name, int(match.group(1)), converter.source_patterns.index(pattern),
+                                   len(converter.source_patterns), concat_dim)
+    return found

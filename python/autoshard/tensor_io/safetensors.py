@@ -145,7 +145,9 @@ class SafetensorsReader:
         info = self.info(name)
         if src_selection is None:
             src_selection = full_selection(info.shape)
-        if src_selection.local_shape != info.shape:
+        # A stored tensor may be a block of the full tensor with fewer dims (one expert of a
+        # stack of experts): the same bytes when only dims of size 1 differ.
+        if src_selection.local_shape != info.shape and _squeezed(src_selection.local_shape) != _squeezed(info.shape):
             raise ValueError(f"{self.path}: tensor {name!r} has shape {list(info.shape)}, "
                              f"but the selection it is said to hold has shape {list(src_selection.local_shape)}")
         if src_selection.shape != dest_selection.shape:
@@ -169,9 +171,10 @@ class SafetensorsReader:
             self._block(block)
 
     def read_into(self, name: str, dest: torch.Tensor, dest_selection: Selection,
-                  src_selection: Optional[Selection] = None) -> None:
+                  src_selection: Optional[Selection] = None, keep_rest: bool = False) -> None:
         """Copies the overlap of tensor ``name`` (holding ``src_selection`` of the full tensor;
-        None: the whole of it) and ``dest_selection`` into ``dest``, cast to its dtype."""
+        None: the whole of it) and ``dest_selection`` into ``dest``, cast to its dtype. With
+        ``keep_rest`` the rest of ``dest`` keeps its values (it is filled by several reads)."""
         if tuple(dest.shape) != dest_selection.local_shape:
             raise ValueError(f"read_into: dest has shape {list(dest.shape)}, "
                              f"its selection needs {list(dest_selection.local_shape)}")
@@ -181,6 +184,9 @@ class SafetensorsReader:
         direct = dest.device.type == "cpu" and dest.dtype == info.dtype and dest.is_contiguous()
         staging = dest.detach() if direct else torch.empty(
             dest.shape, dtype=info.dtype, pin_memory=dest.device.type == "cuda" and torch.cuda.is_available())
+        if keep_rest and not direct:
+            # Values read before came from the file, so this round trip through its dtype is exact.
+            staging.copy_(dest.detach())
         self._copy_runs(runs, info.begin, staging)
         if not direct:
             with torch.no_grad():
@@ -348,3 +354,7 @@ def write_safetensors(path: str, tensors: Dict[str, torch.Tensor],
     except BaseException:
         writer.abort()
         raise
+
+
+def _squeezed(shape) -> tuple:
+    return tuple(n for n in shape if n != 1)

@@ -1,15 +1,19 @@
-"""Train a small GPT-2 with tensor parallelism.
+"""Train a small language model with tensor parallelism.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_gpt.py
+    python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_lm.py [--model gpt2]
 
-Every rank builds the same GPT-2 (same seed), autoshard plans how to split it, parallelize()
-swaps its layers for sharded ones, and the ranks train it together on the same batches:
-each holds a slice of every large weight and the collectives stitch the computation back
-into the unsharded model's. Bytes are the tokens (a vocabulary of 256), so no tokenizer is
-needed, and the text is whatever is already on the machine. Sharded checkpoints are saved in
-the background while training goes on. At the end the last checkpoint is consolidated into an
-ordinary Hugging Face GPT-2 directory, and the GPT-2 that transformers loads from it must
-compute what the sharded model computes.
+Every rank builds the same model (same seed: a Llama by default, or a GPT-2), autoshard plans
+how to split it, parallelize() swaps its layers for sharded ones, and the ranks train it
+together on the same batches: each holds a slice of every large weight and the collectives
+stitch the computation back into the unsharded model's. Between the blocks' sharded layers
+the Llama's tokens are split over the ranks (sequence parallelism), and its loss is computed
+over the vocabulary shards (loss parallelism), so no rank holds the whole logits; the run
+prints the activation memory each rank saves for backward beside the unsharded model's.
+Bytes are the tokens (a vocabulary of 256), so no tokenizer is needed, and the text is
+whatever is already on the machine. Sharded checkpoints are saved in the background while
+training goes on. At the end the last checkpoint is consolidated into an ordinary Hugging Face
+directory, and the model that transformers loads from it must compute what the sharded model
+computes.
 
 NCCL when every rank on the machine has a GPU of its own (autoshard.init_distributed() picks
 it), gloo on CPU otherwise.
@@ -20,6 +24,7 @@ keeps an fp32 master copy of every weight shard and fp32 moments (14 bytes per p
 """
 
 import argparse
+import contextlib
 import math
 import os
 import shutil
@@ -29,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from transformers.utils import logging as hf_logging
 
 import autoshard
@@ -43,6 +48,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama",
+                        help="the architecture (default: llama; gpt2 keeps its tokens whole between layers)")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (every rank sees the same ones)")
     parser.add_argument("--seq-len", type=int, default=128, help="bytes per sequence (at most the context, 128)")
@@ -71,16 +78,20 @@ def parse_args():
     return args
 
 
-def model_config() -> GPT2Config:
-    # 5 heads over 2 ranks: autoshard splits whole heads unevenly (3 and 2), which is normal.
-    return GPT2Config(vocab_size=256, n_positions=128, n_embd=240, n_layer=4, n_head=5,
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+# 5 heads over 2 ranks: autoshard splits whole heads unevenly (3 and 2), which is normal.
+MODELS = {
+    "llama": lambda: LlamaConfig(vocab_size=256, max_position_embeddings=128, hidden_size=240, intermediate_size=640,
+                                 num_hidden_layers=4, num_attention_heads=5, num_key_value_heads=5,
+                                 attention_dropout=0.0, bos_token_id=None, eos_token_id=None),
+    "gpt2": lambda: GPT2Config(vocab_size=256, n_positions=128, n_embd=240, n_layer=4, n_head=5,
+                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None),
+}
 
 
-def build_model(seed: int, device: torch.device, dtype: torch.dtype) -> GPT2LMHeadModel:
+def build_model(name: str, seed: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     # Every rank must start from the same weights: parallelize() keeps each rank's slice of them.
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(model_config()).to(device, dtype)
+    return AutoModelForCausalLM.from_config(MODELS[name]()).to(device, dtype)
 
 
 def text_files(paths):
@@ -126,7 +137,7 @@ def parameter_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def save_loss_curve(losses, smoothed, path: Path) -> None:
+def save_loss_curve(losses, smoothed, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -140,7 +151,7 @@ def save_loss_curve(losses, smoothed, path: Path) -> None:
     ax.axhline(math.log(256), color="gray", linestyle="--", linewidth=1, label="ln 256 (uniform bytes)")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats per byte)")
-    ax.set_title(f"GPT-2, tensor parallel over {dist.get_world_size()} ranks")
+    ax.set_title(f"{title}, tensor parallel over {dist.get_world_size()} ranks")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -169,12 +180,19 @@ def main():
         raise SystemExit(f"--text: {len(data):,} bytes is too little text for --seq-len {args.seq_len}")
 
     dtype = DTYPES[args.dtype]
-    model = build_model(args.seed, device, dtype)
+    model = build_model(args.model, args.seed, device, dtype)
     unsharded_bytes = parameter_bytes(model)
     example = {"input_ids": torch.zeros(args.batch_size, args.seq_len, dtype=torch.long)}
+    # What one step of the unsharded model keeps for backward, beside the sharded model's below.
+    unsharded_saved = autoshard.SavedTensorCounter(ignore=model.parameters())
+    with unsharded_saved:
+        loss = model(input_ids=example["input_ids"].to(device), labels=example["input_ids"].to(device)).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
     plan = autoshard.plan(model, world_size=world_size, example_inputs=example)
-    say(plan)
     autoshard.parallelize(model, plan)
+    say(plan)  # printed once applied: its collectives then count the loss over vocabulary shards
+    say(model.autoshard_state.loss_parallel)
     model.train()
 
     per_rank = [None] * world_size
@@ -199,10 +217,11 @@ def main():
     manager = autoshard.checkpoint.CheckpointManager(checkpoints, max_to_keep=2)
     save_blocked = []  # seconds the loop waited for each asynchronous save to start
 
-    def train_step(step: int, input_ids: torch.Tensor) -> float:
+    def train_step(step: int, input_ids: torch.Tensor, saved=contextlib.nullcontext()) -> float:
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, args.steps, args.lr)
-        loss = model(input_ids=input_ids, labels=input_ids).loss
+        with saved:
+            loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
         if args.clip > 0:
             autoshard.clip_grad_norm_(model.parameters(), args.clip)
@@ -213,6 +232,7 @@ def main():
     losses, smoothed = [], []
     average, beta = 0.0, 0.95
     counter = autoshard.CommCounter()
+    saved = autoshard.SavedTensorCounter(ignore=model.parameters())
     stream = batches(train, args.batch_size, args.seq_len, args.seed)
     tokens_per_step = args.batch_size * args.seq_len
     bar = tqdm(range(args.steps), disable=not leader, mininterval=1.0, dynamic_ncols=True, desc="training")
@@ -221,7 +241,7 @@ def main():
         input_ids = next(stream).to(device)
         if step == min(1, args.steps - 1):  # the first step pays for warm-up; any later one is typical
             with counter:
-                loss = train_step(step, input_ids)
+                loss = train_step(step, input_ids, saved)
         else:
             loss = train_step(step, input_ids)
         losses.append(loss)
@@ -243,13 +263,19 @@ def main():
     say(f"time: {elapsed:.1f} s for {args.steps} steps, {tokens_per_step * args.steps / elapsed:,.0f} tokens/s "
         f"({elapsed / args.steps * 1000:.0f} ms per step)")
     say(f"collectives per step: {counter.counts} (planned: "
-        f"forward {plan.collectives('forward')}, backward {plan.collectives('backward')})")
+        f"forward {plan.collectives('forward', labels=True)}, backward {plan.collectives('backward')})")
+    per_rank = [None] * world_size
+    dist.all_gather_object(per_rank, (saved.bytes, saved.largest))
+    say(f"activations saved for backward per step: {unsharded_saved.bytes / 2**20:.2f} MiB unsharded (largest "
+        f"tensor {unsharded_saved.largest / 2**20:.2f} MiB); "
+        + ", ".join(f"rank {r} holds {b / 2**20:.2f} MiB ({b / unsharded_saved.bytes:.0%}; largest tensor "
+                    f"{largest / 2**20:.2f} MiB)" for r, (b, largest) in enumerate(per_rank)))
 
     manager.wait()
     say(f"checkpoints: {', '.join(f'step-{n}' for n in manager.steps())} kept in {checkpoints}; each asynchronous "
         f"save held the training loop for {1000 * max(save_blocked):.0f} ms at most")
 
-    # The invariant: the last checkpoint, consolidated into an ordinary Hugging Face GPT-2
+    # The invariant: the last checkpoint, consolidated into an ordinary Hugging Face
     # directory and loaded by transformers, computes what the sharded model computes.
     check_ids = next(batches(held_out, args.batch_size, args.seq_len, args.seed + 1)).to(device)
     model.eval()
@@ -260,7 +286,7 @@ def main():
     if leader:
         autoshard.checkpoint.consolidate(manager.latest(), hf_dir)
         print(f"consolidated step-{manager.latest_step()} into {hf_dir}")
-        reference = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=dtype).to(device)
+        reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
         reference.eval()
         with torch.no_grad():
             unsharded = reference(input_ids=check_ids, labels=check_ids)
@@ -268,7 +294,7 @@ def main():
         print(f"held-out loss: {unsharded.loss.item():.3f} (unsharded copy), {sharded.loss.item():.3f} (sharded)")
         print(f"sharded vs unsharded logits: max abs difference {difference:.2e}")
         path = args.out / "loss_curve.png"
-        save_loss_curve(losses, smoothed, path)
+        save_loss_curve(losses, smoothed, path, type(reference).__name__)
         print(f"loss curve: {path}")
     dist.barrier()
     dist.destroy_process_group()

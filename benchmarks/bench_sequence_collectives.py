@@ -1,0 +1,106 @@
+"""What sequence parallelism pays in collectives: where tensor parallelism alone all-reduces a
+row layer's (batch, seq, hidden) output, sequence parallelism reduce-scatters it over the
+tokens and later all-gathers the tokens for the next column layer. On NCCL the pair costs one
+all-reduce (a ring all-reduce is a reduce-scatter then an all-gather); on gloo it need not.
+
+    python benchmarks/bench_sequence_collectives.py [--batch 2 --seq 512 --hidden 1024 --worlds 2 4]
+
+Times, per rank on gloo, the median of --repeats calls (each after a barrier) of:
+
+    all_reduce (torch)       torch.distributed.all_reduce of the tensor (what tp alone runs)
+    rs + ag (torch)          torch.distributed reduce_scatter_tensor + all_gather_into_tensor
+    rs + ag (autoshard)      autoshard.comm.reduce_scatter_to_sequence + all_gather_from_sequence
+
+and the ratios against the all-reduce. Prints a table and writes
+benchmarks/results/bench_sequence_collectives_cpu.json and .txt.
+"""
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import autoshard
+from common import save_json, save_text, table_text
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    x = torch.randn(args.batch, args.seq, args.hidden)
+    # torch's calls split the leading axis, so the tokens lead there; autoshard's take the axis.
+    tokens_first = x.transpose(0, 1).contiguous()
+    piece = torch.empty(args.seq // world, args.batch, args.hidden)
+    whole = torch.empty_like(tokens_first)
+
+    def torch_pair():
+        dist.reduce_scatter_tensor(piece, tokens_first)
+        dist.all_gather_into_tensor(whole, piece)
+
+    def autoshard_pair():
+        local = autoshard.comm.reduce_scatter_to_sequence(x, 1)
+        autoshard.comm.all_gather_from_sequence(local, 1, args.seq)
+
+    results = {
+        "all_reduce (torch)": _timed(lambda: dist.all_reduce(x.clone()), args.repeats),
+        "rs + ag (torch)": _timed(torch_pair, args.repeats),
+        "rs + ag (autoshard)": _timed(autoshard_pair, args.repeats),
+    }
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        queue.put(gathered)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    args = parser.parse_args()
+    for world in args.worlds:
+        if args.seq % world:
+            parser.error(f"--seq {args.seq} must divide evenly over {world} ranks (torch's calls need it)")
+    rows = []
+    for world in args.worlds:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        queue = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(_rank_main, args=(world, port, args, queue), nprocs=world)
+        per_rank = queue.get()
+        base = max(r["all_reduce (torch)"] for r in per_rank)
+        for name in per_rank[0]:
+            seconds = max(r[name] for r in per_rank)
+            rows.append({"N": world, "collectives": name, "ms": seconds * 1e3, "/ all_reduce": seconds / base})
+    size = f"a ({args.batch}, {args.seq}, {args.hidden}) float32 tensor, {args.batch * args.seq * args.hidden * 4 / 2**20:.1f} MiB"
+    text = size + "\n" + table_text(rows, ["N", "collectives", "ms", "/ all_reduce"])
+    print(text)
+    for row in rows:
+        row["size"] = size
+    print("saved", save_json("bench_sequence_collectives", torch.device("cpu"), rows),
+          save_text("bench_sequence_collectives", torch.device("cpu"), text))
+
+
+if __name__ == "__main__":
+    main()
