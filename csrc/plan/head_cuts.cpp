@@ -40,7 +40,7 @@ bool Propagation::request_cut(int tensor, int axis, const AxisFactor& merged) {
     }
     const auto& out_shape = graph_.tensor(t).shape;
     if (best >= 0) {
-      if (out_shape.at(a) != merged.outer * merged.size) return false;
+      if (out_shape.at(a) != merged.outer * merged.size || dropped_cuts.count(best)) return false;
       wanted_cuts[best] = {a, merged.outer, merged.size};
       return true;
     }
@@ -49,7 +49,7 @@ bool Propagation::request_cut(int tensor, int axis, const AxisFactor& merged) {
     const Node& node = graph_.nodes[p];
     const bool embedding = node.kind == Kind::Embedding && roles[p] == Style::Replicate;
     if ((embedding && a == static_cast<int>(out_shape.size()) - 1) || (node.kind == Kind::Source && uniform(node))) {
-      if (out_shape.at(a) != merged.outer * merged.size) return false;
+      if (out_shape.at(a) != merged.outer * merged.size || dropped_node_cuts.count(p)) return false;
       wanted_node_cuts[p] = {a, merged.outer, merged.size};
       return true;
     }

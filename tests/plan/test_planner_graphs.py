@@ -335,9 +335,9 @@ def test_errors_carry_codes_and_name_the_field(document, world, code, field):
     assert code in str(error.value) and field in str(error.value), str(error.value)
 
 
-def bias_block(g, bias_param=None, entry=True):
+def bias_block(g, bias_param=None, entry=True, module="attn"):
     """Heads split 3 ways with a bias over the heads added to them (ALiBi): the bias is made
-    outside the attention (from positions, or from a parameter) and received by it."""
+    outside the attention "attn" (from positions, or from a parameter) and received by `module`."""
     source = g.tensor(3, 2, param=bias_param)
     if bias_param is None:
         g.node("source", [], [source])
@@ -345,16 +345,17 @@ def bias_block(g, bias_param=None, entry=True):
     g.node("pointwise", [source], [bias])
     x = g.tensor(2, 8)
     first = len(g.nodes)
-    _, q = g.linear(x, 8, 6, 0, out_shape=(2, 6))
+    nq, q = g.linear(x, 8, 6, 0, out_shape=(2, 6))
     heads = g.tensor(2, 3, 2)
     g.node("view", [q], [heads])
     biased = g.tensor(2, 3, 2)
     g.node("pointwise", [heads, bias], [biased])
     flat = g.tensor(2, 6)
     g.node("view", [biased], [flat])
-    _, y = g.linear(flat, 6, 8, 1, out_shape=(2, 8), output=True)
+    no, y = g.linear(flat, 6, 8, 1, out_shape=(2, 8), output=True)
+    g.nodes[nq]["label"], g.nodes[no]["label"] = "attn.q", "attn.o"
     if entry:
-        g.entries.append({"tensor": bias, "first": first, "end": len(g.nodes), "leaf": 1, "module": "attn"})
+        g.entries.append({"tensor": bias, "first": first, "end": len(g.nodes), "leaf": 1, "module": module})
     return bias
 
 
@@ -379,6 +380,16 @@ def test_bias_with_a_gradient_or_without_an_entry_keeps_attention_whole():
         assert "replicated tensor" in doc["layers"][0]["note"]
 
 
+def test_bias_received_by_a_module_other_than_the_attention_is_not_cut():
+    # A module inside the attention (its projections outside it), or a block around it: the
+    # attention's attributes could not be made local from a cut input there.
+    for module in ("attn.core", "block"):
+        g = G()
+        bias_block(g, module=module)
+        doc = g.plan(2)
+        assert styles(doc)[0] == "replicate" and doc["head_entries"] == []
+
+
 def test_one_bias_for_two_attentions_is_cut_at_each():
     g = G()
     source = g.tensor(3, 2)
@@ -386,12 +397,13 @@ def test_one_bias_for_two_attentions_is_cut_at_each():
     x = g.tensor(2, 8)
     for block in range(2):
         first = len(g.nodes)
-        _, q = g.linear(x, 8, 6, 2 * block, out_shape=(2, 6))
+        nq, q = g.linear(x, 8, 6, 2 * block, out_shape=(2, 6))
         heads, biased, flat = g.tensor(2, 3, 2), g.tensor(2, 3, 2), g.tensor(2, 6)
         g.node("view", [q], [heads])
         g.node("pointwise", [heads, source], [biased])
         g.node("view", [biased], [flat])
-        _, x = g.linear(flat, 6, 8, 2 * block + 1, out_shape=(2, 8), output=block == 1)
+        no, x = g.linear(flat, 6, 8, 2 * block + 1, out_shape=(2, 8), output=block == 1)
+        g.nodes[nq]["label"], g.nodes[no]["label"] = f"attn{block}.q", f"attn{block}.o"
         g.entries.append({"tensor": source, "first": first, "end": len(g.nodes), "leaf": 1, "module": f"attn{block}"})
     doc = g.plan(3)
     assert styles(doc) == ["column", "row", "column", "row"]
