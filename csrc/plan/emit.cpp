@@ -10,7 +10,9 @@
 //    "partial_gradients": [{"params", "elements"}],
 //    "tensors": [{"tensor", "region", "coarse", "axis", "outer", "size", "sequence"}],
 //    "sequence_entries": [{"tensor", "module", "leaf", "dim", "region"}],
-//    "sequence_gathers": [{"tensor", "module", "leaf", "dim", "region"}]}
+//    "sequence_gathers": [{"tensor", "module", "leaf", "dim", "region"}],
+//    "head_entries": [{"tensor", "module", "leaf", "axis", "outer", "size", "region"}],
+//    "head_outputs": [{"tensor", "module", "axis", "outer", "size", "region"}]}
 #include "plan/emit.h"
 
 #include <algorithm>
@@ -172,6 +174,25 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     comm("backward", "reduce_scatter", numel(graph.tensor(tensor).shape));
   }
 
+  // Head cuts: a slice of a tensor no gradient reaches, no communication.
+  for (const auto& [index, region] : pass.cut_region) {
+    const ModuleEntry& entry = graph.entries.at(index);
+    const int root = pass.find(region);
+    if (pass.regions[root].conflict) continue;
+    const AxisFactor& f = pass.cut_factor.at(index);
+    plan.head_entries.push_back({entry.tensor, entry.module, entry.leaf, f.axis, f.outer, f.size, root});
+  }
+
+  // Embedding outputs cut as they leave the layer: their gradient gathered back in backward.
+  for (const auto& [n, region] : pass.node_cut_region) {
+    const Node& node = graph.nodes.at(n);
+    const int root = pass.find(region);
+    if (pass.regions[root].conflict || node.kind != Kind::Embedding) continue;
+    const AxisFactor& f = pass.node_cut_factor.at(n);
+    plan.head_outputs.push_back({node.outputs.at(0), node.label, 0, f.axis, f.outer, f.size, root});
+    comm("backward", "all_gather", numel(graph.tensor(node.outputs.at(0)).shape));
+  }
+
   // Every sharded tensor, named by the region the plan reports it under (an entry is held
   // whole where it is made).
   std::map<int, int> coarse_to_fine;
@@ -290,6 +311,22 @@ std::string plan_to_json(const Plan& plan) {
     out << (i ? "," : "") << "{\"tensor\":" << e.tensor << ",\"module\":";
     write_string(out, e.module);
     out << ",\"leaf\":" << e.leaf << ",\"dim\":" << e.dim << ",\"region\":" << e.region << '}';
+  }
+  out << "],\"head_entries\":[";
+  for (size_t i = 0; i < plan.head_entries.size(); ++i) {
+    const HeadEntry& e = plan.head_entries[i];
+    out << (i ? "," : "") << "{\"tensor\":" << e.tensor << ",\"module\":";
+    write_string(out, e.module);
+    out << ",\"leaf\":" << e.leaf << ",\"axis\":" << e.axis << ",\"outer\":" << e.outer << ",\"size\":" << e.size
+        << ",\"region\":" << e.region << '}';
+  }
+  out << "],\"head_outputs\":[";
+  for (size_t i = 0; i < plan.head_outputs.size(); ++i) {
+    const HeadEntry& e = plan.head_outputs[i];
+    out << (i ? "," : "") << "{\"tensor\":" << e.tensor << ",\"module\":";
+    write_string(out, e.module);
+    out << ",\"axis\":" << e.axis << ",\"outer\":" << e.outer << ",\"size\":" << e.size
+        << ",\"region\":" << e.region << '}';
   }
   out << "]}";
   return out.str();

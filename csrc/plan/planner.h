@@ -92,6 +92,18 @@ struct SequenceEntry {
   int region = -1;
 };
 
+// A tensor held whole cut to this rank's heads where a module receives it (head_cuts.cpp): its
+// axis `axis` is `outer` x `size`, and `size` is split like the region's units.
+struct HeadEntry {
+  int tensor = -1;
+  std::string module;
+  int leaf = 0;  // its position among the module call's flattened inputs
+  int axis = -1;
+  int64_t outer = 1;
+  int64_t size = 0;
+  int region = -1;
+};
+
 struct Plan {
   std::vector<LayerDecision> layers;
   std::vector<RegionSummary> regions;
@@ -100,6 +112,10 @@ struct Plan {
   std::vector<TensorLayout> tensors;  // every sharded tensor; the others are replicated
   std::vector<SequenceEntry> sequence_entries;
   std::vector<SequenceEntry> sequence_gathers;  // tensors gathered whole where a module receives them
+  std::vector<HeadEntry> head_entries;
+  // Replicated embeddings whose output is cut to this rank's heads as it leaves them (module,
+  // axis, outer, size, region; tensor is the output, leaf unused).
+  std::vector<HeadEntry> head_outputs;
 };
 
 Plan make_plan(const Graph& graph, int64_t world_size);

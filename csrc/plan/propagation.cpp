@@ -18,8 +18,34 @@ Propagation::Propagation(const Graph& graph, const std::vector<Force>& forced) :
   node_region.assign(graph.nodes.size(), -1);
 }
 
-void Propagation::run(const std::set<int>& vocab_embeddings) {
-  for (size_t n = 0; n < graph_.nodes.size(); ++n) visit(static_cast<int>(n), vocab_embeddings);
+void Propagation::run(const std::set<int>& vocab_embeddings, const std::map<int, AxisFactor>& cuts,
+                      const std::map<int, AxisFactor>& node_cuts) {
+  producer_.assign(graph_.tensors.size(), -1);
+  carries_grad_.assign(graph_.tensors.size(), false);
+  for (size_t t = 0; t < graph_.tensors.size(); ++t) carries_grad_[t] = graph_.tensors[t].param >= 0;
+  for (size_t n = 0; n < graph_.nodes.size(); ++n) {
+    const Node& node = graph_.nodes[n];
+    bool grad = is_layer(node);
+    for (int id : node.inputs) grad = grad || carries_grad_[id];
+    for (int id : node.outputs) {
+      producer_[id] = static_cast<int>(n);
+      carries_grad_[id] = grad;
+    }
+  }
+  for (size_t n = 0; n < graph_.nodes.size(); ++n) {
+    current_node_ = static_cast<int>(n);
+    open_cuts(current_node_, cuts);
+    visit(current_node_, vocab_embeddings);
+    const auto cut = node_cuts.find(current_node_);
+    if (cut != node_cuts.end()) {
+      const int region = new_region(cut->second.size);
+      set_sharded(graph_.nodes[n].outputs.at(0), cut->second, region);
+      node_cut_region[current_node_] = region;
+      node_cut_factor[current_node_] = cut->second;
+    }
+  }
+  open_cuts(static_cast<int>(graph_.nodes.size()), cuts);
+  current_node_ = -1;
   for (size_t t = 0; t < graph_.tensors.size(); ++t) {
     const Layout& l = layouts[t];
     if (graph_.tensors[t].is_output && l.sharded) {
@@ -191,7 +217,11 @@ void Propagation::visit_view(const Node& node) {
   const Layout x = layouts[in];
   layouts[out] = Layout{};
   if (!x.sharded) return;
-  const ReshapeResult r = map_reshape(shape(in), shape(out), x.factor);
+  // A view given its sizes may spell one head as a dimension of length 1 (a single KV head);
+  // a unit axis, once there, stays one through later views.
+  const bool sized = node.label.rfind("aten.view.", 0) == 0 || node.label.rfind("aten._unsafe_view.", 0) == 0 ||
+                     node.label.rfind("aten.reshape.", 0) == 0 || node.label.rfind("aten._reshape_alias.", 0) == 0;
+  const ReshapeResult r = map_reshape(shape(in), shape(out), x.factor, sized || x.factor.size == 1);
   if (!r.ok) return conflict(x.region, node.label + ": " + r.why);
   if (x.repeat_next > 1 && r.factor.outer == x.factor.outer && r.factor.size == x.factor.size * x.repeat_next) {
     // repeat_kv: each KV head becomes repeat_next query heads' worth, a finer region.

@@ -54,7 +54,10 @@ class Propagation {
  public:
   Propagation(const Graph& graph, const std::vector<Force>& forced);
 
-  void run(const std::set<int>& vocab_embeddings);
+  // `cuts` (graph entry -> the factor of its tensor's axis holding heads): tensors held whole
+  // that are cut to this rank's heads where a module receives them (head_cuts.cpp).
+  void run(const std::set<int>& vocab_embeddings, const std::map<int, AxisFactor>& cuts = {},
+           const std::map<int, AxisFactor>& node_cuts = {});
   int find(int r);
   // Decides every KV link once the pass has run (links.cpp).
   void settle_links(int64_t world_size);
@@ -94,6 +97,20 @@ class Propagation {
   std::map<int, int> entry_of;        // cut tensor -> its graph entry
   std::map<int, int> wanted_entries;  // tensor -> token axis, to cut in the next pass
   std::map<int, int> gather_entry;    // column layers' input -> the entry gathering it
+  // Head cuts: entries found to need one (to cut in the next pass), and this pass's cuts with
+  // the region each began.
+  std::map<int, AxisFactor> wanted_cuts;
+  std::map<int, int> cut_region;
+  std::map<int, AxisFactor> cut_factor;
+  // Node cuts: the output of a replicated embedding (T5's relative position bias, whose
+  // embedding dim is the heads) cut to this rank's heads as it leaves the layer, or a tensor of
+  // one value throughout (zeros, ones, full) made at this rank's size: node -> the factor of its
+  // output's heads axis.
+  std::map<int, AxisFactor> wanted_node_cuts;
+  // Cuts found not to work (settle.cpp): never asked for again, their bias meets the scores whole.
+  std::set<int> dropped_cuts, dropped_node_cuts;
+  std::map<int, int> node_cut_region;
+  std::map<int, AxisFactor> node_cut_factor;
 
   static bool uniform_groups(int64_t units, int64_t ratio, int64_t world_size);
 
@@ -107,6 +124,11 @@ class Propagation {
   void set_sharded(int id, AxisFactor factor, int region, int source = -1, int64_t repeat_next = 0);
   void link(int coarse, int fine) { links.push_back({coarse, fine}); }
   bool merge_elementwise(const Node& node, Layout& merged, int skip_axis_check = -1);
+  // Whether `tensor`, held whole and read by the current node on `axis` against a tensor
+  // sharded like `merged`, can be cut to this rank's heads where a module receives it; if so
+  // the cut is wanted for the next pass.
+  bool request_cut(int tensor, int axis, const AxisFactor& merged);
+  void open_cuts(int n, const std::map<int, AxisFactor>& cuts);
 
   void visit(int n, const std::set<int>& vocab_embeddings);
   void visit_linear(int n, const Node& node);
@@ -127,6 +149,9 @@ class Propagation {
 
   const Graph& graph_;
   const std::vector<Force>& forced_;
+  int current_node_ = -1;
+  std::vector<int> producer_;       // tensor -> the node computing it, or -1
+  std::vector<bool> carries_grad_;  // tensor -> whether a gradient flows to it (a parameter's, a layer's)
 };
 
 }  // namespace autoshard::plan

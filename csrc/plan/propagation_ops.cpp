@@ -41,6 +41,8 @@ bool Propagation::merge_elementwise(const Node& node, Layout& merged, int skip_a
     const auto& s = shape(id);
     const int axis = merged.factor.axis - static_cast<int>(out_ndim - s.size());
     if (axis >= 0 && axis != skip_axis_check && s[axis] != 1) {
+      // A bias over the heads (ALiBi) cut to this rank's heads where a module receives it.
+      if (s[axis] == merged.factor.outer * merged.factor.size && request_cut(id, axis, merged.factor)) continue;
       conflict(merged.region, node.label + " combines the sharded axis with a replicated tensor");
       return false;
     }

@@ -12,7 +12,8 @@ int64_t product(const std::vector<int64_t>& v, size_t begin, size_t end) {
 
 }  // namespace
 
-ReshapeResult map_reshape(const std::vector<int64_t>& from, const std::vector<int64_t>& to, const AxisFactor& factor) {
+ReshapeResult map_reshape(const std::vector<int64_t>& from, const std::vector<int64_t>& to, const AxisFactor& factor,
+                          bool unit_axis) {
   ReshapeResult result;
   // Pair runs of dimensions with equal products; the sharded axis lives in exactly one run.
   size_t i = 0, j = 0;
@@ -38,7 +39,7 @@ ReshapeResult map_reshape(const std::vector<int64_t>& from, const std::vector<in
       const int64_t before = product(to, to_begin, k);
       if (outer_total % before != 0) break;
       const int64_t outer_here = outer_total / before;
-      if (to[k] % outer_here == 0 && to[k] / outer_here > 1) {
+      if (to[k] % outer_here == 0 && (to[k] / outer_here > 1 || (unit_axis && to[k] == 1 && outer_here == 1))) {
         result.ok = true;
         result.factor = {static_cast<int>(k), outer_here, to[k] / outer_here};
         return result;

@@ -23,6 +23,11 @@ struct ReshapeResult {
 // Where `factor` of a tensor shaped `from` lands in the same data viewed as `to`. The shard
 // stays expressible when the sharded factor begins on a dimension boundary of `to`; its
 // units must then divide the length of the dimension it begins in (factor.size).
-ReshapeResult map_reshape(const std::vector<int64_t>& from, const std::vector<int64_t>& to, const AxisFactor& factor);
+//
+// With `unit_axis`, a dimension of length 1 where the factor begins may hold it (a factor of one
+// unit): a view to [..., 1, head_dim] of a projection with a single KV head (multi-query
+// attention) puts its one head there. Without it such dimensions are passed over.
+ReshapeResult map_reshape(const std::vector<int64_t>& from, const std::vector<int64_t>& to, const AxisFactor& factor,
+                          bool unit_axis = false);
 
 }  // namespace autoshard::plan

@@ -35,6 +35,32 @@ std::set<int> token_tables(const Graph& graph) {
   return chosen;
 }
 
+// The module a region's layers inside `module` have in common, as the Python layer names a
+// region's module: their longest common dotted prefix, less a layer's own name.
+std::string common_inside(const std::vector<std::string>& layers, const std::string& module) {
+  std::vector<std::vector<std::string>> paths;
+  for (const std::string& name : layers) {
+    if (name.rfind(module + ".", 0) != 0) continue;
+    std::vector<std::string> parts;
+    std::stringstream in(name);
+    for (std::string part; std::getline(in, part, '.');) parts.push_back(part);
+    paths.push_back(parts);
+  }
+  if (paths.empty()) return "";
+  std::vector<std::string> common = paths[0];
+  bool whole_name = paths.size() == 1;
+  for (const auto& p : paths) {
+    size_t k = 0;
+    while (k < common.size() && k < p.size() && common[k] == p[k]) ++k;
+    common.resize(k);
+  }
+  for (const auto& p : paths) whole_name = whole_name || common.size() == p.size();
+  if (whole_name && !common.empty()) common.pop_back();
+  std::string joined;
+  for (size_t k = 0; k < common.size(); ++k) joined += (k ? "." : "") + common[k];
+  return joined;
+}
+
 std::string units_note(int64_t units, int64_t world) {
   std::ostringstream s;
   s << "only " << units << " whole unit(s) (heads) to split across " << world << " ranks";
@@ -73,6 +99,54 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
     }
   }
 
+  // Head cuts (head_cuts.cpp): those in use, and those dropped because the scores they would
+  // meet are not sharded after all (never asked for again, so the passes settle).
+  // Likewise node cuts (an embedding's output, a tensor of one value), by node.
+  std::map<int, AxisFactor> cuts, node_cuts;
+  std::set<int> dropped_cuts, dropped_node_cuts;
+  auto settle_kind = [&](Propagation& pass, const std::map<int, int>& in_use, const std::map<int, AxisFactor>& wanted,
+                         std::map<int, AxisFactor>& kept, std::set<int>& dropped) {
+    bool changed = false;
+    for (const auto& [key, region] : in_use) {
+      const int root = pass.find(region);
+      bool meets_layer = false;
+      for (size_t n = 0; n < count; ++n) {
+        meets_layer = meets_layer || (pass.roles[n] == Style::Column && pass.find(pass.node_region[n]) == root);
+      }
+      // A bias is cut where the attention holding the region's layers receives it: there its
+      // module's attributes are made local from inputs given at their local shapes.
+      bool at_attention = true;
+      if (&in_use == &pass.cut_region) {
+        std::vector<std::string> names;
+        for (size_t n = 0; n < count; ++n) {
+          const Style role = pass.roles[n];
+          if ((role == Style::Column || role == Style::Row) && pass.find(pass.node_region[n]) == root) {
+            names.push_back(graph.nodes[n].label);
+          }
+        }
+        const std::string& module = graph.entries.at(key).module;
+        at_attention = common_inside(names, module) == module;
+      }
+      if (pass.regions[root].conflict || !meets_layer || !at_attention) {
+        kept.erase(key);
+        dropped.insert(key);
+        changed = true;
+      }
+    }
+    for (const auto& [key, factor] : wanted) {
+      if (!kept.count(key) && !dropped.count(key)) {
+        kept[key] = factor;
+        changed = true;
+      }
+    }
+    return changed;
+  };
+  auto settle_cuts = [&](Propagation& pass) {
+    const bool entries_changed = settle_kind(pass, pass.cut_region, pass.wanted_cuts, cuts, dropped_cuts);
+    return settle_kind(pass, pass.node_cut_region, pass.wanted_node_cuts, node_cuts, dropped_node_cuts) ||
+           entries_changed;
+  };
+
   auto force = [&](int n, Force f, Why w) {
     if (forced[n] == f || forced[n] == Force::Replicate) return false;
     forced[n] = f;
@@ -83,9 +157,14 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   for (size_t iteration = 0;; ++iteration) {
     TORCH_CHECK(iteration <= count + 1, "[plan.unsettled] plan: decisions did not settle");
     Propagation pass(graph, forced);
-    pass.run(vocab);
+    pass.dropped_cuts = dropped_cuts;
+    pass.dropped_node_cuts = dropped_node_cuts;
+    pass.run(vocab, cuts, node_cuts);
     pass.settle_links(world_size);
     pass.settle_gradients();
+    // A pass that found new cuts (or dropped some) saw bias tensors held whole that the next one
+    // cuts: its conflicts and partial gradients are not the model's, so nothing is forced on them.
+    if (settle_cuts(pass)) continue;
     bool changed = false;
     for (size_t n = 0; n < count; ++n) {
       const Style role = pass.roles[n];
@@ -141,10 +220,19 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   for (size_t round = 0;; ++round) {
     TORCH_CHECK(round <= 2 * (count + graph.tensors.size()) + 2, "[plan.unsettled] plan: sequence parallelism did not settle");
     Propagation pass(graph, forced);
-    pass.run(vocab);
+    pass.dropped_cuts = dropped_cuts;
+    pass.dropped_node_cuts = dropped_node_cuts;
+    pass.run(vocab, cuts, node_cuts);
     pass.settle_links(world_size);
     pass.run_sequence(refused, entries);
     pass.settle_gradients();
+    // The settled passes asked for every cut they rely on (a bias let through uncut would be wrong).
+    for (const auto& [entry, factor] : pass.wanted_cuts) {
+      TORCH_CHECK(cuts.count(entry), "[plan.unsettled] plan: a head cut was asked for after the cuts settled");
+    }
+    for (const auto& [node, factor] : pass.wanted_node_cuts) {
+      TORCH_CHECK(node_cuts.count(node), "[plan.unsettled] plan: a head cut was asked for after the cuts settled");
+    }
     bool more = false;
     for (const auto& [tensor, axis] : pass.wanted_entries) more |= entries.emplace(tensor, axis).second;
     if (more) continue;

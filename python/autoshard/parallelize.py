@@ -20,7 +20,7 @@ from .distributed import ProcessGroup, resolve, set_default_group
 from .nn.einsum import ShardedEinsumDense
 from .nn.embedding import VocabParallelEmbedding
 from .nn.experts import shard_experts
-from .nn import sequence
+from .nn import head_cuts, sequence
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from .model_state import ParallelState, attach_layer_state, state_of
@@ -210,6 +210,12 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     for entry in plan.sequence_gathers:
         model.get_submodule(entry["module"]).register_forward_pre_hook(tokens.entry_hook(entry, gather=True),
                                                                        with_kwargs=True)
+    for entry in plan.head_entries:
+        model.get_submodule(entry["module"]).register_forward_pre_hook(
+            head_cuts.entry_hook(entry, plan.regions[entry["region"]].units, group.group_name), with_kwargs=True)
+    for entry in plan.head_outputs:
+        model.get_submodule(entry["module"]).register_forward_hook(
+            head_cuts.output_hook(entry, plan.regions[entry["region"]].units, group.group_name))
     for region in plan.regions.values():
         owner = model.get_submodule(region.module)
         for attr, value in region.attributes.items():

@@ -17,6 +17,13 @@ numbers: view_as_complex, a complex product, view_as_real), "repeat" (the table 
 With `tiled_kv` the KV heads are tiled instead (`k.repeat(1, group, 1, 1)`: query head h reads
 KV head h % kv_heads), which no contiguous split of the query heads meets on one rank.
 
+Two ways attention is sharded around a tensor or a head held by every rank:
+
+- ALiBi: a bias over the heads added to the scores, held whole by the model and passed to every
+  attention (`alibi="buffer"`: slices of a buffer; `alibi="computed"`: made in forward from the
+  head count), cut to each rank's heads where the attention receives it;
+- multi-query attention (`kv_heads=1`): the one KV head is held by every rank.
+
 And one that reads its inputs' values in forward, as Hugging Face's padding checks do
 (`.item()`, `nonzero`, `.tolist()`), which the meta device alone cannot answer.
 
@@ -99,7 +106,7 @@ class Attention(nn.Module):
         self.score_gain = nn.Parameter(1.0 + 0.1 * torch.randn(heads)) if score_gain else None
         self.q_gain = nn.Parameter(1.0 + 0.1 * torch.randn(head_dim)) if head_dim_gain else None
 
-    def forward(self, x):
+    def forward(self, x, bias=None):
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
@@ -127,6 +134,8 @@ class Attention(nn.Module):
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
         if self.score_gain is not None:
             scores = scores * self.score_gain[:, None, None]
+        if bias is not None:
+            scores = scores + bias
         mask = torch.full((t, t), float("-inf"), dtype=scores.dtype, device=x.device).triu(1)
         out = torch.softmax(scores + mask, dim=-1) @ v
         if self.head_scale is not None:
@@ -156,16 +165,19 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(hidden)
         self.mlp = MLP(hidden, ffn, scalar_gain=scalar_gain)
 
-    def forward(self, x):
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x, bias=None):
+        x = x + self.attn(self.attn_norm(x), bias)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class TinyDecoder(nn.Module):
     def __init__(self, hidden=48, ffn=70, heads=6, kv_heads=3, head_dim=8, layers=2, padding_check=False,
-                 **options):
+                 alibi="", max_positions=32, **options):
         super().__init__()
         self.padding_check = padding_check
+        self.alibi, self.num_heads = alibi, heads
+        if alibi == "buffer":
+            self.register_buffer("alibi_bias", alibi_bias(heads, max_positions))
         self.embed = nn.Embedding(VOCAB, hidden)
         self.blocks = nn.ModuleList(Block(hidden, ffn, heads, kv_heads, head_dim, **options) for _ in range(layers))
         self.norm = RMSNorm(hidden)
@@ -177,9 +189,24 @@ class TinyDecoder(nn.Module):
             if padded.shape[0] > 0 or 0 in input_ids[:, [-1, 0]].tolist()[0] or int(input_ids.max().item()) >= VOCAB:
                 raise ValueError("TinyDecoder: input_ids hold padding (token 0) or ids outside the vocabulary")
         x = self.embed(input_ids)
+        t = input_ids.shape[1]
+        bias = None
+        if self.alibi == "buffer":
+            bias = self.alibi_bias[:, :t, :t]
+        elif self.alibi == "computed":
+            bias = alibi_bias(self.num_heads, t, device=input_ids.device, dtype=x.dtype)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, bias)
         return self.lm_head(self.norm(x))
+
+
+def alibi_bias(heads: int, length: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """ALiBi: a slope per head times the (negative) distance from query to key, (heads, length,
+    length); the slopes depend on the head count, so each head's bias differs."""
+    slopes = torch.pow(2.0, -8.0 * torch.arange(1, heads + 1, device=device, dtype=dtype) / heads)
+    positions = torch.arange(length, device=device, dtype=dtype)
+    distance = (positions[None, :] - positions[:, None]).clamp(max=0)
+    return slopes[:, None, None] * distance[None]
 
 
 def tiny_decoder(**options) -> nn.Module:

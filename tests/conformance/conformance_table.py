@@ -104,7 +104,13 @@ TABLE = [
                       new_decoder_architecture=False), token_ids()),
     Arch("gpt_neox", hf("gpt_neox", hidden_size=48, num_hidden_layers=L, num_attention_heads=H,
                         intermediate_size=I, rotary_pct=0.5), token_ids()),
-    Arch("bloom", hf("bloom", hidden_size=48, n_layer=L, n_head=H), token_ids()),
+    # ALiBi made from the mask, (batch * heads, 1, keys): cut to each rank's heads in every attention.
+    Arch("bloom", hf("bloom", hidden_size=48, n_layer=L, n_head=H), token_ids(), small=True),
+    # ALiBi made in forward, (heads, 1, max_seq_len), sliced inside the attention after the cut.
+    Arch("mpt", hf("mpt", d_model=48, n_layers=L, n_heads=H), token_ids(), small=True),
+    # Multi-query attention; FalconLinear (a forward of its own) keeps its layers whole.
+    Arch("falcon_mqa", hf("falcon", hidden_size=48, num_hidden_layers=L, num_attention_heads=H, multi_query=True,
+                          new_decoder_architecture=False), token_ids()),
     # Rotates pairs of even and odd features with stack and flatten.
     Arch("gptj", hf("gptj", n_embd=48, n_layer=L, n_head=H, n_positions=32, rotary_dim=4), token_ids(), small=True),
     Arch("olmo", hf("olmo", **LLAMA_LIKE), token_ids()),
@@ -135,6 +141,9 @@ TABLE = [
                           shared_expert_intermediate_size=40), token_ids(), small=True, fp64=False,
          tolerance=MOE_FP32),
     Arch("gpt_bigcode", hf("gpt_bigcode", n_embd=48, n_layer=L, n_head=H, n_positions=32, multi_query=False),
+         token_ids()),
+    # Multi-query attention in one fused c_attn (query heads, then the one KV head's k and v).
+    Arch("gpt_bigcode_mqa", hf("gpt_bigcode", n_embd=48, n_layer=L, n_head=H, n_positions=32, multi_query=True),
          token_ids()),
     Arch("codegen", hf("codegen", n_embd=64, n_layer=L, n_head=8, n_positions=32, rotary_dim=4), token_ids()),
     Arch("biogpt", hf("biogpt", **BERT_LIKE), token_ids()),
@@ -168,6 +177,10 @@ TABLE = [
          seq2seq_ids(), planning="parallelize"),
     Arch("t5", hf("t5", "seq2seq", d_model=48, d_kv=8, d_ff=I, num_layers=1, num_decoder_layers=1, num_heads=H),
          seq2seq_ids(), small=True, planning="auto"),
+    # Two blocks per stack: the first attention's relative position bias (cut to each rank's heads
+    # as it leaves its embedding) is passed on to the second, whose heads it then shares.
+    Arch("t5_two_layers", hf("t5", "seq2seq", d_model=48, d_kv=8, d_ff=I, num_layers=2, num_decoder_layers=2,
+                             num_heads=H), seq2seq_ids(), small=True),
     Arch("t5_example_inputs", hf("t5", "seq2seq", d_model=48, d_kv=8, d_ff=I, num_layers=1, num_decoder_layers=1,
                                  num_heads=H), seq2seq_ids()),
     Arch("whisper", hf("whisper", "speech", d_model=48, encoder_layers=1, decoder_layers=1,
@@ -205,6 +218,13 @@ TABLE = [
     Arch("own_multihead_no_bias", own_multihead(bias=False), token_ids(97), small=True),
     # Returns the weights averaged over the heads: kept whole.
     Arch("own_multihead_weights", own_multihead(need_weights=True), token_ids(97), small=(2,)),
+    # A bias over the heads held by the model (a buffer's slices, or made in forward from the head
+    # count) and passed to every attention: cut to each rank's heads where the attention receives it.
+    Arch("own_alibi_buffer", own(alibi="buffer"), token_ids(97), small=True),
+    Arch("own_alibi_computed", own(alibi="computed"), token_ids(97), small=True),
+    # Multi-query attention: the one KV head held by every rank, its projections' gradients summed.
+    Arch("own_mqa", own(kv_heads=1), token_ids(97), small=True),
+    Arch("own_mqa_alibi", own(kv_heads=1, alibi="computed"), token_ids(97), small=True),
 ]
 
 # Our own models written to exhibit the defect classes; each is in the small matrix.

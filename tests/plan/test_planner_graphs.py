@@ -75,7 +75,7 @@ def test_document_is_versioned_with_named_records():
     doc = g.plan(2)
     assert doc["version"] == 1
     assert set(doc) == {"version", "layers", "regions", "comm", "partial_gradients", "tensors", "sequence_entries",
-                        "sequence_gathers"}
+                        "sequence_gathers", "head_entries", "head_outputs"}
     assert set(doc["layers"][0]) == {"node", "style", "region", "units", "copy_group", "parts", "letter", "repeat",
                                      "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",
                                      "sequence_note"}
@@ -366,3 +366,136 @@ def test_errors_carry_codes_and_name_the_field(document, world, code, field):
     with pytest.raises(ValueError) as error:
         torch.ops.autoshard.plan_graph(document, world)
     assert code in str(error.value) and field in str(error.value), str(error.value)
+
+
+def bias_block(g, bias_param=None, entry=True, module="attn"):
+    """Heads split 3 ways with a bias over the heads added to them (ALiBi): the bias is made
+    outside the attention "attn" (from positions, or from a parameter) and received by `module`."""
+    source = g.tensor(3, 2, param=bias_param)
+    if bias_param is None:
+        g.node("source", [], [source])
+    bias = g.tensor(3, 2)
+    g.node("pointwise", [source], [bias])
+    x = g.tensor(2, 8)
+    first = len(g.nodes)
+    nq, q = g.linear(x, 8, 6, 0, out_shape=(2, 6))
+    heads = g.tensor(2, 3, 2)
+    g.node("view", [q], [heads])
+    biased = g.tensor(2, 3, 2)
+    g.node("pointwise", [heads, bias], [biased])
+    flat = g.tensor(2, 6)
+    g.node("view", [biased], [flat])
+    no, y = g.linear(flat, 6, 8, 1, out_shape=(2, 8), output=True)
+    g.nodes[nq]["label"], g.nodes[no]["label"] = "attn.q", "attn.o"
+    if entry:
+        g.entries.append({"tensor": bias, "first": first, "end": len(g.nodes), "leaf": 1, "module": module})
+    return bias
+
+
+def test_bias_over_the_heads_is_cut_where_the_attention_receives_it():
+    g = G()
+    bias = bias_block(g)
+    doc = g.plan(2)
+    assert styles(doc) == ["column", "row"]
+    region = doc["layers"][0]["region"]
+    assert doc["head_entries"] == [{"tensor": bias, "module": "attn", "leaf": 1, "axis": 0, "outer": 1, "size": 3,
+                                    "region": region}]
+    assert bias not in [t["tensor"] for t in doc["tensors"]]  # held whole where it is made
+    # The cut communicates nothing (no gradient reaches the bias; x is a model input).
+    assert comm(doc, "forward") == {"all_reduce": 1} and comm(doc, "backward") == {}
+
+
+def test_bias_with_a_gradient_or_without_an_entry_keeps_attention_whole():
+    for g, bias in ((G(), 5), (G(), None)):
+        bias_block(g, bias_param=bias, entry=bias is not None)
+        doc = g.plan(2)
+        assert styles(doc)[0] == "replicate" and doc["head_entries"] == []
+        assert "replicated tensor" in doc["layers"][0]["note"]
+
+
+def test_bias_received_by_a_module_other_than_the_attention_is_not_cut():
+    # A module inside the attention (its projections outside it), or a block around it: the
+    # attention's attributes could not be made local from a cut input there.
+    for module in ("attn.core", "block"):
+        g = G()
+        bias_block(g, module=module)
+        doc = g.plan(2)
+        assert styles(doc)[0] == "replicate" and doc["head_entries"] == []
+
+
+def test_one_bias_for_two_attentions_is_cut_at_each():
+    g = G()
+    source = g.tensor(3, 2)
+    g.node("source", [], [source])
+    x = g.tensor(2, 8)
+    for block in range(2):
+        first = len(g.nodes)
+        nq, q = g.linear(x, 8, 6, 2 * block, out_shape=(2, 6))
+        heads, biased, flat = g.tensor(2, 3, 2), g.tensor(2, 3, 2), g.tensor(2, 6)
+        g.node("view", [q], [heads])
+        g.node("pointwise", [heads, source], [biased])
+        g.node("view", [biased], [flat])
+        no, x = g.linear(flat, 6, 8, 2 * block + 1, out_shape=(2, 8), output=block == 1)
+        g.nodes[nq]["label"], g.nodes[no]["label"] = f"attn{block}.q", f"attn{block}.o"
+        g.entries.append({"tensor": source, "first": first, "end": len(g.nodes), "leaf": 1, "module": f"attn{block}"})
+    doc = g.plan(3)
+    assert styles(doc) == ["column", "row", "column", "row"]
+    assert [e["module"] for e in doc["head_entries"]] == ["attn0", "attn1"]
+
+
+def test_multi_query_attention_holds_its_one_kv_head_on_every_rank():
+    g = G()
+    x = g.tensor(2, 4, 8)
+    _, q = g.linear(x, 8, 8, 0, out_shape=(2, 4, 8))   # 4 query heads of 2
+    _, k = g.linear(x, 8, 2, 1, out_shape=(2, 4, 2))   # 1 KV head of 2
+    _, v = g.linear(x, 8, 2, 2, out_shape=(2, 4, 2))
+    qh, kh, vh = g.tensor(2, 4, 4, 2), g.tensor(2, 4, 1, 2), g.tensor(2, 4, 1, 2)
+    # A view given its sizes spells the one KV head as a dimension of length 1.
+    for a, b in ((q, qh), (k, kh), (v, vh)):
+        g.node("view", [a], [b], label="aten.view.default")
+    qt, kt, vt = g.tensor(2, 4, 4, 2), g.tensor(2, 1, 4, 2), g.tensor(2, 1, 4, 2)
+    for a, b in ((qh, qt), (kh, kt), (vh, vt)):
+        g.node("permute", [a], [b], permutation=[0, 2, 1, 3])
+    o = g.tensor(2, 4, 4, 2)
+    g.node("attention", [qt, kt, vt], [o])
+    ot = g.tensor(2, 4, 4, 2)
+    g.node("permute", [o], [ot], permutation=[0, 2, 1, 3])
+    flat = g.tensor(2, 4, 8)
+    g.node("view", [ot], [flat], label="aten.view.default")
+    g.linear(flat, 8, 8, 3, out_shape=(2, 4, 8), output=True)
+    doc = g.plan(3)
+    assert styles(doc) == ["column", "column", "column", "row"]
+    assert [layer["repeat"] for layer in doc["layers"]] == [0, 4, 4, 0]
+    assert doc["regions"][0]["coarse_units"] == 1
+    # Each rank sums the KV projections' gradients (weights only: no biases) in backward.
+    assert comm(doc, "backward") == {"all_reduce": 2}
+
+
+def test_embedding_over_the_heads_has_its_output_cut():
+    g = G()
+    ids = g.tensor(4, 4)
+    table = g.tensor(4, 4, 3)  # (queries, keys, heads)
+    g.node("embedding", [ids], [table], num_embeddings=7, embedding_dim=3, weight_param=9)
+    moved = g.tensor(3, 4, 4)
+    g.node("permute", [table], [moved], permutation=[2, 0, 1])
+    tokens, x = g.tensor(4), g.tensor(4, 6)
+    g.node("embedding", [tokens], [x], num_embeddings=50, embedding_dim=6, weight_param=8)  # the token table
+    _, q = g.linear(x, 6, 6, 0, out_shape=(4, 6))
+    split, heads = g.tensor(4, 3, 2), g.tensor(3, 4, 2)
+    g.node("view", [q], [split], label="aten.view.default")
+    g.node("permute", [split], [heads], permutation=[1, 0, 2])
+    scores = g.tensor(3, 4, 4)
+    g.node("matmul", [heads, g.tensor(2, 4)], [scores])
+    biased = g.tensor(3, 4, 4)
+    g.node("pointwise", [scores, moved], [biased])
+    mixed, back = g.tensor(3, 4, 2), g.tensor(4, 3, 2)
+    g.node("matmul", [biased, g.tensor(4, 2)], [mixed])
+    g.node("permute", [mixed], [back], permutation=[1, 0, 2])
+    flat = g.tensor(4, 6)
+    g.node("view", [back], [flat], label="aten.view.default")
+    g.linear(flat, 6, 6, 1, out_shape=(4, 6), output=True)
+    doc = g.plan(3, sequence_parallel=False)
+    assert styles(doc) == ["replicate", "vocab", "column", "row"], [l["note"] for l in doc["layers"]]
+    assert [(e["module"], e["axis"], e["size"]) for e in doc["head_outputs"]] == [("embedding0", 2, 3)]
+    # The cut's backward gathers the table's gradient whole: one all-gather, no partial sum.
+    assert comm(doc, "backward").get("all_gather") == 1 and doc["partial_gradients"] == []

@@ -78,15 +78,21 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                                           repeat=record["repeat"], coarse_units=record["coarse_units"],
                                           coarse_sizes=record["coarse_localize"])
         region_plans[region]._localize = record["localize"]
+    _attention_copies(region_plans, layers, graph)
     result = ShardingPlan(world_size=world_size, layers=layers, regions=region_plans, comm=comm,
                           partial_gradients=partial,
                           sequence_entries=[{k: e[k] for k in ("module", "leaf", "dim", "region")}
                                             for e in data["sequence_entries"]],
                           sequence_gathers=[{k: e[k] for k in ("module", "leaf", "dim", "region")}
                                             for e in data["sequence_gathers"]],
+                          head_entries=[{k: e[k] for k in ("module", "leaf", "axis", "outer", "size", "region")}
+                                        for e in data.get("head_entries", [])],
+                          head_outputs=[{k: e[k] for k in ("module", "axis", "outer", "size", "region")}
+                                        for e in data.get("head_outputs", [])],
                           example={"description": graph.description, "inputs": graph.example_inputs,
                                    "output_shapes": [list(s) for s in graph.output_shapes]})
-    result._prediction = Prediction(graph, data["tensors"], data["sequence_entries"], data["sequence_gathers"])
+    result._prediction = Prediction(graph, data["tensors"], data["sequence_entries"], data["sequence_gathers"],
+                                    data.get("head_entries", []))
     result._prediction.plan = result
     return result
 
@@ -140,6 +146,30 @@ def _add_routing_gradients(comm, data, graph: CapturedGraph, element_size: int) 
             c["bytes"] += count * element_size
             return
     comm.append({"phase": "backward", "kind": "all_reduce", "count": len(elements), "bytes": count * element_size})
+
+
+def _attention_copies(region_plans: Dict[int, RegionPlan], layers, graph: CapturedGraph) -> None:
+    """A region spanning several attentions (a position bias passed on from the first ties their
+    heads together) has no one module whose attributes it could make local: each attention gets
+    a copy of the region under an id of its own (negative, named by no layer or tensor), whose
+    module is that attention, for its attributes alone."""
+    for region_id, region in list(region_plans.items()):
+        if region.module in graph.module_nodes:
+            continue
+        groups: Dict[str, list] = {}
+        for layer in layers:
+            if layer.region == region_id and layer.style != "replicate":
+                groups.setdefault(layer.module.rpartition(".")[0], []).append(layer.module)
+        if len(groups) < 2:
+            continue
+        for members in sorted(groups.values()):
+            module = _common_module(members)
+            if module not in graph.module_nodes:
+                continue
+            copy = RegionPlan(units=region.units, module=module, repeat=region.repeat,
+                              coarse_units=region.coarse_units, coarse_sizes=list(region.coarse_sizes))
+            copy._localize = list(region._localize)
+            region_plans[min(min(region_plans), 0) - 1] = copy
 
 
 def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None,

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
+from ..nn.head_cuts import cut_leaf, cut_steps, local_heads_shape
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
 from .capture import CapturedGraph, trace_shapes
@@ -34,7 +35,7 @@ class Prediction:
     """Local shapes per rank of the tensors of a captured graph, from the planner's layouts."""
 
     def __init__(self, graph: CapturedGraph, tensors: List[dict], entries: Optional[List[dict]] = None,
-                 gathers: Optional[List[dict]] = None):
+                 gathers: Optional[List[dict]] = None, head_entries: Optional[List[dict]] = None):
         self.graph = graph
         self.layouts = {t["tensor"]: t for t in tensors}
         self.plan = None  # set once the plan exists
@@ -48,6 +49,12 @@ class Prediction:
         for entry in gathers or ():  # ... or gathers every rank's tokens of it
             first = graph.module_nodes[entry["module"]][0]
             self.entries.setdefault(first, []).append(dict(entry, gather=True))
+        # Head cuts (nn/head_cuts.py): a module's first node -> the tensors its pre-hook cuts
+        # to this rank's heads.
+        self.head_entries: Dict[int, List[dict]] = {}
+        for entry in head_entries or ():
+            first = graph.module_nodes[entry["module"]][0]
+            self.head_entries.setdefault(first, []).append(entry)
 
     def local_size(self, layout: dict, rank: int) -> int:
         region = self.plan.regions[layout["region"]]
@@ -123,6 +130,13 @@ class Prediction:
                     continue
                 shape[entry["dim"]] = split_sizes(shape[entry["dim"]], self.plan.world_size)[rank]
                 rows.append(("autoshard.scatter_to_parallel.default", [tuple(shape)], None))
+            # After the token hooks (registered first); a module traced alone from its recorded
+            # inputs gets them already cut (tokens False).
+            for entry in self.head_entries.get(index, ()) if tokens or index != first else ():
+                units = self.plan.regions[entry["region"]].units
+                for op, shape in cut_steps(self.graph.shapes[entry["tensor"]], entry, units, rank,
+                                           self.plan.world_size):
+                    rows.append((op, [shape], None))
             if index in self.graph.inner_nodes:
                 continue  # inside a layer whose call the trace sees as one node
             label, inputs, outputs = self.graph.nodes[index]
@@ -213,6 +227,13 @@ class _LocalModule:
                 owner = self.module.get_submodule(region.module[len(prefix):])
                 for attr, value in region.attributes.items():
                     set_attribute(owner, attr, region.local_value(value, rank, world))
+        # Embeddings whose output the plan cuts to this rank's heads: cut here too, to its shape.
+        for entry in plan.head_outputs:
+            if entry["module"].startswith(prefix):
+                units = plan.regions[entry["region"]].units
+                cut = lambda mod, a, out, entry=entry, units=units: torch.empty(
+                    local_heads_shape(out.shape, entry, units, rank, world), dtype=out.dtype, device="meta")
+                self.module.get_submodule(entry["module"][len(prefix):]).register_forward_hook(cut)
         self.supported = True
         done = self._local_attentions(plan, prefix, rank)
         for layer in plan.layers:
@@ -419,9 +440,11 @@ def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, 
     def attempt(rank: int, attrs: Dict[str, int]):
         local = _LocalModule(plan, name, module, rank, prediction.graph.values)
         # Head counts are chosen on the tensor-parallel shapes: a region's module is traced from
-        # its recorded, whole inputs, so split tokens would only differ there.
+        # its recorded, whole inputs, so split tokens would only differ there; the inputs it
+        # cuts to its heads are given to it cut.
         want = prediction.module_nodes(name, rank, tokens=False)
-        got, error = local.trace(args, kwargs, {a: candidates[a][rank] for a in attrs})
+        call_args, call_kwargs = _cut_heads(plan, prediction, name, args, kwargs, rank)
+        got, error = local.trace(call_args, call_kwargs, {a: candidates[a][rank] for a in attrs})
         found = _first_difference(got, want)
         if error is not None:
             index = found[0] if found is not None and found[0] < len(got) else len(got)
@@ -453,6 +476,27 @@ def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, 
             raise ShapeMismatch(f"plan: on rank {r} of {plan.world_size}, module {name!r} does not compute the shapes "
                                 f"the plan predicts ({where}: {why}); local attributes tried: {sorted(chosen)}")
     return {attr: dict(_integer_attributes(module, name, plan, values))[attr] for attr in chosen}
+
+
+def _cut_heads(plan, prediction: Prediction, name: str, args, kwargs, rank: int):
+    """A module's recorded inputs with those that are sharded on heads where the module receives
+    them at their local shapes: tensors sharded where they are made (a position bias passed on
+    from another attention), and those the plan cuts as the module receives them (nn/head_cuts.py)."""
+    for entry in prediction.graph.document.get("entries", ()):
+        layout = prediction.layouts.get(entry["tensor"])
+        if entry["module"] != name or layout is None or layout.get("sequence"):
+            continue
+        local = lambda x, t=entry["tensor"]: torch.empty(prediction.local_shape(t, rank, tokens=False),
+                                                         dtype=x.dtype, device="meta")
+        args, kwargs = cut_leaf(args, kwargs, entry["leaf"], local, name)
+    for entry in plan.head_entries:
+        if entry["module"] != name:
+            continue
+        units = plan.regions[entry["region"]].units
+        local = lambda x: torch.empty(local_heads_shape(x.shape, entry, units, rank, plan.world_size),
+                                      dtype=x.dtype, device="meta")
+        args, kwargs = cut_leaf(args, kwargs, entry["leaf"], local, name)
+    return args, kwargs
 
 
 def _fallback(graph, name, module, candidates) -> Dict[str, int]:

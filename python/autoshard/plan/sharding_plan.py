@@ -126,6 +126,14 @@ class ShardingPlan:
     # Tensors whose tokens are gathered where a module receives them, for the column layers
     # inside it ("gathered"): an attention reading its input's length sees every token.
     sequence_gathers: List[Dict[str, object]] = field(default_factory=list)
+    # Tensors held whole cut to this rank's heads where a module receives them (an ALiBi bias
+    # passed to each attention): {"module", "leaf", "axis", "outer", "size", "region"}; see
+    # nn/head_cuts.py.
+    head_entries: List[Dict[str, object]] = field(default_factory=list)
+    # Replicated embeddings whose output is cut to this rank's heads as it leaves them (T5's
+    # relative position bias, whose embedding dim is the heads): {"module", "axis", "outer",
+    # "size", "region"}; their gradient is gathered back whole in backward.
+    head_outputs: List[Dict[str, object]] = field(default_factory=list)
     # The output head whose loss parallelize computes over vocabulary shards when the model is
     # called with labels ("" when it does not): that call keeps the head's logits sharded.
     loss_parallel_head: str = ""
@@ -235,6 +243,12 @@ class ShardingPlan:
                 local = {k: "/".join(str(region.local_value(v, r, self.world_size)) for r in range(self.world_size))
                          for k, v in region.attributes.items()}
                 lines.append(f"  {region.module}: local attributes {local}")
+        if self.head_entries:
+            lines.append(f"  bias over the heads cut to each rank's heads on entering "
+                         f"{_listed([e['module'] for e in self.head_entries])}")
+        if self.head_outputs:
+            lines.append(f"  output cut to each rank's heads as it leaves "
+                         f"{_listed([e['module'] for e in self.head_outputs])} (its gradient gathered back)")
         lines += self._sequence_lines()
         for bucket in self.partial_gradients:
             lines.append(f"  partial gradients summed over the ranks in backward (one all-reduce, "
@@ -299,5 +313,7 @@ class ShardingPlan:
             parameters=data.get("parameters", {}),
             sequence_entries=data.get("sequence_entries", []),
             sequence_gathers=data.get("sequence_gathers", []),
+            head_entries=data.get("head_entries", []),
+            head_outputs=data.get("head_outputs", []),
             loss_parallel_head=data.get("loss_parallel_head", ""),
         )

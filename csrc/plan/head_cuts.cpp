@@ -1,0 +1,126 @@
+// Head cuts: a tensor held whole that is added to sharded attention scores along their heads
+// axis (an ALiBi bias, built from the head count and passed to every attention) is cut to this
+// rank's heads where a module receives it, as sequence parallelism cuts tokens.
+//
+// An elementwise op pairs element i of its inputs, so the rank computing heads [start, stop)
+// of the scores needs exactly those heads of the bias: the cut is exact whatever the bias
+// holds. It is made on the module call that holds the op reading the bias and every op between
+// the entry and that read (slices of other axes, transposes, copies), and only for a tensor no
+// gradient reaches (a bias made from the mask or from positions), so backward never crosses it.
+// Inside the call the tensor is sharded like the scores; outside it is held whole, so one bias
+// passed to every block is cut once per attention.
+#include "plan/propagation.h"
+
+namespace autoshard::plan {
+namespace {
+
+// A tensor of one value throughout: made at this rank's size it holds this rank's part of it.
+bool uniform(const Node& node) {
+  for (const char* op : {"aten.zeros.", "aten.ones.", "aten.full."}) {
+    if (node.label.rfind(op, 0) == 0) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+bool Propagation::request_cut(int tensor, int axis, const AxisFactor& merged) {
+  const int n = current_node_;
+  if (n < 0) return false;
+  int t = tensor, a = axis, earliest = n;
+  for (int step = 0; step < 16; ++step) {
+    if (layouts[t].sharded || graph_.tensor(t).is_output) return false;
+    int best = -1;
+    for (size_t e = 0; e < graph_.entries.size() && !carries_grad_.at(t); ++e) {
+      const ModuleEntry& entry = graph_.entries[e];
+      if (entry.tensor != t || entry.end <= entry.first || entry.first > earliest || entry.end <= n) continue;
+      if (best < 0 || entry.end - entry.first < graph_.entries[best].end - graph_.entries[best].first) {
+        best = static_cast<int>(e);
+      }
+    }
+    const auto& out_shape = graph_.tensor(t).shape;
+    if (best >= 0) {
+      if (out_shape.at(a) != merged.outer * merged.size || dropped_cuts.count(best)) return false;
+      wanted_cuts[best] = {a, merged.outer, merged.size};
+      return true;
+    }
+    const int p = producer_.at(t);
+    if (p < 0) return false;
+    const Node& node = graph_.nodes[p];
+    const bool embedding = node.kind == Kind::Embedding && roles[p] == Style::Replicate;
+    if ((embedding && a == static_cast<int>(out_shape.size()) - 1) || (node.kind == Kind::Source && uniform(node))) {
+      if (out_shape.at(a) != merged.outer * merged.size || dropped_node_cuts.count(p)) return false;
+      wanted_node_cuts[p] = {a, merged.outer, merged.size};
+      return true;
+    }
+    if (node.inputs.empty()) return false;
+    int in = node.inputs[0];
+    if (node.kind == Kind::Pointwise && node.inputs.size() > 1) {
+      // An elementwise op with one input holding the heads, the others broadcast along them (a
+      // mask applied with where): the heads come from that input.
+      int full = -1;
+      for (int id : node.inputs) {
+        const auto& s = graph_.tensor(id).shape;
+        const int ax = a - static_cast<int>(out_shape.size() - s.size());
+        if (ax < 0 || s[ax] == 1) continue;
+        if (full >= 0 || s[ax] != out_shape.at(a) || layouts[id].sharded) return false;
+        full = id;
+      }
+      if (full < 0) return false;
+      a -= static_cast<int>(out_shape.size() - graph_.tensor(full).shape.size());
+      t = full;
+      earliest = p;
+      continue;
+    }
+    const auto& in_shape = graph_.tensor(in).shape;
+    switch (node.kind) {
+      case Kind::Permute:
+        a = static_cast<int>(node.permutation.at(a));
+        break;
+      case Kind::Slice:
+        if (node.drop_dim && node.dim <= a) ++a;
+        if (node.dim == a && (node.start > 0 || node.stop < in_shape.at(a))) return false;
+        break;
+      case Kind::Pointwise:
+        if (in_shape != out_shape) return false;
+        break;
+      case Kind::View: {
+        const ReshapeResult r = map_reshape(out_shape, in_shape, {a, merged.outer, merged.size});
+        if (!r.ok || r.factor.outer != merged.outer || r.factor.size != merged.size) return false;
+        a = r.factor.axis;
+        break;
+      }
+      case Kind::Expand: {
+        const int in_axis = a - static_cast<int>(out_shape.size() - in_shape.size());
+        if (in_axis < 0 || in_shape.at(in_axis) != out_shape.at(a)) return false;
+        a = in_axis;
+        break;
+      }
+      default:
+        return false;
+    }
+    t = in;
+    earliest = p;
+  }
+  return false;
+}
+
+// Before node `n`: the cuts whose module call ends here give their tensor back whole, those
+// whose call begins here hold it sharded, each in a region of its own that the scores join.
+void Propagation::open_cuts(int n, const std::map<int, AxisFactor>& cuts) {
+  for (const auto& [index, factor] : cuts) {
+    const ModuleEntry& entry = graph_.entries.at(index);
+    if (entry.end == n && cut_region.count(index)) layouts[entry.tensor] = Layout{};
+  }
+  for (const auto& [index, factor] : cuts) {
+    const ModuleEntry& entry = graph_.entries.at(index);
+    // A tensor sharded where it is made (a bias passed on from the first attention) needs no cut.
+    if (entry.first != n || entry.end <= entry.first || layouts[entry.tensor].sharded) continue;
+    const int region = new_region(factor.size);
+    set_sharded(entry.tensor, factor, region);
+    cut_region[index] = region;
+    cut_factor[index] = factor;
+  }
+}
+
+}  // namespace autoshard::plan
