@@ -15,10 +15,10 @@ should one arrive, the cut's backward gathers it whole again.
 from typing import List, Tuple
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import ops
 from ..split import split_sizes
+from .sequence import replace_input
 
 
 def _grouped_shape(shape: List[int], axis: int, size: int, units: int) -> Tuple[List[int], int]:
@@ -73,12 +73,8 @@ class SliceHeads:
 
 def cut_leaf(args, kwargs, leaf: int, cut, module: str):
     """(args, kwargs) with their flattened input `leaf` replaced by cut(leaf)."""
-    leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
-    if leaf >= len(leaves) or not isinstance(leaves[leaf], torch.Tensor):
-        raise RuntimeError(f"head cut: {module!r} was called without the tensor the plan cuts to this rank's heads "
-                           f"(input {leaf})")
-    leaves[leaf] = cut(leaves[leaf])
-    return tree_unflatten(leaves, spec)
+    return replace_input(args, kwargs, leaf, cut, f"head cut: {module!r} was called without the tensor the plan cuts "
+                                                  f"to this rank's heads (input {leaf})")
 
 
 def entry_hook(entry: dict, units: int, group_name: str):

@@ -23,6 +23,16 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .. import ops
 
 
+def replace_input(args, kwargs, leaf: int, replace, missing: str):
+    """(args, kwargs) of a call with their flattened input `leaf` replaced by replace(it);
+    RuntimeError(missing) when the call has no tensor there."""
+    leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+    if leaf >= len(leaves) or not isinstance(leaves[leaf], torch.Tensor):
+        raise RuntimeError(missing)
+    leaves[leaf] = replace(leaves[leaf])
+    return tree_unflatten(leaves, spec)
+
+
 class SequenceShards:
     """One sequence region's state during a forward: how many tokens it holds in all."""
 
@@ -89,12 +99,9 @@ class PlanSteps:
         leaf = entry["leaf"]
 
         def hook(module, args, kwargs):
-            leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
-            if leaf >= len(leaves) or not isinstance(leaves[leaf], torch.Tensor):
-                raise RuntimeError(f"sequence parallelism: {entry['module']!r} was called without the tensor the plan "
-                                   f"cuts to this rank's tokens (input {leaf})")
-            leaves[leaf] = step(leaves[leaf])
-            return tree_unflatten(leaves, spec)
+            return replace_input(args, kwargs, leaf, step,
+                                 f"sequence parallelism: {entry['module']!r} was called without the tensor the plan "
+                                 f"cuts to this rank's tokens (input {leaf})")
 
         return hook
 
