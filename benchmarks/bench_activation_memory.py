@@ -27,20 +27,17 @@ benchmarks/results/bench_activation_memory_cpu.json and .txt.
 
 import argparse
 import contextlib
-import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging
 
 import autoshard
-from common import save_json, save_text, table_text
+from common import run_on_gloo_ranks, save_json, save_text, table_text
 
 logging.set_verbosity_error()
 
@@ -134,10 +131,7 @@ def _build_config(name, options, args, world):
     return model, isinstance(options, dict) and options.get("loss_parallel", False)
 
 
-def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank_main(rank: int, world: int, args) -> dict:
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
     labels = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
@@ -162,13 +156,7 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
         for name, (model, model_loss) in models.items():
             times[name].append(_timed_step(model, ids, labels, model_loss))
     times["unsharded"] = unsharded_times
-    results = {name: (*memory[name], statistics.median(times[name])) for name, _ in configs}
-    del models
-    gathered = [None] * world
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        queue.put(gathered)
-    dist.destroy_process_group()
+    return {name: (*memory[name], statistics.median(times[name])) for name, _ in configs}
 
 
 def main() -> None:
@@ -185,12 +173,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for world in args.worlds:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        queue = mp.get_context("spawn").SimpleQueue()
-        mp.spawn(_rank_main, args=(world, port, args, queue), nprocs=world)
-        per_rank = queue.get()
+        per_rank = run_on_gloo_ranks(_rank_main, world, args)
         # The figures of the rank that saves the most (rank 0 holds the extra token when uneven).
         for name in list(CONFIGS) + [PEER]:
             saved = max(r[name][0] for r in per_rank)

@@ -16,17 +16,14 @@ benchmarks/results/bench_sequence_collectives_cpu.json and .txt.
 """
 
 import argparse
-import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import autoshard
-from common import save_json, save_text, table_text
+from common import run_on_gloo_ranks, save_json, save_text, table_text
 
 
 def _timed(fn, repeats: int) -> float:
@@ -40,10 +37,7 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank_main(rank: int, world: int, args) -> dict:
     x = torch.randn(args.batch, args.seq, args.hidden)
     # torch's calls split the leading axis, so the tokens lead there; autoshard's take the axis.
     tokens_first = x.transpose(0, 1).contiguous()
@@ -58,16 +52,11 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
         local = autoshard.comm.reduce_scatter_to_sequence(x, 1)
         autoshard.comm.all_gather_from_sequence(local, 1, args.seq)
 
-    results = {
+    return {
         "all_reduce (torch)": _timed(lambda: dist.all_reduce(x.clone()), args.repeats),
         "rs + ag (torch)": _timed(torch_pair, args.repeats),
         "rs + ag (autoshard)": _timed(autoshard_pair, args.repeats),
     }
-    gathered = [None] * world
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        queue.put(gathered)
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -83,12 +72,7 @@ def main() -> None:
             parser.error(f"--seq {args.seq} must divide evenly over {world} ranks (torch's calls need it)")
     rows = []
     for world in args.worlds:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        queue = mp.get_context("spawn").SimpleQueue()
-        mp.spawn(_rank_main, args=(world, port, args, queue), nprocs=world)
-        per_rank = queue.get()
+        per_rank = run_on_gloo_ranks(_rank_main, world, args)
         base = max(r["all_reduce (torch)"] for r in per_rank)
         for name in per_rank[0]:
             seconds = max(r[name] for r in per_rank)

@@ -1,8 +1,9 @@
-"""Shared benchmark plumbing: timing, a printed table, and a JSON record per run."""
+"""Shared benchmark plumbing: timing, gloo ranks, a printed table, and a JSON record per run."""
 
 import json
 import os
 import platform
+import socket
 import statistics
 import time
 from typing import Callable, Dict, List
@@ -73,3 +74,30 @@ def save_json(name: str, device: torch.device, rows: List[Dict[str, object]]) ->
     with open(path, "w") as f:
         json.dump(record, f, indent=2)
     return path
+
+
+def _gloo_rank(rank: int, rank_main: Callable, world: int, port: int, queue, args) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    result = rank_main(rank, world, *args)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        queue.put(gathered)
+    dist.destroy_process_group()
+
+
+def run_on_gloo_ranks(rank_main: Callable, world: int, *args) -> list:
+    """What `rank_main(rank, world, *args)` returns on each of `world` spawned gloo ranks (one
+    thread each), in rank order. `rank_main` must be a module-level function."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_gloo_rank, args=(rank_main, world, port, queue, args), nprocs=world)
+    return queue.get()
