@@ -38,7 +38,8 @@ MODELS = {
 NOT_YET = {
     "falcon_mqa": (lambda: _hf("falcon", hidden_size=48, num_hidden_layers=2, num_attention_heads=6, multi_query=True,
                                new_decoder_architecture=False),
-                   "FalconLinear has a forward of its own and is not planned as a Linear"),
+                   "the query heads and the one KV head are picked from the fused query_key_value by list "
+                   "indexing ([..., [-2], :])"),
     "gpt_bigcode_mqa": (lambda: _hf("gpt_bigcode", n_embd=48, n_layer=2, n_head=6, n_positions=32, multi_query=True),
                         "its fused c_attn holds query heads and the one KV head in one Linear"),
 }

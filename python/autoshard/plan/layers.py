@@ -72,13 +72,51 @@ class LayerInfo:
         return self
 
 
+_COMPUTES_LINEAR: Dict[type, bool] = {nn.Linear: True}
+
+
+def computes_linear(cls: type) -> bool:
+    """Whether the nn.Linear subclass `cls` computes F.linear: its own forward, if it has one,
+    checked once per class on small float64 layers of its own (with and without bias, inputs
+    of 1 to 3 dimensions) against F.linear. A class whose __init__ is not nn.Linear's, or
+    that does anything else, is not taken for a Linear."""
+    known = _COMPUTES_LINEAR.get(cls)
+    if known is not None:
+        return known
+    if cls.forward is nn.Linear.forward:
+        _COMPUTES_LINEAR[cls] = True
+        return True
+    same = False
+    if cls.__init__ is nn.Linear.__init__:
+        generator = torch.Generator().manual_seed(0)
+        # Outside any mode a capture or a dry run has on: this is a check, not the model's call.
+        with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
+            try:
+                same = True
+                for bias in (True, False):
+                    layer = cls(5, 3, bias=bias, device="cpu", dtype=torch.float64)
+                    with torch.no_grad():
+                        for p in layer.parameters():
+                            p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64))
+                    for shape in ((5,), (4, 5), (2, 4, 5)):
+                        x = torch.randn(shape, generator=generator, dtype=torch.float64)
+                        got = cls.forward(layer, x)
+                        want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+                        same = same and isinstance(got, torch.Tensor) and got.shape == want.shape and \
+                            bool(torch.allclose(got, want, rtol=1e-12, atol=1e-12))
+            except Exception:
+                same = False
+    _COMPUTES_LINEAR[cls] = same
+    return same
+
+
 def describe_layer(name: str, module: nn.Module, param_index: Dict[int, int]) -> Optional[LayerInfo]:
     def index(p) -> int:
         return param_index.get(id(p), -1) if p is not None else -1
 
-    # A Linear subclass with a forward of its own computes something else; its ops are
-    # followed one by one instead.
-    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+    # A Linear subclass with a forward of its own is a layer only where that forward computes
+    # F.linear all the same (FalconLinear); otherwise its ops are followed one by one.
+    if isinstance(module, nn.Linear) and computes_linear(type(module)):
         return LayerInfo(name, "linear", module.in_features, module.out_features, False,
                          index(module.weight), index(module.bias))
     if is_conv1d(module):
