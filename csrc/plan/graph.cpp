@@ -98,6 +98,12 @@ Node parse_node(const JsonValue& record, const std::string& where) {
       node.start = integer(record, "start", where);
       node.stop = integer(record, "stop", where);
       node.drop_dim = field(record, "drop_dim", Type::Bool, where).boolean;
+      if (record.find("partition") != nullptr) {
+        node.partition = integers<int64_t>(record, "partition", where);
+        node.part = integer(record, "part", where);
+        TORCH_CHECK_VALUE(node.part >= 0 && node.part < static_cast<int64_t>(node.partition.size()),
+                          "[plan.bad_graph] plan: ", where, ": 'part' must index 'partition'");
+      }
       break;
     case Kind::Pointwise: {
       const JsonValue* narrowing = record.find("narrowing");

@@ -60,6 +60,10 @@ struct Node {
   int64_t dim = 0;                   // Split, Cat, Slice
   int64_t start = 0, stop = 0;       // Slice
   bool drop_dim = false;             // Slice: select drops the axis
+  // Slice: the sizes of the slices of one tensor that together cover its axis in order (Phi-3's
+  // q, k and v sliced from one fused output), and which of them this slice is; empty if none.
+  std::vector<int64_t> partition;
+  int64_t part = -1;
   bool narrowing = false;            // Pointwise: a cast to a narrower floating-point dtype
 };
 

@@ -144,6 +144,7 @@ class Propagation {
   void visit_split(const Node& node);
   void visit_cat(const Node& node);
   void visit_slice(const Node& node);
+  void slice_part(const Node& node, const Layout& x);
   void sequence_visit(int n, const Node& node, const std::set<int>& refused);
   void sequence_layer(int n, const Node& node, const std::set<int>& refused);
 

@@ -188,6 +188,26 @@ void Propagation::visit_cat(const Node& node) {
   set_sharded(out, merged.factor, merged.region);
 }
 
+// Slices that together cover a fused layer's output axis in order are its parts, as a split
+// would make them: the first registers the layout, each later one must find the same.
+void Propagation::slice_part(const Node& node, const Layout& x) {
+  if (x.source < 0 || x.factor.outer != 1) {
+    return conflict(x.region, node.label + " slices the sharded axis of something that is not a layer's output");
+  }
+  const auto known = parts.find(x.source);
+  if (known == parts.end()) {
+    std::vector<int64_t>& layer_parts = parts[x.source];
+    for (int64_t size : node.partition) {
+      layer_parts.push_back(size);
+      constrain(x.region, size);
+      regions[find(x.region)].localize.push_back(size);
+    }
+  } else if (known->second != node.partition) {
+    return conflict(x.region, node.label + " slices a layer's output into other parts than it was split into");
+  }
+  set_sharded(node.outputs.at(0), {x.factor.axis, 1, node.partition.at(node.part)}, x.region);
+}
+
 void Propagation::visit_slice(const Node& node) {
   const int in = node.inputs.at(0), out = node.outputs.at(0);
   const Layout x = layouts[in];
@@ -198,6 +218,7 @@ void Propagation::visit_slice(const Node& node) {
   if (dim == x.factor.axis) {
     const int64_t length = shape(in)[dim];
     if (start <= 0 && stop >= length && !drop) return set_sharded(out, x.factor, x.region, x.source);
+    if (!node.partition.empty() && !drop) return slice_part(node, x);
     return conflict(x.region, node.label + " slices the sharded axis");
   }
   AxisFactor f = x.factor;

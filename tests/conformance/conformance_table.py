@@ -99,7 +99,9 @@ TABLE = [
     Arch("qwen2", hf("qwen2", **LLAMA_LIKE), token_ids()),
     Arch("qwen3", hf("qwen3", **LLAMA_LIKE, head_dim=8), token_ids(), small=True, tolerance=NORM_IN_FP32),
     Arch("phi", hf("phi", **LLAMA_LIKE, partial_rotary_factor=0.5), token_ids()),
-    Arch("phi3", hf("phi3", **LLAMA_LIKE, pad_token_id=0), token_ids()),
+    # Phi-3 slices q, k and v from its fused qkv_proj at config.num_attention_heads * head_dim.
+    Arch("phi3", hf("phi3", **LLAMA_LIKE, pad_token_id=0), token_ids(), small=True),
+    Arch("phi3_mha", hf("phi3", **{**LLAMA_LIKE, "num_key_value_heads": H}, pad_token_id=0), token_ids()),
     Arch("falcon", hf("falcon", hidden_size=48, num_hidden_layers=L, num_attention_heads=H, multi_query=False,
                       new_decoder_architecture=False), token_ids()),
     Arch("gpt_neox", hf("gpt_neox", hidden_size=48, num_hidden_layers=L, num_attention_heads=H,

@@ -192,6 +192,48 @@ def test_fused_output_split_part_by_part():
     assert styles(doc) == ["column", "row"] and doc["layers"][0]["parts"] == [4, 4, 4]
 
 
+def _sliced_into_parts(ranges, partition):
+    """A fused layer's output sliced by `ranges` along its features, each slice marked with
+    `partition` (as the capture marks slices that cover the axis), then a row layer."""
+    g = G()
+    x = g.tensor(2, 8)
+    _, qkv = g.linear(x, 8, 12, 0, out_shape=(2, 12))
+    pieces = []
+    for part, (start, stop) in enumerate(ranges):
+        pieces.append(g.tensor(2, stop - start))
+        g.node("slice", [qkv], [pieces[-1]], dim=1, start=start, stop=stop, drop_dim=False,
+               **({"partition": partition, "part": part} if partition else {}))
+    s = g.tensor(2, 4)
+    g.node("pointwise", pieces, [s])
+    g.linear(s, 4, 8, 1, out_shape=(2, 8), output=True)
+    return g.plan(2)
+
+
+def test_slices_covering_a_fused_output_are_its_parts():
+    doc = _sliced_into_parts([(0, 4), (4, 8), (8, 12)], [4, 4, 4])
+    assert styles(doc) == ["column", "row"] and doc["layers"][0]["parts"] == [4, 4, 4]
+
+
+def test_slices_not_marked_as_a_partition_keep_the_layer_whole():
+    doc = _sliced_into_parts([(0, 4), (4, 8), (8, 12)], None)
+    assert styles(doc)[0] == "replicate" and "slices the sharded axis" in doc["layers"][0]["note"]
+
+
+def test_slices_into_other_parts_than_before_keep_the_layer_whole():
+    g = G()
+    x = g.tensor(2, 8)
+    _, qkv = g.linear(x, 8, 12, 0, out_shape=(2, 12))
+    a, b, c = g.tensor(2, 4), g.tensor(2, 8), g.tensor(2, 4)
+    g.node("slice", [qkv], [a], dim=1, start=0, stop=4, drop_dim=False, partition=[4, 8], part=0)
+    g.node("slice", [qkv], [b], dim=1, start=4, stop=12, drop_dim=False, partition=[4, 8], part=1)
+    g.node("slice", [qkv], [c], dim=1, start=8, stop=12, drop_dim=False, partition=[4, 4, 4], part=2)
+    s = g.tensor(2, 4)
+    g.node("pointwise", [a, c], [s])
+    g.linear(s, 4, 8, 1, out_shape=(2, 8), output=True)
+    doc = g.plan(2)
+    assert styles(doc)[0] == "replicate" and "other parts" in doc["layers"][0]["note"], doc["layers"][0]
+
+
 @pytest.mark.parametrize("kind,fields,why", [
     ("cat", {"dim": 1}, "concatenates along the sharded axis"),
     ("slice", {"dim": 1, "start": 0, "stop": 2, "drop_dim": False}, "slices the sharded axis"),

@@ -195,7 +195,7 @@ class _Recorder(TorchDispatchMode):
         tensors = [dict(t) for t in self.tensors]
         for t in outputs:
             tensors[t]["output"] = True
-        return {"version": 1, "tensors": tensors, "nodes": self.node_records}
+        return {"version": 1, "tensors": tensors, "nodes": _mark_partitions(self.node_records, tensors)}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -365,6 +365,30 @@ class _Recorder(TorchDispatchMode):
         if step != 1:
             stop = start  # a strided slice is never a whole axis
         return {"dim": dim, "start": start, "stop": stop, "drop_dim": False}
+
+
+def _mark_partitions(nodes: List[Dict[str, Any]], tensors: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The nodes, with each group of slices of one tensor along one axis that cover the axis in
+    order without overlap (q, k and v sliced from a fused projection) given its "partition"
+    (the slices' sizes by position) and each slice its "part": the planner takes them for a
+    split."""
+    groups: Dict[Tuple[int, int], List[int]] = {}
+    for index, node in enumerate(nodes):
+        if node["kind"] == "slice" and not node["drop_dim"] and node["stop"] > node["start"]:
+            groups.setdefault((node["inputs"][0], node["dim"]), []).append(index)
+    marked = list(nodes)
+    for (tensor, dim), members in groups.items():
+        ranges = sorted({(nodes[i]["start"], nodes[i]["stop"]) for i in members})
+        length = tensors[tensor]["shape"][dim]
+        covers = len(ranges) > 1 and ranges[0][0] == 0 and ranges[-1][1] == length and all(
+            a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        if not covers:
+            continue
+        sizes = [stop - start for start, stop in ranges]
+        for i in members:
+            part = ranges.index((nodes[i]["start"], nodes[i]["stop"]))
+            marked[i] = {**nodes[i], "partition": sizes, "part": part}
+    return marked
 
 
 def attention_calls(root: nn.Module, recorder: "_Recorder", record_layer) -> contextlib.AbstractContextManager:

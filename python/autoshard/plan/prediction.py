@@ -297,10 +297,27 @@ def _representative_ranks(plan, region) -> List[int]:
     return ranks
 
 
+# A module's configuration object (Hugging Face's `self.config`, shared by every module of the
+# model), whose sizes a module may read in forward (Phi-3 slices q, k and v at
+# `config.num_attention_heads * head_dim`).
+CONFIG = "config"
+
+
 def set_attribute(module: nn.Module, dotted: str, value) -> None:
-    """Sets `dotted` ("num_heads", or "self.all_head_size" on a submodule) on `module`."""
-    owner, _, attr = dotted.rpartition(".")
-    setattr(module.get_submodule(owner) if owner else module, attr, value)
+    """Sets `dotted` ("num_heads", "self.all_head_size" on a submodule, or "config.num_attention_heads"
+    on a module's configuration) on `module`. A configuration is shared by the model's modules:
+    the module gets a copy of its own first, so that only it sees the local size."""
+    owner_name, _, attr = dotted.rpartition(".")
+    module_name, _, config = owner_name.rpartition(".") if owner_name.endswith(CONFIG) else (owner_name, "", "")
+    if owner_name == CONFIG:
+        module_name, config = "", CONFIG
+    owner = module.get_submodule(module_name) if module_name else module
+    if config:
+        if not getattr(owner, "_autoshard_own_config", False):
+            owner.__dict__[CONFIG] = copy.copy(getattr(owner, CONFIG))
+            owner._autoshard_own_config = True
+        owner = getattr(owner, CONFIG)
+    setattr(owner, attr, value)
 
 
 def _integer_attributes(module: nn.Module, module_name: str, plan, values):
@@ -315,9 +332,15 @@ def _integer_attributes(module: nn.Module, module_name: str, plan, values):
     for sub_name, sub in module.named_modules():
         if sub_name and any(sub_name == o or sub_name.startswith(o + ".") for o in owned):
             continue
+        here = f"{sub_name}." if sub_name else ""
         for attr, value in vars(sub).items():
             if type(value) is int and value in values:
-                found.append((f"{sub_name}.{attr}" if sub_name else attr, value))
+                found.append((here + attr, value))
+        config = vars(sub).get(CONFIG)
+        if config is not None and not isinstance(config, nn.Module) and hasattr(config, "__dict__"):
+            for attr, value in vars(config).items():
+                if type(value) is int and value in values:
+                    found.append((f"{here}{CONFIG}.{attr}", value))
     return found
 
 
