@@ -69,3 +69,4 @@ def _styles(linear):
 def test_a_subclass_computing_linear_is_split_and_another_is_not_a_layer():
     assert _styles(MatmulLinear) == {"up": "column", "down": "row"}
     assert _styles(ScaledLinear) == {}
+

@@ -6,6 +6,7 @@ model is checked against the plan before any weight is touched."""
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import autoshard
 from gathered import assert_equals_unsharded
@@ -80,3 +81,18 @@ def test_shape_mismatch_refuses_the_plan_naming_module_op_and_shapes():
     message, unchanged = run_on_ranks(_refused_before_any_weight, 2)[0]
     assert unchanged
     assert message is not None and "'attn'" in message and "slice" in message and "predicts" in message, message
+
+
+def test_a_config_size_is_localised_on_a_copy_of_the_modules_own():
+    from types import SimpleNamespace
+
+    from autoshard.plan.prediction import set_attribute
+
+    shared = SimpleNamespace(num_attention_heads=6, hidden_size=48)
+    a, b = nn.Module(), nn.Module()
+    a.config = b.config = shared
+    set_attribute(a, "config.num_attention_heads", 3)
+    set_attribute(a, "config.hidden_size", 24)
+    assert (a.config.num_attention_heads, a.config.hidden_size) == (3, 24)
+    assert a.config is not shared and b.config is shared
+    assert (shared.num_attention_heads, shared.hidden_size) == (6, 48)
