@@ -98,7 +98,12 @@ class GatherFromParallel : public torch::autograd::Function<GatherFromParallel> 
   }
 };
 
-class ScatterToParallel : public torch::autograd::Function<ScatterToParallel> {
+// A scatter whose gradient is the matching gather: scatter_to_parallel's pieces of the
+// features come back with gather_from_parallel; reduce_scatter_to_sequence's tokens (this
+// rank's piece of each rank's sum) with all_gather_from_sequence.
+template <at::Tensor (*Scatter)(const at::Tensor&, int64_t, c10::string_view),
+          at::Tensor (*Gather)(const at::Tensor&, int64_t, int64_t, c10::string_view)>
+class ScatterGatheredBack : public torch::autograd::Function<ScatterGatheredBack<Scatter, Gather>> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, c10::string_view group_name) {
     ctx->saved_data["group_name"] = std::string(group_name);
@@ -106,7 +111,7 @@ class ScatterToParallel : public torch::autograd::Function<ScatterToParallel> {
     at::Tensor piece;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      piece = call_scatter_to_parallel(x, dim, group_name);
+      piece = Scatter(x, dim, group_name);
     }
     // The op has checked dim by now.
     ctx->saved_data["length"] = x.sym_size(dim < 0 ? dim + x.dim() : dim).guard_int(__FILE__, __LINE__);
@@ -114,35 +119,14 @@ class ScatterToParallel : public torch::autograd::Function<ScatterToParallel> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const at::Tensor grad_x =
-        call_gather_from_parallel(grads[0], ctx->saved_data["dim"].toInt(), ctx->saved_data["length"].toInt(),
-                                  ctx->saved_data["group_name"].toStringRef());
+    const at::Tensor grad_x = Gather(grads[0], ctx->saved_data["dim"].toInt(), ctx->saved_data["length"].toInt(),
+                                     ctx->saved_data["group_name"].toStringRef());
     return {grad_x, at::Tensor(), at::Tensor()};
   }
 };
 
-// The tokens' gradients come back whole: this rank's piece of each rank's sum, gathered.
-class ReduceScatterToSequence : public torch::autograd::Function<ReduceScatterToSequence> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, c10::string_view group_name) {
-    ctx->saved_data["group_name"] = std::string(group_name);
-    ctx->saved_data["dim"] = dim;
-    at::Tensor piece;
-    {
-      at::AutoDispatchBelowADInplaceOrView below_autograd;
-      piece = call_reduce_scatter_to_sequence(x, dim, group_name);
-    }
-    ctx->saved_data["length"] = x.sym_size(dim < 0 ? dim + x.dim() : dim).guard_int(__FILE__, __LINE__);
-    return piece;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const at::Tensor grad_x =
-        call_all_gather_from_sequence(grads[0], ctx->saved_data["dim"].toInt(), ctx->saved_data["length"].toInt(),
-                                      ctx->saved_data["group_name"].toStringRef());
-    return {grad_x, at::Tensor(), at::Tensor()};
-  }
-};
+using ScatterToParallel = ScatterGatheredBack<call_scatter_to_parallel, call_gather_from_parallel>;
+using ReduceScatterToSequence = ScatterGatheredBack<call_reduce_scatter_to_sequence, call_all_gather_from_sequence>;
 
 // Each rank's gradient of the gathered tokens is partial (its share of the features that
 // read them): summed over the group, this rank keeps its tokens' piece.

@@ -298,20 +298,17 @@ std::string plan_to_json(const Plan& plan) {
         << ",\"coarse\":" << (t.coarse ? "true" : "false") << ",\"axis\":" << t.axis << ",\"outer\":" << t.outer
         << ",\"size\":" << t.size << ",\"sequence\":" << (t.sequence ? "true" : "false") << '}';
   }
-  out << "],\"sequence_entries\":[";
-  for (size_t i = 0; i < plan.sequence_entries.size(); ++i) {
-    const SequenceEntry& e = plan.sequence_entries[i];
-    out << (i ? "," : "") << "{\"tensor\":" << e.tensor << ",\"module\":";
-    write_string(out, e.module);
-    out << ",\"leaf\":" << e.leaf << ",\"dim\":" << e.dim << ",\"region\":" << e.region << '}';
-  }
-  out << "],\"sequence_gathers\":[";
-  for (size_t i = 0; i < plan.sequence_gathers.size(); ++i) {
-    const SequenceEntry& e = plan.sequence_gathers[i];
-    out << (i ? "," : "") << "{\"tensor\":" << e.tensor << ",\"module\":";
-    write_string(out, e.module);
-    out << ",\"leaf\":" << e.leaf << ",\"dim\":" << e.dim << ",\"region\":" << e.region << '}';
-  }
+  const auto write_entries = [&out](const char* name, const std::vector<SequenceEntry>& entries) {
+    out << "],\"" << name << "\":[";
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const SequenceEntry& e = entries[i];
+      out << (i ? "," : "") << "{\"tensor\":" << e.tensor << ",\"module\":";
+      write_string(out, e.module);
+      out << ",\"leaf\":" << e.leaf << ",\"dim\":" << e.dim << ",\"region\":" << e.region << '}';
+    }
+  };
+  write_entries("sequence_entries", plan.sequence_entries);
+  write_entries("sequence_gathers", plan.sequence_gathers);
   out << "],\"head_entries\":[";
   for (size_t i = 0; i < plan.head_entries.size(); ++i) {
     const HeadEntry& e = plan.head_entries[i];
