@@ -153,6 +153,7 @@ class Propagation {
   int current_node_ = -1;
   std::vector<int> producer_;       // tensor -> the node computing it, or -1
   std::vector<bool> carries_grad_;  // tensor -> whether a gradient flows to it (a parameter's, a layer's)
+  std::set<int64_t> called_again_;  // weights of Linear layers called more than once (run_sequence)
 };
 
 }  // namespace autoshard::plan

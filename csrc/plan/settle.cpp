@@ -8,6 +8,7 @@
 //   model_output        its output is a model output: gathered
 //   weight_read_elsewhere, weight_shared  its weight is read outside the layer, or shared
 //                       with a layer split differently
+//   feeds_called_layer  it feeds a call of a layer that its other calls split as a column layer
 #include <algorithm>
 #include <map>
 #include <set>
@@ -165,7 +166,29 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
     // A pass that found new cuts (or dropped some) saw bias tensors held whole that the next one
     // cuts: its conflicts and partial gradients are not the model's, so nothing is forced on them.
     if (settle_cuts(pass)) continue;
+    // A layer called several times (ALBERT's one layer, run by every block) is a row layer where
+    // a column layer feeds it and a column layer where its input is whole: the layers feeding
+    // its row call are replicated, so that every call splits the weight as a column layer. Only
+    // the first such call in the graph is settled per pass: later ones may follow from it.
     bool changed = false;
+    for (size_t n = 0; n < count && !changed; ++n) {
+      if (pass.roles[n] != Style::Row) continue;
+      bool column_elsewhere = false;
+      for (int other : layers_of_param[graph.nodes[n].weight_param]) {
+        column_elsewhere = column_elsewhere || pass.roles[other] == Style::Column;
+      }
+      if (!column_elsewhere) continue;
+      // The column layer whose region the row call reads, before the pass united it with others
+      // (a region it meets only because of this very mismatch).
+      const int fed_by = pass.node_region[n];
+      for (size_t m = 0; m < count; ++m) {
+        if (pass.roles[m] != Style::Column || pass.node_region[m] != fed_by) continue;
+        changed |= force(static_cast<int>(m), Force::Replicate,
+                         {"feeds_called_layer", "replicated: it feeds a layer called elsewhere as a column layer (" +
+                                               graph.nodes[n].label + ")"});
+      }
+    }
+    if (changed) continue;
     for (size_t n = 0; n < count; ++n) {
       const Style role = pass.roles[n];
       if (role != Style::Column && role != Style::Vocab) continue;
@@ -183,22 +206,34 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
         changed |= force(node, Force::Gather, {"model_output", "gathered: its output is a model output"});
       }
     }
+    // Regions forced just now change what the layers sharing a weight see in the next pass (a
+    // layer fed by a column layer that is now replicated becomes a column layer itself): the
+    // shared weights are judged once the regions are settled, or ALBERT's one layer, called by
+    // every block, would be replicated for what its first call saw.
+    if (changed) continue;
     // A parameter shared by several layers (tied embeddings) is sharded only if every layer
     // shards it on the same dimension into the same pieces: a token table and a column layer
     // over the vocabulary. A parameter read outside its layers stays whole.
     for (const auto& [param, layers] : layers_of_param) {
       bool agree = !params_read_elsewhere.count(param);
       std::set<int64_t> units;
+      size_t rows = 0;
       for (int n : layers) {
         const Style role = pass.roles[n];
-        if (role == Style::Replicate || role == Style::Row) agree = agree && layers.size() == 1;
+        if (role == Style::Replicate) agree = agree && layers.size() == 1;
+        // A layer called several times as a row layer (ALBERT's shared layer) splits its weight
+        // alike in every call when its regions have the same units.
+        if (role == Style::Row) {
+          ++rows;
+          units.insert(pass.regions[pass.find(pass.node_region[n])].units);
+        }
         if (role == Style::Vocab) units.insert(graph.nodes[n].num_embeddings);
         if (role == Style::Column || role == Style::ColumnGather) {
           units.insert(pass.regions[pass.find(pass.node_region[n])].units);
           agree = agree && (layers.size() == 1 || !pass.parts.count(n));
         }
       }
-      agree = agree && units.size() <= 1;
+      agree = agree && units.size() <= 1 && (rows == 0 || rows == layers.size());
       if (agree) continue;
       const bool elsewhere = params_read_elsewhere.count(param) > 0;
       for (int n : layers) {

@@ -25,7 +25,7 @@ from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from .model_state import ParallelState, attach_layer_state, state_of
 from .partitioned_state import partition_replicated
-from .plan import ShardingPlan, plan as make_plan
+from .plan import LayerPlan, ShardingPlan, plan as make_plan
 from .plan.capture import every_block_run, input_shapes, inputs_on_meta, meta_shadow, trace_shapes
 from .plan.inputs import ordinary_token
 from .plan.meta_values import KnownValues
@@ -173,7 +173,14 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     attentions = {name: module for name, module in attentions.items() if module is not None}
     inside_attention = {name.rpartition(".")[0] + ".out_proj" for name in attentions}
     experts: Dict[str, list] = {}
+    first_calls: Dict[str, LayerPlan] = {}
     for layer in plan.layers:
+        # A layer called more than once (ALBERT's shared layer) appears once per call, each
+        # split alike (the planner sees to it): sharded once, at its first call.
+        first = first_calls.setdefault(layer.module, layer)
+        if first is not layer:
+            _check_same_split(first, layer)
+            continue
         if layer.kind == "experts":
             experts.setdefault(layer.module, []).append(layer)
             continue
@@ -220,6 +227,13 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
         owner = model.get_submodule(region.module)
         for attr, value in region.attributes.items():
             set_attribute(owner, attr, region.local_value(value, rank, world))
+
+
+def _check_same_split(first: LayerPlan, again: LayerPlan) -> None:
+    split = lambda l: (l.style, l.units, tuple(l.parts), l.repeat, l.letter, l.sequence)
+    if split(first) != split(again):
+        raise ValueError(f"parallelize: layer {first.module!r} is called more than once and the plan splits its calls "
+                         f"differently ({split(first)} and {split(again)}); every call must meet the same split")
 
 
 def _shard_experts(model: nn.Module, name: str, sides, group: ProcessGroup, rank: int, world: int, copies) -> None:

@@ -126,6 +126,45 @@ def test_reduce_over_the_sharded_axis_replicates_with_code():
     assert doc["layers"][0]["reason"] == "conflict" and "reduces over the sharded axis" in doc["layers"][0]["note"]
 
 
+def _shared_mlp_called_twice(g, x):
+    """ALBERT's layout: a projection, then one MLP (weights 2 and 4) called twice, a norm
+    (a reduction over the features) after each call."""
+    _, h = g.linear(x, 4, 8, 0, out_shape=(3, 8))
+    for call in range(2):
+        _, up = g.linear(h, 8, 6, 2, out_shape=(3, 6))
+        a = g.tensor(3, 6)
+        g.node("pointwise", [up], [a])
+        _, y = g.linear(a, 6, 8, 4, out_shape=(3, 8))
+        h = g.tensor(3, 8, output=call == 1)
+        g.node("reduce", [y], [h], axes=[1])
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_layer_called_twice_splits_alike_in_both_calls(sequence_parallel):
+    g = G()
+    _shared_mlp_called_twice(g, g.tensor(3, 4))
+    doc = g.plan(2, sequence_parallel)
+    # Its first call read the projection's sharded output as a row layer, its second a whole
+    # input as a column layer: the projection is replicated, and both calls split alike.
+    assert styles(doc) == ["replicate", "column", "row", "column", "row"]
+    assert doc["layers"][0]["reason"] == "feeds_called_layer"
+    assert "called elsewhere as a column layer" in doc["layers"][0]["note"]
+    # A layer called twice has one input copy for both calls: its tokens stay whole.
+    assert [layer["sequence"] for layer in doc["layers"]] == [""] * 5
+    assert comm(doc, "forward") == {"all_reduce": 2} and comm(doc, "backward") == {"all_reduce": 2}
+
+
+def test_layer_called_twice_as_a_row_layer_keeps_its_split():
+    g = G()
+    x = g.tensor(3, 8)
+    _, h = g.linear(x, 8, 6, 0, out_shape=(3, 6))
+    for call in range(2):  # one row layer (weight 2) reading two halves' worth of features
+        y = g.tensor(3, 8)
+        g.node("linear", [h], [y], in_features=6, out_features=8, weight_param=2, bias_param=-1)
+    doc = g.plan(2, sequence_parallel=False)
+    assert styles(doc) == ["column", "row", "row"]
+
+
 def test_too_few_units_with_code_and_count():
     g = G()
     mlp(g, hidden=3)
