@@ -177,12 +177,12 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     for layer in plan.layers:
         # A layer called more than once (ALBERT's shared layer) appears once per call, each
         # split alike (the planner sees to it): sharded once, at its first call.
+        if layer.kind == "experts":  # two entries, its column side and its row side
+            experts.setdefault(layer.module, []).append(layer)
+            continue
         first = first_calls.setdefault(layer.module, layer)
         if first is not layer:
             _check_same_split(first, layer)
-            continue
-        if layer.kind == "experts":
-            experts.setdefault(layer.module, []).append(layer)
             continue
         if layer.style == "replicate" or layer.module in inside_attention:
             continue
