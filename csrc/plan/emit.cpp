@@ -2,13 +2,13 @@
 //
 // The document (version 1), every record with named fields:
 //   {"version": 1,
-//    "layers": [{"node", "style", "region", "units", "copy_group", "parts", "letter", "repeat",
+//    "layers": [{"node", "style", "region", "units", "copy_group", "parts", "whole_parts", "summed_parts", "letter", "repeat",
 //                "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",
 //                "sequence_note"}],
 //    "regions": [{"id", "units", "localize", "repeat", "coarse_units", "coarse_localize"}],
 //    "comm": [{"phase", "kind", "count", "elements"}],
 //    "partial_gradients": [{"params", "elements"}],
-//    "tensors": [{"tensor", "region", "coarse", "axis", "outer", "size", "sequence"}],
+//    "tensors": [{"tensor", "region", "coarse", "axis", "outer", "size", "sequence", "whole"}],
 //    "sequence_entries": [{"tensor", "module", "leaf", "dim", "region"}],
 //    "sequence_gathers": [{"tensor", "module", "leaf", "dim", "region"}],
 //    "head_entries": [{"tensor", "module", "leaf", "axis", "outer", "size", "region"}],
@@ -86,6 +86,12 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
       }
       d.region = root;
       if (pass.parts.count(static_cast<int>(n))) d.parts = pass.parts.at(static_cast<int>(n));
+      if (pass.whole_parts.count(static_cast<int>(n))) d.whole_parts = pass.whole_parts.at(static_cast<int>(n));
+      const auto summed = pass.summed_parts.find(static_cast<int>(n));
+      if (summed != pass.summed_parts.end()) {
+        d.summed_parts = true;  // the whole parts' rows: one all-reduce of their gradient
+        comm("backward", "all_reduce", summed->second);
+      }
       if (pass.letters.count(static_cast<int>(n))) d.letter = pass.letters.at(static_cast<int>(n));
       if (d.style == Style::Column || d.style == Style::Row) {
         RegionSummary& summary = regions[root];
@@ -209,6 +215,7 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     layout.outer = l.factor.outer;
     layout.size = l.factor.size;
     layout.sequence = l.sequence;
+    layout.whole = l.whole;
     if (l.sequence) {
       layout.coarse = false;
       layout.region = root;
@@ -257,6 +264,9 @@ std::string plan_to_json(const Plan& plan) {
         << "\",\"region\":" << d.region << ",\"units\":" << d.units << ",\"copy_group\":" << d.copy_group
         << ",\"parts\":";
     write_ints(out, d.parts);
+    out << ",\"whole_parts\":";
+    write_ints(out, d.whole_parts);
+    out << ",\"summed_parts\":" << (d.summed_parts ? "true" : "false");
     out << ",\"letter\":";
     write_string(out, d.letter ? std::string(1, static_cast<char>(d.letter)) : std::string());
     out << ",\"repeat\":" << d.repeat << ",\"reason\":";
@@ -296,7 +306,8 @@ std::string plan_to_json(const Plan& plan) {
     const TensorLayout& t = plan.tensors[i];
     out << (i ? "," : "") << "{\"tensor\":" << t.tensor << ",\"region\":" << t.region
         << ",\"coarse\":" << (t.coarse ? "true" : "false") << ",\"axis\":" << t.axis << ",\"outer\":" << t.outer
-        << ",\"size\":" << t.size << ",\"sequence\":" << (t.sequence ? "true" : "false") << '}';
+        << ",\"size\":" << t.size << ",\"sequence\":" << (t.sequence ? "true" : "false") << ",\"whole\":" << t.whole
+        << '}';
   }
   const auto write_entries = [&out](const char* name, const std::vector<SequenceEntry>& entries) {
     out << "],\"" << name << "\":[";

@@ -9,7 +9,9 @@
 //   weight_read_elsewhere, weight_shared  its weight is read outside the layer, or shared
 //                       with a layer split differently
 //   feeds_called_layer  it feeds a call of a layer that its other calls split as a column layer
+//   small_parts_whole   (split) a fused layer whose smaller parts are held whole on every rank
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
@@ -148,6 +150,8 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
            entries_changed;
   };
 
+  // Layers forced to WholeSmallParts, with their parts as found when forced.
+  std::map<int, std::vector<int64_t>> known_parts;
   auto force = [&](int n, Force f, Why w) {
     if (forced[n] == f || forced[n] == Force::Replicate) return false;
     forced[n] = f;
@@ -156,8 +160,9 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   };
 
   for (size_t iteration = 0;; ++iteration) {
-    TORCH_CHECK(iteration <= count + 1, "[plan.unsettled] plan: decisions did not settle");
+    TORCH_CHECK(iteration <= 2 * count + 1, "[plan.unsettled] plan: decisions did not settle");
     Propagation pass(graph, forced);
+    pass.known_parts = known_parts;
     pass.dropped_cuts = dropped_cuts;
     pass.dropped_node_cuts = dropped_node_cuts;
     pass.run(vocab, cuts, node_cuts);
@@ -197,11 +202,24 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
       // KV heads replicated where needed: the query heads' region decides for both.
       Region& region = pass.regions[kv == pass.kv_fine.end() ? root : kv->second];
       const int node = static_cast<int>(n);
-      if (region.conflict) {
+      const auto fused = pass.parts.find(node);
+      const bool unequal_parts = fused != pass.parts.end() && graph.nodes[n].kind == Kind::Linear &&
+                                 std::adjacent_find(fused->second.begin(), fused->second.end(),
+                                                    std::not_equal_to<int64_t>()) != fused->second.end();
+      if ((region.conflict || region.units < world_size) && unequal_parts && forced[node] == Force::None) {
+        // A fused layer whose parts differ (query heads beside one KV head): tried once with its
+        // smaller parts whole on every rank, before the whole layer is.
+        known_parts[node] = fused->second;
+        changed |= force(node, Force::WholeSmallParts,
+                         {"small_parts_whole", "split by heads; its smaller parts (KV heads) are held whole on every "
+                                               "rank, their gradient summed"});
+      } else if (region.conflict) {
         changed |= force(node, Force::Replicate, {"conflict", "replicated: its output " + region.reason});
       } else if (region.units < world_size) {
         changed |= force(node, Force::Replicate,
                          {"too_few_units", "replicated: " + units_note(region.units, world_size), region.units});
+      } else if (region.reaches_output && forced[node] == Force::WholeSmallParts) {
+        changed |= force(node, Force::Replicate, {"model_output", "replicated: its output is a model output"});
       } else if (region.reaches_output) {
         changed |= force(node, Force::Gather, {"model_output", "gathered: its output is a model output"});
       }
@@ -255,6 +273,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   for (size_t round = 0;; ++round) {
     TORCH_CHECK(round <= 2 * (count + graph.tensors.size()) + 2, "[plan.unsettled] plan: sequence parallelism did not settle");
     Propagation pass(graph, forced);
+    pass.known_parts = known_parts;
     pass.dropped_cuts = dropped_cuts;
     pass.dropped_node_cuts = dropped_node_cuts;
     pass.run(vocab, cuts, node_cuts);

@@ -135,7 +135,8 @@ def _sharded_layer(layer, module: nn.Module, group: ProcessGroup) -> nn.Module:
     if layer.style in ("column", "column_gather"):
         return ColumnParallelLinear.from_linear(module, group, gather_output=layer.style == "column_gather",
                                                 units=layer.units if layer.repeat else units, parts=parts,
-                                                repeat=layer.repeat or None)
+                                                repeat=layer.repeat or None, whole_parts=layer.whole_parts or None,
+                                                sum_whole_parts=layer.summed_parts)
     return RowParallelLinear.from_linear(module, group, input_is_parallel=True, units=units, parts=parts)
 
 
@@ -230,7 +231,8 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
 
 
 def _check_same_split(first: LayerPlan, again: LayerPlan) -> None:
-    split = lambda l: (l.style, l.units, tuple(l.parts), l.repeat, l.letter, l.sequence)
+    split = lambda l: (l.style, l.units, tuple(l.parts), tuple(l.whole_parts), l.summed_parts, l.repeat, l.letter,
+                       l.sequence)
     if split(first) != split(again):
         raise ValueError(f"parallelize: layer {first.module!r} is called more than once and the plan splits its calls "
                          f"differently ({split(first)} and {split(again)}); every call must meet the same split")

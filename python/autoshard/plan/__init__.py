@@ -58,6 +58,7 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
             module=info.name, kind=info.kind, style=style, weight=names[info.weight_param],
             bias=names[info.bias_param] if info.bias_param >= 0 else None, weight_shape=shape,
             transposed=info.transposed, units=record["units"] if style != "replicate" else 0, parts=record["parts"],
+            whole_parts=record["whole_parts"], summed_parts=record["summed_parts"],
             region=record["region"], copy_group=record["copy_group"], note=record["note"],
             equation=info.equation, letter=record["letter"], repeat=record["repeat"], reason=record["reason"],
             bias_axes=info.bias_axes,

@@ -63,7 +63,8 @@ class Prediction:
         if layout["coarse"]:
             spec = ShardSpec(0, region.coarse_units, rank, world, units=region.coarse_units, repeat=region.repeat)
             return size // region.coarse_units * spec.local_size()
-        return size // region.units * split_sizes(region.units, world)[rank]
+        whole = layout.get("whole", 0)  # a fused output's parts held whole on every rank
+        return (size - whole) // region.units * split_sizes(region.units, world)[rank] + whole
 
     def repeat_axes(self) -> Dict[int, Tuple[int, int]]:
         """tensor -> (axis, region) for the axis that repeats each shared KV head for its query

@@ -26,6 +26,10 @@ class LayerPlan:
     transposed: bool = False  # Conv1D: weight is [in, out]
     units: int = 0  # pieces are whole units (heads) of the sharded dimension
     parts: List[int] = field(default_factory=list)  # fused output layout (QKV in one layer)
+    # Parts held whole on every rank (indices into parts: one KV head fused beside the query
+    # heads); with summed_parts their gradient is summed over the ranks in backward.
+    whole_parts: List[int] = field(default_factory=list)
+    summed_parts: bool = False
     region: int = -1
     copy_group: int = -1  # column layers reading the same input copy it once
     note: str = ""
@@ -64,7 +68,8 @@ class LayerPlan:
         if dim is None:
             return None
         return ShardSpec(dim, self.weight_shape[dim], rank, world_size, units=self.units or None,
-                         parts=tuple(self.parts) if self.parts else None, repeat=self.repeat or None)
+                         parts=tuple(self.parts) if self.parts else None, repeat=self.repeat or None,
+                         whole_parts=tuple(self.whole_parts) if self.whole_parts else None)
 
     def bias_spec(self, rank: int, world_size: int) -> Optional[ShardSpec]:
         # An einsum layer's bias is laid out by its bias_axes; the layer itself records it.
@@ -72,7 +77,8 @@ class LayerPlan:
             return None
         full = self.weight_shape[self.weight_dim()]
         return ShardSpec(0, full, rank, world_size, units=self.units or None,
-                         parts=tuple(self.parts) if self.parts else None, repeat=self.repeat or None)
+                         parts=tuple(self.parts) if self.parts else None, repeat=self.repeat or None,
+                         whole_parts=tuple(self.whole_parts) if self.whole_parts else None)
 
 
 def _listed(names: List[str], shown: int = 4) -> str:
