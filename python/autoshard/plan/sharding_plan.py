@@ -237,6 +237,8 @@ class ShardingPlan:
                 sizes += f" of {spec0.full_size}" + (f" in parts {tuple(layer.parts)}" if layer.parts else "")
                 if layer.repeat:
                     sizes += f" (KV heads shared, {layer.repeat} units each)"
+                if layer.whole_parts:
+                    sizes += f" (parts {', '.join(str(i + 1) for i in layer.whole_parts)} whole on every rank)"
             units = str(layer.units) if layer.units else "-"
             rows.append([layer.module, layer.style, units, sizes, layer.note])
         widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
