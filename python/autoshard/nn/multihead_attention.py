@@ -10,6 +10,8 @@ output projection as a second call. The planner's capture runs it in place of to
 function (it records the two calls as layers), and ``ParallelMultiheadAttention`` runs it
 with this rank's heads: ``in_proj_weight`` split by heads in each of its q, k and v parts (a
 column layer), ``out_proj`` a row layer. Both keep nn.MultiheadAttention's parameter names.
+The weights a call with need_weights returns are a third call (``ReturnedWeights``): their
+average over every head, all-reduced, where the plan found the model reading them, else None.
 """
 
 import inspect
