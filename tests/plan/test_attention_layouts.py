@@ -147,9 +147,11 @@ def _attention_weights_on_ranks(options):
 def test_sharded_multihead_attention_returns_every_heads_average_or_none(world_size):
     """Split on 2 and 3 ranks: where the plan found the weights read, every rank returns the
     unsharded module's average over all heads, and its input's gradient through them is the
-    unsharded one's; where never read, None (a reader fails loudly, never a local average)."""
-    read = run_on_ranks(_attention_weights_on_ranks, world_size, dict(read_weights=True), timeout=300)
-    assert read == [{"type": "ParallelMultiheadAttention", "out": True, "weights": True, "grad": True}] * world_size
+    unsharded one's; where never read, None (a reader fails loudly, never a local average).
+    A module planned from calls returning no weights averages them exactly if asked to."""
+    exact = [{"type": "ParallelMultiheadAttention", "out": True, "weights": True, "grad": True}] * world_size
+    assert run_on_ranks(_attention_weights_on_ranks, world_size, dict(read_weights=True), timeout=300) == exact
+    assert run_on_ranks(_attention_weights_on_ranks, world_size, dict(), timeout=300) == exact
     unread = run_on_ranks(_attention_weights_on_ranks, world_size, dict(need_weights=True), timeout=300)
     assert unread == [{"type": "ParallelMultiheadAttention", "out": True, "weights": None}] * world_size
 
