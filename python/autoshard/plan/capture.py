@@ -7,8 +7,8 @@ Nothing is materialised: a model on a real device is shadowed by a meta copy fir
 """
 
 import contextlib
-import functools
 import copy
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
