@@ -12,7 +12,8 @@
 //    "sequence_entries": [{"tensor", "module", "leaf", "dim", "region"}],
 //    "sequence_gathers": [{"tensor", "module", "leaf", "dim", "region"}],
 //    "head_entries": [{"tensor", "module", "leaf", "axis", "outer", "size", "region"}],
-//    "head_outputs": [{"tensor", "module", "axis", "outer", "size", "region"}]}
+//    "head_outputs": [{"tensor", "module", "axis", "outer", "size", "region"}],
+//    "attention_weights": [{"node", "region", "used"}]}
 #include "plan/emit.h"
 
 #include <algorithm>
@@ -199,6 +200,14 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     comm("backward", "all_gather", numel(graph.tensor(node.outputs.at(0)).shape));
   }
 
+  // Attention weights averaged over split heads: an all-reduce of each rank's sum where read.
+  for (const auto& [n, returned] : pass.returned_weights) {
+    const int root = pass.find(returned.region);
+    if (pass.regions[root].conflict) continue;
+    plan.attention_weights.push_back({n, root, returned.read});
+    if (returned.read) comm("forward", "all_reduce", numel(graph.tensor(graph.nodes.at(n).outputs.at(0)).shape));
+  }
+
   // Every sharded tensor, named by the region the plan reports it under (an entry is held
   // whole where it is made).
   std::map<int, int> coarse_to_fine;
@@ -335,6 +344,12 @@ std::string plan_to_json(const Plan& plan) {
     write_string(out, e.module);
     out << ",\"axis\":" << e.axis << ",\"outer\":" << e.outer << ",\"size\":" << e.size
         << ",\"region\":" << e.region << '}';
+  }
+  out << "],\"attention_weights\":[";
+  for (size_t i = 0; i < plan.attention_weights.size(); ++i) {
+    const AttentionWeightsDecision& w = plan.attention_weights[i];
+    out << (i ? "," : "") << "{\"node\":" << w.node << ",\"region\":" << w.region
+        << ",\"used\":" << (w.used ? "true" : "false") << '}';
   }
   out << "]}";
   return out.str();

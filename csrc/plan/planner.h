@@ -110,6 +110,16 @@ struct HeadEntry {
   int region = -1;
 };
 
+// The attention weights of an nn.MultiheadAttention split by heads: averaged over the heads
+// and read by the model (`used`), each rank's sum over its heads is summed over the ranks (one
+// all-reduce in forward; the gradient reaches each rank's heads as it is); never read, the
+// sharded module returns None in their place and nothing is communicated.
+struct AttentionWeightsDecision {
+  int node = -1;
+  int region = -1;
+  bool used = false;
+};
+
 struct Plan {
   std::vector<LayerDecision> layers;
   std::vector<RegionSummary> regions;
@@ -122,6 +132,7 @@ struct Plan {
   // Replicated embeddings whose output is cut to this rank's heads as it leaves them (module,
   // axis, outer, size, region; tensor is the output, leaf unused).
   std::vector<HeadEntry> head_outputs;
+  std::vector<AttentionWeightsDecision> attention_weights;
 };
 
 Plan make_plan(const Graph& graph, int64_t world_size);

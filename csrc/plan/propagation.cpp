@@ -22,11 +22,18 @@ void Propagation::run(const std::set<int>& vocab_embeddings, const std::map<int,
                       const std::map<int, AxisFactor>& node_cuts) {
   producer_.assign(graph_.tensors.size(), -1);
   carries_grad_.assign(graph_.tensors.size(), false);
-  for (size_t t = 0; t < graph_.tensors.size(); ++t) carries_grad_[t] = graph_.tensors[t].param >= 0;
+  read_.assign(graph_.tensors.size(), false);
+  for (size_t t = 0; t < graph_.tensors.size(); ++t) {
+    carries_grad_[t] = graph_.tensors[t].param >= 0;
+    read_[t] = graph_.tensors[t].is_output;
+  }
   for (size_t n = 0; n < graph_.nodes.size(); ++n) {
     const Node& node = graph_.nodes[n];
     bool grad = is_layer(node);
-    for (int id : node.inputs) grad = grad || carries_grad_[id];
+    for (int id : node.inputs) {
+      grad = grad || carries_grad_[id];
+      read_[id] = true;
+    }
     for (int id : node.outputs) {
       producer_[id] = static_cast<int>(n);
       carries_grad_[id] = grad;
@@ -135,6 +142,7 @@ void Propagation::visit(int n, const std::set<int>& vocab_embeddings) {
     case Kind::Reduce: return visit_reduce(node);
     case Kind::Matmul: return visit_matmul(node);
     case Kind::Attention: return visit_attention(node);
+    case Kind::AttentionWeights: return visit_attention_weights(n, node);
     case Kind::Split: return visit_split(node);
     case Kind::Cat: return visit_cat(node);
     case Kind::Slice: return visit_slice(node);

@@ -124,6 +124,15 @@ class Propagation {
   std::map<int, int> node_cut_region;
   std::map<int, AxisFactor> node_cut_factor;
 
+  // The attention weights of an nn.MultiheadAttention whose heads are split (node -> its
+  // region, and whether the model reads them): averaged, each rank's sum over its heads is
+  // summed over the ranks (one all-reduce in forward); never read, they are not returned.
+  struct ReturnedWeights {
+    int region = -1;
+    bool read = false;
+  };
+  std::map<int, ReturnedWeights> returned_weights;
+
   static bool uniform_groups(int64_t units, int64_t ratio, int64_t world_size);
 
  private:
@@ -153,6 +162,7 @@ class Propagation {
   void visit_reduce(const Node& node);
   void visit_matmul(const Node& node);
   void visit_attention(const Node& node);
+  void visit_attention_weights(int n, const Node& node);
   void visit_split(const Node& node);
   void visit_cat(const Node& node);
   void visit_slice(const Node& node);
@@ -168,6 +178,7 @@ class Propagation {
   std::vector<int> producer_;       // tensor -> the node computing it, or -1
   std::vector<bool> carries_grad_;  // tensor -> whether a gradient flows to it (a parameter's, a layer's)
   std::set<int64_t> called_again_;  // weights of Linear layers called more than once (run_sequence)
+  std::vector<bool> read_;          // tensor -> whether a node reads it or it is a model output
 };
 
 }  // namespace autoshard::plan

@@ -147,7 +147,8 @@ def _shard_attention(model, plan, layer, attention, group, copies, tokens) -> No
     out_proj = _sharded_layer(out_layer, attention.out_proj, group)
     if out_layer.sequence == "reduce_scatter":
         out_proj.output_tokens = tokens.reduce_scatter(out_layer)
-    shard_multihead_attention(attention, layer.weight_spec(group.rank(), group.size()), out_proj, group)
+    shard_multihead_attention(attention, layer.weight_spec(group.rank(), group.size()), out_proj, group,
+                              plan.returned_weights(layer.module.rpartition(".")[0]))
     if layer.copy_group in copies:
         attention.in_proj.input_copy = copies[layer.copy_group]
     elif layer.sequence in ("gather", "gathered"):

@@ -75,7 +75,7 @@ def test_document_is_versioned_with_named_records():
     doc = g.plan(2)
     assert doc["version"] == 1
     assert set(doc) == {"version", "layers", "regions", "comm", "partial_gradients", "tensors", "sequence_entries",
-                        "sequence_gathers", "head_entries", "head_outputs"}
+                        "sequence_gathers", "head_entries", "head_outputs", "attention_weights"}
     assert set(doc["layers"][0]) == {"node", "style", "region", "units", "copy_group", "parts", "letter", "repeat",
                                      "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",
                                      "sequence_note"}
@@ -353,6 +353,84 @@ def test_per_head_parameter_on_the_heads_axis_replicates():
     heads_block(g, scale_shape=(3, 1), scale_param=5)
     doc = g.plan(3)
     assert styles(doc)[0] == "replicate" and styles(doc)[1] != "row" and doc["partial_gradients"] == []
+
+
+def attention_returning_weights(g, average=True, read=False):
+    """Attention of 4 heads of 2 computed with its weights (softmax of q k^T), which an
+    nn.MultiheadAttention returns (averaged over the heads, or per head): the weights node, and
+    the tensor it returns (read by a pointwise op whose result is an output, if `read`)."""
+    x = g.tensor(2, 4, 8)
+    heads = []
+    for param in range(3):
+        _, y = g.linear(x, 8, 8, param, out_shape=(2, 4, 8))
+        split, t = g.tensor(2, 4, 4, 2), g.tensor(2, 4, 4, 2)
+        g.node("view", [y], [split])
+        g.node("permute", [split], [t], permutation=[0, 2, 1, 3])
+        heads.append(t)
+    q, k, v = heads
+    kt, scores, weights = g.tensor(2, 4, 2, 4), g.tensor(2, 4, 4, 4), g.tensor(2, 4, 4, 4)
+    g.node("permute", [k], [kt], permutation=[0, 1, 3, 2])
+    g.node("matmul", [q, kt], [scores])
+    g.node("reduce", [scores], [weights], axes=[3])
+    returned = g.tensor(2, 4, 4) if average else g.tensor(2, 4, 4, 4)
+    node = g.node("attention_weights", [weights], [returned], label="attn", dim=1, average=average)
+    o, ot, flat = g.tensor(2, 4, 4, 2), g.tensor(2, 4, 4, 2), g.tensor(2, 4, 8)
+    g.node("matmul", [weights, v], [o])
+    g.node("permute", [o], [ot], permutation=[0, 2, 1, 3])
+    g.node("view", [ot], [flat])
+    g.linear(flat, 8, 8, 3, out_shape=(2, 4, 8), output=True)
+    if read:
+        used = g.tensor(*g.tensors[returned]["shape"], output=True)
+        g.node("pointwise", [returned], [used])
+    return node, returned
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_averaged_attention_weights_never_read_split_with_no_collective(world_size):
+    g = G()
+    node, _ = attention_returning_weights(g)
+    doc = g.plan(world_size)
+    assert styles(doc) == ["column", "column", "column", "row"]
+    assert [(w["node"], w["used"]) for w in doc["attention_weights"]] == [(node, False)]
+    assert doc["attention_weights"][0]["region"] == doc["layers"][0]["region"]
+    assert comm(doc, "forward") == {"all_reduce": 1}  # the row layer's
+
+
+@pytest.mark.parametrize("read_by", ["an op", "the output"])
+def test_averaged_attention_weights_read_cost_one_forward_all_reduce(read_by):
+    g = G()
+    node, returned = attention_returning_weights(g, read=read_by == "an op")
+    if read_by == "the output":
+        g.output(returned)
+    doc = g.plan(2)
+    assert styles(doc) == ["column", "column", "column", "row"]
+    assert [(w["node"], w["used"]) for w in doc["attention_weights"]] == [(node, True)]
+    forward = [c for c in doc["comm"] if c["phase"] == "forward"]
+    assert forward == [{"phase": "forward", "kind": "all_reduce", "count": 2, "elements": 2 * 4 * 8 + 2 * 4 * 4}]
+    assert comm(doc, "backward") == {}  # its gradient reaches each rank's heads as it is
+    assert g.plan(1)["comm"] == [] and g.plan(1)["attention_weights"][0]["used"]
+
+
+def test_attention_weights_per_head_read_keep_the_attention_whole():
+    g = G()
+    attention_returning_weights(g, average=False, read=True)
+    doc = g.plan(2)
+    # The q, k and v projections whole (the last layer, fed whole, gathers the model output).
+    assert styles(doc)[:3] == ["replicate"] * 3 and doc["attention_weights"] == []
+    assert "per head" in doc["layers"][0]["note"] and "reads them" in doc["layers"][0]["note"]
+    unread = G()
+    node, _ = attention_returning_weights(unread, average=False)
+    doc = unread.plan(2)
+    assert styles(doc) == ["column", "column", "column", "row"]
+    assert [(w["node"], w["used"]) for w in doc["attention_weights"]] == [(node, False)]
+
+
+def test_attention_weights_node_needs_its_fields():
+    g = G()
+    x, y = g.tensor(2, 4, 4, 4), g.tensor(2, 4, 4)
+    g.node("attention_weights", [x], [y], dim=1)
+    with pytest.raises(ValueError, match=r"\[plan.bad_graph\].*no field 'average'"):
+        g.plan(2)
 
 
 def test_grouped_query_attention_shares_kv_heads():

@@ -90,10 +90,13 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                                         for e in data.get("head_entries", [])],
                           head_outputs=[{k: e[k] for k in ("module", "axis", "outer", "size", "region")}
                                         for e in data.get("head_outputs", [])],
+                          attention_weights=[{"module": graph.nodes[w["node"]][0], "used": w["used"]}
+                                             for w in data.get("attention_weights", [])],
                           example={"description": graph.description, "inputs": graph.example_inputs,
                                    "output_shapes": [list(s) for s in graph.output_shapes]})
     result._prediction = Prediction(graph, data["tensors"], data["sequence_entries"], data["sequence_gathers"],
-                                    data.get("head_entries", []))
+                                    data.get("head_entries", []),
+                                    {w["node"] for w in data.get("attention_weights", []) if not w["used"]})
     result._prediction.plan = result
     return result
 

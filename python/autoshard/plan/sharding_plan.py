@@ -140,6 +140,10 @@ class ShardingPlan:
     # relative position bias, whose embedding dim is the heads): {"module", "axis", "outer",
     # "size", "region"}; their gradient is gathered back whole in backward.
     head_outputs: List[Dict[str, object]] = field(default_factory=list)
+    # The attention weights each nn.MultiheadAttention split by heads returns with need_weights:
+    # {"module", "used"}. Used (the model reads them), they are averaged over every head with one
+    # all-reduce in forward; never read, the sharded module returns None in their place.
+    attention_weights: List[Dict[str, object]] = field(default_factory=list)
     # The output head whose loss parallelize computes over vocabulary shards when the model is
     # called with labels ("" when it does not): that call keeps the head's logits sharded.
     loss_parallel_head: str = ""
@@ -173,6 +177,15 @@ class ShardingPlan:
                 del counts["all_gather"]
             counts["all_reduce"] = counts.get("all_reduce", 0) + LOSS_PARALLEL_ALL_REDUCES
         return counts
+
+    def returned_weights(self, attention: str) -> str:
+        """What the nn.MultiheadAttention named `attention`, split by heads, returns as its
+        weights with need_weights: "none" where the plan found them never read, else
+        "all_reduce" (averaged over every head, exact; see nn.multihead_attention.ReturnedWeights)."""
+        for returned in self.attention_weights:
+            if returned["module"] == attention:
+                return "all_reduce" if returned["used"] else "none"
+        return "all_reduce"
 
     def parameter_bytes(self, rank: int, element_size: int = 4) -> Dict[str, int]:
         """Bytes of the planned layers' parameters: all of them, and the part `rank` holds."""
@@ -257,6 +270,10 @@ class ShardingPlan:
         if self.head_outputs:
             lines.append(f"  output cut to each rank's heads as it leaves "
                          f"{_listed([e['module'] for e in self.head_outputs])} (its gradient gathered back)")
+        for returned in self.attention_weights:
+            lines.append(f"  {returned['module']}: attention weights averaged over every head (one all-reduce of each "
+                         "rank's sum in forward)" if returned["used"] else
+                         f"  {returned['module']}: attention weights not returned (None): the model never reads them")
         lines += self._sequence_lines()
         for bucket in self.partial_gradients:
             lines.append(f"  partial gradients summed over the ranks in backward (one all-reduce, "
@@ -323,5 +340,6 @@ class ShardingPlan:
             sequence_gathers=data.get("sequence_gathers", []),
             head_entries=data.get("head_entries", []),
             head_outputs=data.get("head_outputs", []),
+            attention_weights=data.get("attention_weights", []),
             loss_parallel_head=data.get("loss_parallel_head", ""),
         )
