@@ -76,7 +76,8 @@ def test_document_is_versioned_with_named_records():
     assert doc["version"] == 1
     assert set(doc) == {"version", "layers", "regions", "comm", "partial_gradients", "tensors", "sequence_entries",
                         "sequence_gathers", "head_entries", "head_outputs", "attention_weights"}
-    assert set(doc["layers"][0]) == {"node", "style", "region", "units", "copy_group", "parts", "letter", "repeat",
+    assert set(doc["layers"][0]) == {"node", "style", "region", "units", "copy_group", "parts", "whole_parts",
+                                     "summed_parts", "letter", "repeat",
                                      "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",
                                      "sequence_note"}
     assert styles(doc) == ["column", "row"]
@@ -628,6 +629,66 @@ def test_multi_query_attention_holds_its_one_kv_head_on_every_rank():
     assert doc["regions"][0]["coarse_units"] == 1
     # Each rank sums the KV projections' gradients (weights only: no biases) in backward.
     assert comm(doc, "backward") == {"all_reduce": 2}
+
+
+def fused_kv_block(g, kv_heads):
+    """GPT-BigCode's layout: one Linear for 6 query heads of 2 and `kv_heads` KV heads (k, then
+    v), split into its three parts; the KV heads repeated for the query heads (unsqueeze, expand
+    and view, as repeat_kv does) before the attention."""
+    x = g.tensor(2, 4, 8)
+    kv = 2 * kv_heads
+    _, fused = g.linear(x, 8, 12 + 2 * kv, 0, out_shape=(2, 4, 12 + 2 * kv))
+    q, k, v = g.tensor(2, 4, 12), g.tensor(2, 4, kv), g.tensor(2, 4, kv)
+    g.node("split", [fused], [q, k, v], dim=2)
+    qh = g.tensor(2, 4, 6, 2)
+    g.node("view", [q], [qh], label="aten.view.default")
+    qt = g.tensor(2, 6, 4, 2)
+    g.node("permute", [qh], [qt], permutation=[0, 2, 1, 3])
+    repeated = []
+    for t in (k, v):
+        heads = g.tensor(2, 4, kv_heads, 2)
+        g.node("view", [t], [heads], label="aten.view.default")
+        ht = g.tensor(2, kv_heads, 4, 2)
+        g.node("permute", [heads], [ht], permutation=[0, 2, 1, 3])
+        unit = g.tensor(2, kv_heads, 1, 4, 2)
+        g.node("view", [ht], [unit], label="aten.unsqueeze.default")
+        wide = g.tensor(2, kv_heads, 6 // kv_heads, 4, 2)
+        g.node("expand", [unit], [wide], label="aten.expand.default")
+        flat = g.tensor(2, 6, 4, 2)
+        g.node("view", [wide], [flat], label="aten.view.default")
+        repeated.append(flat)
+    o = g.tensor(2, 6, 4, 2)
+    g.node("attention", [qt, *repeated], [o])
+    ot = g.tensor(2, 4, 6, 2)
+    g.node("permute", [o], [ot], permutation=[0, 2, 1, 3])
+    merged = g.tensor(2, 4, 12)
+    g.node("view", [ot], [merged], label="aten.view.default")
+    g.linear(merged, 12, 8, 1, out_shape=(2, 4, 8), output=True)
+
+
+def test_fused_layer_holds_its_one_kv_head_whole_on_every_rank():
+    g = G()
+    fused_kv_block(g, kv_heads=1)
+    doc = g.plan(3)
+    fused, out = doc["layers"]
+    assert (fused["style"], fused["units"], fused["parts"]) == ("column", 6, [12, 2, 2])
+    assert fused["whole_parts"] == [1, 2] and fused["summed_parts"] and fused["reason"] == "small_parts_whole"
+    assert out["style"] == "row"
+    # The fused output: 12 of its 16 features split by heads, 4 held whole.
+    assert {(t["axis"], t["size"], t["whole"]) for t in doc["tensors"] if t["whole"]} == {(2, 16, 4)}
+    # The KV rows' gradient (weight only, no bias) is summed in backward: 4 rows of 8.
+    assert comm(doc, "backward") == {"all_reduce": 1}
+    assert [c["elements"] for c in doc["comm"] if c["phase"] == "backward"] == [4 * 8]
+
+
+def test_fused_layer_with_kv_heads_it_cannot_hold_whole_is_replicated():
+    g = G()
+    fused_kv_block(g, kv_heads=2)  # 2 KV heads: 3 ranks cannot split them, nor repeat them whole locally
+    doc = g.plan(3)
+    assert styles(doc)[0] == "replicate" and doc["layers"][0]["whole_parts"] == []
+    # On 2 ranks the KV heads split with the query heads, as for any fused layer.
+    doc = g.plan(2)
+    assert styles(doc) == ["column", "row"] and doc["layers"][0]["whole_parts"] == []
 
 
 def test_embedding_over_the_heads_has_its_output_cut():
