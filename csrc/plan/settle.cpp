@@ -220,13 +220,25 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
       dropped_node_cuts.clear();
       continue;
     }
+    // A row layer of a region replicated now reads a whole input in the next pass: it becomes
+    // a column layer, and what the layers after it saw in this pass (a column layer reading its
+    // all-reduced output, say) may not hold then. Column layers after the first such layer are
+    // judged again in the next pass instead (RemBERT's projection into its first block).
+    auto decided_by = [&](int root) -> Region& {
+      const auto kv = pass.kv_fine.find(root);  // KV heads replicated where needed: the query heads decide
+      return pass.regions[kv == pass.kv_fine.end() ? root : kv->second];
+    };
+    size_t flip = count;
+    for (size_t n = 0; n < count && flip == count; ++n) {
+      if (pass.roles[n] != Style::Row) continue;
+      const Region& region = decided_by(pass.find(pass.node_region[n]));
+      if (region.conflict || region.units < world_size) flip = n;
+    }
     for (size_t n = 0; n < count; ++n) {
       const Style role = pass.roles[n];
       if (role != Style::Column && role != Style::Vocab) continue;
-      const int root = pass.find(pass.node_region[n]);
-      const auto kv = pass.kv_fine.find(root);
-      // KV heads replicated where needed: the query heads' region decides for both.
-      Region& region = pass.regions[kv == pass.kv_fine.end() ? root : kv->second];
+      if (n > flip) continue;  // its region may be united with one replicated now: judged next pass
+      Region& region = decided_by(pass.find(pass.node_region[n]));
       const int node = static_cast<int>(n);
       if (region.conflict) {
         changed |= force(node, Force::Replicate, {"conflict", "replicated: its output " + region.reason});
