@@ -13,7 +13,8 @@
 //    "sequence_gathers": [{"tensor", "module", "leaf", "dim", "region"}],
 //    "head_entries": [{"tensor", "module", "leaf", "axis", "outer", "size", "region"}],
 //    "head_outputs": [{"tensor", "module", "axis", "outer", "size", "region"}],
-//    "attention_weights": [{"node", "region", "used"}]}
+//    "attention_weights": [{"node", "region", "used"}],
+//    "norms": [{"node", "region", "features"}]}
 #include "plan/emit.h"
 
 #include <algorithm>
@@ -217,6 +218,17 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     if (returned.read) comm("forward", "all_reduce", numel(graph.tensor(graph.nodes.at(n).outputs.at(0)).shape));
   }
 
+  // Norms split by heads: the sum of squares all-reduced in forward, the scale's gradient in
+  // backward, one value per token each.
+  for (const auto& [n, region] : pass.split_norms) {
+    const int root = pass.find(region);
+    if (pass.regions[root].conflict) continue;
+    const auto& out = graph.tensor(graph.nodes.at(n).outputs.at(0)).shape;
+    plan.norms.push_back({n, root, out.back()});
+    comm("forward", "all_reduce", numel(out) / out.back());
+    comm("backward", "all_reduce", numel(out) / out.back());
+  }
+
   // Every sharded tensor, named by the region the plan reports it under (an entry is held
   // whole where it is made).
   std::map<int, int> coarse_to_fine;
@@ -359,6 +371,12 @@ std::string plan_to_json(const Plan& plan) {
     const AttentionWeightsDecision& w = plan.attention_weights[i];
     out << (i ? "," : "") << "{\"node\":" << w.node << ",\"region\":" << w.region
         << ",\"used\":" << (w.used ? "true" : "false") << '}';
+  }
+  out << "],\"norms\":[";
+  for (size_t i = 0; i < plan.norms.size(); ++i) {
+    const NormDecision& d = plan.norms[i];
+    out << (i ? "," : "") << "{\"node\":" << d.node << ",\"region\":" << d.region << ",\"features\":" << d.features
+        << '}';
   }
   out << "]}";
   return out.str();

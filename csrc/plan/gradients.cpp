@@ -103,6 +103,8 @@ void Propagation::settle_gradients() {
       whole_part_grad[layouts[node.inputs.at(0)].source].join(out);
       continue;
     }
+    // A norm split by heads holds this rank's part of its weight: a whole gradient.
+    if (node.kind == Kind::Norm && split_norms.count(static_cast<int>(i))) continue;
     GradState contribution = out;
     if (sharded_region >= 0) {
       contribution = GradState{};

@@ -19,6 +19,7 @@ Kind parse_kind(const std::string& name, const std::string& where) {
       {"reduce", Kind::Reduce},       {"matmul", Kind::Matmul},       {"attention", Kind::Attention},
       {"split", Kind::Split},         {"cat", Kind::Cat},             {"slice", Kind::Slice},
       {"source", Kind::Source},       {"opaque", Kind::Opaque},       {"attention_weights", Kind::AttentionWeights},
+      {"norm", Kind::Norm},
   };
   auto it = kinds.find(name);
   TORCH_CHECK_VALUE(it != kinds.end(), "[plan.bad_graph] plan: ", where, ": unknown node kind '", name, "'");
@@ -95,6 +96,11 @@ Node parse_node(const JsonValue& record, const std::string& where) {
       node.average = field(record, "average", Type::Bool, where).boolean;
       break;
     case Kind::Reduce: node.axes = integers<int64_t>(record, "axes", where); break;
+    case Kind::Norm:
+      node.weight_param = integer(record, "weight_param", where);
+      TORCH_CHECK_VALUE(node.inputs.size() == 2 && node.outputs.size() == 1, "[plan.bad_graph] plan: ", where,
+                        ": a norm reads {x, weight} and writes one tensor");
+      break;
     case Kind::Split:
     case Kind::Cat: node.dim = integer(record, "dim", where); break;
     case Kind::Slice:

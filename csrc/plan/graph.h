@@ -23,6 +23,9 @@ enum class Kind {
   // The attention weights an nn.MultiheadAttention returns (inputs {weights}, heads on axis
   // `dim`): averaged over the heads (`average`), or per head.
   AttentionWeights,
+  // An RMS norm over the last axis of a layer's output, with a weight of that axis's size
+  // (inputs {x, weight}, weight_param): OLMo 2's q_norm and k_norm over every head's features.
+  Norm,
   Split,      // dim; one output per piece
   Cat,        // dim
   Slice,      // dim, start, stop, drop_dim

@@ -38,6 +38,7 @@ void Propagation::settle_links(int64_t world_size) {
   std::map<int, int> rooted;
   for (const auto& [coarse, fine] : kv_fine) rooted[find(coarse)] = find(fine);
   kv_fine = rooted;
+  refuse_shared_norms();
 }
 
 // Whether splitting `units` fine units over the ranks (split_sizes) gives every rank query

@@ -120,6 +120,16 @@ struct AttentionWeightsDecision {
   bool used = false;
 };
 
+// An RMS norm over a layer's output features split by heads (norms.cpp): each rank's sum of
+// squares is summed over the ranks (one all-reduce in forward), and the gradient reaching the
+// norm's scale, partial on each rank, is summed in backward (one all-reduce); its weight is
+// split like the features.
+struct NormDecision {
+  int node = -1;
+  int region = -1;
+  int64_t features = 0;  // the norm's global size
+};
+
 struct Plan {
   std::vector<LayerDecision> layers;
   std::vector<RegionSummary> regions;
@@ -133,6 +143,7 @@ struct Plan {
   // axis, outer, size, region; tensor is the output, leaf unused).
   std::vector<HeadEntry> head_outputs;
   std::vector<AttentionWeightsDecision> attention_weights;
+  std::vector<NormDecision> norms;
 };
 
 Plan make_plan(const Graph& graph, int64_t world_size);

@@ -143,6 +143,7 @@ void Propagation::visit(int n, const std::set<int>& vocab_embeddings) {
     case Kind::Matmul: return visit_matmul(node);
     case Kind::Attention: return visit_attention(node);
     case Kind::AttentionWeights: return visit_attention_weights(n, node);
+    case Kind::Norm: return visit_norm(n, node);
     case Kind::Split: return visit_split(node);
     case Kind::Cat: return visit_cat(node);
     case Kind::Slice: return visit_slice(node);

@@ -133,6 +133,12 @@ class Propagation {
   };
   std::map<int, ReturnedWeights> returned_weights;
 
+  // Norms over a layer's output whose features are split by heads: node -> region (norms.cpp).
+  std::map<int, int> split_norms;
+  // Refuses split norms over KV heads that several ranks hold (settle_links kept them apart):
+  // each holder would count their squares again.
+  void refuse_shared_norms();
+
   static bool uniform_groups(int64_t units, int64_t ratio, int64_t world_size);
 
  private:
@@ -163,6 +169,7 @@ class Propagation {
   void visit_matmul(const Node& node);
   void visit_attention(const Node& node);
   void visit_attention_weights(int n, const Node& node);
+  void visit_norm(int n, const Node& node);
   void visit_split(const Node& node);
   void visit_cat(const Node& node);
   void visit_slice(const Node& node);

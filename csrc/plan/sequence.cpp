@@ -268,6 +268,11 @@ void Propagation::sequence_visit(int n, const Node& node, const std::set<int>& r
       }
       return;
     }
+    case Kind::Norm: {  // over the features: per token, its weight read like any parameter
+      if (!layouts[in].sequence) return refuse(node.label + " takes its tokens as a parameter");
+      if (x.factor.axis == static_cast<int>(shape(in).size()) - 1) return refuse(node.label + " mixes tokens");
+      return mark(node.outputs.at(0), x.factor.axis);
+    }
     case Kind::View: {
       const ReshapeResult r = map_reshape(shape(in), shape(node.outputs.at(0)), x.factor);
       if (!r.ok || r.factor.outer != 1 || r.factor.size != x.factor.size) {

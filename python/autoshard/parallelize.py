@@ -23,13 +23,14 @@ from .nn.experts import shard_experts
 from .nn import head_cuts, sequence
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
+from .nn.rms_norm import ShardedRMSNorm
 from .model_state import ParallelState, attach_layer_state, state_of
 from .partitioned_state import partition_replicated
 from .plan import LayerPlan, ShardingPlan, plan as make_plan
 from .plan.capture import every_block_run, input_shapes, inputs_on_meta, meta_shadow, trace_shapes
 from .plan.inputs import ordinary_token
 from .plan.meta_values import KnownValues
-from .plan.layers import is_layer_module
+from .plan.layers import is_layer_module, rms_norm_eps, rms_norm_form
 from .plan.prediction import FoldedBlockMismatch, ShapeMismatch, check_model_trace, set_attribute
 
 
@@ -86,6 +87,16 @@ def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> N
             raise ValueError(f"parallelize: layer {layer.module!r} is already sharded")
         if layer.weight not in params:
             raise ValueError(f"parallelize: the plan names parameter {layer.weight!r}, which the model lacks")
+    for norm in plan.norms:
+        try:
+            module = model.get_submodule(norm["module"])
+        except AttributeError:
+            raise ValueError(f"parallelize: the plan names norm {norm['module']!r}, which the model lacks") from None
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or list(weight.shape) != [norm["features"]] \
+                or rms_norm_form(module) is None:
+            raise ValueError(f"parallelize: norm {norm['module']!r} is not an RMS norm over {norm['features']} "
+                             "features with a weight, as the plan expects")
 
 
 def _attention_of(model: nn.Module, layer) -> Optional[nn.MultiheadAttention]:
@@ -210,6 +221,10 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
         _set_submodule(model, layer.module, sharded)
     for name, sides in experts.items():
         _shard_experts(model, name, sides, group, rank, world, copies)
+    for norm in plan.norms:
+        module = model.get_submodule(norm["module"])
+        _set_submodule(model, norm["module"], ShardedRMSNorm.from_norm(
+            module, plan.norm_spec(norm, rank), rms_norm_eps(module), rms_norm_form(module), group))
     for key, new in replaced.items():
         for owner, attr in registrations.get(key, []):
             if not hasattr(owner, "shard_specs"):

@@ -80,6 +80,11 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                                           coarse_sizes=record["coarse_localize"])
         region_plans[region]._localize = record["localize"]
     _attention_copies(region_plans, layers, graph)
+    norms = []
+    for record in data.get("norms", []):
+        node = graph.document["nodes"][record["node"]]
+        norms.append({"module": node["label"], "weight": names[node["weight_param"]], "features": record["features"],
+                      "units": region_plans[record["region"]].units, "region": record["region"]})
     result = ShardingPlan(world_size=world_size, layers=layers, regions=region_plans, comm=comm,
                           partial_gradients=partial,
                           sequence_entries=[{k: e[k] for k in ("module", "leaf", "dim", "region")}
@@ -92,6 +97,7 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                                         for e in data.get("head_outputs", [])],
                           attention_weights=[{"module": graph.nodes[w["node"]][0], "used": w["used"]}
                                              for w in data.get("attention_weights", [])],
+                          norms=norms,
                           example={"description": graph.description, "inputs": graph.example_inputs,
                                    "output_shapes": [list(s) for s in graph.output_shapes]})
     result._prediction = Prediction(graph, data["tensors"], data["sequence_entries"], data["sequence_gathers"],

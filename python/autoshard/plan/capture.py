@@ -23,7 +23,7 @@ from ..nn.multihead_attention import (AttentionCalls, ParallelMultiheadAttention
 from .folding import BlockFolder
 from .index_lists import ConsecutiveIndexLists
 from .inputs import example_inputs_for, missing_decoder_inputs
-from .layers import LayerInfo, describe_layer, in_projection_layer
+from .layers import LayerInfo, describe_layer, in_projection_layer, rms_norm_form
 from .meta_values import KnownValues
 
 aten = torch.ops.aten
@@ -126,6 +126,13 @@ class _Recorder(TorchDispatchMode):
         self.layer_calls = set()
         # Within an experts module's call: (id -> its weights and their views, ops refused).
         self.experts_reads = None
+        # Tensors a layer's call gave: an RMS norm called on one is one node (see norm_calls).
+        self.layer_outputs = set()
+
+    def layer_output(self, t: torch.Tensor) -> int:
+        index = self.tensor_id(t)
+        self.layer_outputs.add(index)
+        return index
 
     def tensor_id(self, t: torch.Tensor) -> int:
         key = id(t)
@@ -394,6 +401,38 @@ def _mark_partitions(nodes: List[Dict[str, Any]], tensors: List[Dict[str, Any]])
     return marked
 
 
+def norm_calls(root: nn.Module, recorder: "_Recorder", record, is_layer) -> list:
+    """Hooks on root's RMS norm modules (rms_norm_form) that are no layer: a call on a tensor a
+    layer's call gave (OLMo 2's q_norm over q_proj's output) is recorded by `record(name,
+    module, x, out)` as one node instead of its ops, so that the planner can split it with the
+    layer's features. A norm called on anything else (the residual stream) is left to be
+    recorded op by op. Returns the hook handles."""
+    handles = []
+    for name, module in root.named_modules():
+        if is_layer(module) or rms_norm_form(module) is None:
+            continue
+        calls = []
+
+        def pre(mod, inputs, calls=calls):
+            x = inputs[0] if len(inputs) == 1 else None
+            ours = (recorder.layer_depth == 0 and isinstance(x, torch.Tensor)
+                    and recorder.ids.get(id(x), -1) in recorder.layer_outputs)
+            calls.append(x if ours else None)
+            if ours:
+                recorder.layer_depth += 1
+
+        def post(mod, inputs, output, calls=calls, name=name):
+            x = calls.pop() if calls else None
+            if x is None:
+                return
+            recorder.layer_depth -= 1
+            if isinstance(output, torch.Tensor):
+                record(name, mod, x, output)
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    return handles
+
+
 def attention_calls(root: nn.Module, recorder: "_Recorder", record_layer,
                     record_weights=None) -> contextlib.AbstractContextManager:
     """While active, the calls of root's nn.MultiheadAttention modules compute their attention
@@ -562,7 +601,7 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
                                   [recorder.tensor_id(o) for o in made], {"routing_floating": []}, "call")
             elif recorder.layer_depth == 0 and isinstance(info.input, torch.Tensor) and isinstance(output, torch.Tensor):
                 node = recorder.node(info.kind, info.name or "<model>", [recorder.tensor_id(info.input)],
-                                     [recorder.tensor_id(output)], info.planner_fields(info.input, output))
+                                     [recorder.layer_output(output)], info.planner_fields(info.input, output))
                 layers[node] = info.record_call(info.input, output)
             info.input = None
             info.inputs = ()
@@ -571,10 +610,16 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
         handles.append(module.register_forward_hook(post))
     def record_in_projection(name, module, x, out):
         info = in_projection_layer(name, module, param_index)
-        node = recorder.node(info.kind, info.name, [recorder.tensor_id(x)], [recorder.tensor_id(out)],
+        node = recorder.node(info.kind, info.name, [recorder.tensor_id(x)], [recorder.layer_output(out)],
                              info.planner_fields(x, out))
         layers[node] = info.record_call(x, out)
 
+    def record_norm(name, module, x, out):
+        weight = module.weight
+        recorder.node("norm", name, [recorder.tensor_id(x), recorder.tensor_id(weight)], [recorder.tensor_id(out)],
+                      {"weight_param": param_index.get(id(weight), -1)}, "call")
+
+    handles += norm_calls(shadow, recorder, record_norm, lambda m: describe_layer("", m, {}) is not None)
     example = describe_inputs(args, kwargs)
     try:
         with torch.no_grad(), values, recorder, folder, ConsecutiveIndexLists(), attention_calls(
@@ -724,7 +769,7 @@ def trace_text(module: nn.Module, args: tuple, kwargs: dict, values: Optional[Kn
 
 def _as_layer(recorder: _Recorder):
     """record_layer for attention_calls in a trace: the projection is one "layer" node."""
-    return lambda name, module, x, out: recorder.nodes.append(("layer", (), (recorder.tensor_id(out),)))
+    return lambda name, module, x, out: recorder.nodes.append(("layer", (), (recorder.layer_output(out),)))
 
 
 def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values: Optional[KnownValues] = None):
@@ -743,9 +788,11 @@ def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values:
         def post(mod, inputs, output):
             recorder.layer_depth -= 1
             if recorder.layer_depth == 0 and isinstance(output, torch.Tensor):
-                recorder.nodes.append(("layer", (), (recorder.tensor_id(output),)))
+                recorder.nodes.append(("layer", (), (recorder.layer_output(output),)))
 
         handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
+    handles += norm_calls(module, recorder, lambda name, mod, x, out: recorder.nodes.append(
+        ("layer", (), (recorder.tensor_id(out),))), lambda m: m is module or is_layer(m))
     error = None
     args, kwargs = replay_inputs((args, kwargs))
     try:

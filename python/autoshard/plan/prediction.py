@@ -239,6 +239,12 @@ class _LocalModule:
                     local_heads_shape(out.shape, entry, units, rank, world), dtype=out.dtype, device="meta")
                 self.module.get_submodule(entry["module"][len(prefix):]).register_forward_hook(cut)
         self.supported = True
+        # Norms split with their layer's features: their weight at this rank's size.
+        for norm in plan.norms:
+            if norm["module"].startswith(prefix):
+                owner = self.module.get_submodule(norm["module"][len(prefix):])
+                local = plan.norm_spec(norm, rank).local_size()
+                owner.weight = nn.Parameter(torch.empty(local, device="meta", dtype=owner.weight.dtype))
         done = self._local_attentions(plan, prefix, rank)
         for layer in plan.layers:
             if not layer.module.startswith(prefix) or layer.style == "replicate" or layer.module in done:

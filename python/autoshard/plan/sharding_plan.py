@@ -144,6 +144,10 @@ class ShardingPlan:
     # {"module", "used"}. Used (the model reads them), they are averaged over every head with one
     # all-reduce in forward; never read, the sharded module returns None in their place.
     attention_weights: List[Dict[str, object]] = field(default_factory=list)
+    # RMS norms over a layer's output features split by heads (OLMo 2's q_norm and k_norm):
+    # {"module", "weight" (its parameter name), "features" (global), "units", "region"}; each
+    # becomes nn.rms_norm.ShardedRMSNorm (one all-reduce in forward and one in backward).
+    norms: List[Dict[str, object]] = field(default_factory=list)
     # The output head whose loss parallelize computes over vocabulary shards when the model is
     # called with labels ("" when it does not): that call keeps the head's logits sharded.
     loss_parallel_head: str = ""
@@ -164,7 +168,13 @@ class ShardingPlan:
                                (layer.bias, layer.bias_spec(rank, self.world_size))):
                 if name is not None and spec is not None:
                     specs[name] = spec
+        for norm in self.norms:
+            specs[norm["weight"]] = self.norm_spec(norm, rank)
         return specs
+
+    def norm_spec(self, norm: Dict[str, object], rank: int) -> ShardSpec:
+        """The ShardSpec of a split norm's weight on `rank` (split like its layer's features)."""
+        return ShardSpec(0, norm["features"], rank, self.world_size, units=norm["units"] or None)
 
     def collectives(self, phase: str, labels: bool = False) -> Dict[str, int]:
         """Collectives per step in `phase` ("forward" or "backward"). With `labels`, those of a call
@@ -274,6 +284,9 @@ class ShardingPlan:
             lines.append(f"  {returned['module']}: attention weights averaged over every head (one all-reduce of each "
                          "rank's sum in forward)" if returned["used"] else
                          f"  {returned['module']}: attention weights not returned (None): the model never reads them")
+        if self.norms:
+            lines.append(f"  norms split with their layer's features (one all-reduce in forward and one in backward "
+                         f"each): {_listed([n['module'] for n in self.norms])}")
         lines += self._sequence_lines()
         for bucket in self.partial_gradients:
             lines.append(f"  partial gradients summed over the ranks in backward (one all-reduce, "
@@ -341,5 +354,6 @@ class ShardingPlan:
             head_entries=data.get("head_entries", []),
             head_outputs=data.get("head_outputs", []),
             attention_weights=data.get("attention_weights", []),
+            norms=data.get("norms", []),
             loss_parallel_head=data.get("loss_parallel_head", ""),
         )

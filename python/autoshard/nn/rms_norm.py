@@ -1,0 +1,73 @@
+"""An RMS norm over features split by heads across the ranks (OLMo 2's q_norm and k_norm,
+which normalise every head's features of q_proj's output together).
+
+Each rank holds its heads' features and the matching part of the weight. The mean of squares
+needs every rank's features: each rank's sum of squares (fp32) is all-reduced in forward
+(reduce_from_parallel), and the scale rsqrt(mean + eps) it gives is the same on every rank.
+The scale is read by this rank's features only, so its gradient is partial on each rank:
+copy_to_parallel sums it in backward. What reaches each rank's features and weight is then
+exactly the unsharded norm's gradient for them.
+"""
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..distributed import resolve
+from ..model_state import attach_layer_state
+from .spec import ShardSpec
+
+FORMS = ("scale_then_cast", "cast_then_scale")
+
+
+class ShardedRMSNorm(nn.Module):
+    """This rank's part of an RMS norm over ``spec.full_size`` features, computing
+    ``x * rsqrt(mean(x ** 2, -1) + eps) * weight`` in fp32 with every rank's features in the
+    mean. ``form`` says where it casts back to the input's dtype, as the norm it stands for:
+    "scale_then_cast" (the weight scales the fp32 result, OLMo 2) or "cast_then_scale"
+    (Llama). Build one with ``from_norm``."""
+
+    autoshard_layer = True
+
+    def __init__(self, weight: torch.Tensor, spec: ShardSpec, eps: float, form: str, group=None):
+        super().__init__()
+        if not isinstance(spec, ShardSpec) or spec.dim != 0 or spec.parts is not None or spec.repeat is not None:
+            raise ValueError(f"ShardedRMSNorm: spec must be a ShardSpec over dim 0 without parts or repeat, got {spec!r}")
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] != spec.full_size:
+            got = None if not isinstance(weight, torch.Tensor) else tuple(weight.shape)
+            raise ValueError(f"ShardedRMSNorm: weight must be 1-D of {spec.full_size} features, got shape {got}")
+        if form not in FORMS:
+            raise ValueError(f"ShardedRMSNorm: form must be one of {FORMS}, got {form!r}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
+            raise ValueError(f"ShardedRMSNorm: eps must be a non-negative float, got {eps!r}")
+        self.group = resolve(group, "ShardedRMSNorm")
+        self.features = spec.full_size
+        self.eps = float(eps)
+        self.form = form
+        self.shard_specs = {"weight": spec}
+        self.weight = nn.Parameter(spec.take(weight.detach()), requires_grad=weight.requires_grad)
+        attach_layer_state(self)
+
+    @classmethod
+    def from_norm(cls, norm: nn.Module, spec: ShardSpec, eps: float, form: str, group=None) -> "ShardedRMSNorm":
+        """This rank's part of ``norm`` (its ``weight`` split by ``spec``)."""
+        return cls(norm.weight, spec, eps, form, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = self.weight.shape[0]
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != local:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"ShardedRMSNorm: x must end in this rank's {local} features, got {got}")
+        dtype = x.dtype
+        wide = x.to(torch.float32)
+        squares = comm.reduce_from_parallel(wide.pow(2).sum(-1, keepdim=True), self.group)
+        scale = comm.copy_to_parallel(torch.rsqrt(squares / self.features + self.eps), self.group)
+        normalized = wide * scale
+        if self.form == "scale_then_cast":
+            return (self.weight * normalized).to(dtype)
+        return self.weight * normalized.to(dtype)
+
+    def extra_repr(self) -> str:
+        spec = self.shard_specs["weight"]
+        return (f"{self.weight.shape[0]} of {self.features} features on rank {spec.rank} of {spec.world_size}, "
+                f"eps={self.eps}, {self.form}")
