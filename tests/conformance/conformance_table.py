@@ -74,6 +74,12 @@ NORM_IN_FP32 = dict(rtol=1e-5, atol=1e-6)
 # attention split by heads (its rotary pairs features with stack and flatten), the rounding of
 # q and k to float32 differs where the sharded sums differ in their last float64 bits.
 ROTARY_IN_FP32 = NORM_IN_FP32
+# OLMo 2's q_norm and k_norm span every head's features, in float32 even in a float64 model:
+# split by heads, each rank's sum of squares is summed over the ranks in another order, and the
+# scale's last float32 bit reaches every gradient of the attention (3.5e-6 on gradients of
+# magnitude 26 at 2 ranks). tests/plan/test_split_norms.py checks the same split exactly in
+# float64 with a norm that computes in its input's dtype.
+NORM_ACROSS_HEADS_IN_FP32 = dict(rtol=1e-5, atol=1e-5)
 
 # Mixture-of-experts models run in fp32 (the default grouped matmul has no fp64 CPU kernel):
 # every gradient summed over the ranks in another order differs by fp32 rounding, seen up to
@@ -116,7 +122,7 @@ TABLE = [
     # Rotates pairs of even and odd features with stack and flatten.
     Arch("gptj", hf("gptj", n_embd=48, n_layer=L, n_head=H, n_positions=32, rotary_dim=4), token_ids(), small=True),
     Arch("olmo", hf("olmo", **LLAMA_LIKE), token_ids()),
-    Arch("olmo2", hf("olmo2", **LLAMA_LIKE), token_ids()),
+    Arch("olmo2", hf("olmo2", **LLAMA_LIKE), token_ids(), tolerance=NORM_ACROSS_HEADS_IN_FP32),
     Arch("starcoder2", hf("starcoder2", **LLAMA_LIKE), token_ids()),
     Arch("opt", hf("opt", hidden_size=48, num_hidden_layers=L, num_attention_heads=H, ffn_dim=I,
                    max_position_embeddings=32, word_embed_proj_dim=48), token_ids()),

@@ -2,7 +2,7 @@
 which normalise every head's features of q_proj's output together).
 
 Each rank holds its heads' features and the matching part of the weight. The mean of squares
-needs every rank's features: each rank's sum of squares (fp32) is all-reduced in forward
+needs every rank's features: each rank's sum of squares is all-reduced in forward
 (reduce_from_parallel), and the scale rsqrt(mean + eps) it gives is the same on every rank.
 The scale is read by this rank's features only, so its gradient is partial on each rank:
 copy_to_parallel sums it in backward. What reaches each rank's features and weight is then
@@ -17,15 +17,15 @@ from ..distributed import resolve
 from ..model_state import attach_layer_state
 from .spec import ShardSpec
 
-FORMS = ("scale_then_cast", "cast_then_scale")
+FORMS = ("input_dtype", "scale_then_cast", "cast_then_scale")
 
 
 class ShardedRMSNorm(nn.Module):
     """This rank's part of an RMS norm over ``spec.full_size`` features, computing
-    ``x * rsqrt(mean(x ** 2, -1) + eps) * weight`` in fp32 with every rank's features in the
-    mean. ``form`` says where it casts back to the input's dtype, as the norm it stands for:
-    "scale_then_cast" (the weight scales the fp32 result, OLMo 2) or "cast_then_scale"
-    (Llama). Build one with ``from_norm``."""
+    ``x * rsqrt(mean(x ** 2, -1) + eps) * weight`` with every rank's features in the mean.
+    ``form`` says in which dtype, as the norm it stands for: "input_dtype" (x's own), or float32
+    cast back to x's dtype after the weight scales it ("scale_then_cast", OLMo 2) or before
+    ("cast_then_scale", Llama). Build one with ``from_norm``."""
 
     autoshard_layer = True
 
@@ -59,10 +59,12 @@ class ShardedRMSNorm(nn.Module):
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"ShardedRMSNorm: x must end in this rank's {local} features, got {got}")
         dtype = x.dtype
-        wide = x.to(torch.float32)
+        wide = x if self.form == "input_dtype" else x.to(torch.float32)
         squares = comm.reduce_from_parallel(wide.pow(2).sum(-1, keepdim=True), self.group)
         scale = comm.copy_to_parallel(torch.rsqrt(squares / self.features + self.eps), self.group)
         normalized = wide * scale
+        if self.form == "input_dtype":
+            return normalized * self.weight
         if self.form == "scale_then_cast":
             return (self.weight * normalized).to(dtype)
         return self.weight * normalized.to(dtype)

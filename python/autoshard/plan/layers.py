@@ -210,11 +210,12 @@ def einsum_letters(equation: str, input_ndim: int, output_ndim: int) -> List[Dic
             for letter, role, in_dim, out_dim in zip(letters, roles, input_dims, output_dims)]
 
 
-# Norm class -> how its RMS norm meets a narrower input dtype ("scale_then_cast": the weight
-# scales the fp32 result, then cast back, as OLMo 2; "cast_then_scale": cast back, then
-# scaled, as Llama), or None where the class computes no such norm.
+# Norm class -> how its RMS norm meets its input's dtype: "input_dtype" (it computes in that
+# dtype), or it computes in float32 and casts back, "scale_then_cast" (the weight scales the
+# float32 result, then cast back, as OLMo 2) or "cast_then_scale" (cast back, then scaled, as
+# Llama); None where the class computes no such norm.
 _RMS_NORM_FORMS: Dict[tuple, Optional[str]] = {}
-RMS_NORM_FORMS = ("scale_then_cast", "cast_then_scale")
+RMS_NORM_FORMS = ("input_dtype", "scale_then_cast", "cast_then_scale")
 
 
 def rms_norm_eps(module: nn.Module) -> Optional[float]:
@@ -232,15 +233,17 @@ def _norm_probe(module: nn.Module, weight: torch.Tensor) -> nn.Module:
     probe._parameters = dict(module._parameters)
     probe._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
     probe._forward_hooks, probe._forward_pre_hooks = OrderedDict(), OrderedDict()
+    if isinstance(getattr(module, "normalized_shape", None), tuple):  # nn.RMSNorm passes it to F.rms_norm
+        probe.normalized_shape = tuple(weight.shape)
     return probe
 
 
 def rms_norm_form(module: nn.Module) -> Optional[str]:
     """Whether `module` computes x * rsqrt(mean(x ** 2, -1) + eps) * weight over its input's last
     axis, with a 1-D weight as its only parameter and no submodules: checked once per class (and
-    plain attributes) on a small float64 input with its own eps (to fp32's precision, in which
-    such norms compute), then on a bfloat16 one for where it casts back, which must match one of
-    RMS_NORM_FORMS bit for bit. None for any other module."""
+    plain attributes) on a small float64 input with its own eps: exactly ("input_dtype"), or to
+    float32's precision, then on a bfloat16 input for where it casts back, which must match one
+    of the float32 RMS_NORM_FORMS bit for bit. None for any other module."""
     weight = module._parameters.get("weight") if isinstance(module, nn.Module) else None
     eps = rms_norm_eps(module) if weight is not None else None
     if (eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or len(module._parameters) != 1
@@ -260,15 +263,17 @@ def rms_norm_form(module: nn.Module) -> Optional[str]:
             x = torch.randn(2, 3, 5, generator=generator, dtype=torch.float64)
             got = type(module).forward(_norm_probe(module, w), x)
             want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-            # To fp32's precision: norms compute in fp32 whatever their input.
-            if isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype and bool(
-                    torch.allclose(got, want, rtol=1e-5, atol=1e-6)):
+            same = isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
+            if same and bool(torch.allclose(got, want, rtol=1e-12, atol=1e-14)):
+                form = "input_dtype"
+            # Else to fp32's precision: most norms compute in fp32 whatever their input.
+            elif same and bool(torch.allclose(got, want, rtol=1e-5, atol=1e-6)):
                 w16 = torch.randn(5, generator=generator).to(torch.bfloat16)
                 x16 = torch.randn(2, 3, 5, generator=generator).to(torch.bfloat16)
                 got = type(module).forward(_norm_probe(module, w16), x16)
                 x32 = x16.to(torch.float32)
                 normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-                for name, value in zip(RMS_NORM_FORMS, ((w16 * normalized).to(torch.bfloat16),
+                for name, value in zip(RMS_NORM_FORMS[1:], ((w16 * normalized).to(torch.bfloat16),
                                                         w16 * normalized.to(torch.bfloat16))):
                     if got.dtype == value.dtype and torch.equal(got, value):
                         form = name

@@ -1,0 +1,275 @@
+"""RMS norms over a layer's output features (OLMo 2's q_norm and k_norm, over every head's
+features before the view into heads): one planner node, split with the layer's features by
+heads, replicated or split on tokens as a per-token op elsewhere. Against the unsharded model
+(float64, exactly, with a norm computing in its input's dtype), numpy's array_split, Hugging
+Face's OLMo 2, and a checkpoint saved on 3 ranks reloaded on 2 and on 1."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autoshard
+from autoshard import checkpoint
+from autoshard.nn.rms_norm import ShardedRMSNorm
+from autoshard.plan.layers import rms_norm_form
+from autoshard.plan.sharding_plan import ShardingPlan
+from multirank import run_on_ranks
+from test_planner_graphs import G, comm, styles
+
+
+# ---- the planner on hand-written graphs
+
+
+def _norm_block(g, norm_on="column"):
+    """x -> q (column, 3 heads of 2) -> norm over q's 6 features -> heads -> row layer.
+    With norm_on="row", the norm reads the row layer's output instead."""
+    x = g.tensor(2, 4, 8)
+    _, q = g.linear(x, 8, 6, 0, out_shape=(2, 4, 6))
+    weight = g.tensor(6, param=2)
+    if norm_on == "column":
+        normed = g.tensor(2, 4, 6)
+        g.node("norm", [q, weight], [normed], label="attn.q_norm", weight_param=2)
+        q = normed
+    heads = g.tensor(2, 4, 3, 2)
+    g.node("view", [q], [heads])
+    flat = g.tensor(2, 4, 6)
+    g.node("view", [heads], [flat])
+    _, y = g.linear(flat, 6, 8, 1, out_shape=(2, 4, 8))
+    if norm_on == "row":
+        post = g.tensor(8, param=3)
+        normed = g.tensor(2, 4, 8)
+        g.node("norm", [y, post], [normed], label="post_norm", weight_param=3)
+        y = normed
+    g.output(y)
+    return q, y
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_norm_over_split_features_splits_with_them(world):
+    g = G()
+    normed, _ = _norm_block(g)
+    doc = g.plan(world)
+    assert styles(doc) == ["column", "row"]
+    assert doc["norms"] == [{"node": 1, "region": doc["layers"][0]["region"], "features": 6}]
+    layout = {t["tensor"]: t for t in doc["tensors"]}
+    assert (layout[normed]["axis"], layout[normed]["outer"], layout[normed]["size"]) == (2, 1, 6)
+    # Its weight is split like the features, never a partial gradient.
+    assert doc["partial_gradients"] == []
+    # One value per token each way: the sum of squares forward, the scale's gradient backward.
+    forward = {c["kind"]: (c["count"], c["elements"]) for c in doc["comm"] if c["phase"] == "forward"}
+    backward = {c["kind"]: (c["count"], c["elements"]) for c in doc["comm"] if c["phase"] == "backward"}
+    assert forward == {"all_reduce": (2, 2 * 4 + 2 * 4 * 8)}  # the norm's and the row layer's
+    assert backward == {"all_reduce": (1, 2 * 4)}  # the norm's (x is an input: no copy to sum)
+
+
+def test_norm_over_a_replicated_output_passes_it_through():
+    g = G()
+    _, y = _norm_block(g, norm_on="row")
+    doc = g.plan(2, sequence_parallel=False)
+    assert styles(doc) == ["column", "row"] and doc["norms"] == []
+    assert y not in {t["tensor"] for t in doc["tensors"]}
+    assert comm(doc, "forward") == {"all_reduce": 1}
+
+
+def test_norm_over_an_axis_other_than_the_split_one_keeps_the_layer_whole():
+    g = G()
+    x = g.tensor(2, 4, 8)
+    _, q = g.linear(x, 8, 6, 0, out_shape=(2, 4, 6))
+    heads = g.tensor(2, 4, 3, 2)
+    g.node("view", [q], [heads])
+    weight = g.tensor(2, param=2)
+    normed = g.tensor(2, 4, 3, 2)
+    # Over head_dim, its weight shared by every head: not a norm over the layer's features.
+    g.node("norm", [heads, weight], [normed], label="head_norm", weight_param=2)
+    flat = g.tensor(2, 4, 6)
+    g.node("view", [normed], [flat])
+    g.linear(flat, 6, 8, 1, out_shape=(2, 4, 8), output=True)
+    doc = g.plan(2)
+    assert styles(doc)[0] == "replicate" and doc["norms"] == []
+    assert "head_norm normalises over an axis split otherwise than by its features" in doc["layers"][0]["note"]
+
+
+def test_norm_node_needs_its_fields():
+    g = G()
+    x = g.tensor(2, 6)
+    y = g.tensor(2, 6)
+    g.node("norm", [x], [y])
+    with pytest.raises(ValueError, match=r"plan.bad_graph.*weight_param"):
+        g.plan(2)
+    g = G()
+    x, w, y = g.tensor(2, 6), g.tensor(6, param=0), g.tensor(2, 6)
+    g.node("norm", [x, w, w], [y], weight_param=0)
+    with pytest.raises(ValueError, match=r"plan.bad_graph.*reads \{x, weight\}"):
+        g.plan(2)
+
+
+# ---- which modules count as such a norm
+
+
+def test_rms_norm_forms_are_recognised_by_what_they_compute():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    assert rms_norm_form(Olmo2RMSNorm(8)) == "scale_then_cast"
+    assert rms_norm_form(LlamaRMSNorm(8)) == "cast_then_scale"
+    assert rms_norm_form(PlainRMSNorm(8)) == "input_dtype"
+    assert rms_norm_form(GemmaRMSNorm(8)) is None  # scales by 1 + weight
+    assert rms_norm_form(nn.LayerNorm(8)) is None
+    assert rms_norm_form(nn.RMSNorm(8, eps=1e-6)) == "input_dtype"
+    assert rms_norm_form(nn.RMSNorm(8, eps=1e-6, elementwise_affine=False)) is None  # no weight
+
+
+# ---- a model of our own, exactly in float64
+
+
+class PlainRMSNorm(nn.Module):
+    """An RMS norm computing in its input's dtype."""
+
+    def __init__(self, size, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class NormedAttention(nn.Module):
+    """q and k normalised over every head's features together, as OLMo 2 does."""
+
+    def __init__(self, hidden=24, heads=6):
+        super().__init__()
+        self.heads = heads
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.q_norm, self.k_norm = PlainRMSNorm(hidden), PlainRMSNorm(hidden)
+        self.o_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        shape = (b, t, -1, 4)  # head_dim 4: the head count follows from the local features
+        q = self.q_norm(self.q_proj(x)).view(shape).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x)).view(shape).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def _build_own(seed=0):
+    torch.manual_seed(seed)
+    model = NormedAttention().double()
+    with torch.no_grad():
+        for norm in (model.q_norm, model.k_norm):
+            norm.weight.copy_(torch.rand(norm.weight.shape, dtype=torch.float64) + 0.5)
+    return model
+
+
+def _own_against_unsharded():
+    model, reference = _build_own(), _build_own()
+    x = torch.randn(2, 5, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    autoshard.parallelize(model, example_inputs=(x,))
+    assert isinstance(model.q_norm, ShardedRMSNorm) and isinstance(model.k_norm, ShardedRMSNorm)
+    got, want = model(x.clone()), reference(x.clone())
+    got.square().sum().backward()
+    want.square().sum().backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    specs = model.autoshard_state.plan.param_specs(torch.distributed.get_rank())
+    errors = {}
+    for name, p in reference.named_parameters():
+        full = p.grad if name not in specs else specs[name].take(p.grad)
+        errors[name] = float((grads[name] - full).abs().max())
+    return float((got - want).abs().max()), errors, model.q_norm.weight.detach().clone()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_own_model_matches_unsharded_in_float64(world):
+    results = run_on_ranks(_own_against_unsharded, world, timeout=300)
+    heads = np.array_split(np.arange(6), world)
+    full = _build_own().q_norm.weight.detach()
+    for rank, (output_error, errors, q_norm) in enumerate(results):
+        assert output_error < 1e-12
+        assert set(errors) == {n for n, _ in _build_own().named_parameters()}
+        assert max(errors.values()) < 1e-12, errors
+        # This rank's heads' 4 features each.
+        want = full[heads[rank][0] * 4:(heads[rank][-1] + 1) * 4]
+        assert torch.equal(q_norm, want)
+
+
+# ---- OLMo 2
+
+
+def _olmo2(seed=0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("olmo2", hidden_size=48, intermediate_size=70, num_hidden_layers=2,
+                                  num_attention_heads=6, num_key_value_heads=3, vocab_size=101, attention_dropout=0.0,
+                                  bos_token_id=None, eos_token_id=None)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # norms that are not all ones
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape) + 0.5)
+    return model
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_olmo2_plan_splits_attention_with_its_norms(world):
+    p = autoshard.plan(_olmo2().to("meta"), world_size=world)
+    assert [n["module"] for n in p.norms] == [f"model.layers.{i}.self_attn.{k}_norm" for i in (0, 1) for k in "qk"]
+    assert p.layer("model.layers.0.self_attn.q_proj").style == "column"
+    assert "norms split with their layer's features" in str(p)
+    spec = p.param_specs(0)["model.layers.0.self_attn.k_norm.weight"]
+    kv_heads = np.array_split(np.arange(3), world)[0]
+    assert spec.local_size() == len(kv_heads) * 8
+    assert ShardingPlan.from_json(p.to_json()).norms == p.norms
+
+
+def test_olmo2_on_4_ranks_keeps_attention_whole_where_ranks_share_kv_heads():
+    with pytest.warns(UserWarning, match="would hold 50%"):
+        p = autoshard.plan(_olmo2().to("meta"), world_size=4)
+    assert p.norms == [] and p.layer("model.layers.0.self_attn.k_proj").style == "replicate"
+
+
+def _save_trained(path):
+    model = _olmo2()
+    autoshard.parallelize(model)
+    assert isinstance(model.model.layers[0].self_attn.q_norm, ShardedRMSNorm)
+    opt = autoshard.optim.AdamW(model.parameters(), lr=2e-3)
+    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(3))
+    model(input_ids=ids, labels=ids).loss.backward()
+    autoshard.clip_grad_norm_(model.parameters(), 0.5)
+    opt.step()
+    checkpoint.save(path, model, opt, extra={"step": 1})
+    return {k: v.clone() for k, v in autoshard.full_state_dict(model).items()}
+
+
+def _reload(path):
+    model = _olmo2(seed=5)
+    autoshard.parallelize(model)
+    opt = autoshard.optim.AdamW(model.parameters(), lr=2e-3)
+    extra = checkpoint.load(path, model, opt)
+    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(4))
+    logits = model(input_ids=ids).logits  # whole, called without labels
+    return extra, {k: v.clone() for k, v in autoshard.full_state_dict(model).items()}, logits.detach()
+
+
+def test_olmo2_checkpoint_saved_on_3_ranks_reloads_on_2_and_on_1(tmp_path):
+    path = str(tmp_path / "step-1")
+    full = run_on_ranks(_save_trained, 3, path, timeout=300)[0]
+    reference = _olmo2(seed=5)
+    reference.load_state_dict(full)
+    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(4))
+    want = reference(input_ids=ids).logits.detach()
+    for extra, state, logits in run_on_ranks(_reload, 2, path, timeout=300):
+        assert extra == {"step": 1} and state.keys() == full.keys()
+        for name, value in full.items():
+            assert torch.equal(state[name], value), name
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    model = _olmo2(seed=5)
+    assert checkpoint.load(path, model, torch.optim.AdamW(model.parameters(), lr=2e-3)) == {"step": 1}
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, full[name]), name
