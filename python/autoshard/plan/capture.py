@@ -23,7 +23,7 @@ from ..nn.multihead_attention import (AttentionCalls, ParallelMultiheadAttention
 from .folding import BlockFolder
 from .index_lists import ConsecutiveIndexLists
 from .inputs import example_inputs_for, missing_decoder_inputs
-from .layers import LayerInfo, describe_layer, in_projection_layer, rms_norm_form
+from .layers import LayerInfo, describe_layer, in_projection_layer, is_linear_like, rms_norm_form
 from .meta_values import KnownValues
 
 aten = torch.ops.aten
@@ -129,9 +129,11 @@ class _Recorder(TorchDispatchMode):
         # Tensors a layer's call gave: an RMS norm called on one is one node (see norm_calls).
         self.layer_outputs = set()
 
-    def layer_output(self, t: torch.Tensor) -> int:
+    def layer_output(self, t: torch.Tensor, linear: bool = True) -> int:
+        """t's id, remembered as a Linear-like layer's output where `linear` (not an embedding's)."""
         index = self.tensor_id(t)
-        self.layer_outputs.add(index)
+        if linear:
+            self.layer_outputs.add(index)
         return index
 
     def tensor_id(self, t: torch.Tensor) -> int:
@@ -403,7 +405,7 @@ def _mark_partitions(nodes: List[Dict[str, Any]], tensors: List[Dict[str, Any]])
 
 def norm_calls(root: nn.Module, recorder: "_Recorder", record, is_layer) -> list:
     """Hooks on root's RMS norm modules (rms_norm_form) that are no layer: a call on a tensor a
-    layer's call gave (OLMo 2's q_norm over q_proj's output) is recorded by `record(name,
+    Linear-like layer's call gave (OLMo 2's q_norm over q_proj's output) is recorded by `record(name,
     module, x, out)` as one node instead of its ops, so that the planner can split it with the
     layer's features. A norm called on anything else (the residual stream) is left to be
     recorded op by op. Returns the hook handles."""
@@ -601,7 +603,8 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
                                   [recorder.tensor_id(o) for o in made], {"routing_floating": []}, "call")
             elif recorder.layer_depth == 0 and isinstance(info.input, torch.Tensor) and isinstance(output, torch.Tensor):
                 node = recorder.node(info.kind, info.name or "<model>", [recorder.tensor_id(info.input)],
-                                     [recorder.layer_output(output)], info.planner_fields(info.input, output))
+                                     [recorder.layer_output(output, info.kind in ("linear", "einsum"))],
+                                     info.planner_fields(info.input, output))
                 layers[node] = info.record_call(info.input, output)
             info.input = None
             info.inputs = ()
@@ -788,7 +791,7 @@ def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values:
         def post(mod, inputs, output):
             recorder.layer_depth -= 1
             if recorder.layer_depth == 0 and isinstance(output, torch.Tensor):
-                recorder.nodes.append(("layer", (), (recorder.layer_output(output),)))
+                recorder.nodes.append(("layer", (), (recorder.layer_output(output, is_linear_like(mod)),)))
 
         handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
     handles += norm_calls(module, recorder, lambda name, mod, x, out: recorder.nodes.append(

@@ -143,6 +143,18 @@ def describe_layer(name: str, module: nn.Module, param_index: Dict[int, int]) ->
     return None
 
 
+def is_linear_like(module: nn.Module) -> bool:
+    """Whether a layer module maps its input's features as a Linear does (a Linear, Conv1D or
+    einsum layer, sharded or not): a norm called on its output may split with its features."""
+    from ..nn.einsum import ShardedEinsumDense
+    from ..nn.linear import ColumnParallelLinear, RowParallelLinear
+
+    if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ShardedEinsumDense)):
+        return True
+    info = describe_layer("", module, {})
+    return info is not None and info.kind in ("linear", "einsum")
+
+
 def in_projection_layer(name: str, module: nn.MultiheadAttention, param_index: Dict[int, int]) -> LayerInfo:
     """The q/k/v projection of an nn.MultiheadAttention named `name` (its in_proj_weight,
     [q | k | v] by rows), as the layer `name + ".in_proj"` (see nn.multihead_attention)."""
