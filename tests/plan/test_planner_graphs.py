@@ -75,7 +75,7 @@ def test_document_is_versioned_with_named_records():
     doc = g.plan(2)
     assert doc["version"] == 1
     assert set(doc) == {"version", "layers", "regions", "comm", "partial_gradients", "tensors", "sequence_entries",
-                        "sequence_gathers", "head_entries", "head_outputs", "attention_weights"}
+                        "sequence_gathers", "head_entries", "head_outputs", "attention_weights", "norms"}
     assert set(doc["layers"][0]) == {"node", "style", "region", "units", "copy_group", "parts", "whole_parts",
                                      "summed_parts", "letter", "repeat",
                                      "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",

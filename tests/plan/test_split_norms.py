@@ -73,6 +73,26 @@ def test_norm_over_a_replicated_output_passes_it_through():
     assert comm(doc, "forward") == {"all_reduce": 1}
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_norm_on_split_tokens_is_per_token_with_a_partial_weight_gradient(world):
+    # The sequence planner's stream, its final norm as a norm node: planned as the ops it stands for.
+    from test_sequence_planner import block
+
+    as_ops, as_node = G(), G()
+    block(as_ops, seq=7)
+    t = block(as_node, seq=7)
+    (index,) = [i for i, n in enumerate(as_node.nodes) if n["label"] == "norm2"]
+    record = as_node.nodes[index]
+    as_node.nodes[index] = {"kind": "norm", "label": "norm2", "inputs": record["inputs"], "outputs": record["outputs"],
+                            "weight_param": 5}
+    want, got = as_ops.plan(world), as_node.plan(world)
+    assert got["norms"] == []
+    for key in ("layers", "comm", "partial_gradients", "tensors", "sequence_entries"):
+        assert got[key] == want[key], key
+    assert any(x["tensor"] == t["n2"] and x["sequence"] for x in got["tensors"])
+    assert 5 in [p for bucket in got["partial_gradients"] for p in bucket["params"]]
+
+
 def test_norm_over_an_axis_other_than_the_split_one_keeps_the_layer_whole():
     g = G()
     x = g.tensor(2, 4, 8)
@@ -200,7 +220,7 @@ def test_own_model_matches_unsharded_in_float64(world):
 # ---- OLMo 2
 
 
-def _olmo2(seed=0):
+def _olmo2(seed=0, device="cpu"):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model("olmo2", hidden_size=48, intermediate_size=70, num_hidden_layers=2,
@@ -208,7 +228,8 @@ def _olmo2(seed=0):
                                   bos_token_id=None, eos_token_id=None)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():  # norms that are not all ones
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -273,3 +294,22 @@ def test_olmo2_checkpoint_saved_on_3_ranks_reloads_on_2_and_on_1(tmp_path):
     assert checkpoint.load(path, model, torch.optim.AdamW(model.parameters(), lr=2e-3)) == {"step": 1}
     for name, value in model.state_dict().items():
         assert torch.equal(value, full[name]), name
+
+
+def _load_pretrained_and_run(path):
+    model = _olmo2(device="meta")
+    autoshard.parallelize(model)
+    autoshard.load_pretrained(model, path, progress=False)
+    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(4))
+    return model(input_ids=ids).logits.detach(), autoshard.full_state_dict(model)
+
+
+def test_olmo2_load_pretrained_gives_each_rank_its_norm_features(tmp_path):
+    reference = _olmo2(seed=11)
+    reference.save_pretrained(str(tmp_path), max_shard_size="20KB")
+    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(4))
+    expected = reference(input_ids=ids).logits.detach()
+    for logits, state in run_on_ranks(_load_pretrained_and_run, 3, str(tmp_path), timeout=300):
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+        for name, value in reference.state_dict().items():
+            assert torch.equal(state[name], value), name
