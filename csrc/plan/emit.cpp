@@ -12,7 +12,8 @@
 //    "sequence_entries": [{"tensor", "module", "leaf", "dim", "region"}],
 //    "sequence_gathers": [{"tensor", "module", "leaf", "dim", "region"}],
 //    "head_entries": [{"tensor", "module", "leaf", "axis", "outer", "size", "region"}],
-//    "head_outputs": [{"tensor", "module", "axis", "outer", "size", "region"}]}
+//    "head_outputs": [{"tensor", "module", "axis", "outer", "size", "region"}],
+//    "head_params": [{"tensor", "param", "axis", "size", "region"}]}
 #include "plan/emit.h"
 
 #include <algorithm>
@@ -193,6 +194,14 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     comm("backward", "all_gather", numel(graph.tensor(node.outputs.at(0)).shape));
   }
 
+  // Parameters split with their heads: local parameters, no communication.
+  for (const auto& [tensor, region] : pass.head_param_region) {
+    const int root = pass.find(region);
+    if (pass.regions[root].conflict) continue;
+    const AxisFactor& f = pass.head_params.at(tensor);
+    plan.head_params.push_back({tensor, graph.tensor(tensor).param, f.axis, f.size, root});
+  }
+
   // Every sharded tensor, named by the region the plan reports it under (an entry is held
   // whole where it is made).
   std::map<int, int> coarse_to_fine;
@@ -324,6 +333,12 @@ std::string plan_to_json(const Plan& plan) {
     write_string(out, e.module);
     out << ",\"axis\":" << e.axis << ",\"outer\":" << e.outer << ",\"size\":" << e.size
         << ",\"region\":" << e.region << '}';
+  }
+  out << "],\"head_params\":[";
+  for (size_t i = 0; i < plan.head_params.size(); ++i) {
+    const HeadParam& p = plan.head_params[i];
+    out << (i ? "," : "") << "{\"tensor\":" << p.tensor << ",\"param\":" << p.param << ",\"axis\":" << p.axis
+        << ",\"size\":" << p.size << ",\"region\":" << p.region << '}';
   }
   out << "]}";
   return out.str();

@@ -104,6 +104,16 @@ struct HeadEntry {
   int region = -1;
 };
 
+// A parameter over the heads split with them (head_params.cpp): its axis `axis` (of length
+// `size`) holds the heads as its outer factor, split like the region's units.
+struct HeadParam {
+  int tensor = -1;
+  int64_t param = -1;
+  int axis = -1;
+  int64_t size = 0;
+  int region = -1;
+};
+
 struct Plan {
   std::vector<LayerDecision> layers;
   std::vector<RegionSummary> regions;
@@ -116,6 +126,7 @@ struct Plan {
   // Replicated embeddings whose output is cut to this rank's heads as it leaves them (module,
   // axis, outer, size, region; tensor is the output, leaf unused).
   std::vector<HeadEntry> head_outputs;
+  std::vector<HeadParam> head_params;
 };
 
 Plan make_plan(const Graph& graph, int64_t world_size);

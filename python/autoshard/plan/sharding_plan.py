@@ -134,6 +134,10 @@ class ShardingPlan:
     # relative position bias, whose embedding dim is the heads): {"module", "axis", "outer",
     # "size", "region"}; their gradient is gathered back whole in backward.
     head_outputs: List[Dict[str, object]] = field(default_factory=list)
+    # Parameters over the heads split with them (a per-head scale, a bias of all_head_size; see
+    # nn/head_parameters.py): {"name", "dim", "size" (that dim's full length, the heads its outer
+    # factor), "region"}; each rank holds its heads' slice as a local parameter.
+    head_parameters: List[Dict[str, object]] = field(default_factory=list)
     # The output head whose loss parallelize computes over vocabulary shards when the model is
     # called with labels ("" when it does not): that call keeps the head's logits sharded.
     loss_parallel_head: str = ""
@@ -154,7 +158,13 @@ class ShardingPlan:
                                (layer.bias, layer.bias_spec(rank, self.world_size))):
                 if name is not None and spec is not None:
                     specs[name] = spec
+        for record in self.head_parameters:
+            specs[record["name"]] = self.head_parameter_spec(record, rank)
         return specs
+
+    def head_parameter_spec(self, record: Dict[str, object], rank: int) -> ShardSpec:
+        """The ShardSpec on `rank` of a parameter split with its heads (a head_parameters record)."""
+        return ShardSpec(record["dim"], record["size"], rank, self.world_size, units=self.regions[record["region"]].units)
 
     def collectives(self, phase: str, labels: bool = False) -> Dict[str, int]:
         """Collectives per step in `phase` ("forward" or "backward"). With `labels`, those of a call
@@ -249,6 +259,8 @@ class ShardingPlan:
         if self.head_outputs:
             lines.append(f"  output cut to each rank's heads as it leaves "
                          f"{_listed([e['module'] for e in self.head_outputs])} (its gradient gathered back)")
+        if self.head_parameters:
+            lines.append(f"  parameters split with their heads: {_listed([r['name'] for r in self.head_parameters])}")
         lines += self._sequence_lines()
         for bucket in self.partial_gradients:
             lines.append(f"  partial gradients summed over the ranks in backward (one all-reduce, "
@@ -315,5 +327,6 @@ class ShardingPlan:
             sequence_gathers=data.get("sequence_gathers", []),
             head_entries=data.get("head_entries", []),
             head_outputs=data.get("head_outputs", []),
+            head_parameters=data.get("head_parameters", []),
             loss_parallel_head=data.get("loss_parallel_head", ""),
         )
