@@ -37,7 +37,7 @@ bool Propagation::request_head_param(int tensor, int axis, const AxisFactor& mer
       const std::string name = " reads " + parameter(param) + " over the heads";
       const auto dropped = dropped_head_params.find(t);
       if (dropped != dropped_head_params.end()) {
-        why = name + ", which stays whole: it is also read where " + dropped->second;
+        why = name + ", which stays whole (" + dropped->second + ")";
         return false;
       }
       for (const Node& node : graph_.nodes) {
@@ -85,9 +85,10 @@ bool Propagation::request_head_param(int tensor, int axis, const AxisFactor& mer
         if (in_shape != out_shape) return false;
         break;
       case Kind::View: {
-        // all_head_size viewed as (heads, head_dim): the factor grows to the whole axis.
+        // all_head_size viewed as (heads, head_dim): the factor grows to the whole axis. Its
+        // outer factor may change too; the parameter's must be 1 (checked there).
         const ReshapeResult r = map_reshape(out_shape, in_shape, f);
-        if (!r.ok || r.factor.outer != f.outer) return false;
+        if (!r.ok) return false;
         f = r.factor;
         break;
       }

@@ -163,7 +163,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
       }
       std::string why;
       if (pass.regions[root].conflict) {
-        why = "split with the heads, " + pass.regions[root].reason;
+        why = "with it split, " + pass.regions[root].reason;
       } else if (!meets_layer) {
         why = "the heads it meets are not split by any layer";
       } else if (pass.kv_fine.count(root)) {
