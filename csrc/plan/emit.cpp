@@ -2,17 +2,18 @@
 //
 // The document (version 1), every record with named fields:
 //   {"version": 1,
-//    "layers": [{"node", "style", "region", "units", "copy_group", "parts", "letter", "repeat",
+//    "layers": [{"node", "style", "region", "units", "copy_group", "parts", "whole_parts", "summed_parts", "letter", "repeat",
 //                "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",
 //                "sequence_note"}],
 //    "regions": [{"id", "units", "localize", "repeat", "coarse_units", "coarse_localize"}],
 //    "comm": [{"phase", "kind", "count", "elements"}],
 //    "partial_gradients": [{"params", "elements"}],
-//    "tensors": [{"tensor", "region", "coarse", "axis", "outer", "size", "sequence"}],
+//    "tensors": [{"tensor", "region", "coarse", "axis", "outer", "size", "sequence", "whole"}],
 //    "sequence_entries": [{"tensor", "module", "leaf", "dim", "region"}],
 //    "sequence_gathers": [{"tensor", "module", "leaf", "dim", "region"}],
 //    "head_entries": [{"tensor", "module", "leaf", "axis", "outer", "size", "region"}],
 //    "head_outputs": [{"tensor", "module", "axis", "outer", "size", "region"}],
+//    "attention_weights": [{"node", "region", "used"}],
 //    "head_params": [{"tensor", "param", "axis", "size", "region"}]}
 #include "plan/emit.h"
 
@@ -87,6 +88,12 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
       }
       d.region = root;
       if (pass.parts.count(static_cast<int>(n))) d.parts = pass.parts.at(static_cast<int>(n));
+      if (pass.whole_parts.count(static_cast<int>(n))) d.whole_parts = pass.whole_parts.at(static_cast<int>(n));
+      const auto summed = pass.summed_parts.find(static_cast<int>(n));
+      if (summed != pass.summed_parts.end()) {
+        d.summed_parts = true;  // the whole parts' rows: one all-reduce of their gradient
+        comm("backward", "all_reduce", summed->second);
+      }
       if (pass.letters.count(static_cast<int>(n))) d.letter = pass.letters.at(static_cast<int>(n));
       if (d.style == Style::Column || d.style == Style::Row) {
         RegionSummary& summary = regions[root];
@@ -194,6 +201,14 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     comm("backward", "all_gather", numel(graph.tensor(node.outputs.at(0)).shape));
   }
 
+  // Attention weights averaged over split heads: an all-reduce of each rank's sum where read.
+  for (const auto& [n, returned] : pass.returned_weights) {
+    const int root = pass.find(returned.region);
+    if (pass.regions[root].conflict) continue;
+    plan.attention_weights.push_back({n, root, returned.read});
+    if (returned.read) comm("forward", "all_reduce", numel(graph.tensor(graph.nodes.at(n).outputs.at(0)).shape));
+  }
+
   // Parameters split with their heads: local parameters, no communication.
   for (const auto& [tensor, region] : pass.head_param_region) {
     const int root = pass.find(region);
@@ -218,6 +233,7 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     layout.outer = l.factor.outer;
     layout.size = l.factor.size;
     layout.sequence = l.sequence;
+    layout.whole = l.whole;
     if (l.sequence) {
       layout.coarse = false;
       layout.region = root;
@@ -266,6 +282,9 @@ std::string plan_to_json(const Plan& plan) {
         << "\",\"region\":" << d.region << ",\"units\":" << d.units << ",\"copy_group\":" << d.copy_group
         << ",\"parts\":";
     write_ints(out, d.parts);
+    out << ",\"whole_parts\":";
+    write_ints(out, d.whole_parts);
+    out << ",\"summed_parts\":" << (d.summed_parts ? "true" : "false");
     out << ",\"letter\":";
     write_string(out, d.letter ? std::string(1, static_cast<char>(d.letter)) : std::string());
     out << ",\"repeat\":" << d.repeat << ",\"reason\":";
@@ -305,7 +324,8 @@ std::string plan_to_json(const Plan& plan) {
     const TensorLayout& t = plan.tensors[i];
     out << (i ? "," : "") << "{\"tensor\":" << t.tensor << ",\"region\":" << t.region
         << ",\"coarse\":" << (t.coarse ? "true" : "false") << ",\"axis\":" << t.axis << ",\"outer\":" << t.outer
-        << ",\"size\":" << t.size << ",\"sequence\":" << (t.sequence ? "true" : "false") << '}';
+        << ",\"size\":" << t.size << ",\"sequence\":" << (t.sequence ? "true" : "false") << ",\"whole\":" << t.whole
+        << '}';
   }
   const auto write_entries = [&out](const char* name, const std::vector<SequenceEntry>& entries) {
     out << "],\"" << name << "\":[";
@@ -333,6 +353,12 @@ std::string plan_to_json(const Plan& plan) {
     write_string(out, e.module);
     out << ",\"axis\":" << e.axis << ",\"outer\":" << e.outer << ",\"size\":" << e.size
         << ",\"region\":" << e.region << '}';
+  }
+  out << "],\"attention_weights\":[";
+  for (size_t i = 0; i < plan.attention_weights.size(); ++i) {
+    const AttentionWeightsDecision& w = plan.attention_weights[i];
+    out << (i ? "," : "") << "{\"node\":" << w.node << ",\"region\":" << w.region
+        << ",\"used\":" << (w.used ? "true" : "false") << '}';
   }
   out << "],\"head_params\":[";
   for (size_t i = 0; i < plan.head_params.size(); ++i) {

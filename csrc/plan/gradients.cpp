@@ -9,7 +9,8 @@
 // gets them summed over the ranks (the plan's partial-gradient all-reduce). A gradient that
 // would be partly whole and partly partial (the parameter is also used outside the region,
 // or the partial gradient reaches an activation) cannot be fixed by a sum: the regions that
-// make it partial are replicated instead.
+// make it partial are replicated instead. The parts a fused layer holds whole (one KV head)
+// are read by this rank's heads only: their rows' gradient is partial, summed over the ranks.
 #include <set>
 
 #include "plan/propagation.h"
@@ -46,6 +47,8 @@ void Propagation::settle_gradients() {
   for (size_t t = 0; t < tensor_count; ++t) grad[t].whole = graph_.tensors[t].is_output;
   std::map<int64_t, GradState> param_grad;
   std::map<int64_t, int64_t> param_elements;
+  // Fused layers with parts held whole: what the gradient of those parts is on every rank.
+  std::map<int, GradState> whole_part_grad;
   auto refuse = [&](const GradState& state, const std::string& why) {
     for (int r : state.partial) conflict(r, why);
   };
@@ -95,6 +98,11 @@ void Propagation::settle_gradients() {
       }
       continue;
     }
+    if ((node.kind == Kind::Split || node.kind == Kind::Slice) && layouts[node.inputs.at(0)].whole) {
+      // The whole parts of a fused output: their gradient goes to the layer's whole rows.
+      whole_part_grad[layouts[node.inputs.at(0)].source].join(out);
+      continue;
+    }
     GradState contribution = out;
     if (sharded_region >= 0) {
       contribution = GradState{};
@@ -117,6 +125,17 @@ void Propagation::settle_gradients() {
     } else if (state.whole && !state.partial.empty()) {
       refuse(state, "would make a gradient partly partial (a replicated activation meets its shards)");
     }
+  }
+  summed_parts.clear();
+  for (const auto& [layer, state] : whole_part_grad) {
+    if (state.partial.empty()) continue;
+    if (state.whole) {
+      refuse(state, "would make the gradient of a fused layer's whole parts partly partial");
+      continue;
+    }
+    const Node& node = graph_.nodes[layer];
+    const int64_t whole = layouts[node.outputs.at(0)].whole;
+    summed_parts[layer] = whole * node.in_features + (node.bias_param >= 0 ? whole : 0);
   }
   partial_params.clear();
   for (const auto& [param, state] : param_grad) {

@@ -18,7 +18,7 @@ Kind parse_kind(const std::string& name, const std::string& where) {
       {"permute", Kind::Permute},     {"expand", Kind::Expand},       {"pointwise", Kind::Pointwise},
       {"reduce", Kind::Reduce},       {"matmul", Kind::Matmul},       {"attention", Kind::Attention},
       {"split", Kind::Split},         {"cat", Kind::Cat},             {"slice", Kind::Slice},
-      {"source", Kind::Source},       {"opaque", Kind::Opaque},
+      {"source", Kind::Source},       {"opaque", Kind::Opaque},       {"attention_weights", Kind::AttentionWeights},
   };
   auto it = kinds.find(name);
   TORCH_CHECK_VALUE(it != kinds.end(), "[plan.bad_graph] plan: ", where, ": unknown node kind '", name, "'");
@@ -90,6 +90,10 @@ Node parse_node(const JsonValue& record, const std::string& where) {
       }
       break;
     case Kind::Permute: node.permutation = integers<int64_t>(record, "permutation", where); break;
+    case Kind::AttentionWeights:
+      node.dim = integer(record, "dim", where);
+      node.average = field(record, "average", Type::Bool, where).boolean;
+      break;
     case Kind::Reduce: node.axes = integers<int64_t>(record, "axes", where); break;
     case Kind::Split:
     case Kind::Cat: node.dim = integer(record, "dim", where); break;

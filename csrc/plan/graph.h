@@ -20,6 +20,9 @@ enum class Kind {
   Reduce,     // axes: the reduced input axes (softmax and norms count as reductions)
   Matmul,     // inputs {a, b}: [..., m, k] @ [..., k, n]
   Attention,  // inputs {q, k, v, ...}: heads on axis -3
+  // The attention weights an nn.MultiheadAttention returns (inputs {weights}, heads on axis
+  // `dim`): averaged over the heads (`average`), or per head.
+  AttentionWeights,
   Split,      // dim; one output per piece
   Cat,        // dim
   Slice,      // dim, start, stop, drop_dim
@@ -65,6 +68,7 @@ struct Node {
   std::vector<int64_t> partition;
   int64_t part = -1;
   bool narrowing = false;            // Pointwise: a cast to a narrower floating-point dtype
+  bool average = false;              // AttentionWeights: averaged over the heads
 };
 
 // A tensor a module received in its first call: its node range and the tensor's position

@@ -1,6 +1,8 @@
 // Head cuts: a tensor held whole that is added to sharded attention scores along their heads
 // axis (an ALiBi bias, built from the head count and passed to every attention) is cut to this
-// rank's heads where a module receives it, as sequence parallelism cuts tokens.
+// rank's heads where a module receives it, as sequence parallelism cuts tokens. A tensor made
+// along the heads (zeros, a replicated embedding's output, one KV head broadcast to every query
+// head) is made at this rank's heads instead.
 //
 // An elementwise op pairs element i of its inputs, so the rank computing heads [start, stop)
 // of the scores needs exactly those heads of the bias: the cut is exact whatever the bias
@@ -24,8 +26,9 @@ bool uniform(const Node& node) {
 
 }  // namespace
 
-bool Propagation::request_cut(int tensor, int axis, const AxisFactor& merged) {
+bool Propagation::request_cut(int tensor, int axis, const AxisFactor& wanted) {
   const int n = current_node_;
+  AxisFactor merged = wanted;  // the heads' factor on the axis `a` of tensor `t`, as the walk goes back
   if (n < 0) return false;
   int t = tensor, a = axis, earliest = n;
   for (int step = 0; step < 16; ++step) {
@@ -85,13 +88,25 @@ bool Propagation::request_cut(int tensor, int axis, const AxisFactor& merged) {
         if (in_shape != out_shape) return false;
         break;
       case Kind::View: {
+        // A batch merged with the heads (bmm's (batch * heads) axis) is the heads again before it.
         const ReshapeResult r = map_reshape(out_shape, in_shape, {a, merged.outer, merged.size});
-        if (!r.ok || r.factor.outer != merged.outer || r.factor.size != merged.size) return false;
+        if (!r.ok || r.factor.size != merged.size) return false;
         a = r.factor.axis;
+        merged.outer = r.factor.outer;
         break;
       }
       case Kind::Expand: {
         const int in_axis = a - static_cast<int>(out_shape.size() - in_shape.size());
+        if (in_axis >= 0 && in_shape.at(in_axis) == 1 && out_shape.at(a) > 1) {
+          // A broadcast along the heads (repeat_kv's expand of one KV head): made at this rank's
+          // size it holds this rank's heads. Its input gets a partial gradient (the sum over
+          // this rank's heads), which settle_gradients follows.
+          if (out_shape.at(a) != merged.outer * merged.size || merged.outer != 1 || dropped_node_cuts.count(p)) {
+            return false;
+          }
+          wanted_node_cuts[p] = {a, merged.outer, merged.size};
+          return true;
+        }
         if (in_axis < 0 || in_shape.at(in_axis) != out_shape.at(a)) return false;
         a = in_axis;
         break;

@@ -30,6 +30,11 @@ struct LayerDecision {
   int region = -1;
   int64_t units = 0;           // the region's units (heads, or features)
   std::vector<int64_t> parts;  // fused output layout, if the output is split into parts
+  // Parts held whole on every rank (indices into parts): the smaller parts of a fused layer
+  // whose split the attention cannot follow (one KV head beside the query heads). With
+  // summed_parts their gradient is partial on each rank, summed over the ranks in backward.
+  std::vector<int64_t> whole_parts;
+  bool summed_parts = false;
   int copy_group = -1;         // column layers reading the same input share one input copy
   int64_t letter = 0;          // einsum layers: the weight letter split (a character code)
   // A KV projection whose KV heads are fewer than the ranks need: each of its `units` serves
@@ -81,6 +86,7 @@ struct TensorLayout {
   int64_t outer = 1;
   int64_t size = 0;
   bool sequence = false;  // split on tokens: `size` tokens split by split_sizes over the ranks
+  int64_t whole = 0;      // elements of the axis held whole (a fused output's whole parts); the rest is split
 };
 
 // A tensor held whole cut to this rank's tokens where a module receives it (sequence.cpp).
@@ -102,6 +108,16 @@ struct HeadEntry {
   int64_t outer = 1;
   int64_t size = 0;
   int region = -1;
+};
+
+// The attention weights of an nn.MultiheadAttention split by heads: averaged over the heads
+// and read by the model (`used`), each rank's sum over its heads is summed over the ranks (one
+// all-reduce in forward; the gradient reaches each rank's heads as it is); never read, the
+// sharded module returns None in their place and nothing is communicated.
+struct AttentionWeightsDecision {
+  int node = -1;
+  int region = -1;
+  bool used = false;
 };
 
 // A parameter over the heads split with them (head_params.cpp): its axis `axis` (of length
@@ -126,6 +142,7 @@ struct Plan {
   // Replicated embeddings whose output is cut to this rank's heads as it leaves them (module,
   // axis, outer, size, region; tensor is the output, leaf unused).
   std::vector<HeadEntry> head_outputs;
+  std::vector<AttentionWeightsDecision> attention_weights;
   std::vector<HeadParam> head_params;
 };
 

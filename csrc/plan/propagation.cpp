@@ -22,11 +22,18 @@ void Propagation::run(const std::set<int>& vocab_embeddings, const std::map<int,
                       const std::map<int, AxisFactor>& node_cuts) {
   producer_.assign(graph_.tensors.size(), -1);
   carries_grad_.assign(graph_.tensors.size(), false);
-  for (size_t t = 0; t < graph_.tensors.size(); ++t) carries_grad_[t] = graph_.tensors[t].param >= 0;
+  read_.assign(graph_.tensors.size(), false);
+  for (size_t t = 0; t < graph_.tensors.size(); ++t) {
+    carries_grad_[t] = graph_.tensors[t].param >= 0;
+    read_[t] = graph_.tensors[t].is_output;
+  }
   for (size_t n = 0; n < graph_.nodes.size(); ++n) {
     const Node& node = graph_.nodes[n];
     bool grad = is_layer(node);
-    for (int id : node.inputs) grad = grad || carries_grad_[id];
+    for (int id : node.inputs) {
+      grad = grad || carries_grad_[id];
+      read_[id] = true;
+    }
     for (int id : node.outputs) {
       producer_[id] = static_cast<int>(n);
       carries_grad_[id] = grad;
@@ -118,6 +125,13 @@ void Propagation::set_sharded(int id, AxisFactor factor, int region, int source,
 
 void Propagation::visit(int n, const std::set<int>& vocab_embeddings) {
   const Node& node = graph_.nodes[n];
+  if (node.kind != Kind::View && node.kind != Kind::Permute && node.kind != Kind::Split && node.kind != Kind::Slice) {
+    for (int id : node.inputs) {
+      if (layouts[id].sharded && layouts[id].whole) {
+        conflict(layouts[id].region, node.label + " reads a fused output whose smaller parts are held whole");
+      }
+    }
+  }
   switch (node.kind) {
     case Kind::Linear: return visit_linear(n, node);
     case Kind::Embedding: return visit_embedding(n, node, vocab_embeddings.count(n) > 0);
@@ -129,6 +143,7 @@ void Propagation::visit(int n, const std::set<int>& vocab_embeddings) {
     case Kind::Reduce: return visit_reduce(node);
     case Kind::Matmul: return visit_matmul(node);
     case Kind::Attention: return visit_attention(node);
+    case Kind::AttentionWeights: return visit_attention_weights(n, node);
     case Kind::Split: return visit_split(node);
     case Kind::Cat: return visit_cat(node);
     case Kind::Slice: return visit_slice(node);
@@ -144,6 +159,18 @@ void Propagation::visit_linear(int n, const Node& node) {
   layouts[out] = Layout{};
   if (forced_[n] == Force::Replicate) {
     if (x.sharded) conflict(x.region, "feeds " + node.label + ", which is replicated");
+    return;
+  }
+  if (!x.sharded && forced_[n] == Force::WholeSmallParts) {
+    // The parts found by the pass that forced it: those smaller than the largest stay whole.
+    const std::vector<int64_t>& known = known_parts.at(n);
+    const int64_t largest = *std::max_element(known.begin(), known.end());
+    int64_t whole = 0;
+    for (int64_t size : known) whole += size < largest ? size : 0;
+    node_region[n] = new_region(out_features - whole);
+    roles[n] = Style::Column;
+    set_sharded(out, {static_cast<int>(shape(out).size()) - 1, 1, out_features}, node_region[n], n);
+    layouts[out].whole = whole;
     return;
   }
   if (!x.sharded) {
@@ -224,6 +251,14 @@ void Propagation::visit_view(const Node& node) {
                      node.label.rfind("aten.reshape.", 0) == 0 || node.label.rfind("aten._reshape_alias.", 0) == 0;
   const ReshapeResult r = map_reshape(shape(in), shape(out), x.factor, sized || x.factor.size == 1);
   if (!r.ok) return conflict(x.region, node.label + ": " + r.why);
+  if (x.whole) {
+    if (r.factor.size != x.factor.size || r.factor.outer != x.factor.outer) {
+      return conflict(x.region, node.label + " reshapes a fused output whose smaller parts are held whole");
+    }
+    set_sharded(out, r.factor, x.region, x.source);
+    layouts[out].whole = x.whole;
+    return;
+  }
   if (x.repeat_next > 1 && r.factor.outer == x.factor.outer && r.factor.size == x.factor.size * x.repeat_next) {
     // repeat_kv: each KV head becomes repeat_next query heads' worth, a finer region.
     const int fine = new_region(r.factor.size);
@@ -247,6 +282,7 @@ void Propagation::visit_permute(const Node& node) {
       AxisFactor f = x.factor;
       f.axis = static_cast<int>(j);
       set_sharded(out, f, x.region, x.source);
+      layouts[out].whole = x.whole;
       return;
     }
   }

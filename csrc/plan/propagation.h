@@ -13,7 +13,9 @@
 
 namespace autoshard::plan {
 
-enum class Force { None, Replicate, Gather };
+// WholeSmallParts: a fused layer (its output split into parts of different sizes) whose
+// smaller parts are held whole on every rank, its largest split.
+enum class Force { None, Replicate, Gather, WholeSmallParts };
 
 struct Layout {
   bool sharded = false;
@@ -26,6 +28,9 @@ struct Layout {
   // Sharded on a token axis (sequence parallelism): factor.axis holds the tokens, split like
   // split_sizes(factor.size, ranks); the region is a sequence region.
   bool sequence = false;
+  // Elements of the sharded axis held whole on every rank: a fused layer's output whose smaller
+  // parts stay whole. Only views that keep the axis, and the split into its parts, may read it.
+  int64_t whole = 0;
 };
 
 // How a layer meets a sequence region (sequence.cpp).
@@ -80,6 +85,13 @@ class Propagation {
   std::vector<Style> roles;
   std::vector<int> node_region;
   std::map<int, std::vector<int64_t>> parts;
+  // Layers forced to WholeSmallParts: their parts as the pass that forced them found them (in);
+  // the indices of the parts held whole, found again by this pass (out).
+  std::map<int, std::vector<int64_t>> known_parts;
+  std::map<int, std::vector<int64_t>> whole_parts;
+  // Layers whose whole parts get a partial gradient on each rank (read by this rank's heads
+  // only), with the elements to sum (weight rows and bias), set by settle_gradients.
+  std::map<int, int64_t> summed_parts;
   std::map<int, int64_t> letters;  // einsum layers: the weight letter split
   std::vector<Region> regions;
   std::vector<Link> links;
@@ -119,6 +131,15 @@ class Propagation {
   std::map<int, AxisFactor> wanted_head_params;
   std::map<int, int> head_param_region;
 
+  // The attention weights of an nn.MultiheadAttention whose heads are split (node -> its
+  // region, and whether the model reads them): averaged, each rank's sum over its heads is
+  // summed over the ranks (one all-reduce in forward); never read, they are not returned.
+  struct ReturnedWeights {
+    int region = -1;
+    bool read = false;
+  };
+  std::map<int, ReturnedWeights> returned_weights;
+
   static bool uniform_groups(int64_t units, int64_t ratio, int64_t world_size);
 
  private:
@@ -134,7 +155,7 @@ class Propagation {
   // Whether `tensor`, held whole and read by the current node on `axis` against a tensor
   // sharded like `merged`, can be cut to this rank's heads where a module receives it; if so
   // the cut is wanted for the next pass.
-  bool request_cut(int tensor, int axis, const AxisFactor& merged);
+  bool request_cut(int tensor, int axis, const AxisFactor& wanted);
   void open_cuts(int n, const std::map<int, AxisFactor>& cuts);
   // Whether `tensor`, held whole and read by the current node on `axis` against a tensor
   // sharded like `merged`, is a parameter (or views of one) that can be split with the heads;
@@ -153,10 +174,13 @@ class Propagation {
   void visit_reduce(const Node& node);
   void visit_matmul(const Node& node);
   void visit_attention(const Node& node);
+  void visit_attention_weights(int n, const Node& node);
   void visit_split(const Node& node);
   void visit_cat(const Node& node);
   void visit_slice(const Node& node);
   void slice_part(const Node& node, const Layout& x);
+  // A part of a fused output with whole parts: replicated if whole, else sharded in its region.
+  void set_part(int id, const Layout& x, const std::vector<int64_t>& partition, size_t part);
   void sequence_visit(int n, const Node& node, const std::set<int>& refused);
   void sequence_layer(int n, const Node& node, const std::set<int>& refused);
 
@@ -165,6 +189,8 @@ class Propagation {
   int current_node_ = -1;
   std::vector<int> producer_;       // tensor -> the node computing it, or -1
   std::vector<bool> carries_grad_;  // tensor -> whether a gradient flows to it (a parameter's, a layer's)
+  std::set<int64_t> called_again_;  // weights of Linear layers called more than once (run_sequence)
+  std::vector<bool> read_;          // tensor -> whether a node reads it or it is a model output
 };
 
 }  // namespace autoshard::plan

@@ -115,7 +115,10 @@ void Propagation::visit_matmul(const Node& node) {
   if (l.factor.axis < ndim - 2) {
     const auto& s = shape(other);
     const int axis = aligned(l.factor.axis, ndim, nd) - (nd - static_cast<int>(s.size()));
-    if (axis >= 0 && s[axis] != 1) return conflict(l.region, node.label + " multiplies by a replicated batch");
+    // One KV head broadcast to every query head (multi-query attention's repeat) is made at
+    // this rank's heads where it is broadcast.
+    const bool cut = axis >= 0 && s[axis] == l.factor.outer * l.factor.size && request_cut(other, axis, l.factor);
+    if (axis >= 0 && s[axis] != 1 && !cut) return conflict(l.region, node.label + " multiplies by a replicated batch");
     f.axis = aligned(l.factor.axis, ndim, nd);
   } else {
     f.axis = la.sharded ? nd - 2 : nd - 1;
@@ -135,6 +138,11 @@ void Propagation::visit_attention(const Node& node) {
   }
   for (int id : qkv.inputs) {
     const Layout& l = layouts[id];
+    const int heads = static_cast<int>(shape(id).size()) - 3;
+    if (!l.sharded && heads >= 0 && shape(id)[heads] == q.factor.outer * q.factor.size &&
+        request_cut(id, heads, q.factor)) {
+      continue;  // one KV head broadcast to every query head, made at this rank's heads
+    }
     if (!l.sharded || l.factor.axis != q.factor.axis) return conflict(q.region, node.label + " needs q, k and v sharded alike");
     if (l.factor.size < q.factor.size && q.factor.size % l.factor.size == 0 && l.factor.outer == q.factor.outer) {
       link(l.region, q.region);  // grouped-query attention: fewer KV heads than query heads
@@ -162,7 +170,20 @@ void Propagation::visit_split(const Node& node) {
   for (int id : node.outputs) layouts[id] = Layout{};
   if (!x.sharded) return;
   if (dim != x.factor.axis) {
-    for (int id : node.outputs) set_sharded(id, x.factor, x.region);
+    for (int id : node.outputs) {
+      set_sharded(id, x.factor, x.region);
+      layouts[id].whole = x.whole;
+    }
+    return;
+  }
+  if (x.whole) {
+    std::vector<int64_t> partition;
+    for (int id : node.outputs) partition.push_back(shape(id)[dim]);
+    if (x.source < 0 || parts.count(x.source)) {
+      return conflict(x.region, node.label + " splits a fused output other than into its parts");
+    }
+    parts[x.source] = partition;
+    for (size_t p = 0; p < node.outputs.size(); ++p) set_part(node.outputs[p], x, partition, p);
     return;
   }
   // Splitting a fused layer's output (QKV in one Linear): each part is sharded on its own,
@@ -197,6 +218,14 @@ void Propagation::slice_part(const Node& node, const Layout& x) {
   if (x.source < 0 || x.factor.outer != 1) {
     return conflict(x.region, node.label + " slices the sharded axis of something that is not a layer's output");
   }
+  if (x.whole) {
+    const auto known = parts.find(x.source);
+    if (known != parts.end() && known->second != node.partition) {
+      return conflict(x.region, node.label + " slices a layer's output into other parts than it was split into");
+    }
+    parts[x.source] = node.partition;
+    return set_part(node.outputs.at(0), x, node.partition, static_cast<size_t>(node.part));
+  }
   const auto known = parts.find(x.source);
   if (known == parts.end()) {
     std::vector<int64_t>& layer_parts = parts[x.source];
@@ -211,6 +240,30 @@ void Propagation::slice_part(const Node& node, const Layout& x) {
   set_sharded(node.outputs.at(0), {x.factor.axis, 1, node.partition.at(node.part)}, x.region);
 }
 
+// The parts smaller than the largest are those the layer holds whole (see visit_linear): replicated
+// outputs; the others sharded in the layer's region, as for any fused layer.
+void Propagation::set_part(int id, const Layout& x, const std::vector<int64_t>& partition, size_t part) {
+  const int64_t largest = *std::max_element(partition.begin(), partition.end());
+  int64_t whole = 0;
+  std::vector<int64_t> whole_indices;
+  for (size_t p = 0; p < partition.size(); ++p) {
+    if (partition[p] < largest) {
+      whole += partition[p];
+      whole_indices.push_back(static_cast<int64_t>(p));
+    }
+  }
+  if (whole != x.whole) {
+    return conflict(x.region, "a fused output is split into other parts than its layer holds whole");
+  }
+  whole_parts[x.source] = whole_indices;
+  layouts[id] = Layout{};
+  const int64_t size = partition.at(part);
+  if (size < largest) return;
+  constrain(x.region, size);
+  regions[find(x.region)].localize.push_back(size);
+  set_sharded(id, {x.factor.axis, 1, size}, x.region);
+}
+
 void Propagation::visit_slice(const Node& node) {
   const int in = node.inputs.at(0), out = node.outputs.at(0);
   const Layout x = layouts[in];
@@ -220,13 +273,18 @@ void Propagation::visit_slice(const Node& node) {
   const bool drop = node.drop_dim;
   if (dim == x.factor.axis) {
     const int64_t length = shape(in)[dim];
-    if (start <= 0 && stop >= length && !drop) return set_sharded(out, x.factor, x.region, x.source);
+    if (start <= 0 && stop >= length && !drop) {
+      set_sharded(out, x.factor, x.region, x.source);
+      layouts[out].whole = x.whole;
+      return;
+    }
     if (!node.partition.empty() && !drop) return slice_part(node, x);
     return conflict(x.region, node.label + " slices the sharded axis");
   }
   AxisFactor f = x.factor;
   if (drop && dim < f.axis) f.axis -= 1;
-  set_sharded(out, f, x.region);
+  set_sharded(out, f, x.region, x.whole ? x.source : -1);
+  layouts[out].whole = x.whole;
 }
 
 }  // namespace autoshard::plan

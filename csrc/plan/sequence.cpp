@@ -77,6 +77,16 @@ int Propagation::find_entry(int tensor) const {
 }
 
 void Propagation::run_sequence(const std::set<int>& refused, const std::map<int, int>& entries) {
+  // A Linear layer called more than once (ALBERT's shared layer) has one input copy and one
+  // output for every call: its calls keep their tokens whole, so that each meets it alike.
+  std::map<int64_t, int> calls;
+  for (const Node& node : graph_.nodes) {
+    if (node.kind == Kind::Linear) ++calls[node.weight_param];
+  }
+  called_again_.clear();
+  for (const auto& [param, count] : calls) {
+    if (count > 1) called_again_.insert(param);
+  }
   for (const auto& [tensor, axis] : entries) {
     const int entry = find_entry(tensor);
     if (entry < 0) continue;
@@ -143,8 +153,11 @@ void Propagation::run_sequence(const std::set<int>& refused, const std::map<int,
 void Propagation::sequence_layer(int n, const Node& node, const std::set<int>& refused) {
   const Style role = roles[n];
   const Layout& x = layouts[node.inputs.at(0)];
+  const bool called_again = node.kind == Kind::Linear && called_again_.count(node.weight_param) > 0;
   if (x.sequence) {
-    if ((role == Style::Column || role == Style::ColumnGather) && node.kind == Kind::Linear) {
+    if (called_again) {
+      conflict(x.region, "its tokens reach " + node.label + ", a layer called more than once");
+    } else if ((role == Style::Column || role == Style::ColumnGather) && node.kind == Kind::Linear) {
       sequence_roles[n] = SequenceRole::Gather;
       sequence_axis[n] = x.factor.axis;
       sequence_region[n] = x.region;
@@ -155,7 +168,7 @@ void Propagation::sequence_layer(int n, const Node& node, const std::set<int>& r
   const int out = node.outputs.at(0);
   const auto& shape = graph_.tensor(out).shape;
   const bool starts = role == Style::Row && node.kind == Kind::Linear;
-  if (!starts || refused.count(n) || shape.size() < 2) return;
+  if (!starts || called_again || refused.count(n) || shape.size() < 2) return;
   const int axis = token_axis(shape);
   if (shape[axis] < 1) return;
   const int region = new_region(shape[axis]);

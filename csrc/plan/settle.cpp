@@ -8,7 +8,10 @@
 //   model_output        its output is a model output: gathered
 //   weight_read_elsewhere, weight_shared  its weight is read outside the layer, or shared
 //                       with a layer split differently
+//   feeds_called_layer  it feeds a call of a layer that its other calls split as a column layer
+//   small_parts_whole   (split) a fused layer whose smaller parts are held whole on every rank
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
@@ -184,6 +187,8 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
     return changed;
   };
 
+  // Layers forced to WholeSmallParts, with their parts as found when forced.
+  std::map<int, std::vector<int64_t>> known_parts;
   auto force = [&](int n, Force f, Why w) {
     if (forced[n] == f || forced[n] == Force::Replicate) return false;
     forced[n] = f;
@@ -192,8 +197,9 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   };
 
   for (size_t iteration = 0;; ++iteration) {
-    TORCH_CHECK(iteration <= count + 1, "[plan.unsettled] plan: decisions did not settle");
+    TORCH_CHECK(iteration <= 2 * count + 1, "[plan.unsettled] plan: decisions did not settle");
     Propagation pass(graph, forced);
+    pass.known_parts = known_parts;
     pass.dropped_cuts = dropped_cuts;
     pass.dropped_node_cuts = dropped_node_cuts;
     pass.head_params = head_params;
@@ -206,7 +212,29 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
     // Likewise parameters split with their heads.
     const bool params_changed = settle_head_params(pass);
     if (settle_cuts(pass) || params_changed) continue;
+    // A layer called several times (ALBERT's one layer, run by every block) is a row layer where
+    // a column layer feeds it and a column layer where its input is whole: the layers feeding
+    // its row call are replicated, so that every call splits the weight as a column layer. Only
+    // the first such call in the graph is settled per pass: later ones may follow from it.
     bool changed = false;
+    for (size_t n = 0; n < count && !changed; ++n) {
+      if (pass.roles[n] != Style::Row) continue;
+      bool column_elsewhere = false;
+      for (int other : layers_of_param[graph.nodes[n].weight_param]) {
+        column_elsewhere = column_elsewhere || pass.roles[other] == Style::Column;
+      }
+      if (!column_elsewhere) continue;
+      // The column layer whose region the row call reads, before the pass united it with others
+      // (a region it meets only because of this very mismatch).
+      const int fed_by = pass.node_region[n];
+      for (size_t m = 0; m < count; ++m) {
+        if (pass.roles[m] != Style::Column || pass.node_region[m] != fed_by) continue;
+        changed |= force(static_cast<int>(m), Force::Replicate,
+                         {"feeds_called_layer", "replicated: it feeds a layer called elsewhere as a column layer (" +
+                                               graph.nodes[n].label + ")"});
+      }
+    }
+    if (changed) continue;
     for (size_t n = 0; n < count; ++n) {
       const Style role = pass.roles[n];
       if (role != Style::Column && role != Style::Vocab) continue;
@@ -215,31 +243,56 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
       // KV heads replicated where needed: the query heads' region decides for both.
       Region& region = pass.regions[kv == pass.kv_fine.end() ? root : kv->second];
       const int node = static_cast<int>(n);
-      if (region.conflict) {
+      const auto fused = pass.parts.find(node);
+      const bool unequal_parts = fused != pass.parts.end() && graph.nodes[n].kind == Kind::Linear &&
+                                 std::adjacent_find(fused->second.begin(), fused->second.end(),
+                                                    std::not_equal_to<int64_t>()) != fused->second.end();
+      if ((region.conflict || region.units < world_size) && unequal_parts && forced[node] == Force::None) {
+        // A fused layer whose parts differ (query heads beside one KV head): tried once with its
+        // smaller parts whole on every rank, before the whole layer is.
+        known_parts[node] = fused->second;
+        changed |= force(node, Force::WholeSmallParts,
+                         {"small_parts_whole", "split by heads; its smaller parts (KV heads) are held whole on every "
+                                               "rank, their gradient summed"});
+      } else if (region.conflict) {
         changed |= force(node, Force::Replicate, {"conflict", "replicated: its output " + region.reason});
       } else if (region.units < world_size) {
         changed |= force(node, Force::Replicate,
                          {"too_few_units", "replicated: " + units_note(region.units, world_size), region.units});
+      } else if (region.reaches_output && forced[node] == Force::WholeSmallParts) {
+        changed |= force(node, Force::Replicate, {"model_output", "replicated: its output is a model output"});
       } else if (region.reaches_output) {
         changed |= force(node, Force::Gather, {"model_output", "gathered: its output is a model output"});
       }
     }
+    // Regions forced just now change what the layers sharing a weight see in the next pass (a
+    // layer fed by a column layer that is now replicated becomes a column layer itself): the
+    // shared weights are judged once the regions are settled, or ALBERT's one layer, called by
+    // every block, would be replicated for what its first call saw.
+    if (changed) continue;
     // A parameter shared by several layers (tied embeddings) is sharded only if every layer
     // shards it on the same dimension into the same pieces: a token table and a column layer
     // over the vocabulary. A parameter read outside its layers stays whole.
     for (const auto& [param, layers] : layers_of_param) {
       bool agree = !params_read_elsewhere.count(param);
       std::set<int64_t> units;
+      size_t rows = 0;
       for (int n : layers) {
         const Style role = pass.roles[n];
-        if (role == Style::Replicate || role == Style::Row) agree = agree && layers.size() == 1;
+        if (role == Style::Replicate) agree = agree && layers.size() == 1;
+        // A layer called several times as a row layer (ALBERT's shared layer) splits its weight
+        // alike in every call when its regions have the same units.
+        if (role == Style::Row) {
+          ++rows;
+          units.insert(pass.regions[pass.find(pass.node_region[n])].units);
+        }
         if (role == Style::Vocab) units.insert(graph.nodes[n].num_embeddings);
         if (role == Style::Column || role == Style::ColumnGather) {
           units.insert(pass.regions[pass.find(pass.node_region[n])].units);
           agree = agree && (layers.size() == 1 || !pass.parts.count(n));
         }
       }
-      agree = agree && units.size() <= 1;
+      agree = agree && units.size() <= 1 && (rows == 0 || rows == layers.size());
       if (agree) continue;
       const bool elsewhere = params_read_elsewhere.count(param) > 0;
       for (int n : layers) {
@@ -261,6 +314,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   for (size_t round = 0;; ++round) {
     TORCH_CHECK(round <= 2 * (count + graph.tensors.size()) + 2, "[plan.unsettled] plan: sequence parallelism did not settle");
     Propagation pass(graph, forced);
+    pass.known_parts = known_parts;
     pass.dropped_cuts = dropped_cuts;
     pass.dropped_node_cuts = dropped_node_cuts;
     pass.head_params = head_params;

@@ -26,7 +26,7 @@ from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from .model_state import ParallelState, attach_layer_state, state_of
 from .partitioned_state import partition_replicated
-from .plan import ShardingPlan, plan as make_plan
+from .plan import LayerPlan, ShardingPlan, plan as make_plan
 from .plan.capture import every_block_run, input_shapes, inputs_on_meta, meta_shadow, trace_shapes
 from .plan.inputs import ordinary_token
 from .plan.meta_values import KnownValues
@@ -142,7 +142,8 @@ def _sharded_layer(layer, module: nn.Module, group: ProcessGroup) -> nn.Module:
     if layer.style in ("column", "column_gather"):
         return ColumnParallelLinear.from_linear(module, group, gather_output=layer.style == "column_gather",
                                                 units=layer.units if layer.repeat else units, parts=parts,
-                                                repeat=layer.repeat or None)
+                                                repeat=layer.repeat or None, whole_parts=layer.whole_parts or None,
+                                                sum_whole_parts=layer.summed_parts)
     return RowParallelLinear.from_linear(module, group, input_is_parallel=True, units=units, parts=parts)
 
 
@@ -153,7 +154,8 @@ def _shard_attention(model, plan, layer, attention, group, copies, tokens) -> No
     out_proj = _sharded_layer(out_layer, attention.out_proj, group)
     if out_layer.sequence == "reduce_scatter":
         out_proj.output_tokens = tokens.reduce_scatter(out_layer)
-    shard_multihead_attention(attention, layer.weight_spec(group.rank(), group.size()), out_proj, group)
+    shard_multihead_attention(attention, layer.weight_spec(group.rank(), group.size()), out_proj, group,
+                              plan.returned_weights(layer.module.rpartition(".")[0]))
     if layer.copy_group in copies:
         attention.in_proj.input_copy = copies[layer.copy_group]
     elif layer.sequence in ("gather", "gathered"):
@@ -180,9 +182,16 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     attentions = {name: module for name, module in attentions.items() if module is not None}
     inside_attention = {name.rpartition(".")[0] + ".out_proj" for name in attentions}
     experts: Dict[str, list] = {}
+    first_calls: Dict[str, LayerPlan] = {}
     for layer in plan.layers:
-        if layer.kind == "experts":
+        # A layer called more than once (ALBERT's shared layer) appears once per call, each
+        # split alike (the planner sees to it): sharded once, at its first call.
+        if layer.kind == "experts":  # two entries, its column side and its row side
             experts.setdefault(layer.module, []).append(layer)
+            continue
+        first = first_calls.setdefault(layer.module, layer)
+        if first is not layer:
+            _check_same_split(first, layer)
             continue
         if layer.style == "replicate" or layer.module in inside_attention:
             continue
@@ -234,6 +243,14 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
         owner = model.get_submodule(region.module)
         for attr, value in region.attributes.items():
             set_attribute(owner, attr, region.local_value(value, rank, world))
+
+
+def _check_same_split(first: LayerPlan, again: LayerPlan) -> None:
+    split = lambda l: (l.style, l.units, tuple(l.parts), tuple(l.whole_parts), l.summed_parts, l.repeat, l.letter,
+                       l.sequence)
+    if split(first) != split(again):
+        raise ValueError(f"parallelize: layer {first.module!r} is called more than once and the plan splits its calls "
+                         f"differently ({split(first)} and {split(again)}); every call must meet the same split")
 
 
 def _shard_experts(model: nn.Module, name: str, sides, group: ProcessGroup, rank: int, world: int, copies) -> None:

@@ -1,6 +1,6 @@
 """load_pretrained() against transformers' own from_pretrained of the same checkpoint: models
 built on meta and parallelized over 2 and 3 gloo ranks load GPT-2, Llama (grouped-query
-attention) and BERT checkpoints written by save_pretrained in several files, and give the
+attention), BERT and GPT-BigCode (one KV head fused beside the query heads) checkpoints written by save_pretrained in several files, and give the
 same logits and the same full state dict; bad input is refused before anything changes."""
 
 import json
@@ -20,7 +20,7 @@ from checks import expect_errors
 from hf_models import MASKED_LM, build
 from multirank import run_on_ranks
 
-KINDS = ("gpt2", "llama", "bert")
+KINDS = ("gpt2", "llama", "bert", "gpt_bigcode")
 IDS = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(5))
 
 

@@ -214,26 +214,36 @@ def tiny_decoder(**options) -> nn.Module:
 
 
 class MultiheadBlock(nn.Module):
-    """A pre-norm block whose attention is torch.nn.MultiheadAttention, causal."""
+    """A pre-norm block whose attention is torch.nn.MultiheadAttention, causal. With
+    `read_weights` it also adds the attention weights it returns (averaged over the heads, or
+    per head without `average_weights`) applied to its normed input to the residual."""
 
-    def __init__(self, hidden, ffn, heads, *, batch_first, bias, need_weights):
+    def __init__(self, hidden, ffn, heads, *, batch_first, bias, need_weights, read_weights=False,
+                 average_weights=True):
         super().__init__()
         self.attn_norm = nn.LayerNorm(hidden)
         self.attn = nn.MultiheadAttention(hidden, heads, bias=bias, batch_first=batch_first)
         self.mlp_norm = nn.LayerNorm(hidden)
         self.mlp = MLP(hidden, ffn)
-        self.need_weights = need_weights
+        self.need_weights = need_weights or read_weights
+        self.read_weights = read_weights
+        self.average_weights = average_weights
 
     def forward(self, x):  # (batch, tokens, hidden)
-        h = self.attn_norm(x)
+        normed = h = self.attn_norm(x)
         if not self.attn.batch_first:
             h = h.transpose(0, 1)
         t = x.shape[1]
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-        out, _ = self.attn(h, h, h, attn_mask=causal, need_weights=self.need_weights)
+        out, weights = self.attn(h, h, h, attn_mask=causal, need_weights=self.need_weights,
+                                 average_attn_weights=self.average_weights)
         if not self.attn.batch_first:
             out = out.transpose(0, 1)
         x = x + out
+        if self.read_weights:
+            if not self.average_weights:
+                weights = weights.sum(dim=1)
+            x = x + torch.matmul(weights, normed)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -241,11 +251,13 @@ class MultiheadDecoder(nn.Module):
     """A decoder of nn.MultiheadAttention blocks: its attention applies `in_proj_weight` (q, k
     and v fused) and `out_proj.weight` with functional calls, never calling a Linear module."""
 
-    def __init__(self, hidden=48, ffn=70, heads=6, layers=2, batch_first=True, bias=True, need_weights=False):
+    def __init__(self, hidden=48, ffn=70, heads=6, layers=2, batch_first=True, bias=True, need_weights=False,
+                 read_weights=False, average_weights=True):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, hidden)
         self.blocks = nn.ModuleList(MultiheadBlock(hidden, ffn, heads, batch_first=batch_first, bias=bias,
-                                                   need_weights=need_weights) for _ in range(layers))
+                                                   need_weights=need_weights, read_weights=read_weights,
+                                                   average_weights=average_weights) for _ in range(layers))
         self.norm = nn.LayerNorm(hidden)
         self.lm_head = nn.Linear(hidden, VOCAB, bias=False)
 

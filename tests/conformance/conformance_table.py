@@ -222,8 +222,12 @@ TABLE = [
     Arch("own_multihead", own_multihead(), token_ids(97), small=True),
     Arch("own_multihead_seq_first", own_multihead(batch_first=False), token_ids(97), small=True),
     Arch("own_multihead_no_bias", own_multihead(bias=False), token_ids(97), small=True),
-    # Returns the weights averaged over the heads: kept whole.
-    Arch("own_multihead_weights", own_multihead(need_weights=True), token_ids(97), small=(2,)),
+    # Called with need_weights=True (torch's default), the weights averaged over the heads never
+    # read: split by heads, the weights not returned. Read (added to the residual): averaged over
+    # every head with one all-reduce in forward, their gradient reaching each rank's heads.
+    Arch("own_multihead_weights", own_multihead(need_weights=True), token_ids(97), small=True),
+    Arch("own_multihead_weights_read", own_multihead(read_weights=True), token_ids(97), small=True),
+    Arch("own_multihead_weights_read_seq_first", own_multihead(read_weights=True, batch_first=False), token_ids(97)),
     # A bias over the heads held by the model (a buffer's slices, or made in forward from the head
     # count) and passed to every attention: cut to each rank's heads where the attention receives it.
     Arch("own_alibi_buffer", own(alibi="buffer"), token_ids(97), small=True),

@@ -32,6 +32,8 @@ MODELS = {
     "own_alibi_buffer": lambda: TinyDecoder(alibi="buffer"),
     "own_alibi_computed": lambda: TinyDecoder(alibi="computed"),
     "own_mqa": lambda: TinyDecoder(kv_heads=1),
+    # One Linear holds the query heads and the one KV head: its KV parts are held whole.
+    "gpt_bigcode_mqa": lambda: _hf("gpt_bigcode", n_embd=48, n_layer=2, n_head=6, n_positions=32, multi_query=True),
     "t5": lambda: _hf("t5", AutoModelForSeq2SeqLM, d_model=48, d_kv=8, d_ff=70, num_layers=2, num_decoder_layers=2,
                       num_heads=6),
 }
@@ -40,8 +42,6 @@ NOT_YET = {
                                new_decoder_architecture=False),
                    "the query heads and the one KV head are picked from the fused query_key_value by list "
                    "indexing ([..., [-2], :])"),
-    "gpt_bigcode_mqa": (lambda: _hf("gpt_bigcode", n_embd=48, n_layer=2, n_head=6, n_positions=32, multi_query=True),
-                        "its fused c_attn holds query heads and the one KV head in one Linear"),
 }
 
 

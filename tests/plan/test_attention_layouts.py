@@ -16,7 +16,7 @@ from torch import nn
 
 import autoshard
 from autoshard import checkpoint
-from autoshard.nn.multihead_attention import shard_multihead_attention
+from autoshard.nn.multihead_attention import ReturnedWeights, shard_multihead_attention
 from autoshard.nn.spec import ShardSpec
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conformance"))
@@ -66,13 +66,105 @@ def test_multihead_attention_projections_are_a_fused_column_and_a_row():
     assert in_proj.weight_spec(1, 3).local_size() == 3 * 16
 
 
-def test_multihead_attention_returning_averaged_weights_stays_whole():
-    """The weights averaged over the heads need every head: both projections stay whole,
-    never the out_proj alone split as a column layer of its own."""
+def test_multihead_attention_with_weights_never_read_is_split_and_returns_none():
+    """need_weights=True (torch's default) with `out, _ = attn(...)`: the averaged weights are
+    never read, so the attention is split by heads with no collective for them, and the plan
+    says the sharded attention returns None in their place."""
     plan = _plan(conformance_models.multihead_decoder(need_weights=True), example_inputs=IDS)
+    unread = _plan(conformance_models.multihead_decoder(), example_inputs=IDS)
+    for block in range(2):
+        styles = [plan.layer(f"blocks.{block}.attn.{p}").style for p in ("in_proj", "out_proj")]
+        assert styles == ["column", "row"], styles
+    assert plan.attention_weights == [{"module": f"blocks.{b}.attn", "used": False} for b in range(2)]
+    assert plan.returned_weights("blocks.0.attn") == "none"
+    assert plan.collectives("forward") == unread.collectives("forward")
+    assert "blocks.0.attn: attention weights not returned (None): the model never reads them" in str(plan)
+    assert plan.held_fraction(0) <= 0.5 + 0.1
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_multihead_attention_whose_averaged_weights_are_read_plans_one_all_reduce_each(world_size):
+    """Read by the model, the weights averaged over every head cost one forward all-reduce per
+    attention (the size of the averaged weights), none in backward; the plan lists them."""
+    plan = _plan(conformance_models.multihead_decoder(read_weights=True), world_size, example_inputs=IDS)
+    unread = _plan(conformance_models.multihead_decoder(need_weights=True), world_size, example_inputs=IDS)
+    assert [plan.layer(f"blocks.{b}.attn.in_proj").style for b in range(2)] == ["column", "column"]
+    assert plan.attention_weights == [{"module": f"blocks.{b}.attn", "used": True} for b in range(2)]
+    forward, backward = plan.collectives("forward"), plan.collectives("backward")
+    assert forward["all_reduce"] == unread.collectives("forward")["all_reduce"] + 2
+    assert backward == unread.collectives("backward")
+    averaged = 2 * 7 * 7 * 4  # (batch, tokens, tokens) fp32 per attention
+    bytes_of = lambda p: next(c["bytes"] for c in p.comm if c["phase"] == "forward" and c["kind"] == "all_reduce")
+    assert bytes_of(plan) - bytes_of(unread) == 2 * averaged
+    assert "blocks.1.attn: attention weights averaged over every head (one all-reduce" in str(plan)
+    assert plan.held_fraction(0) <= 1 / world_size + 0.1
+    # The plan's record survives its JSON form.
+    assert autoshard.ShardingPlan.from_json(plan.to_json()).attention_weights == plan.attention_weights
+
+
+def test_multihead_attention_whose_per_head_weights_are_read_stays_whole():
+    """average_attn_weights=False returns the weights of every head: read by the model, the
+    attention is kept whole with that reason; never read, it is split and returns None."""
+    plan = _plan(conformance_models.multihead_decoder(read_weights=True, average_weights=False), example_inputs=IDS)
     for block in range(2):
         styles = {plan.layer(f"blocks.{block}.attn.{p}").style for p in ("in_proj", "out_proj")}
         assert styles == {"replicate"}, styles
+    note = plan.layer("blocks.0.attn.in_proj").note
+    assert "per head (average_attn_weights=False) and the model reads them" in note, note
+    assert plan.attention_weights == []
+    unread = _plan(conformance_models.multihead_decoder(need_weights=True, average_weights=False), example_inputs=IDS)
+    assert unread.layer("blocks.0.attn.in_proj").style == "column"
+    assert unread.returned_weights("blocks.0.attn") == "none"
+
+
+def _attention_weights_on_ranks(options):
+    """On each rank: a decoder parallelized by its plan, and what its first attention returns
+    against the unsharded module's (output, weights), with the weights' gradient."""
+    torch.manual_seed(0)
+    model = conformance_models.multihead_decoder(**options).double()
+    reference = copy.deepcopy(model.blocks[0].attn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        autoshard.parallelize(model, example_inputs=IDS)
+    attention = model.blocks[0].attn
+    x = torch.randn(2, 7, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    causal = torch.ones(7, 7, dtype=torch.bool).triu(1)
+    got_out, got_weights = attention(x, x, x, attn_mask=causal)
+    want_out, want_weights = reference(x, x, x, attn_mask=causal)
+    result = {"type": type(attention).__name__, "out": torch.allclose(got_out, want_out)}
+    if got_weights is None:
+        result["weights"] = None
+        return result
+    result["weights"] = torch.allclose(got_weights, want_weights)
+    probe = torch.randn(want_weights.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    (grad_got,) = torch.autograd.grad((got_weights * probe).sum(), x)
+    (grad_want,) = torch.autograd.grad((want_weights * probe).sum(), x)
+    result["grad"] = torch.allclose(grad_got, grad_want)
+    return result
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_multihead_attention_returns_every_heads_average_or_none(world_size):
+    """Split on 2 and 3 ranks: where the plan found the weights read, every rank returns the
+    unsharded module's average over all heads, and its input's gradient through them is the
+    unsharded one's; where never read, None (a reader fails loudly, never a local average).
+    A module planned from calls returning no weights averages them exactly if asked to."""
+    exact = [{"type": "ParallelMultiheadAttention", "out": True, "weights": True, "grad": True}] * world_size
+    assert run_on_ranks(_attention_weights_on_ranks, world_size, dict(read_weights=True), timeout=300) == exact
+    assert run_on_ranks(_attention_weights_on_ranks, world_size, dict(), timeout=300) == exact
+    unread = run_on_ranks(_attention_weights_on_ranks, world_size, dict(need_weights=True), timeout=300)
+    assert unread == [{"type": "ParallelMultiheadAttention", "out": True, "weights": None}] * world_size
+
+
+def test_returned_weights_refuses_bad_arguments_and_per_head_weights_on_a_split_group():
+    attention = nn.MultiheadAttention(48, 6)
+    spec = ShardSpec(0, 144, 0, 1, units=6, parts=(48, 48, 48))
+    with pytest.raises(ValueError, match="returned_weights must be one of"):
+        shard_multihead_attention(attention, spec, attention.out_proj, None, "local")
+    assert type(attention) is nn.MultiheadAttention  # refused before anything changed
+    returned = ReturnedWeights("some_group", 6, "all_reduce")
+    with pytest.raises(ValueError, match="per head"):
+        returned(torch.rand(2, 3, 5, 5), False)
 
 
 @pytest.mark.parametrize("batch_first", [True, False])

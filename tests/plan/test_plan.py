@@ -33,7 +33,10 @@ def test_plan_reaches_megatron_minimum(kind, world_size):
     # A KV projection whose heads are shared by several ranks adds the all-reduce of its gradient.
     shared_kv = sum(1 for layer in p.layers if layer.repeat)
     assert shared_kv == 0 or world_size == 4  # 3 KV heads: shared only on 4 ranks
-    assert backward.get("all_reduce", 0) <= 2 * blocks + 1 + shared_kv
+    # So does a fused layer holding its one KV head whole on every rank (GPT-BigCode's c_attn).
+    whole_kv = sum(1 for layer in p.layers if layer.summed_parts)
+    assert whole_kv == (blocks if kind == "gpt_bigcode" else 0)
+    assert backward.get("all_reduce", 0) <= 2 * blocks + 1 + shared_kv + whole_kv
     assert forward.get("all_gather", 0) == 1
     # Strictly fewer than gathering after every Linear.
     assert sum(forward.values()) < len(linear_layers(model))
@@ -52,10 +55,14 @@ def test_attention_is_split_on_whole_heads(kind):
         dim = layer.weight_dim()
         for rank in range(2):
             spec = layer.weight_spec(rank, 2)
-            for (start, length), part in zip(spec.local_ranges(), spec.part_sizes()):
+            for index, ((start, length), part) in enumerate(zip(spec.local_ranges(), spec.part_sizes())):
+                if index in layer.whole_parts:  # held whole (one KV head beside the query heads)
+                    assert (start, length) == (sum(spec.part_sizes()[:index]), part)
+                    continue
                 head = part // layer.units
                 assert start % head == 0 and length % head == 0, (layer.module, start, length, head)
-        assert layer.weight_shape[dim] % layer.units == 0
+        split = sum(size for i, size in enumerate(layer.parts or [layer.weight_shape[dim]]) if i not in layer.whole_parts)
+        assert split % layer.units == 0
 
 
 def test_gpt2_fused_qkv_is_split_part_by_part():

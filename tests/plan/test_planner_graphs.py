@@ -75,8 +75,10 @@ def test_document_is_versioned_with_named_records():
     doc = g.plan(2)
     assert doc["version"] == 1
     assert set(doc) == {"version", "layers", "regions", "comm", "partial_gradients", "tensors", "sequence_entries",
-                        "sequence_gathers", "head_entries", "head_outputs", "head_params"}
-    assert set(doc["layers"][0]) == {"node", "style", "region", "units", "copy_group", "parts", "letter", "repeat",
+                        "sequence_gathers", "head_entries", "head_outputs", "attention_weights",
+                        "head_params"}
+    assert set(doc["layers"][0]) == {"node", "style", "region", "units", "copy_group", "parts", "whole_parts",
+                                     "summed_parts", "letter", "repeat",
                                      "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",
                                      "sequence_note"}
     assert styles(doc) == ["column", "row"]
@@ -124,6 +126,45 @@ def test_reduce_over_the_sharded_axis_replicates_with_code():
     doc = g.plan(2)
     assert styles(doc)[0] == "replicate"
     assert doc["layers"][0]["reason"] == "conflict" and "reduces over the sharded axis" in doc["layers"][0]["note"]
+
+
+def _shared_mlp_called_twice(g, x):
+    """ALBERT's layout: a projection, then one MLP (weights 2 and 4) called twice, a norm
+    (a reduction over the features) after each call."""
+    _, h = g.linear(x, 4, 8, 0, out_shape=(3, 8))
+    for call in range(2):
+        _, up = g.linear(h, 8, 6, 2, out_shape=(3, 6))
+        a = g.tensor(3, 6)
+        g.node("pointwise", [up], [a])
+        _, y = g.linear(a, 6, 8, 4, out_shape=(3, 8))
+        h = g.tensor(3, 8, output=call == 1)
+        g.node("reduce", [y], [h], axes=[1])
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_layer_called_twice_splits_alike_in_both_calls(sequence_parallel):
+    g = G()
+    _shared_mlp_called_twice(g, g.tensor(3, 4))
+    doc = g.plan(2, sequence_parallel)
+    # Its first call read the projection's sharded output as a row layer, its second a whole
+    # input as a column layer: the projection is replicated, and both calls split alike.
+    assert styles(doc) == ["replicate", "column", "row", "column", "row"]
+    assert doc["layers"][0]["reason"] == "feeds_called_layer"
+    assert "called elsewhere as a column layer" in doc["layers"][0]["note"]
+    # A layer called twice has one input copy for both calls: its tokens stay whole.
+    assert [layer["sequence"] for layer in doc["layers"]] == [""] * 5
+    assert comm(doc, "forward") == {"all_reduce": 2} and comm(doc, "backward") == {"all_reduce": 2}
+
+
+def test_layer_called_twice_as_a_row_layer_keeps_its_split():
+    g = G()
+    x = g.tensor(3, 8)
+    _, h = g.linear(x, 8, 6, 0, out_shape=(3, 6))
+    for call in range(2):  # one row layer (weight 2) reading two halves' worth of features
+        y = g.tensor(3, 8)
+        g.node("linear", [h], [y], in_features=6, out_features=8, weight_param=2, bias_param=-1)
+    doc = g.plan(2, sequence_parallel=False)
+    assert styles(doc) == ["column", "row", "row"]
 
 
 def test_too_few_units_with_code_and_count():
@@ -317,6 +358,84 @@ def test_per_head_parameter_on_the_heads_axis_is_split_with_them():
     assert styles(doc) == ["column", "row"] and doc["partial_gradients"] == []
     region = doc["layers"][0]["region"]
     assert doc["head_params"] == [{"tensor": w, "param": 5, "axis": 0, "size": 3, "region": region}]
+
+
+def attention_returning_weights(g, average=True, read=False):
+    """Attention of 4 heads of 2 computed with its weights (softmax of q k^T), which an
+    nn.MultiheadAttention returns (averaged over the heads, or per head): the weights node, and
+    the tensor it returns (read by a pointwise op whose result is an output, if `read`)."""
+    x = g.tensor(2, 4, 8)
+    heads = []
+    for param in range(3):
+        _, y = g.linear(x, 8, 8, param, out_shape=(2, 4, 8))
+        split, t = g.tensor(2, 4, 4, 2), g.tensor(2, 4, 4, 2)
+        g.node("view", [y], [split])
+        g.node("permute", [split], [t], permutation=[0, 2, 1, 3])
+        heads.append(t)
+    q, k, v = heads
+    kt, scores, weights = g.tensor(2, 4, 2, 4), g.tensor(2, 4, 4, 4), g.tensor(2, 4, 4, 4)
+    g.node("permute", [k], [kt], permutation=[0, 1, 3, 2])
+    g.node("matmul", [q, kt], [scores])
+    g.node("reduce", [scores], [weights], axes=[3])
+    returned = g.tensor(2, 4, 4) if average else g.tensor(2, 4, 4, 4)
+    node = g.node("attention_weights", [weights], [returned], label="attn", dim=1, average=average)
+    o, ot, flat = g.tensor(2, 4, 4, 2), g.tensor(2, 4, 4, 2), g.tensor(2, 4, 8)
+    g.node("matmul", [weights, v], [o])
+    g.node("permute", [o], [ot], permutation=[0, 2, 1, 3])
+    g.node("view", [ot], [flat])
+    g.linear(flat, 8, 8, 3, out_shape=(2, 4, 8), output=True)
+    if read:
+        used = g.tensor(*g.tensors[returned]["shape"], output=True)
+        g.node("pointwise", [returned], [used])
+    return node, returned
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_averaged_attention_weights_never_read_split_with_no_collective(world_size):
+    g = G()
+    node, _ = attention_returning_weights(g)
+    doc = g.plan(world_size)
+    assert styles(doc) == ["column", "column", "column", "row"]
+    assert [(w["node"], w["used"]) for w in doc["attention_weights"]] == [(node, False)]
+    assert doc["attention_weights"][0]["region"] == doc["layers"][0]["region"]
+    assert comm(doc, "forward") == {"all_reduce": 1}  # the row layer's
+
+
+@pytest.mark.parametrize("read_by", ["an op", "the output"])
+def test_averaged_attention_weights_read_cost_one_forward_all_reduce(read_by):
+    g = G()
+    node, returned = attention_returning_weights(g, read=read_by == "an op")
+    if read_by == "the output":
+        g.output(returned)
+    doc = g.plan(2)
+    assert styles(doc) == ["column", "column", "column", "row"]
+    assert [(w["node"], w["used"]) for w in doc["attention_weights"]] == [(node, True)]
+    forward = [c for c in doc["comm"] if c["phase"] == "forward"]
+    assert forward == [{"phase": "forward", "kind": "all_reduce", "count": 2, "elements": 2 * 4 * 8 + 2 * 4 * 4}]
+    assert comm(doc, "backward") == {}  # its gradient reaches each rank's heads as it is
+    assert g.plan(1)["comm"] == [] and g.plan(1)["attention_weights"][0]["used"]
+
+
+def test_attention_weights_per_head_read_keep_the_attention_whole():
+    g = G()
+    attention_returning_weights(g, average=False, read=True)
+    doc = g.plan(2)
+    # The q, k and v projections whole (the last layer, fed whole, gathers the model output).
+    assert styles(doc)[:3] == ["replicate"] * 3 and doc["attention_weights"] == []
+    assert "per head" in doc["layers"][0]["note"] and "reads them" in doc["layers"][0]["note"]
+    unread = G()
+    node, _ = attention_returning_weights(unread, average=False)
+    doc = unread.plan(2)
+    assert styles(doc) == ["column", "column", "column", "row"]
+    assert [(w["node"], w["used"]) for w in doc["attention_weights"]] == [(node, False)]
+
+
+def test_attention_weights_node_needs_its_fields():
+    g = G()
+    x, y = g.tensor(2, 4, 4, 4), g.tensor(2, 4, 4)
+    g.node("attention_weights", [x], [y], dim=1)
+    with pytest.raises(ValueError, match=r"\[plan.bad_graph\].*no field 'average'"):
+        g.plan(2)
 
 
 def test_grouped_query_attention_shares_kv_heads():
@@ -515,6 +634,66 @@ def test_multi_query_attention_holds_its_one_kv_head_on_every_rank():
     assert doc["regions"][0]["coarse_units"] == 1
     # Each rank sums the KV projections' gradients (weights only: no biases) in backward.
     assert comm(doc, "backward") == {"all_reduce": 2}
+
+
+def fused_kv_block(g, kv_heads):
+    """GPT-BigCode's layout: one Linear for 6 query heads of 2 and `kv_heads` KV heads (k, then
+    v), split into its three parts; the KV heads repeated for the query heads (unsqueeze, expand
+    and view, as repeat_kv does) before the attention."""
+    x = g.tensor(2, 4, 8)
+    kv = 2 * kv_heads
+    _, fused = g.linear(x, 8, 12 + 2 * kv, 0, out_shape=(2, 4, 12 + 2 * kv))
+    q, k, v = g.tensor(2, 4, 12), g.tensor(2, 4, kv), g.tensor(2, 4, kv)
+    g.node("split", [fused], [q, k, v], dim=2)
+    qh = g.tensor(2, 4, 6, 2)
+    g.node("view", [q], [qh], label="aten.view.default")
+    qt = g.tensor(2, 6, 4, 2)
+    g.node("permute", [qh], [qt], permutation=[0, 2, 1, 3])
+    repeated = []
+    for t in (k, v):
+        heads = g.tensor(2, 4, kv_heads, 2)
+        g.node("view", [t], [heads], label="aten.view.default")
+        ht = g.tensor(2, kv_heads, 4, 2)
+        g.node("permute", [heads], [ht], permutation=[0, 2, 1, 3])
+        unit = g.tensor(2, kv_heads, 1, 4, 2)
+        g.node("view", [ht], [unit], label="aten.unsqueeze.default")
+        wide = g.tensor(2, kv_heads, 6 // kv_heads, 4, 2)
+        g.node("expand", [unit], [wide], label="aten.expand.default")
+        flat = g.tensor(2, 6, 4, 2)
+        g.node("view", [wide], [flat], label="aten.view.default")
+        repeated.append(flat)
+    o = g.tensor(2, 6, 4, 2)
+    g.node("attention", [qt, *repeated], [o])
+    ot = g.tensor(2, 4, 6, 2)
+    g.node("permute", [o], [ot], permutation=[0, 2, 1, 3])
+    merged = g.tensor(2, 4, 12)
+    g.node("view", [ot], [merged], label="aten.view.default")
+    g.linear(merged, 12, 8, 1, out_shape=(2, 4, 8), output=True)
+
+
+def test_fused_layer_holds_its_one_kv_head_whole_on_every_rank():
+    g = G()
+    fused_kv_block(g, kv_heads=1)
+    doc = g.plan(3)
+    fused, out = doc["layers"]
+    assert (fused["style"], fused["units"], fused["parts"]) == ("column", 6, [12, 2, 2])
+    assert fused["whole_parts"] == [1, 2] and fused["summed_parts"] and fused["reason"] == "small_parts_whole"
+    assert out["style"] == "row"
+    # The fused output: 12 of its 16 features split by heads, 4 held whole.
+    assert {(t["axis"], t["size"], t["whole"]) for t in doc["tensors"] if t["whole"]} == {(2, 16, 4)}
+    # The KV rows' gradient (weight only, no bias) is summed in backward: 4 rows of 8.
+    assert comm(doc, "backward") == {"all_reduce": 1}
+    assert [c["elements"] for c in doc["comm"] if c["phase"] == "backward"] == [4 * 8]
+
+
+def test_fused_layer_with_kv_heads_it_cannot_hold_whole_is_replicated():
+    g = G()
+    fused_kv_block(g, kv_heads=2)  # 2 KV heads: 3 ranks cannot split them, nor repeat them whole locally
+    doc = g.plan(3)
+    assert styles(doc)[0] == "replicate" and doc["layers"][0]["whole_parts"] == []
+    # On 2 ranks the KV heads split with the query heads, as for any fused layer.
+    doc = g.plan(2)
+    assert styles(doc) == ["column", "row"] and doc["layers"][0]["whole_parts"] == []
 
 
 def test_embedding_over_the_heads_has_its_output_cut():

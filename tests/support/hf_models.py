@@ -22,13 +22,16 @@ CONFIGS = {
     # Grouped-query attention: 6 query heads over 3 KV heads.
     "llama": dict(hidden_size=48, intermediate_size=70, num_hidden_layers=2, num_attention_heads=6,
                   num_key_value_heads=3, vocab_size=101, attention_dropout=0.0),
+    # Multi-query attention: 5 query heads and one KV head in one fused Linear.
+    "gpt_bigcode": dict(n_embd=60, n_layer=2, n_head=5, vocab_size=101, n_positions=32, multi_query=True,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     # Tied input and output embeddings.
     "gemma": dict(hidden_size=48, intermediate_size=70, num_hidden_layers=2, num_attention_heads=6,
                   num_key_value_heads=3, head_dim=8, vocab_size=101, attention_dropout=0.0),
 }
 
 # The heads a plan must keep whole: query heads and KV heads.
-HEADS = {"gpt2": (5,), "bert": (5,), "roberta": (5,), "opt": (5,), "llama": (6, 3), "gemma": (6, 3)}
+HEADS = {"gpt2": (5,), "gpt_bigcode": (5,), "bert": (5,), "roberta": (5,), "opt": (5,), "llama": (6, 3), "gemma": (6, 3)}
 
 
 def build(kind: str, device="cpu", seed: int = 0, **overrides):

@@ -60,7 +60,8 @@ class _ParallelLinear(nn.Module):
     # their own); parallelize(..., reduce_dtype=) sets it.
     reduce_dtype: Optional[torch.dtype] = None
 
-    def _setup(self, in_features, out_features, bias, group, device, dtype, units, parts, repeat=None) -> None:
+    def _setup(self, in_features, out_features, bias, group, device, dtype, units, parts, repeat=None,
+               whole_parts=None) -> None:
         owner = type(self).__name__
         self.in_features = _as_int(in_features, "in_features", owner)
         self.out_features = _as_int(out_features, "out_features", owner)
@@ -77,9 +78,12 @@ class _ParallelLinear(nn.Module):
         repeat = None if repeat is None else _as_int(repeat, "repeat", owner)
         if repeat is not None and units is None:
             raise ValueError(f"{owner}: repeat={repeat} needs units (the KV heads)")
+        whole_parts = None if whole_parts is None else tuple(_as_int(i, "whole_parts", owner) for i in whole_parts)
         spec = ShardSpec(dim=self.split_dim, full_size=split_size, rank=self._rank, world_size=self._world,
-                         units=units, parts=parts, repeat=repeat)
-        for size in spec.part_sizes():
+                         units=units, parts=parts, repeat=repeat, whole_parts=whole_parts)
+        for index, size in enumerate(spec.part_sizes()):
+            if index in (whole_parts or ()):
+                continue
             pieces = (units or size) * (repeat or 1)
             if pieces < self._world:
                 what = f"{size}" if units is None else f"{size} ({units} whole units)"
@@ -146,6 +150,32 @@ class _ParallelLinear(nn.Module):
         bias = None if self.bias is None else full[weight_numel:].narrow(0, start, length)
         return weight, bias
 
+    def _whole_parts_summed(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The weight and bias as forward uses them when every rank holds some parts whole and
+        reads them with its own heads only (``whole_parts`` with ``sum_whole_parts``): equal
+        values, but backward sums those parts' gradient over the group (one all-reduce of their
+        rows, weight and bias together), so every rank gets the whole gradient."""
+        spec = self.shard_specs["weight"]
+        whole = set(spec._whole_ranges())
+        runs, offset = [], 0
+        for start, length in spec.local_ranges():
+            runs.append((offset, length, (start, length) in whole))
+            offset += length
+        weights = [self.weight.narrow(spec.dim, at, length) for at, length, _ in runs]
+        biases = [None] * len(runs) if self.bias is None else [self.bias.narrow(0, at, length) for at, length, _ in runs]
+        held = [i for i, run in enumerate(runs) if run[2]]
+        flat = torch.cat([weights[i].reshape(-1) for i in held] + [biases[i] for i in held if biases[i] is not None])
+        wide = flat if self.reduce_dtype is None else flat.to(self.reduce_dtype)
+        summed = ops.copy_to_parallel(wide, self._group_name).to(flat.dtype)
+        at = 0
+        for i in held:
+            weights[i], at = summed[at:at + weights[i].numel()].view(weights[i].shape), at + weights[i].numel()
+        for i in held:
+            if biases[i] is not None:
+                biases[i], at = summed[at:at + biases[i].numel()], at + biases[i].numel()
+        weight = torch.cat(weights, dim=spec.dim)
+        return weight, None if self.bias is None else torch.cat(biases)
+
     @classmethod
     def _from_layer(cls, layer, group, units, parts, **options):
         owner = cls.__name__
@@ -186,6 +216,10 @@ class _ParallelLinear(nn.Module):
             extra += f", parts={spec.parts}"
         if spec.repeat is not None:
             extra += f", repeat={spec.repeat}"
+        if spec.whole_parts is not None:
+            extra += f", whole_parts={spec.whole_parts}"
+            if getattr(self, "sum_whole_parts", False):
+                extra += ", sum_whole_parts=True"
         if self.transposed_weight:
             extra += ", transposed_weight=True"
         return f"local_{self.split_name}={spec.local_size()} (rank {self._rank} of {self._world}){extra}"
@@ -202,6 +236,9 @@ class ColumnParallelLinear(_ParallelLinear):
     ``repeat`` (with ``units``: a KV projection whose KV heads are fewer than the ranks need)
     holds the KV heads this rank's ``units * repeat`` query-head share uses, as ``ShardSpec``
     describes; ranks holding the same KV head sum its gradient in backward.
+    ``whole_parts`` (with ``parts``) holds those parts whole on every rank (one KV head fused
+    beside the query heads); with ``sum_whole_parts`` their gradient, partial on each rank
+    (each reads them with its own heads), is summed over the group in backward.
     """
 
     split_dim = 0
@@ -209,14 +246,19 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  group: Optional[ProcessGroup] = None, device=None, dtype=None, *, units: Optional[int] = None,
-                 parts: Optional[Sequence[int]] = None, repeat: Optional[int] = None):
+                 parts: Optional[Sequence[int]] = None, repeat: Optional[int] = None,
+                 whole_parts: Optional[Sequence[int]] = None, sum_whole_parts: bool = False):
         super().__init__()
         self.gather_output = bool(gather_output)
+        if not isinstance(sum_whole_parts, bool) or (sum_whole_parts and whole_parts is None):
+            raise ValueError(f"ColumnParallelLinear: sum_whole_parts must be a bool, True only with whole_parts; "
+                             f"got sum_whole_parts={sum_whole_parts!r}, whole_parts={whole_parts!r}")
+        self.sum_whole_parts = sum_whole_parts
         # Column layers that read the same tensor (q, k and v) may share one input copy, so
         # that backward all-reduces their summed input gradient once (see parallelize). With
         # sequence parallelism it gathers the input's tokens instead (nn.sequence.GatherTokens).
         self.input_copy = None
-        self._setup(in_features, out_features, bias, group, device, dtype, units, parts, repeat)
+        self._setup(in_features, out_features, bias, group, device, dtype, units, parts, repeat, whole_parts)
         self.local_out_features = self.shard_specs["weight"].local_size()
         if self.gather_output and not self._plain_split:
             raise ValueError("ColumnParallelLinear: gather_output=True needs a plain split (units=None, parts=None): "
@@ -225,17 +267,22 @@ class ColumnParallelLinear(_ParallelLinear):
     @classmethod
     def from_linear(cls, layer, group: Optional[ProcessGroup] = None, gather_output: bool = False, *,
                     units: Optional[int] = None, parts: Optional[Sequence[int]] = None,
-                    repeat: Optional[int] = None) -> "ColumnParallelLinear":
+                    repeat: Optional[int] = None, whole_parts: Optional[Sequence[int]] = None,
+                    sum_whole_parts: bool = False) -> "ColumnParallelLinear":
         """This rank's slice of ``layer`` (an ``nn.Linear`` or a transformers ``Conv1D``), on
         the layer's device and dtype; a meta layer gives a meta module."""
-        return cls._from_layer(layer, group, units, parts, gather_output=gather_output, repeat=repeat)
+        return cls._from_layer(layer, group, units, parts, gather_output=gather_output, repeat=repeat,
+                               whole_parts=whole_parts, sum_whole_parts=sum_whole_parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x, self.in_features, "in_features")
         if self._world == 1:
             return F.linear(x, self._linear_weight(), self.bias)
         x = self.input_copy(x) if self.input_copy is not None else ops.copy_to_parallel(x, self._group_name)
-        if self.shard_specs["weight"].overlaps:
+        if self.sum_whole_parts:
+            weight, bias = self._whole_parts_summed()
+            y = F.linear(x, self._linear_weight(weight), bias)
+        elif self.shard_specs["weight"].repeat is not None:
             weight, bias = self._weights_summed_over_holders()
             y = F.linear(x, self._linear_weight(weight), bias)
         else:

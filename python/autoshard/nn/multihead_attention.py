@@ -10,6 +10,8 @@ output projection as a second call. The planner's capture runs it in place of to
 function (it records the two calls as layers), and ``ParallelMultiheadAttention`` runs it
 with this rank's heads: ``in_proj_weight`` split by heads in each of its q, k and v parts (a
 column layer), ``out_proj`` a row layer. Both keep nn.MultiheadAttention's parameter names.
+The weights a call with need_weights returns are a third call (``ReturnedWeights``): their
+average over every head, all-reduced, where the plan found the model reading them, else None.
 """
 
 import inspect
@@ -53,10 +55,18 @@ def bind(args, kwargs):
     return bound.arguments
 
 
-def multihead_attention(arguments, in_projection: Callable, out_projection: Callable):
+def average_over_heads(weights: torch.Tensor, average: bool) -> torch.Tensor:
+    """The attention weights nn.MultiheadAttention returns, from every head's (N, heads, L, S)."""
+    return weights.mean(dim=1) if average else weights
+
+
+def multihead_attention(arguments, in_projection: Callable, out_projection: Callable,
+                        returned_weights: Callable = average_over_heads):
     """F.multi_head_attention_forward's result for a supported call (see `unsupported`),
     from inputs shaped (L, N, E), with `in_projection(x)` giving the q/k/v features (the
-    fused [q | k | v] layout, any number of heads) and `out_projection(o)` the output."""
+    fused [q | k | v] layout, any number of heads), `out_projection(o)` the output and
+    `returned_weights(weights, average)` the weights returned from the heads' (N, heads, L, S)
+    with need_weights (averaged over the heads with average_attn_weights)."""
     a = arguments
     query = a["query"]
     tgt_len, bsz, _ = query.shape
@@ -103,8 +113,8 @@ def multihead_attention(arguments, in_projection: Callable, out_projection: Call
     else:
         out = F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal)
     out = out_projection(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, -1))
-    if weights is not None and a["average_attn_weights"]:
-        weights = weights.mean(dim=1)
+    if weights is not None:
+        weights = returned_weights(weights, a["average_attn_weights"])
     return out, weights
 
 
@@ -143,12 +153,53 @@ class FusedInProjection(nn.Module):
         return F.linear(x, weight, bias)
 
 
+RETURNED_WEIGHTS = ("all_reduce", "none")
+
+
+class ReturnedWeights(nn.Module):
+    """The attention weights a ParallelMultiheadAttention returns, from this rank's heads, as a
+    layer call (the planner records it as one node, csrc/plan/attention_weights.cpp).
+
+    With `returned` "all_reduce", the weights averaged over every head: this rank's sum over its
+    heads divided by the global head count, summed over the ranks (all-reduce in forward; the
+    gradient of the replicated average reaches this rank's heads unchanged). With "none", for a
+    model that never reads them (``out, _ = attn(x, x, x)``), None in their place and no
+    collective. Weights per head (average_attn_weights=False) would need every head; they are
+    refused on a split group (the plan keeps an attention whose model reads them whole)."""
+
+    autoshard_layer = True
+
+    def __init__(self, group_name: Optional[str], num_heads: int, returned: str):
+        super().__init__()
+        if returned not in RETURNED_WEIGHTS:
+            raise ValueError(f"ReturnedWeights: returned must be one of {RETURNED_WEIGHTS}, got {returned!r}")
+        self.group_name = group_name
+        self.num_heads = num_heads
+        self.returned = returned
+
+    def forward(self, weights: torch.Tensor, average: bool) -> Optional[torch.Tensor]:
+        if self.returned == "none":
+            return None
+        if not average:
+            if self.group_name is not None:
+                raise ValueError("ParallelMultiheadAttention: the attention weights per head (average_attn_weights="
+                                 "False) need every head, and this rank holds some; the plan was made for a call "
+                                 "that returns none or averages them")
+            return weights
+        summed = weights.sum(dim=1) / self.num_heads
+        return summed if self.group_name is None else ops.reduce_from_parallel(summed, self.group_name)
+
+    def extra_repr(self) -> str:
+        return f"returned={self.returned!r}, num_heads={self.num_heads}"
+
+
 class ParallelMultiheadAttention(nn.MultiheadAttention):
     """An nn.MultiheadAttention holding this rank's heads: ``in_proj_weight`` and
     ``in_proj_bias`` are this rank's heads of each of the q, k and v parts (``shard_specs``),
     ``out_proj`` a RowParallelLinear over the same heads. It runs nn.MultiheadAttention's own
     forward, with the attention itself computed by ``multihead_attention``; self-attention
-    only (query, key and value one tensor), as the plan that split it was made for."""
+    only (query, key and value one tensor), as the plan that split it was made for. The
+    weights it returns with need_weights are ``returned_weights``'s (ReturnedWeights)."""
 
     autoshard_layer = False  # traced op by op; its projections are the layers
 
@@ -161,7 +212,8 @@ class ParallelMultiheadAttention(nn.MultiheadAttention):
         if why is not None:
             raise ValueError(f"ParallelMultiheadAttention: this call cannot be computed with the rank's heads: {why}")
         return multihead_attention(
-            arguments, lambda x: self.in_proj(x, self.in_proj_weight, self.in_proj_bias), self.out_proj)
+            arguments, lambda x: self.in_proj(x, self.in_proj_weight, self.in_proj_bias), self.out_proj,
+            self.returned_weights)
 
 
 _FORWARD = inspect.signature(nn.MultiheadAttention.forward)
@@ -175,11 +227,15 @@ def _self_attention_only(module, args, kwargs):
 
 
 def shard_multihead_attention(module: nn.MultiheadAttention, spec: ShardSpec, out_proj: nn.Module,
-                              group: Optional[ProcessGroup]) -> nn.MultiheadAttention:
+                              group: Optional[ProcessGroup], returned_weights: str = "all_reduce") -> nn.MultiheadAttention:
     """Makes `module` (in place) a ParallelMultiheadAttention holding the rows of
     in_proj_weight (and in_proj_bias) that `spec` gives this rank, with `out_proj` in place of
     its output projection. `group` None builds a meta stand-in with no collective (the
-    planner traces it to check its shapes)."""
+    planner traces it to check its shapes). `returned_weights` ("all_reduce" or "none") is what
+    a call with need_weights returns (see ReturnedWeights)."""
+    if returned_weights not in RETURNED_WEIGHTS:
+        raise ValueError(f"shard_multihead_attention: returned_weights must be one of {RETURNED_WEIGHTS}, "
+                         f"got {returned_weights!r}")
     group_name = None
     if group is not None:
         group = resolve(group, "ParallelMultiheadAttention")
@@ -201,6 +257,7 @@ def shard_multihead_attention(module: nn.MultiheadAttention, spec: ShardSpec, ou
         module.shard_specs["in_proj_bias"] = spec
     module.out_proj = out_proj
     module.in_proj = FusedInProjection(group_name)
+    module.returned_weights = ReturnedWeights(group_name, module.num_heads, returned_weights)
     module.group = group
     cls = type(module)
     if not issubclass(cls, ParallelMultiheadAttention):

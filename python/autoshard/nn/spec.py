@@ -32,6 +32,9 @@ class ShardSpec:
     # `units * repeat` are split over the ranks with split_sizes, and a rank holds the run of
     # units its finer units use. Neighbouring ranks' runs may overlap.
     repeat: Optional[int] = None
+    # Parts held whole by every rank (indices into parts): a fused layer's one KV head beside
+    # its query heads. The other parts are split as above.
+    whole_parts: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self):
         parts = self.part_sizes()
@@ -40,8 +43,8 @@ class ShardSpec:
         if self.units is not None:
             if self.units <= 0:
                 raise ValueError(f"ShardSpec: units must be positive, got {self.units}")
-            for size in parts:
-                if size % self.units:
+            for index, size in enumerate(parts):
+                if size % self.units and index not in (self.whole_parts or ()):
                     raise ValueError(f"ShardSpec: part of size {size} does not split into {self.units} whole units")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"ShardSpec: rank must be in [0, {self.world_size}), got {self.rank}")
@@ -52,11 +55,18 @@ class ShardSpec:
             if self.units * self.repeat < self.world_size:
                 raise ValueError(f"ShardSpec: units * repeat = {self.units * self.repeat} finer units cannot give "
                                  f"each of {self.world_size} ranks one")
+        if self.whole_parts is not None:
+            if (self.parts is None or self.repeat is not None or not self.whole_parts
+                    or len(set(self.whole_parts)) != len(self.whole_parts)
+                    or not all(0 <= i < len(self.parts) for i in self.whole_parts)
+                    or len(self.whole_parts) == len(self.parts)):
+                raise ValueError(f"ShardSpec: whole_parts must name some but not all of the parts {self.parts} by "
+                                 f"index, once each, without repeat; got {self.whole_parts}")
 
     @property
     def overlaps(self) -> bool:
         """Whether a unit may be held by several ranks (each holder keeps the same values)."""
-        return self.repeat is not None
+        return self.repeat is not None or self.whole_parts is not None
 
     def part_sizes(self) -> Tuple[int, ...]:
         return tuple(self.parts) if self.parts is not None else (self.full_size,)
@@ -66,12 +76,24 @@ class ShardSpec:
         return self._ranges_of(self.rank)
 
     def _ranges_of(self, rank: int) -> List[Tuple[int, int]]:
-        return ops.shard_ranges(self.full_size, self.world_size, rank, self.units, self.parts, self.repeat)
+        if self.whole_parts is None:
+            return ops.shard_ranges(self.full_size, self.world_size, rank, self.units, self.parts, self.repeat)
+        ranges, start = [], 0
+        for index, size in enumerate(self.parts):
+            if index in self.whole_parts:
+                ranges.append((start, size))
+            else:
+                ranges += [(start + s, n) for s, n in ops.shard_ranges(size, self.world_size, rank, self.units)]
+            start += size
+        return ranges
 
     def owned_ranges(self) -> List[Tuple[int, int]]:
         """The part of local_ranges() this rank stands for where several ranks hold the same
         units (the lowest-ranked holder of each), as (start, length) in full coordinates:
         over all ranks these runs cover the dimension exactly once."""
+        if self.whole_parts is not None:  # the first rank stands for the whole parts
+            whole = self._whole_ranges()
+            return [r for r in self.local_ranges() if self.rank == 0 or r not in whole]
         if self.repeat is None:
             return self.local_ranges()
         ((start, length),) = self.local_ranges()
@@ -81,9 +103,23 @@ class ShardSpec:
             start = max(start, previous_start + previous_length)
         return [(start, end - start)] if end > start else []
 
+    def _whole_ranges(self) -> List[Tuple[int, int]]:
+        starts = [sum(self.parts[:i]) for i in range(len(self.parts))]
+        return [(starts[i], self.parts[i]) for i in self.whole_parts]
+
     def owned_part(self, local: torch.Tensor) -> Optional[torch.Tensor]:
-        """The view of `local` (this rank's tensor) that owned_ranges() describes, or None."""
+        """The part of `local` (this rank's tensor) that owned_ranges() describes, or None: a
+        view, except with whole parts off the first rank (this rank's split pieces, joined)."""
         owned = self.owned_ranges()
+        if self.whole_parts is not None:
+            if self.rank == 0:
+                return local
+            pieces, offset = [], 0
+            for start, length in self.local_ranges():
+                if (start, length) in owned:
+                    pieces.append(local.narrow(self.dim, offset, length))
+                offset += length
+            return torch.cat(pieces, dim=self.dim) if len(pieces) > 1 else pieces[0]
         if self.repeat is None:
             return local
         if not owned:

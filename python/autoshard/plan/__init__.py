@@ -61,6 +61,7 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
             module=info.name, kind=info.kind, style=style, weight=names[info.weight_param],
             bias=names[info.bias_param] if info.bias_param >= 0 else None, weight_shape=shape,
             transposed=info.transposed, units=record["units"] if style != "replicate" else 0, parts=record["parts"],
+            whole_parts=record["whole_parts"], summed_parts=record["summed_parts"],
             region=record["region"], copy_group=record["copy_group"], note=named(record["note"]),
             equation=info.equation, letter=record["letter"], repeat=record["repeat"], reason=record["reason"],
             bias_axes=info.bias_axes,
@@ -92,12 +93,15 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                                         for e in data.get("head_entries", [])],
                           head_outputs=[{k: e[k] for k in ("module", "axis", "outer", "size", "region")}
                                         for e in data.get("head_outputs", [])],
+                          attention_weights=[{"module": graph.nodes[w["node"]][0], "used": w["used"]}
+                                             for w in data.get("attention_weights", [])],
                           head_parameters=[{"name": names[p["param"]], "dim": p["axis"], "size": p["size"],
                                             "region": p["region"]} for p in data.get("head_params", [])],
                           example={"description": graph.description, "inputs": graph.example_inputs,
                                    "output_shapes": [list(s) for s in graph.output_shapes]})
     result._prediction = Prediction(graph, data["tensors"], data["sequence_entries"], data["sequence_gathers"],
-                                    data.get("head_entries", []))
+                                    data.get("head_entries", []),
+                                    {w["node"] for w in data.get("attention_weights", []) if not w["used"]})
     result._prediction.plan = result
     return result
 

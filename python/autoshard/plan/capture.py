@@ -8,6 +8,7 @@ Nothing is materialised: a model on a real device is shadowed by a meta copy fir
 
 import contextlib
 import copy
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -17,7 +18,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..nn.multihead_attention import AttentionCalls, ParallelMultiheadAttention, multihead_attention, unsupported
+from ..nn.multihead_attention import (AttentionCalls, ParallelMultiheadAttention, average_over_heads, multihead_attention,
+                                      unsupported)
 from .folding import BlockFolder
 from .inputs import example_inputs_for, missing_decoder_inputs
 from .layers import LayerInfo, describe_layer, in_projection_layer
@@ -391,11 +393,15 @@ def _mark_partitions(nodes: List[Dict[str, Any]], tensors: List[Dict[str, Any]])
     return marked
 
 
-def attention_calls(root: nn.Module, recorder: "_Recorder", record_layer) -> contextlib.AbstractContextManager:
+def attention_calls(root: nn.Module, recorder: "_Recorder", record_layer,
+                    record_weights=None) -> contextlib.AbstractContextManager:
     """While active, the calls of root's nn.MultiheadAttention modules compute their attention
     with multihead_attention (the sharded module's own computation), their q/k/v projection
-    recorded by `record_layer(module name, module, x, out)` as one layer and their out_proj
-    called as the module it is. Calls it does not compute are left to torch."""
+    recorded by `record_layer(module name, module, x, out)` as one layer, their out_proj
+    called as the module it is and the weights they return with need_weights recorded by
+    `record_weights(module name, weights, returned, average)` as one node (by default as a
+    trace sees ReturnedWeights: one layer call). Calls it does not compute are left to torch."""
+    record_weights = record_weights or _weights_as_layer(recorder)
     owners = {id(m.in_proj_weight): (name, m) for name, m in root.named_modules()
               if isinstance(m, nn.MultiheadAttention) and not isinstance(m, ParallelMultiheadAttention)
               and m.in_proj_weight is not None}
@@ -417,9 +423,34 @@ def attention_calls(root: nn.Module, recorder: "_Recorder", record_layer) -> con
             record_layer(name, module, x, out)
             return out
 
-        return multihead_attention(arguments, project, module.out_proj)
+        def returned_weights(weights, average):
+            recorder.layer_depth += 1
+            try:
+                returned = average_over_heads(weights, average)
+                if returned is weights:
+                    returned = weights.view(weights.shape)  # a tensor of its own, the node's output
+            finally:
+                recorder.layer_depth -= 1
+            record_weights(name, weights, returned, average)
+            return returned
+
+        return multihead_attention(arguments, project, module.out_proj, returned_weights)
 
     return AttentionCalls(attend)
+
+
+def record_attention_weights(recorder: "_Recorder", name: str, weights: torch.Tensor, returned: torch.Tensor,
+                             average: bool) -> None:
+    """The planner's node for the weights an nn.MultiheadAttention named `name` returns (heads
+    on axis 1 of `weights`): a trace sees it as the call of ReturnedWeights."""
+    recorder.node("attention_weights", name, [recorder.tensor_id(weights)], [recorder.tensor_id(returned)],
+                  {"dim": 1, "average": bool(average)}, "call")
+
+
+def _weights_as_layer(recorder: "_Recorder"):
+    """record_weights for attention_calls in a trace: one "layer" node, as ReturnedWeights is."""
+    return lambda name, weights, returned, average: recorder.nodes.append(
+        ("layer", (), (recorder.tensor_id(returned),)))
 
 
 def meta_shadow(model: nn.Module, always_copy: bool = False) -> nn.Module:
@@ -545,7 +576,8 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
 
     example = describe_inputs(args, kwargs)
     try:
-        with torch.no_grad(), values, recorder, folder, attention_calls(shadow, recorder, record_in_projection):
+        with torch.no_grad(), values, recorder, folder, attention_calls(
+                shadow, recorder, record_in_projection, functools.partial(record_attention_weights, recorder)):
             outputs = shadow(*args, **kwargs)
     except Exception as error:
         hint = ""

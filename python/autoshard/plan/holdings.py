@@ -26,6 +26,7 @@ REASONS = {
     "shape_mismatch": "its module computes other local shapes than the plan's (a size fixed in the model's code)",
     "weight_read_elsewhere": "its weight is also read outside the layer",
     "weight_shared": "its weight is shared with a layer split differently",
+    "feeds_called_layer": "it feeds a layer that its other calls split as a column layer (a layer called more than once)",
     "position_table": "a position or type table (only the token table is split)",
     "unsplit": "the planner found no axis to split",
     "row_bias": "the bias of a row-parallel layer, added once after the all-reduce",

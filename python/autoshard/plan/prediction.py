@@ -10,7 +10,7 @@ shape still different refuses the plan, naming the module, the op and both shape
 """
 
 import copy
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -35,8 +35,11 @@ class Prediction:
     """Local shapes per rank of the tensors of a captured graph, from the planner's layouts."""
 
     def __init__(self, graph: CapturedGraph, tensors: List[dict], entries: Optional[List[dict]] = None,
-                 gathers: Optional[List[dict]] = None, head_entries: Optional[List[dict]] = None):
+                 gathers: Optional[List[dict]] = None, head_entries: Optional[List[dict]] = None,
+                 unreturned_weights: Set[int] = frozenset()):
         self.graph = graph
+        # Attention weights nothing reads, which the sharded attention does not return: no call.
+        self.unreturned_weights = set(unreturned_weights)
         self.layouts = {t["tensor"]: t for t in tensors}
         self.plan = None  # set once the plan exists
         self._repeat_axes: Optional[Dict[int, Tuple[int, int]]] = None
@@ -63,7 +66,8 @@ class Prediction:
         if layout["coarse"]:
             spec = ShardSpec(0, region.coarse_units, rank, world, units=region.coarse_units, repeat=region.repeat)
             return size // region.coarse_units * spec.local_size()
-        return size // region.units * split_sizes(region.units, world)[rank]
+        whole = layout.get("whole", 0)  # a fused output's parts held whole on every rank
+        return (size - whole) // region.units * split_sizes(region.units, world)[rank] + whole
 
     def repeat_axes(self) -> Dict[int, Tuple[int, int]]:
         """tensor -> (axis, region) for the axis that repeats each shared KV head for its query
@@ -137,8 +141,8 @@ class Prediction:
                 for op, shape in cut_steps(self.graph.shapes[entry["tensor"]], entry, units, rank,
                                            self.plan.world_size):
                     rows.append((op, [shape], None))
-            if index in self.graph.inner_nodes:
-                continue  # inside a layer whose call the trace sees as one node
+            if index in self.graph.inner_nodes or index in self.unreturned_weights:
+                continue  # inside a layer whose call the trace sees as one node, or no call
             label, inputs, outputs = self.graph.nodes[index]
             layer = index in self.graph.layers or index in self.graph.layer_calls
             shapes = [shape_of(t) for t in outputs]
@@ -283,7 +287,8 @@ class _LocalModule:
             out_spec = out_layer.weight_spec(rank, plan.world_size)
             out_proj = nn.Linear(out_spec.local_size(), owner.embed_dim, bias=owner.out_proj.bias is not None,
                                  device="meta", dtype=owner.out_proj.weight.dtype)
-            shard_multihead_attention(owner, layer.weight_spec(rank, plan.world_size), out_proj, None)
+            shard_multihead_attention(owner, layer.weight_spec(rank, plan.world_size), out_proj, None,
+                                      plan.returned_weights(owner_name))
             done.update((layer.module, out_layer.module))
         return done
 

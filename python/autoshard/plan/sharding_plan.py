@@ -26,6 +26,10 @@ class LayerPlan:
     transposed: bool = False  # Conv1D: weight is [in, out]
     units: int = 0  # pieces are whole units (heads) of the sharded dimension
     parts: List[int] = field(default_factory=list)  # fused output layout (QKV in one layer)
+    # Parts held whole on every rank (indices into parts: one KV head fused beside the query
+    # heads); with summed_parts their gradient is summed over the ranks in backward.
+    whole_parts: List[int] = field(default_factory=list)
+    summed_parts: bool = False
     region: int = -1
     copy_group: int = -1  # column layers reading the same input copy it once
     note: str = ""
@@ -64,7 +68,8 @@ class LayerPlan:
         if dim is None:
             return None
         return ShardSpec(dim, self.weight_shape[dim], rank, world_size, units=self.units or None,
-                         parts=tuple(self.parts) if self.parts else None, repeat=self.repeat or None)
+                         parts=tuple(self.parts) if self.parts else None, repeat=self.repeat or None,
+                         whole_parts=tuple(self.whole_parts) if self.whole_parts else None)
 
     def bias_spec(self, rank: int, world_size: int) -> Optional[ShardSpec]:
         # An einsum layer's bias is laid out by its bias_axes; the layer itself records it.
@@ -72,7 +77,8 @@ class LayerPlan:
             return None
         full = self.weight_shape[self.weight_dim()]
         return ShardSpec(0, full, rank, world_size, units=self.units or None,
-                         parts=tuple(self.parts) if self.parts else None, repeat=self.repeat or None)
+                         parts=tuple(self.parts) if self.parts else None, repeat=self.repeat or None,
+                         whole_parts=tuple(self.whole_parts) if self.whole_parts else None)
 
 
 def _listed(names: List[str], shown: int = 4) -> str:
@@ -134,6 +140,10 @@ class ShardingPlan:
     # relative position bias, whose embedding dim is the heads): {"module", "axis", "outer",
     # "size", "region"}; their gradient is gathered back whole in backward.
     head_outputs: List[Dict[str, object]] = field(default_factory=list)
+    # The attention weights each nn.MultiheadAttention split by heads returns with need_weights:
+    # {"module", "used"}. Used (the model reads them), they are averaged over every head with one
+    # all-reduce in forward; never read, the sharded module returns None in their place.
+    attention_weights: List[Dict[str, object]] = field(default_factory=list)
     # Parameters over the heads split with them (a per-head scale, a bias of all_head_size; see
     # nn/head_parameters.py): {"name", "dim", "size" (that dim's full length, the heads its outer
     # factor), "region"}; each rank holds its heads' slice as a local parameter.
@@ -177,6 +187,15 @@ class ShardingPlan:
                 del counts["all_gather"]
             counts["all_reduce"] = counts.get("all_reduce", 0) + LOSS_PARALLEL_ALL_REDUCES
         return counts
+
+    def returned_weights(self, attention: str) -> str:
+        """What the nn.MultiheadAttention named `attention`, split by heads, returns as its
+        weights with need_weights: "none" where the plan found them never read, else
+        "all_reduce" (averaged over every head, exact; see nn.multihead_attention.ReturnedWeights)."""
+        for returned in self.attention_weights:
+            if returned["module"] == attention:
+                return "all_reduce" if returned["used"] else "none"
+        return "all_reduce"
 
     def parameter_bytes(self, rank: int, element_size: int = 4) -> Dict[str, int]:
         """Bytes of the planned layers' parameters: all of them, and the part `rank` holds."""
@@ -241,6 +260,8 @@ class ShardingPlan:
                 sizes += f" of {spec0.full_size}" + (f" in parts {tuple(layer.parts)}" if layer.parts else "")
                 if layer.repeat:
                     sizes += f" (KV heads shared, {layer.repeat} units each)"
+                if layer.whole_parts:
+                    sizes += f" (parts {', '.join(str(i + 1) for i in layer.whole_parts)} whole on every rank)"
             units = str(layer.units) if layer.units else "-"
             rows.append([layer.module, layer.style, units, sizes, layer.note])
         widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
@@ -259,6 +280,10 @@ class ShardingPlan:
         if self.head_outputs:
             lines.append(f"  output cut to each rank's heads as it leaves "
                          f"{_listed([e['module'] for e in self.head_outputs])} (its gradient gathered back)")
+        for returned in self.attention_weights:
+            lines.append(f"  {returned['module']}: attention weights averaged over every head (one all-reduce of each "
+                         "rank's sum in forward)" if returned["used"] else
+                         f"  {returned['module']}: attention weights not returned (None): the model never reads them")
         if self.head_parameters:
             lines.append(f"  parameters split with their heads: {_listed([r['name'] for r in self.head_parameters])}")
         lines += self._sequence_lines()
@@ -327,6 +352,7 @@ class ShardingPlan:
             sequence_gathers=data.get("sequence_gathers", []),
             head_entries=data.get("head_entries", []),
             head_outputs=data.get("head_outputs", []),
+            attention_weights=data.get("attention_weights", []),
             head_parameters=data.get("head_parameters", []),
             loss_parallel_head=data.get("loss_parallel_head", ""),
         )
