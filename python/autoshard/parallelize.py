@@ -91,8 +91,8 @@ def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> N
         param = params.get(record["name"])
         if param is None or param.dim() <= record["dim"] or param.shape[record["dim"]] != record["size"]:
             got = None if param is None else list(param.shape)
-            raise ValueError(f"parallelize: the plan splits parameter {record['name']!r} with its heads ({record['size']} "
-                             f"on dim {record['dim']}); the model's has shape {got}")
+            raise ValueError(f"parallelize: the plan splits parameter {record['name']!r} with its heads "
+                             f"({record['size']} on dim {record['dim']}); the model's has shape {got}")
 
 
 def _attention_of(model: nn.Module, layer) -> Optional[nn.MultiheadAttention]:

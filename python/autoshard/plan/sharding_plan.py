@@ -174,7 +174,8 @@ class ShardingPlan:
 
     def head_parameter_spec(self, record: Dict[str, object], rank: int) -> ShardSpec:
         """The ShardSpec on `rank` of a parameter split with its heads (a head_parameters record)."""
-        return ShardSpec(record["dim"], record["size"], rank, self.world_size, units=self.regions[record["region"]].units)
+        units = self.regions[record["region"]].units
+        return ShardSpec(record["dim"], record["size"], rank, self.world_size, units=units)
 
     def collectives(self, phase: str, labels: bool = False) -> Dict[str, int]:
         """Collectives per step in `phase` ("forward" or "backward"). With `labels`, those of a call
