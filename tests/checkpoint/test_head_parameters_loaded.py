@@ -1,9 +1,12 @@
 """Parameters split with their heads (DeBERTa's q_bias and v_bias, of all_head_size) through
 everything that reads shard_specs: load_pretrained against transformers' from_pretrained,
 AdamW steps and gradient clipping against torch's on the unsharded model, and a checkpoint
-saved on 2 ranks reloaded on 3 ranks and on one unsharded model."""
+saved on 2 ranks reloaded on 3 ranks and on one unsharded model; and a plan naming a head
+parameter that the model lacks, refused before anything changes."""
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
@@ -13,6 +16,9 @@ from transformers.utils import logging
 import autoshard
 from autoshard import checkpoint
 from multirank import run_on_ranks
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conformance"))
+from conformance_models import TinyDecoder  # noqa: E402
 
 logging.set_verbosity_error()
 
@@ -164,3 +170,22 @@ def test_checkpoint_reloads_on_three_ranks(saved_on_two_ranks):
 def test_checkpoint_reloads_unsharded_with_torch_adamw(saved_on_two_ranks):
     path, saved, stepped = saved_on_two_ranks
     _assert_round_trip(saved, stepped, _load_and_step(path, sharded=False))
+
+
+def _plan_for_another_model() -> str:
+    ids = (torch.ones(2, 5, dtype=torch.long),)
+    torch.manual_seed(0)
+    plan = autoshard.plan(TinyDecoder(head_scale=True), example_inputs=ids)
+    torch.manual_seed(0)
+    other = TinyDecoder()  # the same layers, without the per-head scale
+    before = {name: p.clone() for name, p in other.named_parameters()}
+    with pytest.raises(ValueError) as error:
+        autoshard.parallelize(other, plan, example_inputs=ids)
+    assert not any(hasattr(m, "shard_specs") for m in other.modules())
+    assert all(torch.equal(p, before[name]) for name, p in other.named_parameters())
+    return str(error.value)
+
+
+def test_plan_naming_a_parameter_the_model_lacks_is_refused_before_any_change():
+    message = run_on_ranks(_plan_for_another_model, 2, timeout=300)[0]
+    assert "parameter 'blocks.0.attn.head_scale' with its heads" in message and "None" in message, message
