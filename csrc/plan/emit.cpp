@@ -22,6 +22,8 @@
 #include <numeric>
 #include <sstream>
 
+#include <c10/util/Exception.h>
+
 namespace autoshard::plan {
 namespace {
 
@@ -87,7 +89,14 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
         regions[root].coarse_localize.push_back(node.out_features);
       }
       d.region = root;
-      if (pass.parts.count(static_cast<int>(n))) d.parts = pass.parts.at(static_cast<int>(n));
+      if (pass.parts.count(static_cast<int>(n))) {
+        // Parts cut after a view into units (heads) are given in the layer's features.
+        d.parts = pass.parts.at(static_cast<int>(n));
+        const int64_t total = std::accumulate(d.parts.begin(), d.parts.end(), int64_t{0});
+        const int64_t features = node.kind == Kind::Linear ? node.out_features : total;
+        TORCH_CHECK(total > 0 && features % total == 0, "[plan.internal] parts ", total, " do not divide ", features);
+        for (int64_t& size : d.parts) size *= features / total;
+      }
       if (pass.whole_parts.count(static_cast<int>(n))) d.whole_parts = pass.whole_parts.at(static_cast<int>(n));
       const auto summed = pass.summed_parts.find(static_cast<int>(n));
       if (summed != pass.summed_parts.end()) {

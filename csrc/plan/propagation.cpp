@@ -162,11 +162,16 @@ void Propagation::visit_linear(int n, const Node& node) {
     return;
   }
   if (!x.sharded && forced_[n] == Force::WholeSmallParts) {
-    // The parts found by the pass that forced it: those smaller than the largest stay whole.
+    // The parts found by the pass that forced it (in the units they were cut in, heads or
+    // features): those smaller than the largest stay whole.
     const std::vector<int64_t>& known = known_parts.at(n);
     const int64_t largest = *std::max_element(known.begin(), known.end());
-    int64_t whole = 0;
-    for (int64_t size : known) whole += size < largest ? size : 0;
+    int64_t whole = 0, total = 0;
+    for (int64_t size : known) {
+      whole += size < largest ? size : 0;
+      total += size;
+    }
+    whole = whole * out_features / total;
     node_region[n] = new_region(out_features - whole);
     roles[n] = Style::Column;
     set_sharded(out, {static_cast<int>(shape(out).size()) - 1, 1, out_features}, node_region[n], n);
@@ -251,12 +256,16 @@ void Propagation::visit_view(const Node& node) {
                      node.label.rfind("aten.reshape.", 0) == 0 || node.label.rfind("aten._reshape_alias.", 0) == 0;
   const ReshapeResult r = map_reshape(shape(in), shape(out), x.factor, sized || x.factor.size == 1);
   if (!r.ok) return conflict(x.region, node.label + ": " + r.why);
+  // A layer's output viewed as (units, inner) (Falcon's fused q, k and v viewed as heads) is
+  // still that layer's output: its parts may be sliced there, counted in those units.
+  const bool inner_split = x.factor.outer == 1 && r.factor.outer == 1 && r.factor.size > 0 &&
+                           x.factor.size % r.factor.size == 0;
   if (x.whole) {
-    if (r.factor.size != x.factor.size || r.factor.outer != x.factor.outer) {
+    if (!inner_split || (x.whole * r.factor.size) % x.factor.size) {
       return conflict(x.region, node.label + " reshapes a fused output whose smaller parts are held whole");
     }
     set_sharded(out, r.factor, x.region, x.source);
-    layouts[out].whole = x.whole;
+    layouts[out].whole = x.whole * r.factor.size / x.factor.size;
     return;
   }
   if (x.repeat_next > 1 && r.factor.outer == x.factor.outer && r.factor.size == x.factor.size * x.repeat_next) {
@@ -269,7 +278,7 @@ void Propagation::visit_view(const Node& node) {
   constrain(x.region, r.factor.size);
   if (r.factor.size != x.factor.size) regions[find(x.region)].localize.push_back(r.factor.size);
   const bool unchanged = r.factor.size == x.factor.size && r.factor.outer == x.factor.outer;
-  set_sharded(out, r.factor, x.region, unchanged ? x.source : -1);
+  set_sharded(out, r.factor, x.region, unchanged || inner_split ? x.source : -1);
 }
 
 void Propagation::visit_permute(const Node& node) {

@@ -143,6 +143,9 @@ void Propagation::visit_attention(const Node& node) {
         request_cut(id, heads, q.factor)) {
       continue;  // one KV head broadcast to every query head, made at this rank's heads
     }
+    if (!l.sharded && heads >= 0 && shape(id)[heads] == 1 && id != qkv.inputs[0]) {
+      continue;  // one KV head the attention broadcasts to every query head itself
+    }
     if (!l.sharded || l.factor.axis != q.factor.axis) return conflict(q.region, node.label + " needs q, k and v sharded alike");
     if (l.factor.size < q.factor.size && q.factor.size % l.factor.size == 0 && l.factor.outer == q.factor.outer) {
       link(l.region, q.region);  // grouped-query attention: fewer KV heads than query heads

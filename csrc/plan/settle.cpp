@@ -235,26 +235,53 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
       }
     }
     if (changed) continue;
+    // A fused layer whose parts differ (query heads beside one KV head) and whose region cannot
+    // be split whole is tried once with its smaller parts held whole on every rank, before
+    // anything else is forced: what else conflicts now may follow from its split parts.
+    for (size_t n = 0; n < count; ++n) {
+      const int node = static_cast<int>(n);
+      const auto fused = pass.parts.find(node);
+      if (pass.roles[n] != Style::Column || fused == pass.parts.end() || graph.nodes[n].kind != Kind::Linear ||
+          forced[node] != Force::None) {
+        continue;
+      }
+      const Region& region = pass.regions[pass.find(pass.node_region[n])];
+      const bool unequal = std::adjacent_find(fused->second.begin(), fused->second.end(),
+                                              std::not_equal_to<int64_t>()) != fused->second.end();
+      if (!unequal || !(region.conflict || region.units < world_size)) continue;
+      known_parts[node] = fused->second;
+      changed |= force(node, Force::WholeSmallParts,
+                       {"small_parts_whole", "split by heads; its smaller parts (KV heads) are held whole on every "
+                                             "rank, their gradient summed"});
+    }
+    if (changed) {
+      // The cuts its split parts met were judged against a pass where every part was split:
+      // they may be asked for again (once per such layer, so the passes still settle).
+      dropped_cuts.clear();
+      dropped_node_cuts.clear();
+      continue;
+    }
+    // A row layer of a region replicated now reads a whole input in the next pass: it becomes
+    // a column layer, and what the layers after it saw in this pass (a column layer reading its
+    // all-reduced output, say) may not hold then. Column layers after the first such layer are
+    // judged again in the next pass instead (RemBERT's projection into its first block).
+    auto decided_by = [&](int root) -> Region& {
+      const auto kv = pass.kv_fine.find(root);  // KV heads replicated where needed: the query heads decide
+      return pass.regions[kv == pass.kv_fine.end() ? root : kv->second];
+    };
+    size_t flip = count;
+    for (size_t n = 0; n < count && flip == count; ++n) {
+      if (pass.roles[n] != Style::Row) continue;
+      const Region& region = decided_by(pass.find(pass.node_region[n]));
+      if (region.conflict || region.units < world_size) flip = n;
+    }
     for (size_t n = 0; n < count; ++n) {
       const Style role = pass.roles[n];
       if (role != Style::Column && role != Style::Vocab) continue;
-      const int root = pass.find(pass.node_region[n]);
-      const auto kv = pass.kv_fine.find(root);
-      // KV heads replicated where needed: the query heads' region decides for both.
-      Region& region = pass.regions[kv == pass.kv_fine.end() ? root : kv->second];
+      if (n > flip) continue;  // its region may be united with one replicated now: judged next pass
+      Region& region = decided_by(pass.find(pass.node_region[n]));
       const int node = static_cast<int>(n);
-      const auto fused = pass.parts.find(node);
-      const bool unequal_parts = fused != pass.parts.end() && graph.nodes[n].kind == Kind::Linear &&
-                                 std::adjacent_find(fused->second.begin(), fused->second.end(),
-                                                    std::not_equal_to<int64_t>()) != fused->second.end();
-      if ((region.conflict || region.units < world_size) && unequal_parts && forced[node] == Force::None) {
-        // A fused layer whose parts differ (query heads beside one KV head): tried once with its
-        // smaller parts whole on every rank, before the whole layer is.
-        known_parts[node] = fused->second;
-        changed |= force(node, Force::WholeSmallParts,
-                         {"small_parts_whole", "split by heads; its smaller parts (KV heads) are held whole on every "
-                                               "rank, their gradient summed"});
-      } else if (region.conflict) {
+      if (region.conflict) {
         changed |= force(node, Force::Replicate, {"conflict", "replicated: its output " + region.reason});
       } else if (region.units < world_size) {
         changed |= force(node, Force::Replicate,

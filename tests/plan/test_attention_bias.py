@@ -32,16 +32,13 @@ MODELS = {
     "own_alibi_buffer": lambda: TinyDecoder(alibi="buffer"),
     "own_alibi_computed": lambda: TinyDecoder(alibi="computed"),
     "own_mqa": lambda: TinyDecoder(kv_heads=1),
-    # One Linear holds the query heads and the one KV head: its KV parts are held whole.
+    # One Linear holds the query heads and the one KV head: its KV parts are held whole (Falcon
+    # picks them by list indexing, [..., [-2], :]).
+    "falcon_mqa": lambda: _hf("falcon", hidden_size=48, num_hidden_layers=2, num_attention_heads=6, multi_query=True,
+                              new_decoder_architecture=False),
     "gpt_bigcode_mqa": lambda: _hf("gpt_bigcode", n_embd=48, n_layer=2, n_head=6, n_positions=32, multi_query=True),
     "t5": lambda: _hf("t5", AutoModelForSeq2SeqLM, d_model=48, d_kv=8, d_ff=70, num_layers=2, num_decoder_layers=2,
                       num_heads=6),
-}
-NOT_YET = {
-    "falcon_mqa": (lambda: _hf("falcon", hidden_size=48, num_hidden_layers=2, num_attention_heads=6, multi_query=True,
-                               new_decoder_architecture=False),
-                   "the query heads and the one KV head are picked from the fused query_key_value by list "
-                   "indexing ([..., [-2], :])"),
 }
 
 
@@ -60,15 +57,6 @@ def _held(name, build):
 def test_attention_is_sharded(name):
     plan, held = _held(name, MODELS[name])
     assert held <= 0.6, f"{name}: rank 0 holds {held:.3f}\n{plan}"
-
-
-@pytest.mark.parametrize("name", sorted(NOT_YET))
-def test_attention_not_yet_sharded(name):
-    build, reason = NOT_YET[name]
-    plan, held = _held(name, build)
-    if held <= 0.6:
-        pytest.fail(f"{name} is now sharded ({held:.3f}): move it to MODELS")
-    pytest.xfail(reason)
 
 
 ATTENTIONS = {"bloom": "transformer.h.{}.self_attention", "mpt": "transformer.blocks.{}.attn",

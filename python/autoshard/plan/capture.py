@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..nn.multihead_attention import (AttentionCalls, ParallelMultiheadAttention, average_over_heads, multihead_attention,
                                       unsupported)
 from .folding import BlockFolder
+from .index_lists import ConsecutiveIndexLists
 from .inputs import example_inputs_for, missing_decoder_inputs
 from .layers import LayerInfo, describe_layer, in_projection_layer
 from .meta_values import KnownValues
@@ -576,7 +577,7 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
 
     example = describe_inputs(args, kwargs)
     try:
-        with torch.no_grad(), values, recorder, folder, attention_calls(
+        with torch.no_grad(), values, recorder, folder, ConsecutiveIndexLists(), attention_calls(
                 shadow, recorder, record_in_projection, functools.partial(record_attention_weights, recorder)):
             outputs = shadow(*args, **kwargs)
     except Exception as error:
@@ -715,7 +716,8 @@ def trace_text(module: nn.Module, args: tuple, kwargs: dict, values: Optional[Kn
     """The ATen-level graph of one module call, for comparing two variants of a module."""
     recorder = _Recorder({})
     args, kwargs = replay_inputs((args, kwargs))
-    with torch.no_grad(), values or contextlib.nullcontext(), recorder, attention_calls(module, recorder, _as_layer(recorder)):
+    with torch.no_grad(), values or contextlib.nullcontext(), recorder, ConsecutiveIndexLists(), \
+            attention_calls(module, recorder, _as_layer(recorder)):
         module(*args, **kwargs)
     return repr((recorder.tensors, recorder.node_records))
 
@@ -747,7 +749,7 @@ def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values:
     error = None
     args, kwargs = replay_inputs((args, kwargs))
     try:
-        with torch.no_grad(), values or contextlib.nullcontext(), recorder, \
+        with torch.no_grad(), values or contextlib.nullcontext(), recorder, ConsecutiveIndexLists(), \
                 attention_calls(module, recorder, _as_layer(recorder)):
             module(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - the caller reports where the trace stopped
