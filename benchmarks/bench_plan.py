@@ -1,6 +1,7 @@
 """Planning time: autoshard.plan on Llama-7B, Llama-70B, Mixtral-8x7B, Falcon-7B and a
-StarCoder-size GPT-BigCode (both multi-query) configs built on the meta device (world size 8), against the time of the model's own forward on meta, its peer: the
-capture runs each kind of block once and records identical blocks again without running them.
+StarCoder-size GPT-BigCode (both multi-query) configs built on the meta device (world size 8),
+against the time of the model's own forward on meta, its peer: the capture runs each kind of
+block once and records identical blocks again without running them.
 The models keep every default setting (fp32, the default attention and expert implementations);
 Mixtral's default grouped expert matmul has no fp32 meta kernel, so its peer forward runs in
 bf16 (peer_dtype). sharded_params is the fraction of the parameters in sharded layers.
