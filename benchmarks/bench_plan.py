@@ -1,6 +1,7 @@
-"""Planning time: autoshard.plan on Llama-7B, Llama-70B and Mixtral-8x7B configs built on the
-meta device (world size 8), against the time of the model's own forward on meta, its peer: the
-capture runs each kind of block once and records identical blocks again without running them.
+"""Planning time: autoshard.plan on Llama-7B, Llama-70B, Mixtral-8x7B, Falcon-7B and a
+StarCoder-size GPT-BigCode (both multi-query) configs built on the meta device (world size 8),
+against the time of the model's own forward on meta, its peer: the capture runs each kind of
+block once and records identical blocks again without running them.
 The models keep every default setting (fp32, the default attention and expert implementations);
 Mixtral's default grouped expert matmul has no fp32 meta kernel, so its peer forward runs in
 bf16 (peer_dtype). sharded_params is the fraction of the parameters in sharded layers.
@@ -30,6 +31,11 @@ CONFIGS = {
     "mixtral-8x7b": ("mixtral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
                                      num_local_experts=8, num_experts_per_tok=2)),
+    # One KV head fused beside the query heads in one Linear (held whole on every rank).
+    "falcon-7b": ("falcon", dict(hidden_size=4544, num_attention_heads=71, num_hidden_layers=32, vocab_size=65024,
+                                 multi_query=True, new_decoder_architecture=False, parallel_attn=True, bias=False)),
+    "starcoder-15b": ("gpt_bigcode", dict(n_embd=6144, n_head=48, n_layer=40, vocab_size=49152, n_positions=8192,
+                                          multi_query=True)),
 }
 
 

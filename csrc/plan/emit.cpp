@@ -14,6 +14,7 @@
 //    "head_entries": [{"tensor", "module", "leaf", "axis", "outer", "size", "region"}],
 //    "head_outputs": [{"tensor", "module", "axis", "outer", "size", "region"}],
 //    "attention_weights": [{"node", "region", "used"}],
+//    "head_params": [{"tensor", "param", "axis", "size", "region"}],
 //    "norms": [{"node", "region", "features"}]}
 #include "plan/emit.h"
 
@@ -229,6 +230,14 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     comm("backward", "all_reduce", numel(out) / out.back());
   }
 
+  // Parameters split with their heads: local parameters, no communication.
+  for (const auto& [tensor, region] : pass.head_param_region) {
+    const int root = pass.find(region);
+    if (pass.regions[root].conflict) continue;
+    const AxisFactor& f = pass.head_params.at(tensor);
+    plan.head_params.push_back({tensor, graph.tensor(tensor).param, f.axis, f.size, root});
+  }
+
   // Every sharded tensor, named by the region the plan reports it under (an entry is held
   // whole where it is made).
   std::map<int, int> coarse_to_fine;
@@ -377,6 +386,12 @@ std::string plan_to_json(const Plan& plan) {
     const NormDecision& d = plan.norms[i];
     out << (i ? "," : "") << "{\"node\":" << d.node << ",\"region\":" << d.region << ",\"features\":" << d.features
         << '}';
+  }
+  out << "],\"head_params\":[";
+  for (size_t i = 0; i < plan.head_params.size(); ++i) {
+    const HeadParam& p = plan.head_params[i];
+    out << (i ? "," : "") << "{\"tensor\":" << p.tensor << ",\"param\":" << p.param << ",\"axis\":" << p.axis
+        << ",\"size\":" << p.size << ",\"region\":" << p.region << '}';
   }
   out << "]}";
   return out.str();

@@ -130,6 +130,16 @@ struct NormDecision {
   int64_t features = 0;  // the norm's global size
 };
 
+// A parameter over the heads split with them (head_params.cpp): its axis `axis` (of length
+// `size`) holds the heads as its outer factor, split like the region's units.
+struct HeadParam {
+  int tensor = -1;
+  int64_t param = -1;
+  int axis = -1;
+  int64_t size = 0;
+  int region = -1;
+};
+
 struct Plan {
   std::vector<LayerDecision> layers;
   std::vector<RegionSummary> regions;
@@ -144,6 +154,7 @@ struct Plan {
   std::vector<HeadEntry> head_outputs;
   std::vector<AttentionWeightsDecision> attention_weights;
   std::vector<NormDecision> norms;
+  std::vector<HeadParam> head_params;
 };
 
 Plan make_plan(const Graph& graph, int64_t world_size);

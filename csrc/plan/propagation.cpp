@@ -39,6 +39,7 @@ void Propagation::run(const std::set<int>& vocab_embeddings, const std::map<int,
       carries_grad_[id] = grad;
     }
   }
+  open_head_params();
   for (size_t n = 0; n < graph_.nodes.size(); ++n) {
     current_node_ = static_cast<int>(n);
     open_cuts(current_node_, cuts);

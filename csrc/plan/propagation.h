@@ -123,6 +123,13 @@ class Propagation {
   std::set<int> dropped_cuts, dropped_node_cuts;
   std::map<int, int> node_cut_region;
   std::map<int, AxisFactor> node_cut_factor;
+  // Head parameters (head_params.cpp): a parameter over the heads (a per-head scale, a bias of
+  // all_head_size) split with them, by its tensor. Set before run: the splits to make and those
+  // found not to work, with why; found by run: the splits wanted, and this pass's regions.
+  std::map<int, AxisFactor> head_params;
+  std::map<int, std::string> dropped_head_params;
+  std::map<int, AxisFactor> wanted_head_params;
+  std::map<int, int> head_param_region;
 
   // The attention weights of an nn.MultiheadAttention whose heads are split (node -> its
   // region, and whether the model reads them): averaged, each rank's sum over its heads is
@@ -156,6 +163,11 @@ class Propagation {
   // the cut is wanted for the next pass.
   bool request_cut(int tensor, int axis, const AxisFactor& wanted);
   void open_cuts(int n, const std::map<int, AxisFactor>& cuts);
+  // Whether `tensor`, held whole and read by the current node on `axis` against a tensor
+  // sharded like `merged`, is a parameter (or views of one) that can be split with the heads;
+  // if so the split is wanted for the next pass, else `why` may say why not.
+  bool request_head_param(int tensor, int axis, const AxisFactor& merged, std::string& why);
+  void open_head_params();
 
   void visit(int n, const std::set<int>& vocab_embeddings);
   void visit_linear(int n, const Node& node);

@@ -43,7 +43,10 @@ bool Propagation::merge_elementwise(const Node& node, Layout& merged, int skip_a
     if (axis >= 0 && axis != skip_axis_check && s[axis] != 1) {
       // A bias over the heads (ALiBi) cut to this rank's heads where a module receives it.
       if (s[axis] == merged.factor.outer * merged.factor.size && request_cut(id, axis, merged.factor)) continue;
-      conflict(merged.region, node.label + " combines the sharded axis with a replicated tensor");
+      // A parameter over the heads (a per-head scale) split with them.
+      std::string why;
+      if (s[axis] == merged.factor.outer * merged.factor.size && request_head_param(id, axis, merged.factor, why)) continue;
+      conflict(merged.region, node.label + (why.empty() ? " combines the sharded axis with a replicated tensor" : why));
       return false;
     }
   }

@@ -150,6 +150,43 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
            entries_changed;
   };
 
+  // Head parameters (head_params.cpp): those split, and those dropped with why. A split is
+  // dropped when the heads' region it joins cannot be split after all (the parameter is also
+  // read where it must stay whole, or the region conflicts elsewhere), meets no split layer, or
+  // holds KV heads that several ranks share.
+  std::map<int, AxisFactor> head_params;
+  std::map<int, std::string> dropped_head_params;
+  auto settle_head_params = [&](Propagation& pass) {
+    bool changed = false;
+    for (const auto& [tensor, region] : pass.head_param_region) {
+      const int root = pass.find(region);
+      bool meets_layer = false;
+      for (size_t n = 0; n < count; ++n) {
+        meets_layer = meets_layer || (pass.roles[n] == Style::Column && pass.find(pass.node_region[n]) == root);
+      }
+      std::string why;
+      if (pass.regions[root].conflict) {
+        why = "with it split, " + pass.regions[root].reason;
+      } else if (!meets_layer) {
+        why = "the heads it meets are not split by any layer";
+      } else if (pass.kv_fine.count(root)) {
+        why = "its heads are KV heads that several ranks hold";
+      }
+      if (!why.empty()) {
+        head_params.erase(tensor);
+        dropped_head_params[tensor] = why;
+        changed = true;
+      }
+    }
+    for (const auto& [tensor, factor] : pass.wanted_head_params) {
+      if (!head_params.count(tensor) && !dropped_head_params.count(tensor)) {
+        head_params[tensor] = factor;
+        changed = true;
+      }
+    }
+    return changed;
+  };
+
   // Layers forced to WholeSmallParts, with their parts as found when forced.
   std::map<int, std::vector<int64_t>> known_parts;
   auto force = [&](int n, Force f, Why w) {
@@ -165,12 +202,16 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
     pass.known_parts = known_parts;
     pass.dropped_cuts = dropped_cuts;
     pass.dropped_node_cuts = dropped_node_cuts;
+    pass.head_params = head_params;
+    pass.dropped_head_params = dropped_head_params;
     pass.run(vocab, cuts, node_cuts);
     pass.settle_links(world_size);
     pass.settle_gradients();
     // A pass that found new cuts (or dropped some) saw bias tensors held whole that the next one
     // cuts: its conflicts and partial gradients are not the model's, so nothing is forced on them.
-    if (settle_cuts(pass)) continue;
+    // Likewise parameters split with their heads.
+    const bool params_changed = settle_head_params(pass);
+    if (settle_cuts(pass) || params_changed) continue;
     // A layer called several times (ALBERT's one layer, run by every block) is a row layer where
     // a column layer feeds it and a column layer where its input is whole: the layers feeding
     // its row call are replicated, so that every call splits the weight as a column layer. Only
@@ -303,6 +344,8 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
     pass.known_parts = known_parts;
     pass.dropped_cuts = dropped_cuts;
     pass.dropped_node_cuts = dropped_node_cuts;
+    pass.head_params = head_params;
+    pass.dropped_head_params = dropped_head_params;
     pass.run(vocab, cuts, node_cuts);
     pass.settle_links(world_size);
     pass.run_sequence(refused, entries);
@@ -313,6 +356,9 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
     }
     for (const auto& [node, factor] : pass.wanted_node_cuts) {
       TORCH_CHECK(node_cuts.count(node), "[plan.unsettled] plan: a head cut was asked for after the cuts settled");
+    }
+    for (const auto& [tensor, factor] : pass.wanted_head_params) {
+      TORCH_CHECK(head_params.count(tensor), "[plan.unsettled] plan: a head parameter was asked for after they settled");
     }
     bool more = false;
     for (const auto& [tensor, axis] : pass.wanted_entries) more |= entries.emplace(tensor, axis).second;

@@ -20,6 +20,7 @@ from .distributed import ProcessGroup, resolve, set_default_group
 from .nn.einsum import ShardedEinsumDense
 from .nn.embedding import VocabParallelEmbedding
 from .nn.experts import shard_experts
+from .nn.head_parameters import shard_head_parameter
 from .nn import head_cuts, sequence
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
@@ -97,6 +98,12 @@ def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> N
                 or rms_norm_form(module) is None:
             raise ValueError(f"parallelize: norm {norm['module']!r} is not an RMS norm over {norm['features']} "
                              "features with a weight, as the plan expects")
+    for record in plan.head_parameters:
+        param = params.get(record["name"])
+        if param is None or param.dim() <= record["dim"] or param.shape[record["dim"]] != record["size"]:
+            got = None if param is None else list(param.shape)
+            raise ValueError(f"parallelize: the plan splits parameter {record['name']!r} with its heads "
+                             f"({record['size']} on dim {record['dim']}); the model's has shape {got}")
 
 
 def _attention_of(model: nn.Module, layer) -> Optional[nn.MultiheadAttention]:
@@ -229,6 +236,13 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
         for owner, attr in registrations.get(key, []):
             if not hasattr(owner, "shard_specs"):
                 owner._parameters[attr] = new
+    for record in plan.head_parameters:
+        owner_name, _, attr = record["name"].rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        original = owner._parameters[attr]
+        local = shard_head_parameter(owner, attr, plan.head_parameter_spec(record, rank), group)
+        for other, other_attr in registrations.get(id(original), []):
+            other._parameters[other_attr] = local
     for entry in plan.sequence_entries:
         model.get_submodule(entry["module"]).register_forward_pre_hook(tokens.entry_hook(entry), with_kwargs=True)
     for entry in plan.sequence_gathers:

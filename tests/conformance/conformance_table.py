@@ -168,7 +168,8 @@ TABLE = [
     # RemBERT keeps all_head_size on its attention's `self` submodule, below the region's module.
     Arch("rembert", hf("rembert", "masked", **BERT_LIKE, input_embedding_size=16, output_embedding_size=16),
          token_ids()),
-    # DeBERTa's forward checks input_ids for padding (`pad_token_id in input_ids[:, [-1, 0]]`).
+    # DeBERTa's forward checks input_ids for padding (`pad_token_id in input_ids[:, [-1, 0]]`);
+    # its q_bias and v_bias (all_head_size, added to the query and value heads) are split with them.
     Arch("deberta", hf("deberta", "masked", **BERT_LIKE), token_ids(), planning="auto"),
     Arch("clip_text", hf("clip_text_model", "base", **BERT_LIKE), token_ids(), small=True, planning="auto"),
     Arch("vit", hf("vit", "base", **BERT_LIKE, image_size=8, patch_size=4, num_channels=3), pixels(3, 8),
@@ -209,9 +210,12 @@ TABLE = [
     Arch("own_qk_norm", own(qk_norm=True), token_ids(97), small=(2, 3, 4)),
     Arch("own_partial_rotary", own(heads=12, kv_heads=4, rotary_dim=4), token_ids(97), small=True),
     Arch("own_head_dim_equals_heads", own(heads=8, kv_heads=4, head_dim=8), token_ids(97)),
-    # A per-head parameter on the heads axis keeps attention replicated: exact, not sharded.
+    # A per-head parameter on the heads axis (multiplying the heads, or the scores) is split with
+    # them: each rank holds its heads' slice, a local parameter whose gradient needs no sum.
     Arch("own_head_scale", own(head_scale=True), token_ids(97), small=True),
     Arch("own_score_gain", own(score_gain=True), token_ids(97)),
+    # A replicated weight inside the sharded region (a gain over head_dim on every head of q, a
+    # scalar gain on the MLP's hidden features): its gradient is partial on each rank, summed.
     Arch("own_head_dim_gain", own(head_dim_gain=True), token_ids(97), small=True),
     Arch("own_mlp_scalar_gain", own(scalar_gain=True), token_ids(97), small=True),
     # Rotary layouts the plan follows through their ops (stack and flatten; complex pairs; repeat).

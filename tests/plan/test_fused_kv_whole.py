@@ -12,6 +12,7 @@ from autoshard import checkpoint
 from autoshard.nn.spec import ShardSpec
 from hf_models import CONFIGS, build
 from multirank import run_on_ranks
+from adamw_steps import adamw_with_clipping
 
 HEADS, HEAD_DIM = CONFIGS["gpt_bigcode"]["n_head"], CONFIGS["gpt_bigcode"]["n_embd"] // CONFIGS["gpt_bigcode"]["n_head"]
 PARTS = (HEADS * HEAD_DIM, HEAD_DIM, HEAD_DIM)
@@ -42,23 +43,8 @@ def test_plan_splits_query_heads_and_holds_the_kv_parts_whole():
 
 
 def _train(steps=10):
-    model, reference = build("gpt_bigcode"), build("gpt_bigcode")
-    autoshard.parallelize(model)
-    opt = autoshard.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=2e-3, weight_decay=0.1)
-    norms = []
-    for step in range(steps):
-        ids = torch.randint(0, 101, (4, 8), generator=torch.Generator().manual_seed(100 + step))
-        for m, o in ((model, opt), (reference, ref_opt)):
-            o.zero_grad()
-            m(input_ids=ids, labels=ids).loss.backward()
-        norm = autoshard.clip_grad_norm_(model.parameters(), MAX_NORM)
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
-        norms.append((float(norm), float(ref_norm)))
-        opt.step()
-        ref_opt.step()
-    got, want = autoshard.full_state_dict(model), reference.state_dict()
-    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
+    model = build("gpt_bigcode")
+    norms, worst = adamw_with_clipping(model, build("gpt_bigcode"), steps, MAX_NORM)
     # Every rank holds the same KV rows after the steps: their gradients were summed alike.
     c_attn = model.transformer.h[0].attn.c_attn
     dim = c_attn.shard_specs["weight"].dim

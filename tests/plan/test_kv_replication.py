@@ -14,6 +14,7 @@ from autoshard.nn.spec import ShardSpec
 from hf_models import build
 from gathered import gathered_grads
 from multirank import run_on_ranks
+from adamw_steps import adamw_with_clipping
 
 # (query heads, KV heads, world size): 6/2 on 3 and 4 ranks, 6/3 and 4/2 on 4. A single KV
 # head (multi-query attention) is not followed through its reshape yet and stays replicated.
@@ -116,24 +117,7 @@ def test_logits_gradients_and_collectives_equal_the_plan(q_heads, kv_heads, worl
 
 
 def _train(q_heads, kv_heads, steps=20):
-    model, reference = _build(q_heads, kv_heads), _build(q_heads, kv_heads)
-    autoshard.parallelize(model)
-    opt = autoshard.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=2e-3, weight_decay=0.1)
-    norms = []
-    for step in range(steps):
-        ids = torch.randint(0, 101, (4, 8), generator=torch.Generator().manual_seed(100 + step))
-        for m, o in ((model, opt), (reference, ref_opt)):
-            o.zero_grad()
-            m(input_ids=ids, labels=ids).loss.backward()
-        norm = autoshard.clip_grad_norm_(model.parameters(), MAX_NORM)
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
-        norms.append((float(norm), float(ref_norm)))
-        opt.step()
-        ref_opt.step()
-    got, want = autoshard.full_state_dict(model), reference.state_dict()
-    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
-    return norms, worst
+    return adamw_with_clipping(_build(q_heads, kv_heads), _build(q_heads, kv_heads), steps, MAX_NORM)
 
 
 @pytest.mark.parametrize("q_heads,kv_heads,world", [(6, 2, 3), (6, 2, 4), (4, 2, 4)])

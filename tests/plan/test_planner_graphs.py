@@ -75,7 +75,8 @@ def test_document_is_versioned_with_named_records():
     doc = g.plan(2)
     assert doc["version"] == 1
     assert set(doc) == {"version", "layers", "regions", "comm", "partial_gradients", "tensors", "sequence_entries",
-                        "sequence_gathers", "head_entries", "head_outputs", "attention_weights", "norms"}
+                        "sequence_gathers", "head_entries", "head_outputs", "attention_weights",
+                        "head_params", "norms"}
     assert set(doc["layers"][0]) == {"node", "style", "region", "units", "copy_group", "parts", "whole_parts",
                                      "summed_parts", "letter", "repeat",
                                      "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",
@@ -349,11 +350,14 @@ def test_parameter_also_used_outside_the_region_replicates_it():
     assert doc["layers"][0]["reason"] == "conflict" and "partly partial" in doc["layers"][0]["note"]
 
 
-def test_per_head_parameter_on_the_heads_axis_replicates():
+def test_per_head_parameter_on_the_heads_axis_is_split_with_them():
+    # Each rank holds its heads' rows of the scale (test_head_parameters.py has the other layouts).
     g = G()
-    heads_block(g, scale_shape=(3, 1), scale_param=5)
+    _, _, w = heads_block(g, scale_shape=(3, 1), scale_param=5)
     doc = g.plan(3)
-    assert styles(doc)[0] == "replicate" and styles(doc)[1] != "row" and doc["partial_gradients"] == []
+    assert styles(doc) == ["column", "row"] and doc["partial_gradients"] == []
+    region = doc["layers"][0]["region"]
+    assert doc["head_params"] == [{"tensor": w, "param": 5, "axis": 0, "size": 3, "region": region}]
 
 
 def attention_returning_weights(g, average=True, read=False):
@@ -565,12 +569,13 @@ def test_bias_over_the_heads_is_cut_where_the_attention_receives_it():
     assert comm(doc, "forward") == {"all_reduce": 1} and comm(doc, "backward") == {}
 
 
-def test_bias_with_a_gradient_or_without_an_entry_keeps_attention_whole():
-    for g, bias in ((G(), 5), (G(), None)):
-        bias_block(g, bias_param=bias, entry=bias is not None)
-        doc = g.plan(2)
-        assert styles(doc)[0] == "replicate" and doc["head_entries"] == []
-        assert "replicated tensor" in doc["layers"][0]["note"]
+def test_bias_without_an_entry_keeps_attention_whole():
+    # A bias made from a parameter is split with the heads instead (test_head_parameters.py).
+    g = G()
+    bias_block(g, entry=False)
+    doc = g.plan(2)
+    assert styles(doc)[0] == "replicate" and doc["head_entries"] == [] and doc["head_params"] == []
+    assert "replicated tensor" in doc["layers"][0]["note"]
 
 
 def test_bias_received_by_a_module_other_than_the_attention_is_not_cut():

@@ -2,6 +2,7 @@
 
 import fnmatch
 import json
+import re
 import warnings
 from typing import Dict, Optional
 
@@ -44,6 +45,8 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
         raise RuntimeError(f"plan: the planner answered with document version {data.get('version')!r}, "
                            f"this layer reads version {1}; rebuild the extension")
     names = graph.param_names
+    # The planner names parameters by index in its notes (csrc/plan/head_params.cpp).
+    named = lambda text: re.sub(r"parameter #(\d+)", lambda m: f"parameter {names[int(m.group(1))]!r}", text)
     layers = []
     for record in data["layers"]:
         info = graph.layers[record["node"]]
@@ -59,11 +62,11 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
             bias=names[info.bias_param] if info.bias_param >= 0 else None, weight_shape=shape,
             transposed=info.transposed, units=record["units"] if style != "replicate" else 0, parts=record["parts"],
             whole_parts=record["whole_parts"], summed_parts=record["summed_parts"],
-            region=record["region"], copy_group=record["copy_group"], note=record["note"],
+            region=record["region"], copy_group=record["copy_group"], note=named(record["note"]),
             equation=info.equation, letter=record["letter"], repeat=record["repeat"], reason=record["reason"],
             bias_axes=info.bias_axes,
             sequence=record["sequence"], sequence_dim=record["sequence_dim"],
-            sequence_region=record["sequence_region"], sequence_note=record["sequence_note"],
+            sequence_region=record["sequence_region"], sequence_note=named(record["sequence_note"]),
         ))
         layers[-1]._whole_units = record["whole_units"]
     comm = [{"phase": c["phase"], "kind": c["kind"], "count": c["count"], "bytes": c["elements"] * element_size}
@@ -98,6 +101,8 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                           attention_weights=[{"module": graph.nodes[w["node"]][0], "used": w["used"]}
                                              for w in data.get("attention_weights", [])],
                           norms=norms,
+                          head_parameters=[{"name": names[p["param"]], "dim": p["axis"], "size": p["size"],
+                                            "region": p["region"]} for p in data.get("head_params", [])],
                           example={"description": graph.description, "inputs": graph.example_inputs,
                                    "output_shapes": [list(s) for s in graph.output_shapes]})
     result._prediction = Prediction(graph, data["tensors"], data["sequence_entries"], data["sequence_gathers"],

@@ -17,6 +17,7 @@ from .. import ops
 # The one Conv1D test, shared with ColumnParallelLinear.from_linear, so that the planner never
 # plans a layer that from_linear would refuse.
 from ..nn.conv1d import is_conv1d
+from ..nn.head_parameters import holds_only_head_parameters
 
 
 @dataclass
@@ -185,7 +186,8 @@ def is_layer_module(module: nn.Module) -> bool:
     flag = getattr(type(module), "autoshard_layer", None)
     if flag is not None:
         return flag
-    return hasattr(module, "shard_specs") or describe_layer("", module, {}) is not None
+    sharded = hasattr(module, "shard_specs") and not holds_only_head_parameters(module)
+    return sharded or describe_layer("", module, {}) is not None
 
 
 def experts_weights(module: nn.Module) -> Optional[tuple]:

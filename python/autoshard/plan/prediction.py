@@ -231,6 +231,15 @@ class _LocalModule:
                 owner = self.module.get_submodule(region.module[len(prefix):])
                 for attr, value in region.attributes.items():
                     set_attribute(owner, attr, region.local_value(value, rank, world))
+        # Parameters split with their heads, at this rank's shape.
+        for record in plan.head_parameters:
+            if record["name"].startswith(prefix):
+                owner_name, _, attr = record["name"][len(prefix):].rpartition(".")
+                owner = self.module.get_submodule(owner_name) if owner_name else self.module
+                full = owner._parameters[attr]
+                local_shape = plan.head_parameter_spec(record, rank).local_shape(full.shape)
+                owner._parameters[attr] = nn.Parameter(torch.empty(local_shape, dtype=full.dtype, device="meta"),
+                                                       requires_grad=full.requires_grad)
         # Embeddings whose output the plan cuts to this rank's heads: cut here too, to its shape.
         for entry in plan.head_outputs:
             if entry["module"].startswith(prefix):

@@ -148,6 +148,10 @@ class ShardingPlan:
     # {"module", "weight" (its parameter name), "features" (global), "units", "region"}; each
     # becomes nn.rms_norm.ShardedRMSNorm (one all-reduce in forward and one in backward).
     norms: List[Dict[str, object]] = field(default_factory=list)
+    # Parameters over the heads split with them (a per-head scale, a bias of all_head_size; see
+    # nn/head_parameters.py): {"name", "dim", "size" (that dim's full length, the heads its outer
+    # factor), "region"}; each rank holds its heads' slice as a local parameter.
+    head_parameters: List[Dict[str, object]] = field(default_factory=list)
     # The output head whose loss parallelize computes over vocabulary shards when the model is
     # called with labels ("" when it does not): that call keeps the head's logits sharded.
     loss_parallel_head: str = ""
@@ -170,11 +174,18 @@ class ShardingPlan:
                     specs[name] = spec
         for norm in self.norms:
             specs[norm["weight"]] = self.norm_spec(norm, rank)
+        for record in self.head_parameters:
+            specs[record["name"]] = self.head_parameter_spec(record, rank)
         return specs
 
     def norm_spec(self, norm: Dict[str, object], rank: int) -> ShardSpec:
         """The ShardSpec of a split norm's weight on `rank` (split like its layer's features)."""
         return ShardSpec(0, norm["features"], rank, self.world_size, units=norm["units"] or None)
+
+    def head_parameter_spec(self, record: Dict[str, object], rank: int) -> ShardSpec:
+        """The ShardSpec on `rank` of a parameter split with its heads (a head_parameters record)."""
+        units = self.regions[record["region"]].units
+        return ShardSpec(record["dim"], record["size"], rank, self.world_size, units=units)
 
     def collectives(self, phase: str, labels: bool = False) -> Dict[str, int]:
         """Collectives per step in `phase` ("forward" or "backward"). With `labels`, those of a call
@@ -287,6 +298,8 @@ class ShardingPlan:
         if self.norms:
             lines.append(f"  norms split with their layer's features (one all-reduce in forward and one in backward "
                          f"each): {_listed([n['module'] for n in self.norms])}")
+        if self.head_parameters:
+            lines.append(f"  parameters split with their heads: {_listed([r['name'] for r in self.head_parameters])}")
         lines += self._sequence_lines()
         for bucket in self.partial_gradients:
             lines.append(f"  partial gradients summed over the ranks in backward (one all-reduce, "
@@ -355,5 +368,6 @@ class ShardingPlan:
             head_outputs=data.get("head_outputs", []),
             attention_weights=data.get("attention_weights", []),
             norms=data.get("norms", []),
+            head_parameters=data.get("head_parameters", []),
             loss_parallel_head=data.get("loss_parallel_head", ""),
         )
