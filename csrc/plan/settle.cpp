@@ -196,8 +196,8 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
     return true;
   };
 
-  for (size_t iteration = 0;; ++iteration) {
-    TORCH_CHECK(iteration <= 2 * count + 1, "[plan.unsettled] plan: decisions did not settle");
+  // A pass forward with every decision taken so far: forces, cuts, head parameters.
+  auto run_pass = [&]() {
     Propagation pass(graph, forced);
     pass.known_parts = known_parts;
     pass.dropped_cuts = dropped_cuts;
@@ -206,6 +206,12 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
     pass.dropped_head_params = dropped_head_params;
     pass.run(vocab, cuts, node_cuts);
     pass.settle_links(world_size);
+    return pass;
+  };
+
+  for (size_t iteration = 0;; ++iteration) {
+    TORCH_CHECK(iteration <= 2 * count + 1, "[plan.unsettled] plan: decisions did not settle");
+    Propagation pass = run_pass();
     pass.settle_gradients();
     // A pass that found new cuts (or dropped some) saw bias tensors held whole that the next one
     // cuts: its conflicts and partial gradients are not the model's, so nothing is forced on them.
@@ -340,14 +346,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   std::map<int, int> entries;
   for (size_t round = 0;; ++round) {
     TORCH_CHECK(round <= 2 * (count + graph.tensors.size()) + 2, "[plan.unsettled] plan: sequence parallelism did not settle");
-    Propagation pass(graph, forced);
-    pass.known_parts = known_parts;
-    pass.dropped_cuts = dropped_cuts;
-    pass.dropped_node_cuts = dropped_node_cuts;
-    pass.head_params = head_params;
-    pass.dropped_head_params = dropped_head_params;
-    pass.run(vocab, cuts, node_cuts);
-    pass.settle_links(world_size);
+    Propagation pass = run_pass();
     pass.run_sequence(refused, entries);
     pass.settle_gradients();
     // The settled passes asked for every cut they rely on (a bias let through uncut would be wrong).
