@@ -17,8 +17,9 @@ def test_consecutive_lists_give_torchs_values_as_a_slice(index):
     with ConsecutiveIndexLists():
         got = X[index]
     assert torch.equal(got, X[index])
-    assert got._is_view()  # it ran as a slice
-    assert _rewritten(index, X.dim(), X.shape) is not None
+    assert not got._is_view() and _rewritten(index, X.dim(), X.shape) is not None
+    got.add_(1)  # a copy, as the list gives
+    assert torch.equal(X, torch.arange(X.numel(), dtype=X.dtype).reshape(X.shape))
 
 
 @pytest.mark.parametrize("index", [

@@ -4,8 +4,8 @@
 values ``x[..., -2:-1, :]`` gives. On meta tensors the list reaches ATen as an index tensor
 whose values are unknown, so the capture could not follow it; while capturing and tracing,
 such an index is given to torch as the slice instead. Only one list of consecutive integers
-of one sign, with no other advanced index, is rewritten: the result then has the same shape
-and values (a view, where the list would give a copy, which a capture does not see).
+of one sign, within the dimension, with no other advanced index, is rewritten: the result
+then has the same shape and values, and is a copy, as the list would give.
 """
 
 from typing import Optional
@@ -58,5 +58,6 @@ class ConsecutiveIndexLists(TorchFunctionMode):
         if func is torch.Tensor.__getitem__ and len(args) == 2:
             index = _rewritten(args[1], args[0].dim(), args[0].shape)
             if index is not None:
-                args = (args[0], index)
+                # A copy, as the list gives: a write into the result leaves the tensor alone.
+                return func(args[0], index).clone()
         return func(*args, **(kwargs or {}))
