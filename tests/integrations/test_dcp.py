@@ -1,0 +1,110 @@
+"""torch.distributed.checkpoint (DCP) with a parallelized model: dcp.save / dcp.load of
+`model.state_dict()` and `get_model_state_dict` / `set_model_state_dict` store the global tensors
+(uneven, whole-head and shared-KV-head shards included), and reload exactly at the same world
+size, at another, and into the plain unsharded model in one process."""
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+import autoshard
+from autoshard.state_views import ShardView
+from hf_models import build
+from multirank import run_on_ranks
+
+IDS = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(3))
+
+
+def _parallel(kind, seed, **overrides):
+    model = build(kind, seed=seed, **overrides)
+    autoshard.parallelize(model)
+    return model
+
+
+def _save(kind, path, use_helpers, overrides):
+    model = _parallel(kind, seed=1, **overrides)
+    state = get_model_state_dict(model) if use_helpers else model.state_dict()
+    views = {name: tuple(v.shape) for name, v in state.items() if isinstance(v, ShardView)}
+    dcp.save(state, checkpoint_id=path)
+    return views, model(input_ids=IDS).logits.detach()
+
+
+def _load(kind, path, use_helpers, overrides):
+    model = _parallel(kind, seed=2, **overrides)  # other weights: everything must come from the file
+    if use_helpers:
+        state = get_model_state_dict(model)
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state)
+    else:
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state)
+    return model(input_ids=IDS).logits.detach(), autoshard.full_state_dict(model)
+
+
+# llama: 6 query heads over 3 KV heads (at 4 ranks, KV heads are held by two ranks each);
+# gpt_bigcode: one KV head fused with 5 query heads (held whole beside the split query heads);
+# gemma: tied input and output embeddings.
+@pytest.mark.parametrize("kind,save_world,load_world,use_helpers", [
+    ("llama", 2, 3, False), ("llama", 3, 2, True), ("llama", 4, 2, False),
+    ("gpt_bigcode", 2, 3, True), ("gemma", 3, 2, False),
+])
+def test_dcp_checkpoint_holds_the_global_tensors(tmp_path, kind, save_world, load_world, use_helpers):
+    path = str(tmp_path / "dcp")
+    reference = build(kind, seed=1)
+    want_logits = reference(input_ids=IDS).logits.detach()
+    want = reference.state_dict()
+    saved = run_on_ranks(_save, save_world, kind, path, use_helpers, {}, timeout=300)
+    views, logits = saved[0]
+    assert views, "no sharded entry was described to DCP"
+    for name, shape in views.items():
+        assert shape == tuple(want[name].shape), name  # the global shape, not this rank's piece
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+
+    # Into the plain unsharded model, in one process: every tensor equal to the saved model's.
+    plain = build(kind, seed=7)
+    state = plain.state_dict()
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    plain.load_state_dict(state)
+    for name, value in want.items():
+        assert torch.equal(plain.state_dict()[name], value), name
+
+    # At the same or another world size, parallelized again.
+    for loaded_logits, full in run_on_ranks(_load, load_world, kind, path, use_helpers, {}, timeout=300):
+        torch.testing.assert_close(loaded_logits, want_logits, rtol=1e-5, atol=1e-5)
+        for name, value in want.items():
+            assert torch.equal(full[name], value), name
+
+
+def _misuse():
+    model = _parallel("llama", seed=1)
+    view = model.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    errors = []
+    for use in (lambda v: v + 1, lambda v: v.sum(), lambda v: v.numpy()):
+        try:
+            use(view)
+        except Exception as error:  # noqa: BLE001 - the message is what is checked
+            errors.append(str(error))
+    return tuple(view.shape), tuple(view.local.shape), errors
+
+
+def test_a_shard_view_refuses_to_act_as_the_whole_tensor():
+    shape, local_shape, errors = run_on_ranks(_misuse, 2, timeout=300)[0]
+    assert shape == (48, 48) and local_shape == (32, 48)  # 4 of 6 query heads: 2 of 3 KV groups
+    assert len(errors) == 3
+    for error in errors:
+        assert "one rank's shard" in error and "autoshard.full_state_dict" in error
+
+
+def _load_full_tensors(full):
+    model = _parallel("llama", seed=4)
+    model.load_state_dict(full)
+    return model(input_ids=IDS).logits.detach()
+
+
+def test_load_state_dict_of_full_tensors_keeps_each_ranks_part():
+    reference = build("llama", seed=1)
+    want = reference(input_ids=IDS).logits.detach()
+    for logits in run_on_ranks(_load_full_tensors, 3, reference.state_dict(), timeout=300):
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
