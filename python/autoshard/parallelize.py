@@ -27,6 +27,7 @@ from .nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from .nn.rms_norm import ShardedRMSNorm
 from .model_state import ParallelState, attach_layer_state, state_of
 from .partitioned_state import partition_replicated
+from .optimizer_views import install_global_optimizer_hook
 from .state_views import install_state_dict_views
 from .plan import LayerPlan, ShardingPlan, plan as make_plan
 from .plan.capture import every_block_run, input_shapes, inputs_on_meta, meta_shadow, trace_shapes
@@ -428,6 +429,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     state = ParallelState(model, plan, group, mesh, data_parallel).attach()
     # Tools that read state_dict() by name (torch's DCP) see the global tensors, not one shard.
     install_state_dict_views(model, state.shards())
+    install_global_optimizer_hook()
     state.loss_parallel = loss_parallelism.install(model, plan, group, loss_parallel)
     # Replicated parameters read inside sharded regions: their gradients are summed over the
     # group (and averaged over "dp" with them, so the data-parallel averager leaves them out).

@@ -108,3 +108,52 @@ def test_load_state_dict_of_full_tensors_keeps_each_ranks_part():
     want = reference(input_ids=IDS).logits.detach()
     for logits in run_on_ranks(_load_full_tensors, 3, reference.state_dict(), timeout=300):
         torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
+def _optimizer(kind, model):
+    if kind == "torch":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return autoshard.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train_step(model, opt, step):
+    ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(100 + step))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _save_trained(optimizer_kind, path):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = _parallel("llama", seed=1)
+    opt = _optimizer(optimizer_kind, model)
+    _train_step(model, opt, 0)
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    _train_step(model, opt, 1)  # the step the resumed run must repeat
+    return autoshard.full_state_dict(model)
+
+
+def _resume(optimizer_kind, path):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = _parallel("llama", seed=2)
+    opt = _optimizer(optimizer_kind, model)
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _train_step(model, opt, 1)
+    return autoshard.full_state_dict(model)
+
+
+@pytest.mark.parametrize("optimizer_kind", ["torch", "autoshard"])
+def test_dcp_resumes_model_and_optimizer_at_another_world_size(tmp_path, optimizer_kind):
+    """Saved after one step at 2 ranks, resumed at 3: the second step lands where the
+    uninterrupted run's does, so the moments were restored whole, not one rank's piece."""
+    path = str(tmp_path / "dcp")
+    uninterrupted = run_on_ranks(_save_trained, 2, optimizer_kind, path, timeout=300)[0]
+    for resumed in run_on_ranks(_resume, 3, optimizer_kind, path, timeout=300):
+        for name, value in uninterrupted.items():
+            torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

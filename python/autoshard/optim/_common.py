@@ -12,6 +12,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 
+from ..optimizer_views import local_state_dict
 from ..partitioned_state import all_gather_pieces, piece_of
 
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -222,6 +223,8 @@ def load_state_dict_keeping_masters(optimizer: torch.optim.Optimizer, state_dict
     """torch's Optimizer.load_state_dict (`load`) casts every floating state tensor to its
     parameter's dtype, which would round fp32 master weights and states to bf16: those of
     parameters stepped through a master weight are set aside and put back as saved."""
+    # The state dict as this rank holds it (its own shards), before anything reads it.
+    state_dict = local_state_dict(optimizer, state_dict)
     saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
     saved_state = state_dict.get("state") if isinstance(state_dict, dict) else None
     kept = []
