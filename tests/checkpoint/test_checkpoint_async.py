@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
+from autoshard.state_views import unwrap_shard_views
 from autoshard import checkpoint
 from autoshard.checkpoint import CheckpointSaveError
 from checkpoint_models import build_toy, parallelize_toy, toy_ids
@@ -36,7 +37,7 @@ def _train_step(model, optimizer, step: int) -> None:
 
 def _local_state(model, optimizer):
     """This rank's tensors as they are now: parameters and buffers, and AdamW state by parameter name."""
-    state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    state = {name: t.detach().clone() for name, t in unwrap_shard_views(model.state_dict()).items()}
     names = {id(p): name for name, p in model.named_parameters()}
     for group in optimizer.param_groups:
         for p in group["params"]:
