@@ -131,6 +131,12 @@ class ShardView(torch.Tensor):
             (view,) = [a for a in args if isinstance(a, ShardView)][:1]
             local = func(view._local, *args[1:], **kwargs)
             return ShardView(local, view.spec)
+        if base in (torch.ops.aten.new_empty, torch.ops.aten.empty_like) and isinstance(args[0], ShardView) \
+                and (base is torch.ops.aten.empty_like or list(args[1]) == list(args[0].shape)):
+            # A buffer shaped like the view (DCP's async staging copies into one): shaped like its local.
+            view = args[0]
+            shape = () if base is torch.ops.aten.empty_like else (tuple(view._local.shape),)
+            return ShardView(func(view._local, *shape, *args[2:], **kwargs), view.spec)
         names = ", ".join(repr(a) for a in args if isinstance(a, ShardView))
         raise _not_whole(f"{func} on {names}")
 

@@ -26,7 +26,10 @@ def _save(kind, path, use_helpers, overrides):
     model = _parallel(kind, seed=1, **overrides)
     state = get_model_state_dict(model) if use_helpers else model.state_dict()
     views = {name: tuple(v.shape) for name, v in state.items() if isinstance(v, ShardView)}
-    dcp.save(state, checkpoint_id=path)
+    if use_helpers == "async":
+        dcp.async_save(state, checkpoint_id=path).result()  # staged in host memory, written behind
+    else:
+        dcp.save(state, checkpoint_id=path)
     return views, model(input_ids=IDS).logits.detach()
 
 
@@ -48,7 +51,7 @@ def _load(kind, path, use_helpers, overrides):
 # gemma: tied input and output embeddings.
 @pytest.mark.parametrize("kind,save_world,load_world,use_helpers", [
     ("llama", 2, 3, False), ("llama", 3, 2, True), ("llama", 4, 2, False),
-    ("gpt_bigcode", 2, 3, True), ("gemma", 3, 2, False),
+    ("gpt_bigcode", 2, 3, True), ("gemma", 3, 2, False), ("llama", 3, 3, "async"),
 ])
 def test_dcp_checkpoint_holds_the_global_tensors(tmp_path, kind, save_world, load_world, use_helpers):
     path = str(tmp_path / "dcp")
