@@ -149,13 +149,18 @@ class ShardView(torch.Tensor):
     def __array__(self, *args, **kwargs):
         raise _not_whole(f"numpy.asarray on {self!r}")
 
+    def untyped_storage(self):
+        # What a name-based saver (save_pretrained, safetensors) reads first: the whole tensor's bytes.
+        raise _not_whole(f"untyped_storage() of {self!r}")
+
 
 def _not_whole(what: str) -> RuntimeError:
     return RuntimeError(
         f"{what}: this state-dict entry is one rank's shard of a tensor split by autoshard, shown with the "
         "global shape so that torch.distributed.checkpoint saves and reshards it. It holds no whole tensor: use "
-        "autoshard.full_state_dict(model) for the unsharded tensors on every rank, autoshard.checkpoint for "
-        "sharded checkpoints, or `.local` for this rank's piece.")
+        "autoshard.full_state_dict(model) for the unsharded tensors (a collective: call it on every rank; to write "
+        "a Hugging Face directory, pass them as save_pretrained(..., state_dict=...) on rank 0), autoshard.checkpoint "
+        "or torch.distributed.checkpoint for sharded checkpoints, or `.local` for this rank's piece.")
 
 
 def unwrap_shard_views(tree):

@@ -160,3 +160,31 @@ def test_dcp_resumes_model_and_optimizer_at_another_world_size(tmp_path, optimiz
     for resumed in run_on_ranks(_resume, 3, optimizer_kind, path, timeout=300):
         for name, value in uninterrupted.items():
             torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _save_pretrained_and_torch_save(directory):
+    import os
+
+    import torch.distributed as dist
+
+    model = _parallel("llama", seed=1)
+    rank = dist.get_rank()
+    try:
+        model.save_pretrained(os.path.join(directory, f"hf-{rank}"))  # the state dict of one rank's shards
+        refusal = None
+    except RuntimeError as error:
+        refusal = str(error)
+    # One rank's own state dict, saved and loaded back at the same world size.
+    path = os.path.join(directory, f"rank-{rank}.pt")
+    torch.save(model.state_dict(), path)
+    again = _parallel("llama", seed=2)
+    again.load_state_dict(torch.load(path, weights_only=False))
+    return refusal, again(input_ids=IDS).logits.detach()
+
+
+def test_save_pretrained_of_shards_is_refused_and_a_ranks_own_state_dict_round_trips(tmp_path):
+    want = build("llama", seed=1)(input_ids=IDS).logits.detach()
+    for refusal, logits in run_on_ranks(_save_pretrained_and_torch_save, 2, str(tmp_path), timeout=300):
+        assert refusal is not None and "one rank's shard" in refusal
+        assert "save_pretrained(..., state_dict=...)" in refusal and "autoshard.full_state_dict" in refusal
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
