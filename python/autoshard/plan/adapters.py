@@ -13,7 +13,8 @@ records rather than decided:
 
 The partial gradients of trainable whole factors are summed over the group in backward, in
 buckets of their own after the planner's (one all-reduce each, counted in the plan's
-collectives), by the same reducer as the planner's partial gradients.
+collectives), by the same reducer as the planner's partial gradients. Like the planner's, these
+counts take every parameter as trained.
 """
 
 from typing import Dict, List
@@ -54,6 +55,12 @@ def add_adapters(result, graph: CapturedGraph, element_size: int) -> None:
                     record["whole"].append(name)
                     if split_side is not None and params[name].requires_grad:
                         partial.append(name)
+            # B split like KV heads held by several ranks, or with parts held whole, sums its
+            # gradient over the group as its base layer would (nn/linear.py): one all-reduce.
+            b = params[names[factors[1]]]
+            if split_side == 1 and b.requires_grad and (layer.repeat or layer.summed_parts) and result.world_size > 1:
+                rows = (b.shape[0] if layer.repeat else sum(layer.parts[i] for i in layer.whole_parts))
+                _count(result.comm, "backward", "all_reduce", rows * b.shape[1] * element_size)
         records.append(record)
     result.adapters = records
     if result.world_size <= 1 or not partial:
