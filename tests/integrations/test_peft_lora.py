@@ -108,7 +108,20 @@ def _check_counts(counted: dict, planned: dict, exact: bool) -> None:
         assert all(n <= planned.get(kind, 0) for kind, n in counted.items()), (counted, planned)
 
 
-def _train(kind: str, optimizer: str, sequence_parallel: bool, trained: str) -> dict:
+def _check_saved_adapter(model, reference, kind: str, directory: str) -> None:
+    """The adapter saved from the split model with its full state dict loads into the unsharded
+    base model as the reference's adapter."""
+    from peft import PeftModel
+
+    model.save_pretrained(directory, state_dict=autoshard.full_state_dict(model), is_main_process=dist.get_rank() == 0)
+    dist.barrier()
+    loaded = PeftModel.from_pretrained(build_base(kind), directory)
+    want = reference.state_dict()
+    for name, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, want[name], **TOL, msg=lambda m: f"loaded {name}: {m}")
+
+
+def _train(kind: str, optimizer: str, sequence_parallel: bool, trained: str, directory: str = "") -> dict:
     world = dist.get_world_size()
     reference, model = build(kind), build(kind)
     if trained == "all":  # LoRA beside a trained base model (as with modules_to_save)
@@ -159,6 +172,9 @@ def _train(kind: str, optimizer: str, sequence_parallel: bool, trained: str) -> 
     for name in want:
         torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m: f"{name} after steps: {m}")
 
+    if directory:
+        _check_saved_adapter(model, reference, kind, directory)
+
     # Merging: each rank adds B @ A of its local factors to its local slice of the base weight.
     merged, ref_merged = model.merge_and_unload(), reference.merge_and_unload()
     got, want = autoshard.full_state_dict(merged), ref_merged.state_dict()
@@ -170,8 +186,31 @@ def _train(kind: str, optimizer: str, sequence_parallel: bool, trained: str) -> 
     return {"held": [plan.held_fraction(r) for r in range(world)]}
 
 
-def _train_all(runs):
-    return {run: _train(*run) for run in runs}
+def _train_all(runs, directory):
+    return {run: _train(*run, directory=directory if i == 0 else "") for i, run in enumerate(runs)}
+
+
+def _adapter_calls() -> dict:
+    """A batch mixing adapters computes what the unsharded model does; an adapter added after
+    parallelize is refused where it is used, naming the way out."""
+    from peft import LoraConfig
+
+    reference, model = build(), build()
+    autoshard.parallelize(model)
+    ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(3))
+    model.add_adapter("late", LoraConfig(target_modules=TARGETS, r=2))
+    model.set_adapter("late")
+    with pytest.raises(ValueError) as late:
+        model(input_ids=ids)
+    model.set_adapter("default")
+    model.eval()
+    reference.eval()
+    mixed = ["default", "__base__", "default"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, adapter_names=mixed).logits,
+                                   reference(input_ids=ids, adapter_names=mixed).logits, **TOL)
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, **TOL)
+    return {"late": str(late.value)}
 
 
 RUNS = {
@@ -185,8 +224,22 @@ RUNS = {
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_lora_split_with_base_layers_trains_exactly(world_size):
-    results = run_on_ranks(_train_all, world_size, RUNS[world_size], timeout=900)[0]
+def test_lora_split_with_base_layers_trains_exactly(world_size, tmp_path):
+    results = run_on_ranks(_train_all, world_size, RUNS[world_size], str(tmp_path), timeout=900)[0]
     for run, result in results.items():
         if run[0] == "kv_shared" or world_size == 2:
             assert max(result["held"]) <= 1 / world_size + 0.1, (run, result)
+
+
+def test_split_lora_mixed_batches_and_late_adapters():
+    found = run_on_ranks(_adapter_calls, 2, timeout=300)[0]
+    assert "ParallelLoraLinear" in found["late"] and "['late']" in found["late"], found["late"]
+    assert "before autoshard.parallelize" in found["late"], found["late"]
+
+
+def test_lora_variants_are_followed_op_by_op():
+    """DoRA normalises the whole adapted weight: its layers are no LoRA construct, and their
+    ops are planned one by one, their base layers whole, as before."""
+    plan = autoshard.plan(build(use_dora=True), world_size=2)
+    assert plan.adapters == []
+    assert all(layer.style == "replicate" for layer in plan.layers if layer.module.endswith("base_layer")), str(plan)

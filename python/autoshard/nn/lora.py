@@ -103,10 +103,8 @@ class ParallelLoraLinear:
             return super().forward(x, *args, **kwargs)
         self._check_forward_args(x, *args, **kwargs)
         name = type(self).__name__
-        if kwargs.get("adapter_names") is not None:
-            raise ValueError(f"{name}: adapter_names (a batch mixing adapters) is not supported on a LoRA layer split by "
-                             "autoshard; activate one adapter with set_adapter() and call the model without it")
-        kwargs.pop("adapter_names", None)
+        # A batch mixing adapters (PEFT's adapter_names): sample i goes through adapter_names[i].
+        per_sample = kwargs.pop("adapter_names", None)
         extra = [k for k, v in kwargs.items() if v is not None]
         if args or extra:
             raise TypeError(f"{name}: a LoRA layer split by autoshard takes only its input, got "
@@ -115,6 +113,8 @@ class ParallelLoraLinear:
             if self.merged:
                 self.unmerge()
             adapters = []
+        elif per_sample is not None:
+            adapters = [key for key in dict.fromkeys(per_sample) if key in self.lora_A.keys()]
         elif self.merged:
             adapters = []
         else:
@@ -131,11 +131,15 @@ class ParallelLoraLinear:
         dtype = y.dtype
         for key in adapters:
             a, b = self.lora_A[key], self.lora_B[key]
-            h = self.lora_dropout[key](self._cast_input_dtype(entered, a.weight.dtype))
-            if column:
-                y = y + b.local_product(a(h)) * self.scaling[key]
+            # Every tensor here holds every sample (and, with sequence parallelism, every token).
+            rows = None if per_sample is None else [i for i, n in enumerate(per_sample) if n == key]
+            x_in = entered if rows is None else entered[rows]
+            h = self.lora_dropout[key](self._cast_input_dtype(x_in, a.weight.dtype))
+            delta = (b.local_product(a(h)) if column else b(a.partial(h))) * self.scaling[key]
+            if rows is None:
+                y = y + delta
             else:
-                y = y + b(a.partial(h)) * self.scaling[key]
+                y = y.index_add(0, torch.tensor(rows, device=y.device), delta.to(y.dtype))
         return base.finish(y.to(dtype))
 
 
@@ -144,7 +148,7 @@ _CLASSES: Dict[type, type] = {}
 
 def _parallel_class(cls: type) -> type:
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Parallel{cls.__name__}", (ParallelLoraLinear, cls), {"__module__": __name__})
+        _CLASSES[cls] = type(f"ParallelLora{cls.__name__}", (ParallelLoraLinear, cls), {"__module__": __name__})
     return _CLASSES[cls]
 
 
