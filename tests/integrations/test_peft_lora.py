@@ -259,3 +259,17 @@ def test_lora_variants_are_followed_op_by_op():
     found = run_on_ranks(_dora, 2, timeout=300)[0]
     assert found["adapters"] == []
     assert len(found["base"]) == 2 * len(TARGETS) and set(found["base"].values()) == {"replicate"}, found["base"]
+
+
+def test_plan_of_split_adapters_round_trips_through_json():
+    plan = autoshard.plan(build("kv_shared"), world_size=3)
+    again = autoshard.ShardingPlan.from_json(plan.to_json())
+    assert again.adapters == plan.adapters and len(plan.adapters) == 2 * len(TARGETS)
+    assert again.partial_gradients == plan.partial_gradients
+    for rank in range(3):
+        assert again.held_parameters(rank) == plan.held_parameters(rank)
+        specs = plan.param_specs(rank)
+        # B of a column layer is split as its base weight's rows, A of a row layer as its columns.
+        for record in plan.adapters:
+            base = plan.layer(record["module"]).weight
+            assert [specs[name] for name in record["split"]] == [specs[base]], record
