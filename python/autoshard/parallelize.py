@@ -23,6 +23,7 @@ from .nn.experts import shard_experts
 from .nn.head_parameters import shard_head_parameter
 from .nn import head_cuts, sequence
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
+from .nn.lora import is_lora_linear, shard_lora
 from .nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from .nn.rms_norm import ShardedRMSNorm
 from .model_state import ParallelState, attach_layer_state, state_of
@@ -152,6 +153,11 @@ def _sharded_layer(layer, module: nn.Module, group: ProcessGroup) -> nn.Module:
     # A split element by element needs no units; whole heads and fused parts do.
     units = layer.units if (layer.parts or layer.units != split) else None
     parts = layer.parts or None
+    if is_lora_linear(module):
+        column = layer.style in ("column", "column_gather")
+        return shard_lora(module, layer.style, group, units=layer.units if layer.repeat else units, parts=parts,
+                          **(dict(repeat=layer.repeat or None, whole_parts=layer.whole_parts or None,
+                                  sum_whole_parts=layer.summed_parts) if column else {}))
     if layer.style in ("column", "column_gather"):
         return ColumnParallelLinear.from_linear(module, group, gather_output=layer.style == "column_gather",
                                                 units=layer.units if layer.repeat else units, parts=parts,

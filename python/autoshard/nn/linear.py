@@ -278,15 +278,28 @@ class ColumnParallelLinear(_ParallelLinear):
         self._check_input(x, self.in_features, "in_features")
         if self._world == 1:
             return F.linear(x, self._linear_weight(), self.bias)
-        x = self.input_copy(x) if self.input_copy is not None else ops.copy_to_parallel(x, self._group_name)
+        return self.finish(self.local_product(self.enter(x)))
+
+    # forward's three steps, apart so that a layer added to this one's output before it is
+    # gathered (a LoRA adapter, nn/lora.py) can read the same input copy.
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the rank's product reads it: copied into the parallel region (its gradient
+        all-reduced in backward), or its tokens gathered with sequence parallelism."""
+        return self.input_copy(x) if self.input_copy is not None else ops.copy_to_parallel(x, self._group_name)
+
+    def local_product(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's output features for an input that enter() gave."""
         if self.sum_whole_parts:
             weight, bias = self._whole_parts_summed()
-            y = F.linear(x, self._linear_weight(weight), bias)
-        elif self.shard_specs["weight"].repeat is not None:
+            return F.linear(x, self._linear_weight(weight), bias)
+        if self.shard_specs["weight"].repeat is not None:
             weight, bias = self._weights_summed_over_holders()
-            y = F.linear(x, self._linear_weight(weight), bias)
-        else:
-            y = F.linear(x, self._linear_weight(), self.bias)
+            return F.linear(x, self._linear_weight(weight), bias)
+        return F.linear(x, self._linear_weight(), self.bias)
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """The layer's output from this rank's output features (gathered with gather_output)."""
         if self.gather_output:
             y = ops.gather_from_parallel(y, -1, self.out_features, self._group_name)
         return y
@@ -334,12 +347,25 @@ class RowParallelLinear(_ParallelLinear):
         if self._world == 1:
             self._check_input(x, self.in_features, "in_features")
             return F.linear(x, self._linear_weight(), self.bias)
+        return self.finish(self.partial(self.enter(x)))
+
+    # forward's three steps, apart so that a layer whose partial sums are added to this one's
+    # (a LoRA adapter, nn/lora.py) shares its all-reduce.
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's input features: x itself (input_is_parallel), or its piece of x."""
         if self.input_is_parallel:
             self._check_input(x, self.local_in_features, "local_in_features")
-        else:
-            self._check_input(x, self.in_features, "in_features")
-            x = ops.scatter_to_parallel(x, -1, self._group_name)
-        partial = F.linear(x, self._linear_weight())
+            return x
+        self._check_input(x, self.in_features, "in_features")
+        return ops.scatter_to_parallel(x, -1, self._group_name)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the output, for its input features that enter() gave."""
+        return F.linear(x, self._linear_weight())
+
+    def finish(self, partial: torch.Tensor) -> torch.Tensor:
+        """The output from this rank's partial sum: summed over the group, then the bias."""
         if self.output_tokens is not None:
             y = self.output_tokens(partial)  # sequence parallelism: this rank's tokens of the sum
         else:

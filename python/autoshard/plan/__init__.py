@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..nn.multihead_attention import IN_PROJECTION
+from .adapters import add_adapters
 from .capture import CapturedGraph, capture
 from .holdings import imbalance_warning, inventory
 from .prediction import Prediction, ShapeMismatch, localize_attributes
@@ -263,6 +264,7 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
     graph.values = None
     result._input_values = graph.input_values  # the dry run in parallelize() replays these
     result.overrides = dict(overrides or {})
+    add_adapters(result, graph, _element_size(model))
     result.parameters = inventory(graph.shadow)
     _warn_if_mostly_whole(result)
     return result

@@ -265,8 +265,10 @@ class _Recorder(TorchDispatchMode):
             self.node("reduce", label, inputs, [self.tensor_id(o) for o in flat_out],
                       {"axes": [_normalize_dim(args[1], x.dim())]})
         elif packet in _REDUCE_DIMS:
+            # A norm's order comes before its dims (DoRA's weight norm: aten.norm(w, 2.0, [1])).
+            dim_args = (args[0],) + tuple(args[2:]) if packet in (aten.norm, aten.linalg_vector_norm) else args
             self.node("reduce", label, inputs, [self.tensor_id(o) for o in flat_out],
-                      {"axes": self.reduced_dims(args, kwargs, x)})
+                      {"axes": self.reduced_dims(dim_args, kwargs, x)})
         elif packet in _NORMS or packet.__name__.endswith("rms_norm"):
             normalized = len(args[1]) if isinstance(args[1], (list, tuple)) else 1
             self.node("reduce", label, inputs, [self.tensor_id(o) for o in flat_out],

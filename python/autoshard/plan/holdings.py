@@ -14,6 +14,7 @@ from typing import Dict, List, Tuple
 
 from torch import nn
 
+from ..nn.lora import is_lora_linear
 from ..split import split_sizes
 
 # Why a parameter stays whole, in words: the planner's reason codes (csrc/plan/settle.cpp) for
@@ -31,6 +32,7 @@ REASONS = {
     "unsplit": "the planner found no axis to split",
     "row_bias": "the bias of a row-parallel layer, added once after the all-reduce",
     "not_a_layer": "not a Linear, Embedding or einsum layer (norms, convolutions, free parameters)",
+    "adapter_factor": "a LoRA factor read whole beside its split base layer (A of a column layer, B of a row layer)",
 }
 
 # Layer classes that count with the module holding them.
@@ -43,6 +45,8 @@ def inventory(model: nn.Module) -> Dict[str, Dict[str, object]]:
     found = {}
     for name, param in model.named_parameters(remove_duplicate=True):
         owner_name = name.rpartition(".")[0]
+        # A LoRA layer's base layer and factors count as the Linear it wraps.
+        owner_name = _lora_layer_above(owner_name, modules) or owner_name
         owner = modules[owner_name]
         group = type(owner).__name__
         if group in _PLAIN_LAYERS and owner_name:
@@ -51,6 +55,17 @@ def inventory(model: nn.Module) -> Dict[str, Dict[str, object]]:
                 group = type(parent).__name__
         found[name] = {"shape": list(param.shape), "module": owner_name, "module_class": group}
     return found
+
+
+def _lora_layer_above(name: str, modules: Dict[str, nn.Module]) -> str:
+    """The name of the LoRA layer holding module `name` (itself, its base layer, or a factor in
+    its lora_A / lora_B), or ""."""
+    parts = name.split(".")
+    for depth in range(len(parts), max(len(parts) - 3, 0), -1):
+        candidate = ".".join(parts[:depth])
+        if is_lora_linear(modules.get(candidate)):
+            return candidate
+    return ""
 
 
 def _numel(shape) -> int:
@@ -99,6 +114,11 @@ def replicated(plan) -> List[Replicated]:
             reasons.setdefault(layer.bias, ("row_bias", ""))
         elif layer.kind == "einsum" and layer.bias is not None and layer.letter not in layer.bias_axes:
             reasons.setdefault(layer.bias, ("row_bias", ""))
+    for record in plan.adapters:
+        # A replicated LoRA layer's factors stay whole for the layer's reason.
+        code, note = reasons.get(plan.layer(record["module"]).weight, ("adapter_factor", ""))
+        for name in record["whole"]:
+            reasons.setdefault(name, (code, note))
     split = set(plan.param_specs(0)) | {l.bias for l in plan.layers if l.kind == "einsum" and l.style != "replicate"
                                         and l.bias is not None and l.letter in l.bias_axes}
     found: Dict[Tuple[str, str], Replicated] = {}

@@ -18,6 +18,7 @@ from .. import ops
 # plans a layer that from_linear would refuse.
 from ..nn.conv1d import is_conv1d
 from ..nn.head_parameters import holds_only_head_parameters
+from ..nn.lora import adapter_factors, is_lora_linear
 
 
 @dataclass
@@ -44,6 +45,9 @@ class LayerInfo:
     experts_params: tuple = ()  # (in parameter index, out parameter index)
     parts: int = 1
     inputs: tuple = field(default=(), repr=False)  # the whole call's positional inputs
+    # A LoRA layer (nn/lora.py): its base Linear is the layer, and each adapter's factors
+    # (A's weight, B's weight) as parameter indices, split with it.
+    adapters: tuple = ()
 
     def planner_kind(self) -> str:
         return "linear" if self.kind == "experts" else self.kind
@@ -117,6 +121,12 @@ def describe_layer(name: str, module: nn.Module, param_index: Dict[int, int]) ->
     def index(p) -> int:
         return param_index.get(id(p), -1) if p is not None else -1
 
+    # A LoRA adapter on a Linear is one layer with it: split as its base layer is split.
+    if is_lora_linear(module):
+        base = module.base_layer
+        return LayerInfo(name, "linear", base.in_features, base.out_features, False, index(base.weight),
+                         index(base.bias),
+                         adapters=tuple((index(a), index(b)) for a, b in adapter_factors(module).values()))
     # A Linear subclass with a forward of its own is a layer only where that forward computes
     # F.linear all the same (FalconLinear); otherwise its ops are followed one by one.
     if isinstance(module, nn.Linear) and computes_linear(type(module)):
@@ -150,7 +160,8 @@ def is_linear_like(module: nn.Module) -> bool:
     from ..nn.einsum import ShardedEinsumDense
     from ..nn.linear import ColumnParallelLinear, RowParallelLinear
 
-    if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ShardedEinsumDense)):
+    if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ShardedEinsumDense)) \
+            or getattr(type(module), "autoshard_linear_like", False):
         return True
     info = describe_layer("", module, {})
     return info is not None and info.kind in ("linear", "einsum")

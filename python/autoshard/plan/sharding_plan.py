@@ -155,6 +155,9 @@ class ShardingPlan:
     # The output head whose loss parallelize computes over vocabulary shards when the model is
     # called with labels ("" when it does not): that call keeps the head's logits sharded.
     loss_parallel_head: str = ""
+    # LoRA layers (see plan/adapters.py): {"module", "split" (factor weights split with the base
+    # layer), "whole" (held whole on every rank)}, parameter names.
+    adapters: List[Dict[str, object]] = field(default_factory=list)
 
     # ---- queries
 
@@ -176,6 +179,11 @@ class ShardingPlan:
             specs[norm["weight"]] = self.norm_spec(norm, rank)
         for record in self.head_parameters:
             specs[record["name"]] = self.head_parameter_spec(record, rank)
+        for record in self.adapters:
+            # A split LoRA factor shares its base weight's split axis (B's rows, A's columns).
+            if record["split"]:
+                spec = self.layer(record["module"]).weight_spec(rank, self.world_size)
+                specs.update({name: spec for name in record["split"]})
         return specs
 
     def norm_spec(self, norm: Dict[str, object], rank: int) -> ShardSpec:
@@ -370,4 +378,5 @@ class ShardingPlan:
             norms=data.get("norms", []),
             head_parameters=data.get("head_parameters", []),
             loss_parallel_head=data.get("loss_parallel_head", ""),
+            adapters=data.get("adapters", []),
         )
