@@ -105,6 +105,23 @@ class PlanSteps:
 
         return hook
 
+    def exit_hook(self, entry: dict):
+        """A forward hook gathering every rank's tokens of the module's output leaf
+        `entry["leaf"]`, for column layers reading them through ops that index the tokens."""
+        shards = self.shards.setdefault(entry["region"], SequenceShards(self._group_name, entry["region"]))
+        step = GatherTokens(shards, entry["dim"])
+        leaf = entry["leaf"]
+
+        def hook(module, args, output):
+            leaves, spec = tree_flatten(output)
+            if leaf >= len(leaves) or not isinstance(leaves[leaf], torch.Tensor):
+                raise RuntimeError(f"sequence parallelism: {entry['module']!r} returned no tensor where the plan "
+                                   f"gathers its tokens (output {leaf})")
+            leaves[leaf] = step(leaves[leaf])
+            return tree_unflatten(leaves, spec)
+
+        return hook
+
     def __init__(self, plan, group_name: str):
         self.shards = {}
         self.gathers = {}
