@@ -10,6 +10,10 @@ each column layer gathers the tokens back before its matmul (``GatherTokens``, s
 input copy by the column layers reading one tensor). Tokens are split with ``split_sizes`` (numpy's
 array_split rule), so any sequence length works.
 
+A column layer reading the tokens through ops that index the token axis (a causal LM's head
+reading the last tokens) gets them gathered where a module returns them instead
+(``PlanSteps.exit_hook``, ``ShardingPlan.sequence_exits``; see plan/token_selections.py).
+
 The layers that split a region record its full length in one ``SequenceShards`` per region,
 which the gathering layers read: a rank's piece alone does not say how long the sequence was.
 """
