@@ -1,17 +1,26 @@
 """What a training step keeps for backward: the activation memory a rank holds at the peak of
 its forward."""
 
-from typing import Dict, Iterable, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 import torch
 
 __all__ = ["SavedTensorCounter"]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage holds the bytes: a DTensor's local shard, else the tensor."""
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
+def _holders(t: torch.Tensor) -> List[torch.Tensor]:
+    """The plain tensors whose storages hold `t`'s bytes. A wrapper subclass (a DTensor, whose
+    local shard holds them; an AsyncCollectiveTensor from torch's functional collectives, whose
+    `elem` is the buffer the collective writes into) has a storage of its own that holds
+    nothing: its inner tensors, as __tensor_flatten__ names them, are read instead, down to
+    plain tensors. Nothing is waited on or copied: a storage's address and size are known as
+    soon as the collective's output buffer exists."""
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is None:
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    inner = [getattr(t, name) for name in names]
+    return [leaf for x in inner if isinstance(x, torch.Tensor) for leaf in _holders(x)]
 
 
 class SavedTensorCounter:
@@ -32,7 +41,7 @@ class SavedTensorCounter:
         for i, t in enumerate(ignored):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"SavedTensorCounter: ignore must hold tensors, item {i} is {type(t).__name__}")
-        self._ignored = {self._key(_local(t)) for t in ignored if _local(t).device.type != "meta"}
+        self._ignored = {self._key(h) for t in ignored for h in _holders(t) if h.device.type != "meta"}
         self._storages: Dict[Tuple, int] = {}
         self.largest = 0
         self.tensors = 0
@@ -47,13 +56,12 @@ class SavedTensorCounter:
         return sum(self._storages.values())
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        local = _local(t)
-        if local.device.type == "meta":
-            return t
-        key = self._key(local)
-        if key not in self._ignored:
-            self._storages[key] = local.untyped_storage().nbytes()
-            self.largest = max(self.largest, local.numel() * local.element_size())
+        holders = [h for h in _holders(t) if h.device.type != "meta"]
+        keys = [self._key(h) for h in holders]
+        if holders and not any(key in self._ignored for key in keys):
+            for key, holder in zip(keys, holders):
+                self._storages[key] = holder.untyped_storage().nbytes()
+            self.largest = max(self.largest, sum(h.numel() * h.element_size() for h in holders))
             self.tensors += 1
         return t
 

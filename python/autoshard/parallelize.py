@@ -256,6 +256,8 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     for entry in plan.sequence_gathers:
         model.get_submodule(entry["module"]).register_forward_pre_hook(tokens.entry_hook(entry, gather=True),
                                                                        with_kwargs=True)
+    for entry in plan.sequence_exits:
+        model.get_submodule(entry["module"]).register_forward_hook(tokens.exit_hook(entry))
     for entry in plan.head_entries:
         model.get_submodule(entry["module"]).register_forward_pre_hook(
             head_cuts.entry_hook(entry, plan.regions[entry["region"]].units, group.group_name), with_kwargs=True)

@@ -53,6 +53,7 @@ def _check(kind: str, seq: int) -> dict:
     return {
         "plan": str(plan),
         "sequence": [(layer.module, layer.sequence) for layer in plan.layers if layer.sequence],
+        "exits": [entry["module"] for entry in plan.sequence_exits],
         "forward": (dict(forward.counts), dict(forward.bytes)),
         "backward": (dict(backward.counts), dict(backward.bytes)),
         "tensor_forward": (dict(tensor_forward.counts), dict(tensor_forward.bytes)),
@@ -76,7 +77,11 @@ def test_sequence_parallel_equals_unsharded_and_replaces_all_reduces(world_size,
     for kind in ("llama", "gemma"):
         result = results[kind]
         roles = {role for _, role in result["sequence"]}
-        assert roles == {"reduce_scatter", "gather", "gathered"}, result["plan"]
+        # Every column layer gets its tokens gathered before it: where a module receives them
+        # (attention, MLP), or for the head where the final norm returns them, ahead of the
+        # model's indexing of the last tokens (plan/token_selections.py).
+        assert roles == {"reduce_scatter", "gathered"}, result["plan"]
+        assert result["exits"] == ["model.norm"], result["plan"]
         assert "sequence parallel (tokens split over the ranks)" in result["plan"]
         assert "cut on entering model.layers.0" in result["plan"]
         counts, sizes = result["forward"]

@@ -10,6 +10,10 @@ each column layer gathers the tokens back before its matmul (``GatherTokens``, s
 input copy by the column layers reading one tensor). Tokens are split with ``split_sizes`` (numpy's
 array_split rule), so any sequence length works.
 
+A column layer reading the tokens through ops that index the token axis (a causal LM's head
+reading the last tokens) gets them gathered where a module returns them instead
+(``PlanSteps.exit_hook``, ``ShardingPlan.sequence_exits``; see plan/token_selections.py).
+
 The layers that split a region record its full length in one ``SequenceShards`` per region,
 which the gathering layers read: a rank's piece alone does not say how long the sequence was.
 """
@@ -102,6 +106,23 @@ class PlanSteps:
             return replace_input(args, kwargs, leaf, step,
                                  f"sequence parallelism: {entry['module']!r} was called without the tensor the plan "
                                  f"cuts to this rank's tokens (input {leaf})")
+
+        return hook
+
+    def exit_hook(self, entry: dict):
+        """A forward hook gathering every rank's tokens of the module's output leaf
+        `entry["leaf"]`, for column layers reading them through ops that index the tokens."""
+        shards = self.shards.setdefault(entry["region"], SequenceShards(self._group_name, entry["region"]))
+        step = GatherTokens(shards, entry["dim"])
+        leaf = entry["leaf"]
+
+        def hook(module, args, output):
+            leaves, spec = tree_flatten(output)
+            if leaf >= len(leaves) or not isinstance(leaves[leaf], torch.Tensor):
+                raise RuntimeError(f"sequence parallelism: {entry['module']!r} returned no tensor where the plan "
+                                   f"gathers its tokens (output {leaf})")
+            leaves[leaf] = step(leaves[leaf])
+            return tree_unflatten(leaves, spec)
 
         return hook
 

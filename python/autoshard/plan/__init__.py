@@ -15,6 +15,7 @@ from .capture import CapturedGraph, capture
 from .holdings import imbalance_warning, inventory
 from .prediction import Prediction, ShapeMismatch, localize_attributes
 from .sharding_plan import OVERRIDE_STYLES, LayerPlan, RegionPlan, ShardingPlan
+from .token_selections import gather_before_token_indexing
 
 __all__ = ["LayerPlan", "RegionPlan", "ShardingPlan", "plan"]
 
@@ -45,6 +46,9 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
     if data.get("version") != 1:
         raise RuntimeError(f"plan: the planner answered with document version {data.get('version')!r}, "
                            f"this layer reads version {1}; rebuild the extension")
+    refusal = gather_before_token_indexing(data, graph)
+    if refusal is not None:
+        raise _TokenIndexing(refusal)
     names = graph.param_names
     # The planner names parameters by index in its notes (csrc/plan/head_params.cpp).
     named = lambda text: re.sub(r"parameter #(\d+)", lambda m: f"parameter {names[int(m.group(1))]!r}", text)
@@ -95,6 +99,8 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                                             for e in data["sequence_entries"]],
                           sequence_gathers=[{k: e[k] for k in ("module", "leaf", "dim", "region")}
                                             for e in data["sequence_gathers"]],
+                          sequence_exits=[{k: e[k] for k in ("module", "leaf", "dim", "region")}
+                                          for e in data["sequence_exits"]],
                           head_entries=[{k: e[k] for k in ("module", "leaf", "axis", "outer", "size", "region")}
                                         for e in data.get("head_entries", [])],
                           head_outputs=[{k: e[k] for k in ("module", "axis", "outer", "size", "region")}
@@ -108,9 +114,14 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                                    "output_shapes": [list(s) for s in graph.output_shapes]})
     result._prediction = Prediction(graph, data["tensors"], data["sequence_entries"], data["sequence_gathers"],
                                     data.get("head_entries", []),
-                                    {w["node"] for w in data.get("attention_weights", []) if not w["used"]})
+                                    {w["node"] for w in data.get("attention_weights", []) if not w["used"]},
+                                    data["sequence_exits"])
     result._prediction.plan = result
     return result
+
+
+class _TokenIndexing(Exception):
+    """No place to gather the tokens before an op indexing them (see token_selections.py)."""
 
 
 _UNPAIRED = "its nn.MultiheadAttention"
@@ -225,12 +236,17 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
     # Layers replicated because their region's module computes other shapes than the plan
     # predicts on some rank (a size written into the model as a constant): node -> why.
     mismatched: Dict[int, str] = {}
+    token_indexing = None  # why sequence parallelism was given up, if it was
     while True:
         replicated = [{"node": node, "style": "replicate"} for node in mismatched]
         document = torch.ops.autoshard.plan_graph(
             json.dumps({**graph.document, "forced": forced + replicated, "sequence_parallel": sequence_parallel}),
             world_size)
-        result = _parse(document, graph, world_size, _element_size(model))
+        try:
+            result = _parse(document, graph, world_size, _element_size(model))
+        except _TokenIndexing as refusal:
+            token_indexing, sequence_parallel = str(refusal), False
+            continue
         too_small = [layer for layer in result.layers if layer.reason == "too_few_units"]
         if too_small and all(layer.style == "replicate" for layer in result.layers):
             raise ValueError(f"plan: world_size={world_size} is larger than every dimension autoshard could split "
@@ -257,6 +273,10 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
         attention = why.startswith(_UNPAIRED)
         layer.reason = "attention_unpaired" if attention else "shape_mismatch"
         layer.note = "replicated: " + why.removeprefix("plan: ")
+    if token_indexing is not None:
+        for layer in result.layers:
+            if layer.style == "row":
+                layer.sequence_note = "sequence parallelism refused: " + token_indexing
     # The modules' recorded inputs are views of the model's own tensors (its buffers): kept, they
     # would hold those tensors' use counts up, and load_pretrained could not give them storage in
     # place. Only the attribute choice above replays them.

@@ -94,6 +94,9 @@ class CapturedGraph:
     folded: Dict[str, str] = field(default_factory=dict)  # block recorded without running -> the block it copies
     inner_nodes: set = field(default_factory=set)  # nodes inside a layer, which no trace sees
     layer_calls: set = field(default_factory=set)  # nodes a trace sees as a layer's call
+    # Each module called once (the model itself left out): (leaf, tensor id) of the recorded
+    # tensors it returned, leaf being the place among the flattened outputs.
+    module_exits: Dict[str, List[Tuple[int, int]]] = field(default_factory=dict)
 
 
 def _narrows(x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -552,6 +555,8 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
     module_inputs: Dict[str, Tuple[tuple, dict]] = {}
     module_nodes: Dict[str, Tuple[int, int]] = {}
     module_entries: Dict[str, List[Tuple[int, int]]] = {}
+    module_exits: Dict[str, List[Tuple[int, int]]] = {}
+    called_again = set()
     folder = BlockFolder(shadow, recorder, param_index, layers, module_inputs, module_nodes, enabled=FOLD_BLOCKS,
                          replayable=lambda a, kw: (_replayable(a), _replayable(dict(kw))), module_entries=module_entries)
     for name, module in shadow.named_modules():
@@ -565,10 +570,17 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
                 leaves = tree_flatten((tuple(a), dict(kw)))[0]
                 module_entries[name] = [(i, recorder.ids[id(t)]) for i, t in enumerate(leaves)
                                         if isinstance(t, torch.Tensor) and id(t) in recorder.ids]
+            else:
+                # A hook on the output of a module called again would act on every call.
+                called_again.add(name)
 
         def finished(mod, a, out, name=name):
             if name in module_nodes and module_nodes[name][1] < 0:
                 module_nodes[name] = (module_nodes[name][0], recorder.node_count)
+                # Where each recorded tensor leaves the call, for gathers at a module's output.
+                leaves = tree_flatten(out)[0]
+                module_exits[name] = [(i, recorder.ids[id(t)]) for i, t in enumerate(leaves)
+                                      if isinstance(t, torch.Tensor) and id(t) in recorder.ids]
 
         handles.append(module.register_forward_pre_hook(remember, with_kwargs=True))
         handles.append(module.register_forward_hook(finished))
@@ -672,6 +684,7 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
         folded={name: folder.folds[name] for name in folder.folded},
         inner_nodes=recorder.inner_nodes,
         layer_calls=recorder.layer_calls,
+        module_exits={name: left for name, left in module_exits.items() if name and name not in called_again},
     )
 
 

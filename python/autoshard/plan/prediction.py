@@ -36,7 +36,7 @@ class Prediction:
 
     def __init__(self, graph: CapturedGraph, tensors: List[dict], entries: Optional[List[dict]] = None,
                  gathers: Optional[List[dict]] = None, head_entries: Optional[List[dict]] = None,
-                 unreturned_weights: Set[int] = frozenset()):
+                 unreturned_weights: Set[int] = frozenset(), exits: Optional[List[dict]] = None):
         self.graph = graph
         # Attention weights nothing reads, which the sharded attention does not return: no call.
         self.unreturned_weights = set(unreturned_weights)
@@ -52,6 +52,12 @@ class Prediction:
         for entry in gathers or ():  # ... or gathers every rank's tokens of it
             first = graph.module_nodes[entry["module"]][0]
             self.entries.setdefault(first, []).append(dict(entry, gather=True))
+        # Gathers where a module returns its tokens: the node after the module's first call
+        # -> the gathers its forward hook makes (traced before the next module's entries).
+        self.exits: Dict[int, List[dict]] = {}
+        for entry in exits or ():
+            end = graph.module_nodes[entry["module"]][1]
+            self.exits.setdefault(end, []).append(entry)
         # Head cuts (nn/head_cuts.py): a module's first node -> the tensors its pre-hook cuts
         # to this rank's heads.
         self.head_entries: Dict[int, List[dict]] = {}
@@ -125,8 +131,12 @@ class Prediction:
         local = {}
         shape_of = lambda t: local.setdefault(t, self.local_shape(t, rank, tokens))
         rows, start_of = [], {}  # start_of: graph index -> its first row (its cut/gather ops first)
+        exit_rows = lambda index: [("autoshard.all_gather_from_sequence.default", [self.graph.shapes[e["tensor"]]], None)
+                                   for e in (self.exits.get(index, ()) if tokens else ())]
         for index in range(first, end):
             start_of[index] = len(rows)
+            if index > first:
+                rows += exit_rows(index)
             for entry in self.entries.get(index, ()) if tokens else ():
                 shape = list(self.graph.shapes[entry["tensor"]])
                 if entry["gather"]:
@@ -147,6 +157,7 @@ class Prediction:
             layer = index in self.graph.layers or index in self.graph.layer_calls
             shapes = [shape_of(t) for t in outputs]
             rows.append(("layer" if layer else label, shapes, None if layer else self._skippable(index, end, shape_of)))
+        rows += exit_rows(end) if end > first else []
         start_of[end] = len(rows)
         return [(label, shapes, None if skip is None else start_of[skip]) for label, shapes, skip in rows]
 

@@ -132,6 +132,9 @@ class ShardingPlan:
     # Tensors whose tokens are gathered where a module receives them, for the column layers
     # inside it ("gathered"): an attention reading its input's length sees every token.
     sequence_gathers: List[Dict[str, object]] = field(default_factory=list)
+    # Tensors whose tokens are gathered where a module returns them, for the column layers that
+    # read them through ops indexing the token axis ("gathered"; see plan/token_selections.py).
+    sequence_exits: List[Dict[str, object]] = field(default_factory=list)
     # Tensors held whole cut to this rank's heads where a module receives them (an ALiBi bias
     # passed to each attention): {"module", "leaf", "axis", "outer", "size", "region"}; see
     # nn/head_cuts.py.
@@ -337,6 +340,8 @@ class ShardingPlan:
             regions.setdefault(entry["region"], empty())["entry"].append(entry["module"])
         for entry in self.sequence_gathers:
             regions.setdefault(entry["region"], empty())["gather"].append(entry["module"])
+        for entry in self.sequence_exits:
+            regions.setdefault(entry["region"], empty())["gather"].append(f"the output of {entry['module']}")
         for roles in regions.values():
             roles.pop("gathered", None)
         return regions
@@ -372,6 +377,7 @@ class ShardingPlan:
             parameters=data.get("parameters", {}),
             sequence_entries=data.get("sequence_entries", []),
             sequence_gathers=data.get("sequence_gathers", []),
+            sequence_exits=data.get("sequence_exits", []),
             head_entries=data.get("head_entries", []),
             head_outputs=data.get("head_outputs", []),
             attention_weights=data.get("attention_weights", []),
