@@ -28,6 +28,7 @@ from .nn.rms_norm import ShardedRMSNorm
 from .model_state import ParallelState, attach_layer_state, state_of
 from .partitioned_state import partition_replicated
 from .plan import LayerPlan, ShardingPlan, plan as make_plan
+from .plan.dry_run_collectives import ForwardCollectives, forward_mismatch, watched_layers
 from .plan.capture import every_block_run, input_shapes, inputs_on_meta, meta_shadow, trace_shapes
 from .plan.inputs import ordinary_token
 from .plan.meta_values import KnownValues
@@ -324,7 +325,7 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_
             check_model_trace(prediction, traced, group.rank())
             if error is not None:
                 raise error
-        with torch.no_grad(), values:
+        with torch.no_grad(), values, ForwardCollectives().watch(shadow, watched_layers(plan)) as collectives:
             outputs = shadow(*args, **kwargs)
     except ShapeMismatch as error:
         refusal = ValueError(f"parallelize: on a meta copy of the model, {error}; the plan was refused and the model "
@@ -334,6 +335,10 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_
     except Exception as error:
         raise ValueError(f"parallelize: the plan does not run on a meta copy of the model "
                          f"({type(error).__name__}: {error}); the model was left unchanged") from error
+    mismatch = forward_mismatch(plan, collectives, shadow) if group.size() > 1 else None
+    if mismatch is not None:
+        raise ValueError(f"parallelize: on a meta copy of the model, {mismatch}; the plan was refused and the model "
+                         "left unchanged")
     if hasattr(outputs, "to_tuple"):
         outputs = outputs.to_tuple()
     flat = [o for o in torch.utils._pytree.tree_flatten(outputs)[0] if isinstance(o, torch.Tensor)]
