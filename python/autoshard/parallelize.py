@@ -19,14 +19,16 @@ from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, resolve, set_default_group
 from .nn.einsum import ShardedEinsumDense
 from .nn.embedding import VocabParallelEmbedding
+from .nn.embedding_subclass import shard_embedding_subclass
 from .nn.experts import shard_experts
 from .nn.head_parameters import shard_head_parameter
 from .nn import head_cuts, sequence
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from .nn.rms_norm import ShardedRMSNorm
-from .model_state import ParallelState, attach_layer_state, state_of
+from .model_state import ParallelState, state_of
 from .partitioned_state import partition_replicated
+from .replaced_modules import check_no_hooks_lost
 from .plan import LayerPlan, ShardingPlan, plan as make_plan
 from .plan.dry_run_collectives import ForwardCollectives, forward_mismatch, watched_layers
 from .plan.capture import every_block_run, input_shapes, inputs_on_meta, meta_shadow, trace_shapes
@@ -105,6 +107,7 @@ def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> N
             got = None if param is None else list(param.shape)
             raise ValueError(f"parallelize: the plan splits parameter {record['name']!r} with its heads "
                              f"({record['size']} on dim {record['dim']}); the model's has shape {got}")
+    check_no_hooks_lost(model, plan)
 
 
 def _attention_of(model: nn.Module, layer) -> Optional[nn.MultiheadAttention]:
@@ -114,25 +117,6 @@ def _attention_of(model: nn.Module, layer) -> Optional[nn.MultiheadAttention]:
         return None
     module = model.get_submodule(owner) if owner else model
     return module if isinstance(module, nn.MultiheadAttention) else None
-
-
-class _VocabParallelLookup(nn.Embedding):
-    """nn.Embedding's place in the class of an embedding subclass that adds to its forward."""
-
-    forward = VocabParallelEmbedding.forward
-
-
-def _shard_embedding_subclass(module: nn.Embedding, group: ProcessGroup) -> nn.Module:
-    """An nn.Embedding subclass with a forward of its own (Gemma scales its lookup) keeps it:
-    the module's class gains the sharded lookup where its call to nn.Embedding.forward lands."""
-    sharded = VocabParallelEmbedding.from_embedding(module, group)
-    cls = type(f"VocabParallel{type(module).__name__}", (type(module), _VocabParallelLookup), {})
-    module.__class__ = cls
-    module.weight = sharded.weight
-    for attr in ("vocab_start", "group", "shard_specs", "padding_idx"):
-        setattr(module, attr, getattr(sharded, attr))
-    attach_layer_state(module)
-    return module
 
 
 def _sharded_layer(layer, module: nn.Module, group: ProcessGroup) -> nn.Module:
@@ -145,7 +129,7 @@ def _sharded_layer(layer, module: nn.Module, group: ProcessGroup) -> nn.Module:
                                                     gather_output=layer.style == "column_gather")
     if layer.style == "vocab":
         if type(module).forward is not nn.Embedding.forward:
-            return _shard_embedding_subclass(module, group)
+            return shard_embedding_subclass(module, layer.module, group)
         return VocabParallelEmbedding.from_embedding(module, group)
     split = layer.weight_shape[layer.weight_dim()]
     # A split element by element needs no units; whole heads and fused parts do.

@@ -90,7 +90,8 @@ def forward_mismatch(plan, counter: ForwardCollectives, model: nn.Module) -> Opt
     for name in watched_layers(plan):
         if counter.by_layer.get(name, 1) == 0:
             try:
-                cls = type(model.get_submodule(name)).__name__
+                module = model.get_submodule(name)
+                cls = getattr(module, "autoshard_class", type(module)).__name__
             except AttributeError:
                 cls = "?"
             silent.append((name, cls))
