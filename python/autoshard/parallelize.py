@@ -19,7 +19,7 @@ from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, resolve, set_default_group
 from .nn.einsum import ShardedEinsumDense
 from .nn.embedding import VocabParallelEmbedding
-from .nn.embedding_subclass import shard_embedding_subclass
+from .nn.embedding_subclass import LookupRefusal, shard_embedding_subclass
 from .nn.experts import shard_experts
 from .nn.head_parameters import shard_head_parameter
 from .nn import head_cuts, sequence
@@ -29,6 +29,7 @@ from .nn.rms_norm import ShardedRMSNorm
 from .model_state import ParallelState, state_of
 from .partitioned_state import partition_replicated
 from .replaced_modules import check_no_hooks_lost
+from .state import has_state_dict_hooks
 from .plan import LayerPlan, ShardingPlan, plan as make_plan
 from .plan.dry_run_collectives import ForwardCollectives, forward_mismatch, watched_layers
 from .plan.capture import every_block_run, input_shapes, inputs_on_meta, meta_shadow, trace_shapes
@@ -294,8 +295,21 @@ def _is_layer(module: nn.Module) -> bool:
     return is_layer_module(module)
 
 
-def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_inputs=None) -> None:
+def _state_shapes(shadow: nn.Module) -> Optional[Dict[str, list]]:
+    """The unsharded model's state_dict entries' shapes where state_dict hooks make them (see
+    state.full_state_dict), from its meta copy; None without hooks or where they fail on meta."""
+    if not has_state_dict_hooks(shadow):
+        return None
+    try:
+        return {k: list(v.shape) for k, v in shadow.state_dict().items() if isinstance(v, torch.Tensor)}
+    except Exception:  # noqa: BLE001 - a hook that needs values: full_state_dict checks nothing then
+        return None
+
+
+def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_inputs=None) -> Optional[dict]:
+    """Tries `plan` on a meta copy of `model`; returns _state_shapes of that copy."""
     shadow = meta_shadow(model, always_copy=True)
+    state_shapes = _state_shapes(shadow)
     prediction = getattr(plan, "_prediction", None)
     values = KnownValues()
     try:
@@ -306,11 +320,15 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_
         if prediction is not None and planned_shapes:
             # Every intermediate shape against the plan's prediction for this rank.
             traced, error = trace_shapes(shadow, args, kwargs, _is_layer, values)
+            if isinstance(error, LookupRefusal):
+                raise error
             check_model_trace(prediction, traced, group.rank())
             if error is not None:
                 raise error
         with torch.no_grad(), values, ForwardCollectives().watch(shadow, watched_layers(plan)) as collectives:
             outputs = shadow(*args, **kwargs)
+    except LookupRefusal as error:
+        raise ValueError(f"{error}; the plan was refused and the model left unchanged") from None
     except ShapeMismatch as error:
         refusal = ValueError(f"parallelize: on a meta copy of the model, {error}; the plan was refused and the model "
                              "left unchanged")
@@ -331,6 +349,7 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_
     if want is not None and planned_shapes and got != want:
         raise ValueError(f"parallelize: on a meta copy, the sharded model's outputs have shapes {got} instead of "
                          f"{want}; the model was left unchanged")
+    return state_shapes
 
 
 def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Optional[ProcessGroup] = None,
@@ -400,7 +419,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
                          sequence_parallel=sequence_parallel)
     _check_plan_fits(model, plan, group.size())
     try:
-        _dry_run(model, plan, group, example_inputs)
+        state_shapes = _dry_run(model, plan, group, example_inputs)
     except ValueError as refusal:
         if not (planned_here and getattr(refusal, "folded_block", False)):
             raise
@@ -408,12 +427,13 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
             plan = make_plan(model, world_size=group.size(), example_inputs=example_inputs,
                              sequence_parallel=sequence_parallel)
         _check_plan_fits(model, plan, group.size())
-        _dry_run(model, plan, group, example_inputs)
+        state_shapes = _dry_run(model, plan, group, example_inputs)
     _apply(model, plan, group)
     for module in model.modules():
         if hasattr(type(module), "reduce_dtype"):
             module.reduce_dtype = reduce_dtype
     state = ParallelState(model, plan, group, mesh, data_parallel).attach()
+    state.unsharded_state_shapes = state_shapes  # what full_state_dict checks hooks' entries against
     state.loss_parallel = loss_parallelism.install(model, plan, group, loss_parallel)
     # Replicated parameters read inside sharded regions: their gradients are summed over the
     # group (and averaged over "dp" with them, so the data-parallel averager leaves them out).

@@ -2,7 +2,7 @@
 
 The forward is kept as written: it may scale the lookup (Gemma), add to it, call
 nn.Embedding.forward or call F.embedding (or torch.embedding) itself. While it runs, every
-lookup in the module's own weight, whichever of those paths reaches it, becomes the
+lookup in the module's own weight, whichever of those paths (or aten.embedding) reaches it, becomes the
 vocab-parallel lookup of this rank's rows followed by their sum over the ranks, so the
 forward goes on with the whole table's rows, as unsharded. Any other read of the weight (its
 shape, an index into it, a product with it) would see this rank's rows only: it is refused,
@@ -29,8 +29,12 @@ _SAME_ON_EVERY_RANK = {torch._C.TensorBase.__dict__[name]
                        for name in ("dtype", "device", "requires_grad", "is_cuda", "is_meta", "layout")}
 
 
+class LookupRefusal(ValueError):
+    """A read of a split embedding's weight that its rows on this rank cannot answer."""
+
+
 def _refusal(module: nn.Module, what: str) -> ValueError:
-    return ValueError(f"parallelize: the embedding {module.autoshard_name!r} ({module.autoshard_class.__name__}) "
+    return LookupRefusal(f"parallelize: the embedding {module.autoshard_name!r} ({module.autoshard_class.__name__}) "
                       f"{what}; its forward sees only this rank's rows of the table. Keep it whole with "
                       f"autoshard.plan(model, overrides={{{module.autoshard_name!r}: 'replicate'}})")
 
@@ -66,7 +70,7 @@ class WholeTableLookups(TorchFunctionMode):
             if call["weight"] is weight:
                 self._check_flags(call.get("max_norm"), call.get("scale_grad_by_freq", False), call.get("sparse", False))
                 return _sharded_lookup(self.module, call["input"], call.get("padding_idx"))
-        elif func is torch.embedding and args and args[0] is weight:
+        elif func in (torch.embedding, torch.ops.aten.embedding.default) and args and args[0] is weight:
             # torch.embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False)
             rest = list(args[2:]) + [None] * 3
             padding_idx = kwargs.get("padding_idx", -1 if rest[0] is None else rest[0])
