@@ -337,7 +337,8 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_
     except Exception as error:
         raise ValueError(f"parallelize: the plan does not run on a meta copy of the model "
                          f"({type(error).__name__}: {error}); the model was left unchanged") from error
-    mismatch = forward_mismatch(plan, collectives, shadow) if group.size() > 1 else None
+    # The plan counted its collectives on its own example inputs (as it predicted its shapes).
+    mismatch = forward_mismatch(plan, collectives, shadow) if group.size() > 1 and planned_shapes else None
     if mismatch is not None:
         raise ValueError(f"parallelize: on a meta copy of the model, {mismatch}; the plan was refused and the model "
                          "left unchanged")

@@ -199,11 +199,25 @@ def _one_more_all_reduce(plan):
             c["count"] += 1
 
 
+def _without_whole_table_lookups():
+    """The embedding subclass as parallelize once left it: F.embedding on this rank's rows, no sum."""
+    from autoshard.nn import embedding_subclass
+
+    kept = embedding_subclass.WholeTableLookups.__torch_function__
+    embedding_subclass.WholeTableLookups.__torch_function__ = lambda self, func, types, args=(), kwargs=None: \
+        func(*args, **(kwargs or {}))
+    try:
+        return _refused(lambda: LanguageModel(embedding=DirectEmbedding))
+    finally:
+        embedding_subclass.WholeTableLookups.__torch_function__ = kept
+
+
 def _refusals():
     return {
         "indexing": _refused(lambda: LanguageModel(embedding=IndexingEmbedding)),
         "hooked": _refused(lambda: LanguageModel(linear=hooked)),
         "miscounted": _refused(LanguageModel, tamper=_one_more_all_reduce),
+        "silent layer": _without_whole_table_lookups(),
     }
 
 
@@ -222,6 +236,10 @@ def test_what_cannot_be_exact_is_refused_before_any_change(world_size):
     assert "remove the hooks before parallelize" in text and "overrides=" in text, text
     text = found["miscounted"][0]
     assert "the plan predicts {'all_reduce': 3" in text and "issues the collectives {'all_reduce': 2" in text, text
+    # The missing all-reduce of a lookup on this rank's rows alone: no shape shows it, the count does.
+    text = found["silent layer"][0]
+    assert "issues the collectives {'all_reduce': 1" in text and "the plan predicts {'all_reduce': 2" in text, text
+    assert "layer(s) 'emb' (DirectEmbedding) issued none" in text and "overrides={'emb': 'replicate'}" in text, text
 
 
 def _override_hooked():
