@@ -130,6 +130,12 @@ def _sharded_layer(layer, module: nn.Module, group: ProcessGroup) -> nn.Module:
                                                     gather_output=layer.style == "column_gather")
     if layer.style == "vocab":
         if type(module).forward is not nn.Embedding.forward:
+            if layer.sequence == "reduce_scatter":
+                # Its forward goes on after the lookup with ops the plan never saw (one call, one
+                # layer): on this rank's tokens only, one that mixes tokens would be wrong.
+                raise ValueError(f"parallelize: the plan cuts the lookup of {layer.module!r} "
+                                 f"({type(module).__name__}, a forward of its own) to this rank's tokens; make the "
+                                 "plan with sequence_parallel=False")
             return shard_embedding_subclass(module, layer.module, group)
         return VocabParallelEmbedding.from_embedding(module, group)
     split = layer.weight_shape[layer.weight_dim()]
