@@ -35,10 +35,16 @@ def gather_full(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
     return full
 
 
+def _own_hook(hook) -> bool:
+    """A hook the model came with, not one autoshard registered (those know about shards)."""
+    return not (getattr(hook, "__module__", None) or "").startswith("autoshard.")
+
+
 def has_state_dict_hooks(model: nn.Module) -> bool:
-    """Whether a module of the model's own (not a sharded one autoshard made) has state_dict hooks."""
-    return any((m._state_dict_hooks or m._state_dict_pre_hooks) and not hasattr(m, "shard_specs")
-               for m in model.modules())
+    """Whether a module of the model's own (not a sharded one autoshard made) has state_dict
+    hooks of the model's own."""
+    return any(_own_hook(hook) for m in model.modules() if not hasattr(m, "shard_specs")
+               for hook in (*m._state_dict_hooks.values(), *m._state_dict_pre_hooks.values()))
 
 
 @contextmanager
