@@ -218,6 +218,9 @@ def _refusals():
         "hooked": _refused(lambda: LanguageModel(linear=hooked)),
         "miscounted": _refused(LanguageModel, tamper=_one_more_all_reduce),
         "silent layer": _without_whole_table_lookups(),
+        # Ops after the lookup, inside the same call, are unseen by the plan: never on a token piece.
+        "cut lookup": _refused(lambda: LanguageModel(embedding=DirectEmbedding),
+                               tamper=lambda plan: setattr(plan.layer("emb"), "sequence", "reduce_scatter")),
     }
 
 
@@ -240,6 +243,8 @@ def test_what_cannot_be_exact_is_refused_before_any_change(world_size):
     text = found["silent layer"][0]
     assert "issues the collectives {'all_reduce': 1" in text and "the plan predicts {'all_reduce': 2" in text, text
     assert "layer(s) 'emb' (DirectEmbedding) issued none" in text and "overrides={'emb': 'replicate'}" in text, text
+    text = found["cut lookup"][0]
+    assert "lookup of 'emb' (DirectEmbedding" in text and "sequence_parallel=False" in text, text
 
 
 def _override_hooked():
