@@ -19,6 +19,7 @@ from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, resolve, set_default_group
 from .nn.einsum import ShardedEinsumDense
 from .nn.embedding import VocabParallelEmbedding
+from .nn.embedding_subclass import LookupRefusal, shard_embedding_subclass
 from .nn.experts import shard_experts
 from .nn.head_parameters import shard_head_parameter
 from .nn import head_cuts, sequence
@@ -26,11 +27,14 @@ from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .nn.lora import is_lora_linear, shard_lora
 from .nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from .nn.rms_norm import ShardedRMSNorm
-from .model_state import ParallelState, attach_layer_state, state_of
+from .model_state import ParallelState, state_of
 from .partitioned_state import partition_replicated
 from .optimizer_views import install_global_optimizer_hook
+from .replaced_modules import check_no_hooks_lost
+from .state import has_state_dict_hooks
 from .state_views import install_state_dict_views
 from .plan import LayerPlan, ShardingPlan, plan as make_plan
+from .plan.dry_run_collectives import ForwardCollectives, forward_mismatch, watched_layers
 from .plan.capture import every_block_run, input_shapes, inputs_on_meta, meta_shadow, trace_shapes
 from .plan.inputs import ordinary_token
 from .plan.meta_values import KnownValues
@@ -107,6 +111,7 @@ def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> N
             got = None if param is None else list(param.shape)
             raise ValueError(f"parallelize: the plan splits parameter {record['name']!r} with its heads "
                              f"({record['size']} on dim {record['dim']}); the model's has shape {got}")
+    check_no_hooks_lost(model, plan)
 
 
 def _attention_of(model: nn.Module, layer) -> Optional[nn.MultiheadAttention]:
@@ -116,25 +121,6 @@ def _attention_of(model: nn.Module, layer) -> Optional[nn.MultiheadAttention]:
         return None
     module = model.get_submodule(owner) if owner else model
     return module if isinstance(module, nn.MultiheadAttention) else None
-
-
-class _VocabParallelLookup(nn.Embedding):
-    """nn.Embedding's place in the class of an embedding subclass that adds to its forward."""
-
-    forward = VocabParallelEmbedding.forward
-
-
-def _shard_embedding_subclass(module: nn.Embedding, group: ProcessGroup) -> nn.Module:
-    """An nn.Embedding subclass with a forward of its own (Gemma scales its lookup) keeps it:
-    the module's class gains the sharded lookup where its call to nn.Embedding.forward lands."""
-    sharded = VocabParallelEmbedding.from_embedding(module, group)
-    cls = type(f"VocabParallel{type(module).__name__}", (type(module), _VocabParallelLookup), {})
-    module.__class__ = cls
-    module.weight = sharded.weight
-    for attr in ("vocab_start", "group", "shard_specs", "padding_idx"):
-        setattr(module, attr, getattr(sharded, attr))
-    attach_layer_state(module)
-    return module
 
 
 def _sharded_layer(layer, module: nn.Module, group: ProcessGroup) -> nn.Module:
@@ -147,7 +133,13 @@ def _sharded_layer(layer, module: nn.Module, group: ProcessGroup) -> nn.Module:
                                                     gather_output=layer.style == "column_gather")
     if layer.style == "vocab":
         if type(module).forward is not nn.Embedding.forward:
-            return _shard_embedding_subclass(module, group)
+            if layer.sequence == "reduce_scatter":
+                # Its forward goes on after the lookup with ops the plan never saw (one call, one
+                # layer): on this rank's tokens only, one that mixes tokens would be wrong.
+                raise ValueError(f"parallelize: the plan cuts the lookup of {layer.module!r} "
+                                 f"({type(module).__name__}, a forward of its own) to this rank's tokens; make the "
+                                 "plan with sequence_parallel=False")
+            return shard_embedding_subclass(module, layer.module, group)
         return VocabParallelEmbedding.from_embedding(module, group)
     split = layer.weight_shape[layer.weight_dim()]
     # A split element by element needs no units; whole heads and fused parts do.
@@ -319,8 +311,21 @@ def _is_layer(module: nn.Module) -> bool:
     return is_layer_module(module)
 
 
-def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_inputs=None) -> None:
+def _state_shapes(shadow: nn.Module) -> Optional[Dict[str, list]]:
+    """The unsharded model's state_dict entries' shapes where state_dict hooks make them (see
+    state.full_state_dict), from its meta copy; None without hooks or where they fail on meta."""
+    if not has_state_dict_hooks(shadow):
+        return None
+    try:
+        return {k: list(v.shape) for k, v in shadow.state_dict().items() if isinstance(v, torch.Tensor)}
+    except Exception:  # noqa: BLE001 - a hook that needs values: full_state_dict checks nothing then
+        return None
+
+
+def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_inputs=None) -> Optional[dict]:
+    """Tries `plan` on a meta copy of `model`; returns _state_shapes of that copy."""
     shadow = meta_shadow(model, always_copy=True)
+    state_shapes = _state_shapes(shadow)
     prediction = getattr(plan, "_prediction", None)
     values = KnownValues()
     try:
@@ -331,11 +336,15 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_
         if prediction is not None and planned_shapes:
             # Every intermediate shape against the plan's prediction for this rank.
             traced, error = trace_shapes(shadow, args, kwargs, _is_layer, values)
+            if isinstance(error, LookupRefusal):
+                raise error
             check_model_trace(prediction, traced, group.rank())
             if error is not None:
                 raise error
-        with torch.no_grad(), values:
+        with torch.no_grad(), values, ForwardCollectives().watch(shadow, watched_layers(plan)) as collectives:
             outputs = shadow(*args, **kwargs)
+    except LookupRefusal as error:
+        raise ValueError(f"{error}; the plan was refused and the model left unchanged") from None
     except ShapeMismatch as error:
         refusal = ValueError(f"parallelize: on a meta copy of the model, {error}; the plan was refused and the model "
                              "left unchanged")
@@ -344,6 +353,11 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_
     except Exception as error:
         raise ValueError(f"parallelize: the plan does not run on a meta copy of the model "
                          f"({type(error).__name__}: {error}); the model was left unchanged") from error
+    # The plan counted its collectives on its own example inputs (as it predicted its shapes).
+    mismatch = forward_mismatch(plan, collectives, shadow) if group.size() > 1 and planned_shapes else None
+    if mismatch is not None:
+        raise ValueError(f"parallelize: on a meta copy of the model, {mismatch}; the plan was refused and the model "
+                         "left unchanged")
     if hasattr(outputs, "to_tuple"):
         outputs = outputs.to_tuple()
     flat = [o for o in torch.utils._pytree.tree_flatten(outputs)[0] if isinstance(o, torch.Tensor)]
@@ -352,6 +366,7 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_
     if want is not None and planned_shapes and got != want:
         raise ValueError(f"parallelize: on a meta copy, the sharded model's outputs have shapes {got} instead of "
                          f"{want}; the model was left unchanged")
+    return state_shapes
 
 
 def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Optional[ProcessGroup] = None,
@@ -421,7 +436,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
                          sequence_parallel=sequence_parallel)
     _check_plan_fits(model, plan, group.size())
     try:
-        _dry_run(model, plan, group, example_inputs)
+        state_shapes = _dry_run(model, plan, group, example_inputs)
     except ValueError as refusal:
         if not (planned_here and getattr(refusal, "folded_block", False)):
             raise
@@ -429,12 +444,13 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
             plan = make_plan(model, world_size=group.size(), example_inputs=example_inputs,
                              sequence_parallel=sequence_parallel)
         _check_plan_fits(model, plan, group.size())
-        _dry_run(model, plan, group, example_inputs)
+        state_shapes = _dry_run(model, plan, group, example_inputs)
     _apply(model, plan, group)
     for module in model.modules():
         if hasattr(type(module), "reduce_dtype"):
             module.reduce_dtype = reduce_dtype
     state = ParallelState(model, plan, group, mesh, data_parallel).attach()
+    state.unsharded_state_shapes = state_shapes  # what full_state_dict checks hooks' entries against
     # Tools that read state_dict() by name (torch's DCP) see the global tensors, not one shard.
     install_state_dict_views(model, state.shards())
     install_global_optimizer_hook()

@@ -1,7 +1,13 @@
 """The unsharded view of a parallelized model: full_state_dict() puts every sharded
 parameter back together, under the model's original names and in its original layout
-(fused QKV parts included), on every rank."""
+(fused QKV parts included), on every rank.
 
+A model whose modules have state_dict hooks (a fused q/k/v weight saved as q, k and v) saves
+under names and in layouts of the hooks' making: there every sharded parameter is gathered
+first, and the hooks run on the whole tensors, with the global sizes parallelize made local
+restored for the call (see unsharded_view), so that they save what they save unsharded."""
+
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Dict
 
@@ -29,9 +35,72 @@ def gather_full(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
     return full
 
 
+def _own_hook(hook) -> bool:
+    """A hook the model came with, not one autoshard registered (those know about shards)."""
+    return not (getattr(hook, "__module__", None) or "").startswith("autoshard.")
+
+
+def has_state_dict_hooks(model: nn.Module) -> bool:
+    """Whether a module of the model's own (not a sharded one autoshard made) has state_dict
+    hooks of the model's own."""
+    return any(_own_hook(hook) for m in model.modules() if not hasattr(m, "shard_specs")
+               for hook in (*m._state_dict_hooks.values(), *m._state_dict_pre_hooks.values()))
+
+
+@contextmanager
+def unsharded_view(model: nn.Module, whole: Dict[int, torch.Tensor]):
+    """While inside: each sharded parameter (by id in `whole`) holds its whole tensor, and the
+    attributes the plan made local hold their global values again."""
+    from .model_state import state_of
+    from .plan.prediction import set_attribute
+
+    params = {id(p): p for p in model.parameters()}
+    local = {key: params[key].data for key in whole}
+    state = state_of(model)
+    regions = [] if state is None or state.plan is None else list(state.plan.regions.values())
+    rank, world = (state.group.rank(), state.group.size()) if regions else (0, 1)
+    try:
+        for key, tensor in whole.items():
+            params[key].data = tensor
+        for region in regions:
+            for attr, value in region.attributes.items():
+                set_attribute(model.get_submodule(region.module), attr, value)
+        yield
+    finally:
+        for key, tensor in local.items():
+            params[key].data = tensor
+        for region in regions:
+            for attr, value in region.attributes.items():
+                set_attribute(model.get_submodule(region.module), attr, region.local_value(value, rank, world))
+
+
+def _hooked_state_dict(model: nn.Module, sharded) -> Dict[str, torch.Tensor]:
+    whole = {}
+    for param in model.parameters():
+        if id(param) in sharded:
+            spec, group = sharded[id(param)]
+            whole[id(param)] = gather_full(param, spec, group)
+    with unsharded_view(model, whole):
+        state = model.state_dict()
+    from .model_state import state_of
+
+    expected = getattr(state_of(model), "unsharded_state_shapes", None)
+    got = {k: list(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    if expected is not None and got != expected:
+        differ = sorted(k for k in set(got) | set(expected) if got.get(k) != expected.get(k))
+        shown = ", ".join(f"{k!r}: {got.get(k)} (unsharded {expected.get(k)})" for k in differ[:4])
+        raise ValueError(f"full_state_dict: the model's state_dict hooks save other entries from the parallelized "
+                         f"model than from the unsharded one ({shown}{' ...' if len(differ) > 4 else ''}); they "
+                         "read sizes or modules that parallelize changed. Save the unsharded layout with "
+                         "autoshard.full_state_dict after removing the hooks, and apply their renaming to its result")
+    return state
+
+
 def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The state dict the unsharded model would have, on every rank (a collective call)."""
     sharded = module_shards(model.modules())
+    if has_state_dict_hooks(model):
+        return _hooked_state_dict(model, sharded)
     state = model.state_dict()
     gathered: Dict[int, torch.Tensor] = {}  # a tied parameter is gathered once
     for name, param in model.named_parameters(remove_duplicate=False):

@@ -195,8 +195,10 @@ class _ViewsOnSave:
         for attr, spec in self.specs.items():
             key = prefix + attr
             value = state_dict.get(key)
-            # keep_vars=True asks for the parameters themselves (DDP, FSDP, accelerate): left as they are.
-            if isinstance(value, torch.Tensor) and not isinstance(value, (nn.Parameter, ShardView)):
+            # keep_vars=True asks for the parameters themselves (DDP, FSDP, accelerate): left as they
+            # are; so is a whole tensor (full_state_dict runs the model's own hooks on whole tensors).
+            if isinstance(value, torch.Tensor) and not isinstance(value, (nn.Parameter, ShardView)) \
+                    and value.dim() > spec.dim and value.shape[spec.dim] == spec.local_size():
                 state_dict[key] = ShardView(value, spec)
 
 

@@ -1,0 +1,53 @@
+"""The modules parallelize replaces by sharded ones, and the hooks that would be lost with them.
+
+A Linear, Conv1D, einsum layer, plain nn.Embedding or RMS norm that the plan splits is swapped
+for a new module (ColumnParallelLinear, VocabParallelEmbedding, ShardedRMSNorm, ...), which
+has none of the old one's hooks: a forward hook that scales its output, a pre-hook that edits
+its input, or a state_dict hook that saves a fused weight under other names would silently
+stop applying. Such a plan is refused before any weight changes. Modules changed in place (an
+nn.MultiheadAttention split by heads, an embedding subclass with a forward of its own, an
+experts module) keep their hooks.
+"""
+
+from typing import List
+
+from torch import nn
+
+from .nn.multihead_attention import IN_PROJECTION
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+          "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+          "_load_state_dict_post_hooks")
+
+
+def replaced_modules(model: nn.Module, plan) -> List[str]:
+    """The names of the modules `plan` replaces in `model`."""
+    names = []
+    for layer in plan.layers:
+        if layer.style == "replicate" or layer.kind == "experts":
+            continue
+        owner, _, child = layer.module.rpartition(".")
+        if child == IN_PROJECTION:
+            continue  # the attention itself is changed in place; its out_proj is replaced
+        module = model.get_submodule(layer.module)
+        if isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward:
+            continue  # see nn.embedding_subclass
+        names.append(layer.module)
+    names += [norm["module"] for norm in plan.norms]
+    return sorted(set(names))
+
+
+def check_no_hooks_lost(model: nn.Module, plan) -> None:
+    """Refuses a plan that would replace a module holding hooks of its own."""
+    found = []
+    for name in replaced_modules(model, plan):
+        module = model.get_submodule(name)
+        kinds = [attr.strip("_").removesuffix("s") for attr in _HOOKS if getattr(module, attr, None)]
+        if kinds:
+            found.append(f"{name!r} ({type(module).__name__}: {', '.join(kinds)})")
+    if found:
+        overrides = {text.split("'")[1]: "replicate" for text in found}
+        raise ValueError(f"parallelize: the plan replaces module(s) {'; '.join(found)} by sharded ones, which would "
+                         "not run their hooks; remove the hooks before parallelize (and register them again on the "
+                         f"sharded modules if they still apply), or keep these modules whole with "
+                         f"autoshard.plan(model, overrides={overrides}); the model was left unchanged")
