@@ -24,11 +24,16 @@ class _Bucket:
     def __init__(self, params: List[torch.nn.Parameter]) -> None:
         self.params = params
         self.contributions: Dict[int, torch.Tensor] = {}
+        # Each gradient as it was before this pass (None: there was none), to which the sum is
+        # added: own + (sum - own) would round differently on each rank, and replicated
+        # parameters would drift apart.
+        self.before: Dict[int, Optional[torch.Tensor]] = {}
         self.arrived = set()
         self.done = False
 
     def reset(self) -> None:
         self.contributions.clear()
+        self.before.clear()
         self.arrived.clear()
         self.done = False
 
@@ -47,14 +52,16 @@ class PartialGradientReducer:
         self._finish_queued = False
         for bucket in self.buckets:
             for index, p in enumerate(bucket.params):
-                self.handles.append(p.register_hook(self._record(bucket, index)))
+                self.handles.append(p.register_hook(self._record(bucket, index, p)))
                 self.handles.append(p.register_post_accumulate_grad_hook(self._arrived(bucket, index)))
 
     @staticmethod
-    def _record(bucket: _Bucket, index: int):
+    def _record(bucket: _Bucket, index: int, param: torch.nn.Parameter):
         def hook(grad: torch.Tensor) -> None:
             # What this pass adds to the gradient, before it is accumulated.
             bucket.contributions[index] = grad.detach()
+            if index not in bucket.before:
+                bucket.before[index] = None if param.grad is None else param.grad.detach().clone()
 
         return hook
 
@@ -83,15 +90,17 @@ class PartialGradientReducer:
                 total = total + 0  # a tensor of our own for the in-place collective
                 comm.all_reduce_(total, "sum", self.dp_group)
                 total.div_(self.dp_group.size())
-            rest = total - flat
             offset = 0
-            for p in bucket.params:
+            for index, p in enumerate(bucket.params):
                 n = p.numel()
-                piece = rest[offset:offset + n].view_as(p).to(p.dtype)
+                piece = total[offset:offset + n].view_as(p).to(p.dtype)
+                # A parameter with no gradient in this pass kept the one it had.
+                before = bucket.before[index] if index in bucket.before else p.grad
+                summed = piece if before is None else before + piece
                 if p.grad is None:
-                    p.grad = piece.clone()
+                    p.grad = summed.clone() if summed is piece else summed
                 else:
-                    p.grad.add_(piece)
+                    p.grad.copy_(summed)
                 offset += n
         bucket.done = True
 
