@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .input_check import check_same_inputs
-from .wrapper_check import WrapperCheck, install_ddp_guard
+from .ddp_guard import install_ddp_guard
+from .wrapper_check import WrapperCheck
 
 # Inputs that hold the model's own state from an earlier call (each rank's shard of the
 # attention keys and values), not data: left out of the comparison.
@@ -103,5 +104,5 @@ def install(model: nn.Module, group: dist.ProcessGroup, check_inputs: bool) -> F
     """Installs the checks on `model`, sharded over `group` (of more than one rank)."""
     checks = ForwardChecks(model, group, check_inputs)
     model.register_forward_pre_hook(checks.hook, with_kwargs=True, prepend=True)
-    install_ddp_guard(model, dist.get_process_group_ranks(group))
+    install_ddp_guard(model)
     return checks
