@@ -12,6 +12,7 @@ anything, naming the two ways out.
 from typing import Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .model_state import parameter_state
 from .partitioned_state import piece_of
@@ -70,4 +71,4 @@ def install() -> None:
     global _handle, _epoch
     _epoch += 1
     if _handle is None:
-        _handle = torch.optim.optimizer.register_optimizer_step_pre_hook(_before_step)
+        _handle = register_optimizer_step_pre_hook(_before_step)
