@@ -19,7 +19,7 @@ plan's count of collectives stays that of the model.
 
 import pickle
 import zlib
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,23 +40,43 @@ _ADVICE = ("every tensor-parallel rank must get the same batch. To give ranks ba
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
-    x = (x ^ (x >> 30)) * _K2
-    x = (x ^ (x >> 27)) * _K3
-    return x ^ (x >> 31)
+    x = (x ^ (x >> 31)) * _K2
+    return x ^ (x >> 29)
 
 
-def _value_hash(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 hashes of every bit of `t` and of each element's position."""
+# (length, device) -> (a pseudo-random int64 per position, an odd weight per position): made
+# once for the lengths a training run sees, so that hashing costs a few elementwise ops.
+_positions: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+_CACHED_LENGTH = 1 << 20
+
+
+def _position_weights(n: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    found = _positions.get((n, device))
+    if found is None:
+        position = torch.arange(1, n + 1, device=device, dtype=torch.int64)
+        found = (_mix(_mix(position * _K3)), position * 2 + 1)
+        if n <= _CACHED_LENGTH:
+            if len(_positions) >= 16:
+                _positions.clear()
+            _positions[(n, device)] = found
+    return found
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Every element's bits as an int64, flattened."""
     x = t.detach()
     if x.is_complex():
         x = torch.view_as_real(x)
     flat = x.reshape(-1)
     if flat.dtype == torch.bool or flat.dtype.is_floating_point:
         flat = flat.view(_BITS[flat.element_size()])
-    values = flat.to(torch.int64)
-    position = torch.arange(values.numel(), device=values.device, dtype=torch.int64)
-    mixed = _mix(values * _K1 + _mix(position + 1))
-    return torch.stack([mixed.sum(), (values * (position * 2 + 1)).sum()])
+    return flat.to(torch.int64)
+
+
+def _value_hash(values: torch.Tensor) -> torch.Tensor:
+    """Two int64 hashes of 1-d int64 `values` and of each one's position."""
+    salt, odd = _position_weights(values.numel(), values.device)
+    return torch.stack([_mix(values * _K1 + salt).sum(), (values * odd).sum()])
 
 
 def _layout_hash(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> int:
@@ -66,17 +86,24 @@ def _layout_hash(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> int:
 
 
 def fingerprint(names: Sequence[str], tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """[number of inputs, layout hash, value hash, value hash], int64 on `device`."""
+    """[number of inputs, layout hash, value hash, value hash], int64 on `device`: the inputs'
+    bits hashed back to back, on the device of the first."""
     head = torch.tensor([len(tensors), _layout_hash(names, tensors)], dtype=torch.int64)
     if not tensors:
         return torch.cat([head, torch.zeros(2, dtype=torch.int64)]).to(device)
-    values = torch.stack([_value_hash(t).to(device) * (2 * i + 1) for i, t in enumerate(tensors)]).sum(0)
-    return torch.cat([head.to(device), values])
+    home = tensors[0].device
+    values = torch.cat([_bits(t).to(home) for t in tensors]) if len(tensors) > 1 else _bits(tensors[0])
+    return torch.cat([head.to(device), _value_hash(values).to(device)])
+
+
+_backends: Dict[str, str] = {}  # group name -> its backend
 
 
 def _wire_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
     """Where the fingerprints travel: the inputs' device when the group's backend serves it."""
-    backend = str(dist.get_backend(group))
+    backend = _backends.get(group.group_name)
+    if backend is None:
+        backend = _backends[group.group_name] = str(dist.get_backend(group))
     if device.type == "cuda" and "nccl" in backend:
         return device
     if "gloo" in backend:
@@ -104,7 +131,7 @@ def _gather_objects(obj, group: dist.ProcessGroup, device: torch.device) -> list
 
 
 def _describe(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> List[Tuple]:
-    return [(n, list(t.shape), str(t.dtype), tuple(_value_hash(t).tolist())) for n, t in zip(names, tensors)]
+    return [(n, list(t.shape), str(t.dtype), tuple(_value_hash(_bits(t)).tolist())) for n, t in zip(names, tensors)]
 
 
 def _first_difference(described: List[List[Tuple]], ranks: List[int]) -> str:
