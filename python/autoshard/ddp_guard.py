@@ -34,7 +34,7 @@ def partial_gradient_names(model: nn.Module, state: ParallelState) -> List[str]:
     return [name for name, p in model.named_parameters() if id(p) in ids]
 
 
-def _already_averaged(ddp_ranks: Set[int], state: ParallelState) -> ValueError:
+def _already_averaged(ddp_ranks: Set[int]) -> ValueError:
     return ValueError(f"autoshard: {DDP} over ranks {sorted(ddp_ranks)} wraps a model that parallelize already "
                       "averages over the 'dp' dimension of its mesh (parallelize(model, mesh=mesh)): its gradients "
                       "would be averaged twice and the pieces of its partitioned optimizer state mixed. Drop the "
@@ -45,7 +45,7 @@ def _already_averaged(ddp_ranks: Set[int], state: ParallelState) -> ValueError:
 def check_over_data_parallel(ddp_ranks: Set[int], model: nn.Module, state: ParallelState) -> None:
     """At a forward under a DDP over data-parallel ranks: raises where the DDP is not exact."""
     if state.data_parallel_group is not None:
-        raise _already_averaged(ddp_ranks, state)
+        raise _already_averaged(ddp_ranks)
     names = partial_gradient_names(model, state)
     reducer = state.partial_gradients
     if names and ranks_of([reducer.dp_group]) != ddp_ranks:
@@ -92,7 +92,7 @@ class DdpGuard:
             raise refusal(DDP, ddp_ranks, sorted(tp_ranks),
                           "it was refused before its first broadcast, and the model is unchanged")
         if state.data_parallel_group is not None:
-            raise _already_averaged(ddp_ranks, state)
+            raise _already_averaged(ddp_ranks)
         partial = partial_gradient_names(model, state)
         if partial:
             state.partial_gradients.dp_group = ddp.process_group

@@ -164,6 +164,35 @@ def test_ddp_over_data_parallel_is_exact():
         assert r["logits"] < 1e-4, r
 
 
+def _ddp_over_data_parallel_inexact():
+    """DDP over "dp" where it cannot be exact: around a model that parallelize already averages
+    over "dp", and around a module holding a model whose norm weights get partial gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_group("dp")
+    try:
+        averaged = build("llama", seed=0, **EVEN)
+        autoshard.parallelize(averaged, mesh=mesh)
+        twice = _error(lambda: DistributedDataParallel(averaged, process_group=dp))
+        held = build("llama", seed=0, **EVEN)
+        autoshard.parallelize(held, mesh=mesh["tp"])
+        wrapped = DistributedDataParallel(_Holder(held), process_group=dp)
+        around = _error(lambda: wrapped(input_ids=_batch(), labels=_batch()))
+        return twice, around
+    finally:
+        set_default_group(None)
+
+
+def test_ddp_over_data_parallel_refused_where_inexact():
+    for twice, around in run_on_ranks(_ddp_over_data_parallel_inexact, 4, timeout=900):
+        assert "DistributedDataParallel over ranks" in twice and "already averages" in twice, twice
+        assert "Drop the DDP wrapper" in twice and "parallelize(model, mesh=mesh['tp'])" in twice, twice
+        assert "receive partial gradients" in around and "Wrap the parallelized model itself" in around, around
+        assert "sequence_parallel=False" in around, around
+
+
 def _inputs(check_inputs: bool = True, checkpointing: bool = False):
     rank = dist.get_rank()
     model, reference = build("llama", seed=0, **EVEN), build("llama", seed=0, **EVEN)
