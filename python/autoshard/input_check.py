@@ -11,6 +11,9 @@ fingerprint on their device (a hash of the bits of every element, so that any di
 a reordering included, shows), and the ranks all-gather the fingerprints: one collective of
 a few integers. Only when they differ are the inputs' descriptions gathered, to name the
 input that differs; every rank sees the same gathered fingerprints, so all of them raise.
+It runs at every forward, not only the first steps: an evaluation loop, or a later epoch whose
+loader splits the data otherwise, is caught too. It costs a few elementwise ops over the
+inputs, one host sync and one small all-gather (benchmarks/bench_input_check.py).
 
 The all-gather goes through torch.distributed itself, not autoshard's ops: it checks the
 model's inputs and is no part of its computation, so CommCounter leaves it out and the
