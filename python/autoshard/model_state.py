@@ -43,6 +43,8 @@ class ParallelState:
         self.partial_gradients = None
         # Whether the loss is computed over vocabulary shards, and why (loss_parallel.LossParallel).
         self.loss_parallel = None
+        # What the model checks at each forward (forward_checks.ForwardChecks; None on one rank).
+        self.forward_checks = None
 
     @property
     def model(self) -> Optional[nn.Module]:

@@ -13,7 +13,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from . import loss_parallel as loss_parallelism, ops, partial_gradients
+from . import forward_checks, loss_parallel as loss_parallelism, ops, partial_gradients, torch_optim_check
 from .agreement import check_ranks_agree
 from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, resolve, set_default_group
@@ -371,7 +371,7 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_
 
 def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Optional[ProcessGroup] = None,
                 mesh=None, *, example_inputs=None, sequence_parallel: bool = True, loss_parallel: bool = True,
-                partition_optimizer_state: bool = True,
+                partition_optimizer_state: bool = True, check_inputs: bool = True,
                 reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Shards `model` in place over `group` (None: the default tensor-parallel group, or the
     "tp" dimension of `mesh`) following `plan` (None: autoshard.plan(model, example_inputs=...));
@@ -385,7 +385,11 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     replicates have their optimizer state partitioned over "dp" (see partitioned_state):
     their gradients are reduce-scattered, autoshard.optim steps each rank's piece, and the
     pieces are all-gathered after the step. torch.optim's optimizers know nothing of pieces:
-    use them only with partition_optimizer_state=False.
+    a step of one over such parameters raises; use them with partition_optimizer_state=False.
+
+    Each forward first checks (see forward_checks) that no DDP or FSDP wrapper spans two of
+    the tensor-parallel ranks, and, with `check_inputs`, that every tensor-parallel rank was
+    given the same tensor inputs: a rank with a batch of its own would be silently wrong.
 
     `reduce_dtype` is the dtype in which parameter gradients are summed: over "dp" (the
     averaging buckets) and over "tp" (replicated parameters whose gradients are partial sums,
@@ -414,6 +418,8 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     if not isinstance(partition_optimizer_state, bool):
         raise TypeError(f"parallelize: partition_optimizer_state must be a bool, "
                         f"got {type(partition_optimizer_state).__name__}")
+    if not isinstance(check_inputs, bool):
+        raise TypeError(f"parallelize: check_inputs must be a bool, got {type(check_inputs).__name__}")
     if state_of(model) is not None or any(hasattr(m, "shard_specs") for m in model.modules()):
         raise ValueError("parallelize: the model is already parallelized (it holds sharded layers); parallelize "
                          "a freshly built model instead")
@@ -468,6 +474,10 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         params = [p for p in model.parameters() if id(p) not in summed]
         state.gradient_averager = GradientAverager(params, data_parallel, partitioned=partitioned,
                                                    reduce_dtype=reduce_dtype)
+        if partitioned:
+            torch_optim_check.install()
+    if group.size() > 1:
+        state.forward_checks = forward_checks.install(model, group, check_inputs)
     if mesh is not None:
         set_default_group(group)  # group=None now means this mesh's "tp" group
     return model

@@ -1,0 +1,108 @@
+"""What a parallelized model checks at each forward, before it computes anything: that no
+data-parallel wrapper spans its tensor-parallel ranks (wrapper_check), and that those ranks
+were given the same inputs (input_check).
+
+``parallelize`` installs them on a model sharded over more than one rank, as a forward
+pre-hook on the model itself, run before its other hooks. Under torch.compile the hook is
+traced, and the checks, which read the Python stack and compare values across ranks, are an
+opaque custom op in the graph (side-effectful, so that it is kept): they run at every call of
+the compiled model with no graph break. Under activation checkpointing that recomputes the
+whole model, a recomputation checks again, on every rank alike.
+"""
+
+import itertools
+import weakref
+from typing import List, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .input_check import check_same_inputs
+from .ddp_guard import install_ddp_guard
+from .wrapper_check import WrapperCheck
+
+# Inputs that hold the model's own state from an earlier call (each rank's shard of the
+# attention keys and values), not data: left out of the comparison.
+MODEL_STATE_INPUTS = frozenset({"past_key_values", "past_key_value", "layer_past"})
+
+_registry: "weakref.WeakValueDictionary[int, ForwardChecks]" = weakref.WeakValueDictionary()
+_keys = itertools.count()
+
+
+_SEPARATOR = "\x1f"  # between the names the op receives as one string (it takes no list of them)
+
+
+@torch.library.custom_op("autoshard::check_forward", mutates_args=())
+def _check_forward(tensors: List[torch.Tensor], names: str, key: int) -> None:
+    checks = _registry.get(key)
+    if checks is not None:
+        checks.run(names.split(_SEPARATOR), tensors)
+
+
+@_check_forward.register_fake
+def _check_forward_fake(tensors, names, key) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.autoshard.check_forward.default)
+
+
+def _collect(name: str, value, names: List[str], tensors: List[torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        names.append(name)
+        tensors.append(value.detach())
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _collect(f"{name}[{i}]", item, names, tensors)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _collect(f"{name}[{key!r}]", item, names, tensors)
+
+
+def tensor_inputs(args: tuple, kwargs: dict) -> Tuple[List[str], List[torch.Tensor]]:
+    """The tensors among a forward's arguments (in lists, tuples and dicts too), with names."""
+    names: List[str] = []
+    tensors: List[torch.Tensor] = []
+    for i, value in enumerate(args):
+        _collect(f"args[{i}]", value, names, tensors)
+    for key, value in kwargs.items():
+        if key not in MODEL_STATE_INPUTS:
+            _collect(key, value, names, tensors)
+    return names, tensors
+
+
+class ForwardChecks:
+    """The checks of one parallelized model over its tensor-parallel `group`."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, check_inputs: bool):
+        self.group = group
+        self.check_inputs = check_inputs
+        self.wrappers = WrapperCheck(model, dist.get_process_group_ranks(group))
+        self.key = next(_keys)
+        _registry[self.key] = self
+
+    def run(self, names: List[str], tensors: List[torch.Tensor]) -> None:
+        if any(t.is_meta for t in tensors):  # a run on meta has no values to compare
+            return
+        self.wrappers()
+        if self.check_inputs:
+            check_same_inputs(names, tensors, self.group)
+
+    def hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        names, tensors = tensor_inputs(args, kwargs)
+        if torch.compiler.is_compiling():
+            if not tensors:  # the dispatcher routes an op by its tensors: give it one
+                tensors = [torch.zeros(0)]
+                names = ["(no tensor input)"]
+            torch.ops.autoshard.check_forward(tensors, _SEPARATOR.join(names), self.key)
+        else:
+            self.run(names, tensors)
+
+
+def install(model: nn.Module, group: dist.ProcessGroup, check_inputs: bool) -> ForwardChecks:
+    """Installs the checks on `model`, sharded over `group` (of more than one rank)."""
+    checks = ForwardChecks(model, group, check_inputs)
+    model.register_forward_pre_hook(checks.hook, with_kwargs=True, prepend=True)
+    install_ddp_guard(model)
+    return checks
