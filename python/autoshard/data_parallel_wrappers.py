@@ -23,9 +23,9 @@ _ALTERNATIVE = ("Wrap the model over its data-parallel group only, whose ranks e
                 "autoshard: parallelize(model, mesh=mesh) with a ('dp', 'tp') DeviceMesh, and no wrapper. "
                 "transformers.Trainer and accelerate wrap the model in DistributedDataParallel or FSDP over every "
                 "process when started by torchrun")
-_HOW = {DDP: "DistributedDataParallel(model, process_group=mesh.get_group('dp'))",
-        "FullyShardedDataParallel": "FullyShardedDataParallel(model, process_group=mesh.get_group('dp'))",
-        "fully_shard": "fully_shard(model, mesh=mesh['dp'])"}
+# FSDP is refused over the data-parallel ranks too (fsdp_refusal): DDP is the wrapper to name.
+_HOW = {tool: "DistributedDataParallel(model, process_group=mesh.get_group('dp'))"
+        for tool in (DDP, "FullyShardedDataParallel", "fully_shard")}
 _FSDP_WHY = ("FSDP takes each rank's shard of a parameter for the whole parameter and splits it again, so that its "
              "all-gather mixes different shards")
 _WHY = {DDP: "DDP takes the ranks' different shards of a parameter for copies of one tensor: it broadcasts rank 0's "
@@ -92,3 +92,18 @@ def refusal(tool: str, wrapper_ranks: Set[int], tp_ranks: Iterable[int], when: s
     return ValueError(f"autoshard: {tool} spans ranks {sorted(wrapper_ranks)}, which hold {len(shared)} ranks "
                       f"{shared} of the tensor-parallel group {tp_ranks} of a parallelized model. {_WHY[tool]}; "
                       f"{when}. {_ALTERNATIVE.format(how=_HOW[tool])}")
+
+
+def fsdp_refusal(tool: str, wrapper_ranks: Set[int]) -> ValueError:
+    """The error for FSDP over data-parallel ranks only. FSDP replaces the parameters with
+    DTensors of its own: the sums over the tensor-parallel group of replicated parameters'
+    partial gradients (norm weights with sequence parallelism) are hooked on the parameters it
+    replaced, and clipping, autoshard's optimizers and full_state_dict would read its pieces of
+    each shard as shards. Training would go on, silently wrong."""
+    return ValueError(f"autoshard: {tool} over ranks {sorted(wrapper_ranks)} of a parallelized model is not supported: "
+                      "it replaces the parameters with DTensors of its own, so the sums of partial gradients over the "
+                      "tensor-parallel group, gradient clipping, autoshard.optim and full_state_dict would no longer "
+                      "see the shards, and training would be silently wrong. For data parallelism with tensor "
+                      "parallelism use parallelize(model, mesh=mesh) with a ('dp', 'tp') DeviceMesh (gradients "
+                      "averaged over dp, optimizer state partitioned over dp), or "
+                      "DistributedDataParallel(model, process_group=mesh.get_group('dp')).")

@@ -20,7 +20,7 @@ from typing import Optional, Sequence, Set, Tuple
 
 from torch import nn
 
-from .data_parallel_wrappers import DDP, describe, refusal, spans_tensor_parallel
+from .data_parallel_wrappers import DDP, describe, fsdp_refusal, refusal, spans_tensor_parallel
 from .ddp_guard import check_over_data_parallel
 from .model_state import state_of
 
@@ -46,6 +46,8 @@ class WrapperCheck:
     def _check(self, found: Optional[Tuple[str, Set[int]]]) -> None:
         if found is not None and spans_tensor_parallel(found[1], self.tp_ranks):
             raise refusal(found[0], found[1], self.tp_ranks, _WHEN)
+        if found is not None and found[0] != DDP:
+            raise fsdp_refusal(found[0], found[1])
 
     def _around(self, module: nn.Module, model: nn.Module) -> Optional[Tuple[str, Set[int]]]:
         seen = self._seen.get(module)

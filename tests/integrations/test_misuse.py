@@ -271,3 +271,25 @@ def test_checks_run_under_torch_compile_without_graph_breaks():
         assert r["breaks"] == 0, r
         assert r["loss"] < 1e-5, r
         assert "holds different values" in r["refused"], r
+
+
+def _fully_shard_over_data_parallel():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = build("llama", seed=0, **EVEN)
+    autoshard.parallelize(model, mesh=mesh["tp"])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    ids = _batch()
+    return _error(lambda: model(input_ids=ids, labels=ids))
+
+
+def test_fully_shard_over_data_parallel_ranks_is_refused():
+    """FSDP2 over "dp" only would lose the partial-gradient sums and mislead clipping: refused,
+    naming autoshard's own mesh path and DDP over dp."""
+    for text in run_on_ranks(_fully_shard_over_data_parallel, 4, timeout=600):
+        assert "fully_shard over ranks" in text and "is not supported" in text, text
+        assert "parallelize(model, mesh=mesh)" in text and "mesh.get_group('dp')" in text, text
