@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
+from autoshard.state_views import unwrap_shard_views
 from autoshard.distributed import set_default_group
 from gathered import gathered_grads
 from hf_models import build
@@ -50,9 +51,10 @@ def _ddp_over_tensor_parallel(around: bool):
 
     model = build("llama", seed=0, **EVEN)
     autoshard.parallelize(model)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # Each rank's own tensors (the state dict shows sharded ones with their global shapes).
+    before = {k: v.clone() for k, v in unwrap_shard_views(model.state_dict()).items()}
     refused = _error(lambda: DistributedDataParallel(model))
-    unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    unchanged = all(torch.equal(before[k], v) for k, v in unwrap_shard_views(model.state_dict()).items())
     at_forward = None
     if around:  # constructed, and its broadcast done: caught at the first forward
         wrapped = DistributedDataParallel(_Holder(model))
