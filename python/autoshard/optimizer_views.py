@@ -17,7 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .model_state import shards_of
 from .nn.spec import ShardSpec
-from .state_views import ShardView
+from .state_views import ShardView, local_of
 
 __all__ = ["install_optimizer_views", "install_global_optimizer_hook", "local_state_dict"]
 
@@ -76,15 +76,17 @@ def local_state_dict(optimizer, state_dict):
         found = sharded.get(index)
         param_state = dict(param_state)
         for key, value in param_state.items():
-            if isinstance(value, ShardView):
-                if found is None or value.spec != found[1]:
-                    raise ValueError(f"load_state_dict: state {key!r} of parameter {index} is the shard {value.spec}, "
-                                     "which this optimizer's parameter is not; load through "
-                                     "torch.distributed.checkpoint to reshard")
-                param_state[key] = value.local
-            elif found is not None and isinstance(value, torch.Tensor) and value.dim() > found[1].dim \
-                    and value.shape[found[1].dim] == found[1].full_size and value.shape != found[0].shape:
-                param_state[key] = found[1].take(value)  # a whole tensor: this rank keeps its part
+            if not isinstance(value, torch.Tensor):
+                continue
+            if found is None:
+                if isinstance(value, ShardView):
+                    raise ValueError(f"load_state_dict: state {key!r} of parameter {index} is the shard {value.spec} "
+                                     "of a parameter this optimizer does not split")
+                continue
+            try:
+                param_state[key] = local_of(value, found[1])
+            except ValueError as error:
+                raise ValueError(f"load_state_dict: state {key!r} of parameter {index}: {error}") from None
         state[index] = param_state
     return {**state_dict, "state": state}
 

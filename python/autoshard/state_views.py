@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map_only
 
 from .nn.spec import ShardSpec
 
-__all__ = ["ShardView", "install_state_dict_views", "unwrap_shard_views"]
+__all__ = ["ShardView", "install_state_dict_views", "local_of", "unwrap_shard_views"]
 
 
 class ShardView(torch.Tensor):
@@ -211,15 +211,21 @@ class _LocalOnLoad:
         for attr, spec in self.specs.items():
             key = prefix + attr
             value = state_dict.get(key)
-            if not isinstance(value, torch.Tensor):
-                continue
-            if isinstance(value, ShardView):
-                if value.spec != spec:
-                    error_msgs.append(f"{key}: the state dict holds the shard {value.spec}, this rank's parameter "
-                                      f"is the shard {spec}; a shard loads only into the same split (use "
-                                      "torch.distributed.checkpoint to reshard)")
-                    continue
-                state_dict[key] = value.local
-            elif value.dim() > spec.dim and value.shape[spec.dim] == spec.full_size \
-                    and spec.full_size != spec.local_size():
-                state_dict[key] = spec.take(value)  # a full tensor: this rank keeps its part
+            if isinstance(value, torch.Tensor):
+                try:
+                    state_dict[key] = local_of(value, spec)
+                except ValueError as error:
+                    error_msgs.append(f"{key}: {error}")
+
+
+def local_of(value: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """This rank's tensor of `value` for a parameter split by `spec`: a ShardView's local tensor
+    (of the same split only), this rank's part of a whole tensor, else `value` as it is."""
+    if isinstance(value, ShardView):
+        if value.spec != spec:
+            raise ValueError(f"the state dict holds the shard {value.spec}, this rank's parameter is the shard {spec}; "
+                             "a shard loads only into the same split (use torch.distributed.checkpoint to reshard)")
+        return value.local
+    if value.dim() > spec.dim and value.shape[spec.dim] == spec.full_size and spec.full_size != spec.local_size():
+        return spec.take(value)  # a whole tensor: this rank keeps its part
+    return value
