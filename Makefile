@@ -29,7 +29,7 @@ SOURCES := $(shell find csrc build_tools -name '*.cpp' -o -name '*.h' -o -name '
 TORCH_STAMP := $(VENV)/.torch-spec
 $(shell mkdir -p $(VENV) && [ "$$(cat $(TORCH_STAMP) 2>/dev/null)" = "$(TORCH)" ] || echo "$(TORCH)" > $(TORCH_STAMP))
 
-.PHONY: build test demo bench conformance cuda-check clean
+.PHONY: build test demo bench conformance cuda-check clean sweep
 
 $(VENV)/.deps: requirements-dev.txt constraints.txt $(TORCH_STAMP)
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,12 @@ demo: build
 # (make test runs its small part).
 conformance: build
 	$(PY) -m pytest -q tests/conformance --conformance-full
+
+# Every architecture of the installed transformers, built from a tiny config, sharded at 2 gloo
+# ranks and judged against the unsharded model; resumes after an interruption (FRESH=1 restarts).
+# Writes benchmarks/results/sweep_cpu.txt and .json. Under 2 hours on 2 cores.
+sweep: build
+	$(PY) benchmarks/sweep/run.py --jobs 2 $(if $(FRESH),--fresh)
 
 bench: build
 	$(PY) benchmarks/bench_split.py

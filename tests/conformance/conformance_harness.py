@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 import autoshard
 from autoshard.model_state import state_of
+from autoshard.plan.holdings import held_fraction, replicated
 
 SGD_LR = 0.1
 # Larger than any norm here: clipping scales by exactly 1, so the state after the step is
@@ -83,6 +84,8 @@ class Report:
     norm: tuple = ()  # (autoshard's, torch's)
     state: List[str] = field(default_factory=list)
     worst: Dict[str, float] = field(default_factory=dict)  # per check: the largest error / its tolerance
+    held: float = 1.0  # the largest fraction of the model's parameters any rank holds
+    largest_whole: str = ""  # the reason of the largest part held whole on every rank
 
 
 def _flat_outputs(out) -> List[torch.Tensor]:
@@ -147,6 +150,9 @@ def check(arch) -> Report:
         return report
     for layer in plan.layers:
         report.styles[layer.style] = report.styles.get(layer.style, 0) + 1
+    report.held = held_fraction(plan)
+    whole = replicated(plan)
+    report.largest_whole = whole[0].reason if whole else ""
 
     # 1. forward
     with autoshard.CommCounter() as forward:

@@ -167,6 +167,14 @@ def summary_lines(plan) -> List[str]:
     return lines
 
 
+def held_fraction(plan) -> float:
+    """The largest fraction of the model's parameters any rank holds (1.0 when not recorded)."""
+    total = sum(_numel(r["shape"]) for r in plan.parameters.values())
+    if not total:
+        return 1.0
+    return max(sum(local_counts(plan, r).values()) / total for r in range(plan.world_size))
+
+
 def imbalance_warning(plan) -> str:
     """A warning's text when some rank holds more than 1/N + 10% of the parameters, else ""."""
     if plan.world_size <= 1 or not plan.parameters:

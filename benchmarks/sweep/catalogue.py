@@ -1,0 +1,103 @@
+"""Every architecture of the installed transformers: its base model and, where it has one, its
+causal-LM head, each built from its tiny config with random weights, and example inputs made
+from the config and the model's main input."""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Set
+
+import torch
+import transformers
+from transformers.models.auto import modeling_auto
+from transformers.utils import logging
+
+from tiny_configs import tiny_config
+
+logging.set_verbosity_error()
+
+BATCH, SEQ, DECODER_SEQ = 2, 7, 5  # 7 tokens: neither 2 nor 3 ranks divide it
+AUDIO_SAMPLES = 1600
+
+
+@dataclass(frozen=True)
+class Variant:
+    model_type: str
+    head: str  # "base" or "causal"
+    class_name: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.model_type}:{self.head}"
+
+
+def variants() -> List[Variant]:
+    found = []
+    for head, mapping in (("base", modeling_auto.MODEL_MAPPING_NAMES),
+                          ("causal", modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)):
+        for model_type, class_name in mapping.items():
+            if isinstance(class_name, (tuple, list)):
+                class_name = class_name[0]
+            found.append(Variant(model_type, head, class_name))
+    return sorted(found, key=lambda v: v.name)
+
+
+def by_name(name: str) -> Variant:
+    return next(v for v in variants() if v.name == name)
+
+
+def build(variant: Variant) -> torch.nn.Module:
+    """The model in fp32 (the checks convert it), in eval mode so that dropout is off."""
+    cls = getattr(transformers, variant.class_name)
+    return cls(tiny_config(variant.model_type)).eval()
+
+
+def _configs(config) -> List[object]:
+    found = [config]
+    for value in vars(config).values():
+        if isinstance(value, transformers.PretrainedConfig):
+            found += _configs(value)
+    return found
+
+
+def _first(config, key: str) -> Optional[int]:
+    for c in _configs(config):
+        value = getattr(c, key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _special_ids(config) -> Set[int]:
+    ids = set()
+    for c in _configs(config):
+        for key, value in vars(c).items():
+            if key.endswith("_token_id") or key.endswith("_token_index") or key.endswith("_token_ids"):
+                ids.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
+    return ids
+
+
+def _token_ids(config, shape, generator) -> torch.Tensor:
+    """Ids inside the vocabulary that no special token uses (an image token would ask for images)."""
+    vocab = _first(config, "vocab_size") or 128
+    allowed = torch.tensor([i for i in range(1, vocab) if i not in _special_ids(config)])
+    return allowed[torch.randint(0, len(allowed), shape, generator=generator)]
+
+
+def example_inputs(model: torch.nn.Module, generator: torch.Generator) -> Dict[str, torch.Tensor]:
+    """Inputs for the model's main input; raises LookupError for one this sweep cannot make."""
+    config = model.config
+    main = getattr(model, "main_input_name", "input_ids")
+    if main == "input_ids":
+        inputs = {"input_ids": _token_ids(config, (BATCH, SEQ), generator)}
+    elif main == "pixel_values":
+        channels, size = _first(config, "num_channels") or 3, _first(config, "image_size") or 32
+        inputs = {"pixel_values": torch.randn(BATCH, channels, size, size, generator=generator)}
+    elif main == "input_values":
+        inputs = {"input_values": torch.randn(BATCH, AUDIO_SAMPLES, generator=generator)}
+    elif main == "input_features":
+        bins, frames = _first(config, "num_mel_bins") or 16, 2 * (_first(config, "max_source_positions") or 32)
+        inputs = {"input_features": torch.randn(BATCH, bins, frames, generator=generator)}
+    else:
+        raise LookupError(f"no example inputs for the main input {main!r}")
+    if getattr(config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = _token_ids(config, (BATCH, DECODER_SEQ), generator)
+    return inputs

@@ -1,0 +1,135 @@
+"""The sweep: every architecture of the installed transformers (base model and causal-LM head),
+built from a tiny config, sharded by autoshard at N gloo ranks and judged against the same model
+unsharded (see sweep_check for the classes).
+
+    python benchmarks/sweep/run.py [--jobs 2] [--world-size 2] [--only REGEX] [--fresh]
+
+`--jobs` processes each drive their own pool of ranks; each record is appended to
+benchmarks/results/sweep_progress_cpu.jsonl as soon as it is known, so an interrupted sweep
+resumes where it stopped (`--fresh` starts over). At the end the table of totals and every
+architecture's line go to benchmarks/results/sweep_cpu.txt, the records to sweep_cpu.json.
+"""
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+RESULTS = os.path.join(HERE, "..", "results")
+PROGRESS = os.path.join(RESULTS, "sweep_progress_cpu.jsonl")
+# A tiny model plans, runs and steps in seconds; a hung collective must not stall the sweep.
+TIMEOUT = 240
+
+
+def _done() -> dict:
+    records = {}
+    if os.path.exists(PROGRESS):
+        with open(PROGRESS) as f:
+            for line in f:
+                if line.strip():
+                    record = json.loads(line)
+                    records[record["name"]] = record
+    return records
+
+
+def _append(record: dict) -> None:
+    # One write of one line with O_APPEND: the jobs' lines never interleave.
+    fd = os.open(PROGRESS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _work(names, world_size: int) -> None:
+    """One job: each architecture on this job's pool of ranks, one after another."""
+    from sweep_check import check_variant, classify  # puts tests/support on the path
+    from multirank import run_on_ranks
+
+    for name in names:
+        start = time.monotonic()
+        try:
+            record = classify(name, world_size, run_on_ranks(check_variant, world_size, name, timeout=TIMEOUT))
+        except Exception as error:  # a rank died or hung: the pool is replaced by the next call
+            record = {"name": name, "class": "crash", "why": f"{type(error).__name__}: {str(error)[:600]}"}
+        record["seconds"] = round(time.monotonic() - start, 1)
+        record["world_size"] = world_size
+        _append(record)
+        print(f"{name:40s} {record['class']:16s} {record['seconds']:6.1f}s", flush=True)
+
+
+def _table(records: dict, world_size: int) -> str:
+    from sweep_check import CLASSES
+
+    counts = collections.Counter(r["class"] for r in records.values())
+    causal = collections.Counter(r["class"] for r in records.values() if r["name"].endswith(":causal"))
+    ran = sum(counts[c] for c in CLASSES if c != "skipped")
+    lines = [f"transformers sweep at {world_size} gloo ranks: {len(records)} variants, {ran} ran unsharded", "",
+             f"{'class':18s} {'all':>6s} {'causal':>7s}"]
+    for c in CLASSES:
+        lines.append(f"{c:18s} {counts[c]:6d} {causal[c]:7d}")
+    predicted = sum(1 for r in records.values() if r.get("prediction"))
+    lines.append(f"{'prediction differs':18s} {predicted:6d}")
+    whole = collections.Counter(r.get("largest_whole") or "-" for r in records.values() if r["class"] == "exact_over")
+    lines += ["", "exact_over, by the largest part held whole: " + ", ".join(f"{k} {v}" for k, v in whole.most_common())]
+    lines += ["", f"{'variant':40s} {'class':16s} {'held':>5s}  why"]
+    for name in sorted(records):
+        r = records[name]
+        held = f"{r['held']:.2f}" if "held" in r else ""
+        why = r.get("why") or r.get("largest_whole") or ""
+        lines.append(f"{name:40s} {r['class']:16s} {held:>5s}  {why[:160]}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--only", default=None, help="a regex on variant names (model_type:head)")
+    parser.add_argument("--fresh", action="store_true", help="forget the progress of an earlier sweep")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "k/jobs": one job's share
+    args = parser.parse_args()
+    os.makedirs(RESULTS, exist_ok=True)
+
+    from catalogue import variants
+
+    names = [v.name for v in variants() if args.only is None or re.search(args.only, v.name)]
+    if args.worker is not None:
+        k, jobs = map(int, args.worker.split("/"))
+        done = _done()
+        _work([n for n in names if n not in done][k::jobs], args.world_size)
+        return
+    if args.fresh and os.path.exists(PROGRESS):
+        os.remove(PROGRESS)
+    todo = [n for n in names if n not in _done()]
+    print(f"{len(names)} variants, {len(names) - len(todo)} already judged, {len(todo)} to run on {args.jobs} jobs",
+          flush=True)
+    start = time.monotonic()
+    jobs = [subprocess.Popen([sys.executable, __file__, "--worker", f"{k}/{args.jobs}",
+                              "--world-size", str(args.world_size)] + (["--only", args.only] if args.only else []))
+            for k in range(args.jobs)]
+    for job in jobs:
+        job.wait()
+    records = {n: r for n, r in _done().items() if n in set(names)}
+    text = _table(records, args.world_size)
+    import torch
+    import transformers
+    from common import save_json, save_text
+
+    cpu = torch.device("cpu")
+    save_text("sweep", cpu, text)
+    save_json("sweep", cpu, [{"transformers": transformers.__version__, "world_size": args.world_size,
+                              "seconds": round(time.monotonic() - start, 1)}] + [records[n] for n in sorted(records)])
+    print(text.split("\n\nvariant")[0] if "\n\nvariant" in text else text)
+
+
+if __name__ == "__main__":
+    main()

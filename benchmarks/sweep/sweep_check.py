@@ -1,0 +1,119 @@
+"""One architecture of the sweep on the ranks of a gloo pool, and the judge's class for it.
+
+Each rank first runs the model unsharded (fp64, or fp32 where an op has no fp64 kernel): a
+model that fails there fails in transformers itself with a tiny config and is skipped. The
+rest goes through the conformance check (tests/conformance/conformance_harness.py): logits,
+every gradient, the collectives counted in forward and backward against the plan's, clipping's
+norm and the state after one step, against the unsharded model.
+
+Classes:
+- exact: equal to the unsharded model, and no rank holds more than 1/N + 0.1 of the parameters;
+- exact_over: equal, but some rank holds more (the largest part held whole says why);
+- refused: plan() or parallelize() refused the model with its own error (dry_run_refused: the
+  plan's own prediction of the shapes or collectives failed on the meta copy);
+- crash: anything else raised, a rank died or hung;
+- wrong: some output, gradient, norm or state differs: silently wrong;
+- skipped: the model fails unsharded, or the sweep cannot make its inputs.
+A plan whose predicted collectives differ from those counted is flagged (`prediction`) in
+whichever class it lands.
+"""
+
+import os
+import sys
+import traceback
+from types import SimpleNamespace
+from typing import Dict, List
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.join(HERE, "..", "..", "tests")
+for path in (os.path.join(TESTS, "support"), os.path.join(TESTS, "conformance")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import catalogue  # noqa: E402
+from conformance_harness import FP32_TOLERANCE, check  # noqa: E402
+
+CLASSES = ("exact", "exact_over", "refused", "dry_run_refused", "crash", "wrong", "skipped")
+# The first words of autoshard's own refusals.
+_OWN_ERROR_PREFIXES = ("plan", "parallelize", "autoshard")
+# Used where an op of the model has no fp64 kernel on CPU (grouped matmuls of experts).
+SWEEP_FP32_TOLERANCE = dict(rtol=1e-4, atol=5e-5)
+
+
+def _runs_unsharded(variant, dtype) -> None:
+    torch.manual_seed(0)
+    model = catalogue.build(variant).to(dtype)
+    inputs = catalogue.example_inputs(model, torch.Generator().manual_seed(1))
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+    out = model(**inputs)
+    out = out.to_tuple() if hasattr(out, "to_tuple") else out
+    flat = [t for t in torch.utils._pytree.tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not flat:
+        raise LookupError("no floating-point output with a gradient")
+    sum(t.sum() for t in flat).backward()
+
+
+def check_variant(name: str) -> dict:
+    """Runs on every rank of the default process group; never raises for the model's sake."""
+    variant = catalogue.by_name(name)
+    failures = []
+    fp64 = None
+    for dtype in (torch.float64, torch.float32):
+        try:
+            _runs_unsharded(variant, dtype)
+            fp64 = dtype == torch.float64
+            break
+        except Exception as error:
+            failures.append(f"{dtype}: {type(error).__name__}: {str(error)[:300]}")
+    if fp64 is None:
+        return {"class": "skipped", "why": "fails unsharded: " + failures[-1]}
+    arch = SimpleNamespace(name=name, build=lambda: catalogue.build(variant), fp64=fp64, planning="parallelize",
+                           tolerance=None if fp64 else SWEEP_FP32_TOLERANCE,
+                           inputs=lambda generator: catalogue.example_inputs(catalogue.build(variant), generator))
+    try:
+        report = check(arch)
+    except Exception as error:
+        return {"class": "crash", "why": f"{type(error).__name__}: {str(error)[:500]}",
+                "where": traceback.format_exc(limit=-3)[-1500:], "fp64": fp64}
+    return {"report": vars(report), "fp64": fp64}
+
+
+def classify(name: str, world_size: int, answers: List[dict]) -> Dict[str, object]:
+    """The judge's record of one architecture from every rank's answer."""
+    first = answers[0]
+    if "class" in first:
+        crashed = next((a for a in answers if a["class"] == "crash"), first)
+        return {"name": name, **crashed}
+    reports = [a["report"] for a in answers]
+    record: Dict[str, object] = {"name": name, "fp64": first["fp64"]}
+    refusal = next((r["refused"] for r in reports if r["refused"]), "")
+    if refusal:
+        kind, _, message = refusal.partition(": ")
+        if "on a meta copy" in message:
+            record["class"] = "dry_run_refused"
+        elif kind in ("ValueError", "NotImplementedError", "TypeError") and message.startswith(_OWN_ERROR_PREFIXES):
+            record["class"] = "refused"
+        else:
+            record["class"] = "crash"
+        record["why"] = refusal[:600]
+        return record
+    findings = []
+    for r in reports:
+        findings += [f"rank {r['rank']} {what}: {line}" for what in ("outputs", "gradients", "state") for line in r[what]]
+    norm, want = reports[0]["norm"]
+    if abs(norm - want) > 1e-5 * abs(want) + 1e-7:
+        findings.append(f"clip_grad_norm_ {norm!r}, torch {want!r}")
+    prediction = [f"rank {r['rank']} {phase}: counted {counted}, predicted {predicted}"
+                  for r in reports for phase, (counted, predicted) in r["comm"].items() if counted != predicted]
+    held = max(r["held"] for r in reports)
+    record.update(held=round(held, 4), largest_whole=reports[0]["largest_whole"])
+    if prediction:
+        record["prediction"] = prediction[:4]
+    if findings:
+        record.update({"class": "wrong", "why": "; ".join(findings[:6])})
+    else:
+        record["class"] = "exact" if held <= 1 / world_size + 0.1 else "exact_over"
+    return record

@@ -1,0 +1,124 @@
+"""Tiny configs for every architecture of transformers, made from the config classes themselves.
+
+A config class's defaults describe the released model (4096 wide, 32 layers, 128k tokens). Each
+field below that exists in a config is shrunk to a small value, in every sub-config too
+(`text_config`, `vision_config`, `encoder`, ...). Sizes that must agree are derived together:
+`head_dim` from the width and the head count, grouped-query KV heads kept fewer than the query
+heads, per-layer lists cut to the new layer count, special token ids kept inside the vocabulary.
+
+A model that needs more than the generic rules gets a line of `OVERRIDES` (fields only, no code).
+"""
+
+from typing import Any, Dict
+
+from transformers import AutoConfig, PretrainedConfig
+
+WIDTH, HEADS, KV_HEADS, FFN, LAYERS, VOCAB = 64, 4, 2, 96, 2, 128
+
+# field -> tiny value, applied only where the config's value is an int larger than it.
+SHRINK: Dict[str, int] = {
+    # widths of the residual stream
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_embed_proj_dim",
+                     "projection_dim", "text_embed_dim", "vision_embed_dim", "output_hidden_size",
+                     "embedding_size", "hidden_dim_out"), WIDTH),
+    # feed-forward widths
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff",
+                     "hidden_dim", "ffn_hidden_size", "mlp_dim", "inner_dim"), FFN),
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32),
+    # depth
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
+                     "num_decoder_layers", "num_encoder_layers", "depth"), LAYERS),
+    # heads
+    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads",
+                     "decoder_attention_heads", "num_heads"), HEADS),
+    # positions and tokens
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length",
+                     "max_source_positions", "max_target_positions", "n_ctx", "seq_length"), 64),
+    "vocab_size": VOCAB,
+    # experts
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"), 2),
+    **dict.fromkeys(("n_group", "topk_group"), 1),
+    # multi-head latent attention
+    "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    # images and audio
+    "image_size": 32, "patch_size": 8, "num_mel_bins": 16, "conv_dim_last": 64,
+    # layers made dense before the first experts
+    "first_k_dense_replace": 1,
+}
+
+# model_type -> fields set after the generic rules (for models whose defaults the rules get wrong).
+OVERRIDES: Dict[str, Dict[str, Any]] = {
+    "whisper": dict(max_source_positions=32),  # the encoder's frames are 2 x this
+}
+
+_LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+_HEAD_COUNT_FIELDS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _special_tokens_inside(fields: Dict[str, Any], vocab: int) -> None:
+    for key, value in list(fields.items()):
+        if (key.endswith("_token_id") or key.endswith("_token_index")) and _is_count(value) and value >= vocab:
+            fields[key] = vocab - 1 - sum(map(ord, key)) % 8
+        elif key.endswith("_token_id") and isinstance(value, list):
+            fields[key] = [v if not _is_count(v) or v < vocab else vocab - 1 for v in value]
+
+
+def _first_count(fields: Dict[str, Any], keys) -> int:
+    return next((fields[k] for k in keys if _is_count(fields.get(k))), 0)
+
+
+def shrink(fields: Dict[str, Any]) -> Dict[str, Any]:
+    """A config's fields (`to_dict()`) shrunk, sub-configs included; the input is not changed."""
+    fields = dict(fields)
+    old_layers = _first_count(fields, _LAYER_COUNT_FIELDS)
+    old_heads = _first_count(fields, _HEAD_COUNT_FIELDS)
+    kv = fields.get("num_key_value_heads")
+    for key, tiny in SHRINK.items():
+        if _is_count(fields.get(key)) and fields[key] > tiny:
+            fields[key] = tiny
+    new_layers = _first_count(fields, _LAYER_COUNT_FIELDS)
+    heads = _first_count(fields, _HEAD_COUNT_FIELDS)
+    for key, value in list(fields.items()):
+        # Per-layer lists (layer_types, block sizes, ...) follow the layer count.
+        if isinstance(value, list) and old_layers and len(value) == old_layers and new_layers < old_layers:
+            fields[key] = value[:new_layers]
+        elif isinstance(value, dict) and "model_type" in value:
+            fields[key] = shrink(value)
+    if _is_count(kv):
+        # Grouped-query attention stays grouped; multi-query stays multi-query.
+        fields["num_key_value_heads"] = 1 if kv == 1 else (heads if kv >= old_heads else min(KV_HEADS, heads))
+    width = _first_count(fields, ("hidden_size", "d_model", "n_embd"))
+    for key in ("head_dim", "d_kv", "attention_head_size"):
+        if _is_count(fields.get(key)) and heads and width:
+            fields[key] = width // heads
+    if _is_count(fields.get("qk_rope_head_dim")):
+        # Multi-head latent attention: a head is its no-position part and its rotary part.
+        rope, nope = fields["qk_rope_head_dim"], fields.get("qk_nope_head_dim", 0)
+        if "head_dim" in fields:
+            fields["head_dim"] = rope
+        if "qk_head_dim" in fields:
+            fields["qk_head_dim"] = rope + (nope or 0)
+    if _is_count(fields.get("vocab_size")):
+        _special_tokens_inside(fields, fields["vocab_size"])
+    fields.update(OVERRIDES.get(fields.get("model_type", ""), {}))
+    return fields
+
+
+def tiny_config(model_type: str) -> PretrainedConfig:
+    """The default config of `model_type`, shrunk, with eager attention everywhere."""
+    default = AutoConfig.for_model(model_type)
+    config = type(default).from_dict(shrink(default.to_dict()))
+    _eager(config)
+    return config
+
+
+def _eager(config: PretrainedConfig) -> None:
+    config._attn_implementation = "eager"
+    for value in vars(config).values():
+        if isinstance(value, PretrainedConfig):
+            _eager(value)
