@@ -258,8 +258,8 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
             head_cuts.output_hook(entry, plan.regions[entry["region"]].units, group.group_name))
     for region in plan.regions.values():
         owner = model.get_submodule(region.module)
-        for attr, value in region.attributes.items():
-            set_attribute(owner, attr, region.local_value(value, rank, world))
+        for attr in region.attributes:
+            set_attribute(owner, attr, region.local_attribute(attr, rank, world))
 
 
 def _check_same_split(first: LayerPlan, again: LayerPlan) -> None:

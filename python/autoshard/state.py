@@ -70,8 +70,8 @@ def unsharded_view(model: nn.Module, whole: Dict[int, torch.Tensor]):
         for key, tensor in local.items():
             params[key].data = tensor
         for region in regions:
-            for attr, value in region.attributes.items():
-                set_attribute(model.get_submodule(region.module), attr, region.local_value(value, rank, world))
+            for attr in region.attributes:
+                set_attribute(model.get_submodule(region.module), attr, region.local_attribute(attr, rank, world))
 
 
 def _hooked_state_dict(model: nn.Module, sharded) -> Dict[str, torch.Tensor]:

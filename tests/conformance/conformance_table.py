@@ -102,6 +102,10 @@ TABLE = [
     Arch("gemma3", hf("gemma3_text", **LLAMA_LIKE, head_dim=8, sliding_window=4), token_ids(),
          tolerance=NORM_IN_FP32),
     Arch("mistral", hf("mistral", **{**LLAMA_LIKE, "num_key_value_heads": 2}), token_ids()),
+    # 4 query heads over 2 KV heads at 3 ranks: query heads 2/1/1, so repeat_kv's n_rep is 2 on
+    # rank 0 and 1 (no expand at all) on the others, while 2 is also the KV head count.
+    Arch("mistral_4_over_2", hf("mistral", hidden_size=64, intermediate_size=I, num_hidden_layers=L,
+                                num_attention_heads=4, num_key_value_heads=2), token_ids(), small=(3,)),
     Arch("qwen2", hf("qwen2", **LLAMA_LIKE), token_ids()),
     Arch("qwen3", hf("qwen3", **LLAMA_LIKE, head_dim=8), token_ids(), small=True, tolerance=NORM_IN_FP32),
     Arch("phi", hf("phi", **LLAMA_LIKE, partial_rotary_factor=0.5), token_ids()),

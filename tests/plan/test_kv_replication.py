@@ -16,9 +16,11 @@ from gathered import gathered_grads
 from multirank import run_on_ranks
 from adamw_steps import adamw_with_clipping
 
-# (query heads, KV heads, world size): 6/2 on 3 and 4 ranks, 6/3 and 4/2 on 4. A single KV
-# head (multi-query attention) is not followed through its reshape yet and stays replicated.
-CASES = [(6, 2, 3), (6, 2, 4), (6, 3, 4), (4, 2, 4)]
+# (query heads, KV heads, world size): 6/2 on 3 and 4 ranks, 6/3 and 4/2 on 4, and 4/2 on 3,
+# where the query heads split 2/1/1: repeat_kv's n_rep is 2 on rank 0 and 1 on the others (which
+# skip its expand), while 2 is also the KV head count. A single KV head (multi-query attention)
+# is not followed through its reshape yet and stays replicated.
+CASES = [(6, 2, 3), (6, 2, 4), (6, 3, 4), (4, 2, 4), (4, 2, 3)]
 MAX_NORM = 0.5
 
 

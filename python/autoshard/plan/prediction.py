@@ -116,7 +116,7 @@ class Prediction:
         repeat = self.repeat_axes().get(tensor)
         if repeat is not None:
             axis, region = repeat
-            shape[axis] = self.plan.regions[region].local_value(shape[axis], rank, self.plan.world_size)
+            shape[axis] = self.plan.regions[region].local_repeat(rank, self.plan.world_size)
         return tuple(shape)
 
     def nodes(self, rank: int, first: int = 0, end: Optional[int] = None,
@@ -240,8 +240,8 @@ class _LocalModule:
         for region in plan.regions.values():
             if region.module.startswith(prefix) and region.module != module_name and region.attributes:
                 owner = self.module.get_submodule(region.module[len(prefix):])
-                for attr, value in region.attributes.items():
-                    set_attribute(owner, attr, region.local_value(value, rank, world))
+                for attr in region.attributes:
+                    set_attribute(owner, attr, region.local_attribute(attr, rank, world))
         # Parameters split with their heads, at this rank's shape.
         for record in plan.head_parameters:
             if record["name"].startswith(prefix):
@@ -375,15 +375,22 @@ def _integer_attributes(module: nn.Module, module_name: str, plan, values):
     return found
 
 
-def _candidates(module: nn.Module, module_name: str, plan, region, values) -> Dict[str, Dict[int, int]]:
-    """Integer attributes holding one of `values`, with their local value per rank."""
+def _candidates(module: nn.Module, module_name: str, plan, region, values) -> Dict[Tuple[str, str], Dict[int, int]]:
+    """Integer attributes holding one of `values`, with their local value per rank, keyed by
+    (attribute, role): "repeat" for a count of query heads per KV head, "size" for any other
+    size. A value that is both (4 query heads over 2 KV heads: 2) gives both candidates."""
     found = {}
     for attr, value in _integer_attributes(module, module_name, plan, values):
         if value <= 1:
             continue
-        local = {r: region.local_value(value, r, plan.world_size) for r in range(plan.world_size)}
-        if any(v != value for v in local.values()):
-            found[attr] = local
+        roles = {}
+        if region.repeat and value == region.repeat:
+            roles["repeat"] = {r: region.local_repeat(r, plan.world_size) for r in range(plan.world_size)}
+        if "repeat" not in roles or value in region.coarse_sizes:
+            roles["size"] = {r: region.local_value(value, r, plan.world_size) for r in range(plan.world_size)}
+        for role, local in roles.items():
+            if any(v != value for v in local.values()):
+                found[(attr, role)] = local
     return found
 
 
@@ -424,7 +431,7 @@ def localize_attributes(plan, prediction: Prediction, cache: Optional[dict] = No
             raise error
         failed[id(region)] = failures[region_ids[id(region)]] = error
     for region in plan.regions.values():
-        region.attributes = {}
+        region.attributes, region.repeat_attributes = {}, []
     by_module = {region.module: region for region in plan.regions.values()}
     members: Dict[str, list] = {}  # a region's module -> the planned layers inside it
     for layer in plan.layers:
@@ -439,7 +446,8 @@ def localize_attributes(plan, prediction: Prediction, cache: Optional[dict] = No
         name = region.module
         first = by_module.get(_in_first_block(graph.folded, name))
         if first is not None and id(first) in done and _same_region(members, first, region):
-            region.attributes = dict(first.attributes)  # a folded block's region: its first block's choice
+            # A folded block's region: its first block's choice.
+            region.attributes, region.repeat_attributes = dict(first.attributes), list(first.repeat_attributes)
             done.add(id(region))
             if id(first) in failed:
                 fail(region, failed[id(first)])
@@ -455,15 +463,15 @@ def localize_attributes(plan, prediction: Prediction, cache: Optional[dict] = No
             if isinstance(cache[key], ShapeMismatch):
                 fail(region, cache[key])
             else:
-                region.attributes = dict(cache[key])
+                region.attributes, region.repeat_attributes = dict(cache[key][0]), list(cache[key][1])
             continue
         try:
-            region.attributes = _choose(plan, prediction, name, module, region, values, ranks)
+            region.attributes, region.repeat_attributes = _choose(plan, prediction, name, module, region, values, ranks)
         except ShapeMismatch as error:
             cache[key] = error
             fail(region, error)
             continue
-        cache[key] = dict(region.attributes)
+        cache[key] = (dict(region.attributes), list(region.repeat_attributes))
 
 
 def _in_first_block(folded: Dict[str, str], name: str) -> Optional[str]:
@@ -486,10 +494,12 @@ def _same_region(members: Dict[str, list], a, b) -> bool:
             and layers(a) == layers(b))
 
 
-def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, int]:
+def _choose(plan, prediction, name, module, region, values, ranks) -> Tuple[Dict[str, int], List[str]]:
+    """The attributes to make local (name -> global value) and those of them that count query
+    heads per KV head."""
     args, kwargs = prediction.graph.module_inputs[name]
     candidates = _candidates(module, name, plan, region, values)
-    chosen: Dict[str, int] = {}
+    chosen: Dict[Tuple[str, str], int] = {}
 
     def attempt(rank: int, attrs: Dict[str, int]):
         local = _LocalModule(plan, name, module, rank, prediction.graph.values)
@@ -498,7 +508,7 @@ def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, 
         # cuts to its heads are given to it cut.
         want = prediction.module_nodes(name, rank, tokens=False)
         call_args, call_kwargs = _cut_heads(plan, prediction, name, args, kwargs, rank)
-        got, error = local.trace(call_args, call_kwargs, {a: candidates[a][rank] for a in attrs})
+        got, error = local.trace(call_args, call_kwargs, {a[0]: candidates[a][rank] for a in attrs})
         found = _first_difference(got, want)
         if error is not None:
             index = found[0] if found is not None and found[0] < len(got) else len(got)
@@ -516,7 +526,7 @@ def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, 
     while any(p != float("inf") for p in current) and improved:
         improved = False
         for attr in candidates:
-            if attr in chosen:
+            if any(attr[0] == taken[0] for taken in chosen):
                 continue
             trial = [progress(attempt(r, {**chosen, attr: 0})) for r in ranks]
             if all(t >= c for t, c in zip(trial, current)) and any(t > c for t, c in zip(trial, current)):
@@ -528,8 +538,10 @@ def _choose(plan, prediction, name, module, region, values, ranks) -> Dict[str, 
             index, why = result
             where = f"op {index} of its call"
             raise ShapeMismatch(f"plan: on rank {r} of {plan.world_size}, module {name!r} does not compute the shapes "
-                                f"the plan predicts ({where}: {why}); local attributes tried: {sorted(chosen)}")
-    return {attr: dict(_integer_attributes(module, name, plan, values))[attr] for attr in chosen}
+                                f"the plan predicts ({where}: {why}); local attributes tried: "
+                                f"{sorted(a for a, _ in chosen)}")
+    globals_ = dict(_integer_attributes(module, name, plan, values))
+    return {a: globals_[a] for a, _ in chosen}, sorted(a for a, role in chosen if role == "repeat")
 
 
 def _cut_heads(plan, prediction: Prediction, name: str, args, kwargs, rank: int):
@@ -553,15 +565,15 @@ def _cut_heads(plan, prediction: Prediction, name: str, args, kwargs, rank: int)
     return args, kwargs
 
 
-def _fallback(graph, name, module, candidates) -> Dict[str, int]:
+def _fallback(graph, name, module, candidates) -> Tuple[Dict[str, int], List[str]]:
     """Regions with einsum layers: the attributes whose change changes the module's trace."""
     from .capture import trace_text
 
     args, kwargs = graph.module_inputs[name]
     baseline = trace_text(module, args, kwargs, graph.values)
     found = {}
-    for attr, local in candidates.items():
-        if "." in attr:
+    for (attr, role), local in candidates.items():
+        if "." in attr or role != "size":
             continue  # the module's own attributes only, as this rule always took
         value = getattr(module, attr)
         setattr(module, attr, next(v for v in local.values() if v != value))
@@ -573,7 +585,7 @@ def _fallback(graph, name, module, candidates) -> Dict[str, int]:
             setattr(module, attr, value)
         if changed:
             found[attr] = value
-    return found
+    return found, []
 
 
 def check_model_trace(prediction: Prediction, got: List[Tuple[str, List[tuple]]], rank: int) -> None:

@@ -99,17 +99,32 @@ class RegionPlan:
     repeat: int = 0
     coarse_units: int = 0
     coarse_sizes: List[int] = field(default_factory=list)
+    # Those of `attributes` that count the query heads per KV head (repeat_kv's n_rep): where
+    # that count equals a KV-side size (4 query heads over 2 KV heads), only the model's shapes
+    # tell which one an attribute holds, and uneven splits give the two different local values.
+    repeat_attributes: List[str] = field(default_factory=list)
 
     def local_value(self, value: int, rank: int, world_size: int) -> int:
         local_units = split_sizes(self.units, world_size)[rank]
         if self.repeat:
-            spec = ShardSpec(0, self.coarse_units, rank, world_size, units=self.coarse_units, repeat=self.repeat)
-            local_kv = spec.local_size()
             if value in self.coarse_sizes:
-                return value // self.coarse_units * local_kv
-            if value == self.repeat:  # query heads per KV head (repeat_kv's n_rep), on this rank
-                return local_units // local_kv
+                return value // self.coarse_units * self._local_kv(rank, world_size)
+            if value == self.repeat:
+                return self.local_repeat(rank, world_size)
         return value // self.units * local_units
+
+    def _local_kv(self, rank: int, world_size: int) -> int:
+        return ShardSpec(0, self.coarse_units, rank, world_size, units=self.coarse_units, repeat=self.repeat).local_size()
+
+    def local_repeat(self, rank: int, world_size: int) -> int:
+        """The query heads per KV head on `rank` (repeat_kv's n_rep there)."""
+        return split_sizes(self.units, world_size)[rank] // self._local_kv(rank, world_size)
+
+    def local_attribute(self, attr: str, rank: int, world_size: int) -> int:
+        """The value the sharded model's `attr` holds on `rank`."""
+        if attr in self.repeat_attributes:
+            return self.local_repeat(rank, world_size)
+        return self.local_value(self.attributes[attr], rank, world_size)
 
 
 @dataclass
@@ -293,8 +308,8 @@ class ShardingPlan:
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         for region_id, region in sorted(self.regions.items()):
             if region.attributes:
-                local = {k: "/".join(str(region.local_value(v, r, self.world_size)) for r in range(self.world_size))
-                         for k, v in region.attributes.items()}
+                local = {k: "/".join(str(region.local_attribute(k, r, self.world_size)) for r in range(self.world_size))
+                         for k in region.attributes}
                 lines.append(f"  {region.module}: local attributes {local}")
         if self.head_entries:
             lines.append(f"  bias over the heads cut to each rank's heads on entering "
