@@ -2,11 +2,12 @@
 built from a tiny config, sharded by autoshard at N gloo ranks and judged against the same model
 unsharded (see sweep_check for the classes).
 
-    python benchmarks/sweep/run.py [--jobs 2] [--world-size 2] [--only REGEX] [--fresh]
+    python benchmarks/sweep/run.py [--jobs 2] [--world-size 2] [--only REGEX] [--fresh] [--retry wrong,crash]
 
 `--jobs` processes each drive their own pool of ranks; each record is appended to
 benchmarks/results/sweep_progress_cpu.jsonl as soon as it is known, so an interrupted sweep
-resumes where it stopped (`--fresh` starts over). At the end the table of totals and every
+resumes where it stopped (`--fresh` starts over; `--retry` judges the variants of the given
+classes again, after a fix). At the end the table of totals and every
 architecture's line go to benchmarks/results/sweep_cpu.txt, the records to sweep_cpu.json.
 """
 
@@ -95,6 +96,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--only", default=None, help="a regex on variant names (model_type:head)")
     parser.add_argument("--fresh", action="store_true", help="forget the progress of an earlier sweep")
+    parser.add_argument("--retry", default="", help="classes to judge again, comma-separated (e.g. wrong,crash)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "k/jobs": one job's share
     args = parser.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
@@ -109,6 +111,11 @@ def main() -> None:
         return
     if args.fresh and os.path.exists(PROGRESS):
         os.remove(PROGRESS)
+    retry = set(filter(None, args.retry.split(",")))
+    if retry:
+        kept = [r for r in _done().values() if not (r["class"] in retry and r["name"] in set(names))]
+        with open(PROGRESS, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
     todo = [n for n in names if n not in _done()]
     print(f"{len(names)} variants, {len(names) - len(todo)} already judged, {len(todo)} to run on {args.jobs} jobs",
           flush=True)

@@ -23,6 +23,7 @@ grouped-query attention), hidden 48 (head_dim 8), intermediate 70, vocabulary 10
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import conformance_sweep_sample
 from conformance_builders import audio_features, hf, own, own_multihead, pixels, seq2seq_ids, token_ids
 from conformance_harness import GradientMismatch, LogitsMismatch, Refused
 
@@ -246,6 +247,8 @@ TABLE = [
     Arch("own_mqa", own(kv_heads=1), token_ids(97), small=True),
     Arch("own_mqa_alibi", own(kv_heads=1, alibi="computed"), token_ids(97), small=True),
 ]
+
+TABLE += conformance_sweep_sample.entries(Arch)
 
 # Our own models written to exhibit the defect classes; each is in the small matrix.
 DEFECT_MODELS = {"own_qk_norm", "own_partial_rotary", "own_head_scale", "own_head_dim_gain", "own_mlp_scalar_gain"}

@@ -805,7 +805,10 @@ def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values:
 
         def post(mod, inputs, output):
             recorder.layer_depth -= 1
-            if recorder.layer_depth == 0 and isinstance(output, torch.Tensor):
+            # As capture records a layer: a call whose first input is a tensor (a position table
+            # called with a shape makes its own positions, which capture does not follow).
+            if (recorder.layer_depth == 0 and isinstance(output, torch.Tensor) and inputs
+                    and isinstance(inputs[0], torch.Tensor)):
                 recorder.nodes.append(("layer", (), (recorder.layer_output(output, is_linear_like(mod)),)))
 
         handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]

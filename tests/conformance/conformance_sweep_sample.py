@@ -1,0 +1,39 @@
+"""A fixed sample of the transformers sweep (benchmarks/sweep) in the conformance matrix: each
+entry is a transformers architecture built from the sweep's tiny config (the config class's
+defaults, shrunk), with the sweep's example inputs.
+
+SMALL entries also run in the matrix `make test` runs (at the world sizes given); the rest with
+`make conformance`. The sample spans decoders, encoders, encoder-decoders, vision and audio
+models, mixtures of experts and latent attention, and the architectures a fix of the sweep made
+exact (the learned position tables of Blenderbot, called with a shape)."""
+
+import functools
+import os
+import sys
+
+SWEEP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "sweep")
+if SWEEP not in sys.path:
+    sys.path.insert(0, SWEEP)
+
+import catalogue  # noqa: E402
+
+# variant name -> the world sizes at which `make test` runs it (empty: `make conformance` only).
+SAMPLE = {
+    "blenderbot-small:causal": (2, 3),
+    "blenderbot:base": (2,),
+}
+
+
+def _build(name: str):
+    return catalogue.build(catalogue.by_name(name))
+
+
+def _inputs(name: str, generator):
+    return catalogue.example_inputs(_build(name), generator)
+
+
+def entries(arch_class):
+    """The sample as conformance_table Arch entries, named sweep_<model type>_<head>."""
+    return [arch_class(f"sweep_{name.replace(':', '_').replace('-', '_')}", functools.partial(_build, name),
+                       functools.partial(_inputs, name), small=small, planning="parallelize")
+            for name, small in SAMPLE.items()]
