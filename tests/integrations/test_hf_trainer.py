@@ -99,7 +99,7 @@ def _train(output_dir: str, layout=None, batch: int = BATCH):
     """Trains, evaluates, saves and resumes the tiny Llama: with transformers' Trainer in one
     process (layout None), or parallelized ("tp" or "mesh") with autoshard's."""
     trainer_class = autoshard.integrations.Trainer if layout else transformers.Trainer
-    train, held_out = _Tokens(16, seed=1), _Tokens(7, seed=2)
+    train, held_out = _Tokens(16, seed=1), _Tokens(6, seed=2)
     with _torchrun_env():
         model = _model(layout, seed=0)
         trainer = trainer_class(model=model, args=_arguments(output_dir, batch), train_dataset=train,
@@ -107,9 +107,11 @@ def _train(output_dir: str, layout=None, batch: int = BATCH):
         trainer.train()
         result = dict(logged=_logged(trainer), eval_loss=trainer.evaluate()["eval_loss"],
                       weights=_weights(model, layout))
+        if layout is None:  # the reference: what the parallelized runs must equal
+            return result
         final = os.path.join(output_dir, "final")
         trainer.save_model(final)
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if dist.get_rank() == 0:
             loaded = AutoModelForCausalLM.from_pretrained(final).state_dict()
             result["loaded"] = max(float((loaded[k] - v).abs().max()) for k, v in result["weights"].items())
             result["files"] = sorted(os.listdir(os.path.join(output_dir, f"checkpoint-{SAVE_AT}")))
@@ -125,7 +127,9 @@ def _train(output_dir: str, layout=None, batch: int = BATCH):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """transformers' Trainer in this process: at the per-device batch, and at twice it (the 2 x 2 mesh's two replicas)."""
+    """transformers' Trainer in this process: at the per-device batch, and at twice it (the 2 x 2
+    mesh's two replicas). Each parallelized run's resumed half is compared with its own
+    uninterrupted run."""
     return {batch: _train(str(tmp_path_factory.mktemp(f"one{batch}")), None, batch) for batch in (BATCH, 2 * BATCH)}
 
 
@@ -138,12 +142,12 @@ def _assert_same(got, want):
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5, abs=1e-5)
     assert got["weights"].keys() == want["weights"].keys()
     for name, value in want["weights"].items():
-        torch.testing.assert_close(got["weights"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(got["weights"][name], value, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
     resumed, uninterrupted = got["resumed_logged"], got["logged"][SAVE_AT:]
     assert [s for s, _, _ in resumed] == [s for s, _, _ in uninterrupted], resumed
     assert [l for _, l, _ in resumed] == pytest.approx([l for _, l, _ in uninterrupted], rel=1e-6, abs=1e-6)
     for name, value in got["weights"].items():
-        torch.testing.assert_close(got["resumed_weights"][name], value, rtol=1e-6, atol=1e-7, msg=name)
+        torch.testing.assert_close(got["resumed_weights"][name], value, rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -160,3 +164,43 @@ def test_tensor_parallel_trainer_equals_one_process(world_size, one_process, tmp
 def test_mesh_trainer_equals_one_process(one_process, tmp_path):
     for got in run_on_ranks(_train, 4, str(tmp_path / "run"), "mesh", timeout=600):
         _assert_same(got, one_process[2 * BATCH])
+
+
+def _plain_trainer(output_dir: str):
+    """transformers' own Trainer: accelerate wraps the model in DDP over the tensor-parallel ranks."""
+    with _torchrun_env():
+        trainer = transformers.Trainer(model=_model("tp", seed=0), args=_arguments(output_dir, BATCH),
+                                       train_dataset=_Tokens(16, seed=1), data_collator=default_data_collator)
+        try:
+            trainer.train()
+        except ValueError as error:
+            return str(error)
+    return "no error"
+
+
+def test_plain_trainer_is_refused_naming_autoshards(tmp_path):
+    for text in run_on_ranks(_plain_trainer, 2, str(tmp_path / "plain"), timeout=600):
+        assert "DistributedDataParallel spans ranks [0, 1]" in text, text
+        assert "autoshard.integrations.Trainer" in text and "from autoshard.integrations import Trainer" in text, text
+
+
+def _tensor_parallel_over_part_of_the_world(output_dir: str):
+    """parallelize over the mesh's "tp" groups only: nothing would average the gradients of the
+    two replicas, which the Trainer would give different batches."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with _torchrun_env():
+        model = build("llama", seed=0)
+        autoshard.parallelize(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"])
+        try:
+            autoshard.integrations.Trainer(model=model, args=_arguments(output_dir, BATCH),
+                                           train_dataset=_Tokens(16, seed=1), data_collator=default_data_collator)
+        except ValueError as error:
+            return str(error)
+    return "no error"
+
+
+def test_tensor_parallel_over_part_of_the_world_is_refused(tmp_path):
+    for text in run_on_ranks(_tensor_parallel_over_part_of_the_world, 4, str(tmp_path / "part"), timeout=600):
+        assert "autoshard.integrations.Trainer: the model is tensor-parallel over 2 ranks" in text, text
+        assert "torchrun started 4 processes" in text and "parallelize(model, mesh=mesh)" in text, text
