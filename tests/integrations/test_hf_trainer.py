@@ -72,7 +72,7 @@ def _arguments(output_dir: str, batch: int) -> TrainingArguments:
                              per_device_eval_batch_size=EVAL_BATCH, max_steps=STEPS, learning_rate=5e-3,
                              weight_decay=0.1, max_grad_norm=0.5, logging_steps=1, save_strategy="steps",
                              save_steps=SAVE_AT, eval_strategy="no", report_to="none", use_cpu=True, seed=0,
-                             disable_tqdm=True, optim="adamw_torch")
+                             disable_tqdm=True, optim="adamw_torch", include_num_input_tokens_seen="all")
 
 
 def _model(layout, seed):
@@ -105,8 +105,10 @@ def _train(output_dir: str, layout=None, batch: int = BATCH):
         trainer = trainer_class(model=model, args=_arguments(output_dir, batch), train_dataset=train,
                                 eval_dataset=held_out, data_collator=default_data_collator)
         trainer.train()
+        predicted = trainer.predict(held_out)  # whole logits, gathered from the ranks' vocabulary shards
         result = dict(logged=_logged(trainer), eval_loss=trainer.evaluate()["eval_loss"],
-                      weights=_weights(model, layout))
+                      weights=_weights(model, layout), tokens=trainer.state.num_input_tokens_seen,
+                      predictions=torch.as_tensor(predicted.predictions), test_loss=predicted.metrics["test_loss"])
         if layout is None:  # the reference: what the parallelized runs must equal
             return result
         final = os.path.join(output_dir, "final")
@@ -133,13 +135,17 @@ def one_process(tmp_path_factory):
     return {batch: _train(str(tmp_path_factory.mktemp(f"one{batch}")), None, batch) for batch in (BATCH, 2 * BATCH)}
 
 
-def _assert_same(got, want):
+def _assert_same(got, want, batch):
     assert [s for s, _, _ in got["logged"]] == list(range(1, STEPS + 1)), got["logged"]
     for (step, loss, norm), (_, want_loss, want_norm) in zip(got["logged"], want["logged"]):
         assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-5), (step, loss, want_loss)
         assert norm == pytest.approx(want_norm, rel=1e-4, abs=1e-5), (step, norm, want_norm)
     assert max(n for _, _, n in want["logged"]) > 0.5, "clipping should act at max_grad_norm=0.5"
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5, abs=1e-5)
+    assert got["tokens"] == want["tokens"] == STEPS * batch * 8, (got["tokens"], want["tokens"])
+    assert got["test_loss"] == pytest.approx(want["test_loss"], rel=1e-5, abs=1e-5)
+    assert got["predictions"].shape == want["predictions"].shape == (len(_Tokens(6, 2)), 8, 101)
+    torch.testing.assert_close(got["predictions"], want["predictions"], rtol=1e-4, atol=1e-4)
     assert got["weights"].keys() == want["weights"].keys()
     for name, value in want["weights"].items():
         torch.testing.assert_close(got["weights"][name], value, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
@@ -155,7 +161,7 @@ def test_tensor_parallel_trainer_equals_one_process(world_size, one_process, tmp
     ranks = run_on_ranks(_train, world_size, str(tmp_path / "run"), "tp", timeout=600)
     want = one_process[BATCH]
     for got in ranks:
-        _assert_same(got, want)
+        _assert_same(got, want, BATCH)
     assert ranks[0]["loaded"] < 1e-6, "from_pretrained of save_model's directory differs from the trained weights"
     assert [f"optimizer.rank{r}-of-{world_size}.pt" in ranks[0]["files"] for r in range(world_size)] == \
            [True] * world_size and "optimizer.pt" not in ranks[0]["files"], ranks[0]["files"]
@@ -163,7 +169,7 @@ def test_tensor_parallel_trainer_equals_one_process(world_size, one_process, tmp
 
 def test_mesh_trainer_equals_one_process(one_process, tmp_path):
     for got in run_on_ranks(_train, 4, str(tmp_path / "run"), "mesh", timeout=600):
-        _assert_same(got, one_process[2 * BATCH])
+        _assert_same(got, one_process[2 * BATCH], 2 * BATCH)
 
 
 def _plain_trainer(output_dir: str):

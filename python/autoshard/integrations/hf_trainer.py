@@ -17,8 +17,8 @@ trains as with transformers' Trainer):
 
 - accelerate never wraps the model in DDP or FSDP, which would take the ranks' shards for copies
   of one tensor; each tensor-parallel group is one data-parallel replica and gets the same
-  batches, gradient clipping uses the global norm, evaluation counts each sample once (see
-  accelerate_layout), and logits returned beside a loss computed over vocabulary shards are
+  batches, gradient clipping uses the global norm, evaluation and the count of input tokens
+  seen count each sample once (see accelerate_layout), and logits returned beside a loss computed over vocabulary shards are
   gathered whole before they reach ``compute_metrics``;
 - ``save_model`` (and each checkpoint) writes the whole tensors (``autoshard.full_state_dict``),
   a directory ``from_pretrained`` loads into the unsharded model, and resuming loads each
@@ -80,6 +80,14 @@ class AutoshardTrainerMixin:
     def get_tp_size(self) -> int:
         """The ranks that share one batch: Trainer divides token counts and the total batch by it."""
         return self._autoshard_layout.tp_size if self._autoshard_layout is not None else super().get_tp_size()
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        # Trainer sums the tokens of every rank's batch; the ranks of one tensor-parallel group share one.
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        if self._autoshard_layout is not None:
+            seen = self.state.num_input_tokens_seen - before
+            self.state.num_input_tokens_seen = before + seen // self._autoshard_layout.tp_size
 
     # -- the optimizer ----------------------------------------------------------------------
     def create_optimizer(self, model=None):
