@@ -67,8 +67,8 @@ def _torchrun_env():
                 os.environ[k] = v
 
 
-def _arguments(output_dir: str, batch: int) -> TrainingArguments:
-    return TrainingArguments(output_dir=output_dir, per_device_train_batch_size=batch,
+def _arguments(output_dir: str, batch: int, **extra) -> TrainingArguments:
+    return TrainingArguments(**extra, output_dir=output_dir, per_device_train_batch_size=batch,
                              per_device_eval_batch_size=EVAL_BATCH, max_steps=STEPS, learning_rate=5e-3,
                              weight_decay=0.1, max_grad_norm=0.5, logging_steps=1, save_strategy="steps",
                              save_steps=SAVE_AT, eval_strategy="no", report_to="none", use_cpu=True, seed=0,
@@ -172,22 +172,42 @@ def test_mesh_trainer_equals_one_process(one_process, tmp_path):
         _assert_same(got, one_process[2 * BATCH], 2 * BATCH)
 
 
-def _plain_trainer(output_dir: str):
-    """transformers' own Trainer: accelerate wraps the model in DDP over the tensor-parallel ranks."""
-    with _torchrun_env():
-        trainer = transformers.Trainer(model=_model("tp", seed=0), args=_arguments(output_dir, BATCH),
-                                       train_dataset=_Tokens(16, seed=1), data_collator=default_data_collator)
-        try:
-            trainer.train()
-        except ValueError as error:
-            return str(error)
+def _error(call) -> str:
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
     return "no error"
 
 
-def test_plain_trainer_is_refused_naming_autoshards(tmp_path):
-    for text in run_on_ranks(_plain_trainer, 2, str(tmp_path / "plain"), timeout=600):
+def _refusals(output_dir: str):
+    """At 2 ranks, tensor-parallel over both: transformers' own Trainer (accelerate wraps the
+    model in DDP over the tensor-parallel ranks), FSDP asked of autoshard's Trainer, and a
+    checkpoint whose optimizer state 3 ranks saved."""
+    with _torchrun_env():
+        make = lambda cls, **kw: cls(model=_model("tp", seed=0), args=_arguments(output_dir, BATCH, **kw),
+                                     train_dataset=_Tokens(16, seed=1), data_collator=default_data_collator)
+        errors = dict(plain=_error(lambda: make(transformers.Trainer).train()),
+                      fsdp=_error(lambda: make(autoshard.integrations.Trainer, fsdp="full_shard")))
+        trainer = make(autoshard.integrations.Trainer)
+        trainer.create_optimizer_and_scheduler(num_training_steps=STEPS)
+        checkpoint = os.path.join(output_dir, f"saved-by-3-{dist.get_rank()}")
+        os.makedirs(checkpoint)
+        torch.save({}, os.path.join(checkpoint, "optimizer.rank0-of-3.pt"))
+        errors["resume"] = _error(lambda: trainer._load_optimizer_and_scheduler(checkpoint))
+    return errors
+
+
+def test_refusals_name_what_to_do(tmp_path):
+    for errors in run_on_ranks(_refusals, 2, str(tmp_path), timeout=600):
+        text = errors["plain"]
         assert "DistributedDataParallel spans ranks [0, 1]" in text, text
         assert "autoshard.integrations.Trainer" in text and "from autoshard.integrations import Trainer" in text, text
+        text = errors["fsdp"]
+        assert "TrainingArguments(fsdp=...)" in text and "leave it unset" in text, text
+        text = errors["resume"]
+        assert "holds no optimizer state for rank" in text and "['optimizer.rank0-of-3.pt']" in text, text
+        assert "resumes at the number of ranks and the ('dp', 'tp') layout that saved it" in text, text
 
 
 def _tensor_parallel_over_part_of_the_world(output_dir: str):
