@@ -1,8 +1,8 @@
 """transformers.Trainer with a parallelized model under torchrun (autoshard.integrations.Trainer),
 against the same tiny Llama trained by transformers' own Trainer in one process: the same
 training losses and gradient norms step by step (clipping active), the same evaluation loss
-(an evaluation set that does not divide into the replicas' batches), the same weights after
-training; save_model writes a directory from_pretrained loads into the unsharded model; a
+and predicted logits (on the mesh, the second replica's last evaluation batch is padding that
+must be dropped), the same count of input tokens, the same weights after training; save_model writes a directory from_pretrained loads into the unsharded model; a
 checkpoint taken mid-training resumes exactly (optimizer state and schedule included).
 
 Ranks are real gloo processes given torchrun's environment variables, which accelerate reads.
@@ -156,20 +156,28 @@ def _assert_same(got, want, batch):
         torch.testing.assert_close(got["resumed_weights"][name], value, rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def _assert_saved(ranks, world_size):
+    """save_model's directory loads into the unsharded model with the trained weights; the
+    checkpoint holds each rank's own optimizer state and no optimizer.pt (one rank's shards)."""
+    assert ranks[0]["loaded"] < 1e-6, "from_pretrained of save_model's directory differs from the trained weights"
+    files = ranks[0]["files"]
+    assert all(f"optimizer.rank{r}-of-{world_size}.pt" in files for r in range(world_size)), files
+    assert "optimizer.pt" not in files and "model.safetensors" in files, files
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_tensor_parallel_trainer_equals_one_process(world_size, one_process, tmp_path):
     ranks = run_on_ranks(_train, world_size, str(tmp_path / "run"), "tp", timeout=600)
-    want = one_process[BATCH]
     for got in ranks:
-        _assert_same(got, want, BATCH)
-    assert ranks[0]["loaded"] < 1e-6, "from_pretrained of save_model's directory differs from the trained weights"
-    assert [f"optimizer.rank{r}-of-{world_size}.pt" in ranks[0]["files"] for r in range(world_size)] == \
-           [True] * world_size and "optimizer.pt" not in ranks[0]["files"], ranks[0]["files"]
+        _assert_same(got, one_process[BATCH], BATCH)
+    _assert_saved(ranks, world_size)
 
 
 def test_mesh_trainer_equals_one_process(one_process, tmp_path):
-    for got in run_on_ranks(_train, 4, str(tmp_path / "run"), "mesh", timeout=600):
+    ranks = run_on_ranks(_train, 4, str(tmp_path / "run"), "mesh", timeout=600)
+    for got in ranks:
         _assert_same(got, one_process[2 * BATCH], 2 * BATCH)
+    _assert_saved(ranks, 4)
 
 
 def _error(call) -> str:
