@@ -2,8 +2,9 @@
 against the same tiny Llama trained by transformers' own Trainer in one process: the same
 training losses and gradient norms step by step (clipping active), the same evaluation loss
 and predicted logits (on the mesh, the second replica's last evaluation batch is padding that
-must be dropped), the same count of input tokens, the same weights after training; save_model writes a directory from_pretrained loads into the unsharded model; a
-checkpoint taken mid-training resumes exactly (optimizer state and schedule included).
+must be dropped), the same count of input tokens, the same weights after training; save_model
+writes a directory from_pretrained loads into the unsharded model; a checkpoint taken
+mid-training resumes exactly (optimizer state and schedule included). Refusals name the fix.
 
 Ranks are real gloo processes given torchrun's environment variables, which accelerate reads.
 At 2 and 3 ranks the model is tensor-parallel over all of them; on the 2 x 2 ("dp", "tp") mesh
@@ -135,6 +136,10 @@ def one_process(tmp_path_factory):
     return {batch: _train(str(tmp_path_factory.mktemp(f"one{batch}")), None, batch) for batch in (BATCH, 2 * BATCH)}
 
 
+def _named(name):
+    return lambda message: f"{name}: {message}"
+
+
 def _assert_same(got, want, batch):
     assert [s for s, _, _ in got["logged"]] == list(range(1, STEPS + 1)), got["logged"]
     for (step, loss, norm), (_, want_loss, want_norm) in zip(got["logged"], want["logged"]):
@@ -148,12 +153,12 @@ def _assert_same(got, want, batch):
     torch.testing.assert_close(got["predictions"], want["predictions"], rtol=1e-4, atol=1e-4)
     assert got["weights"].keys() == want["weights"].keys()
     for name, value in want["weights"].items():
-        torch.testing.assert_close(got["weights"][name], value, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(got["weights"][name], value, rtol=1e-4, atol=1e-4, msg=_named(name))
     resumed, uninterrupted = got["resumed_logged"], got["logged"][SAVE_AT:]
     assert [s for s, _, _ in resumed] == [s for s, _, _ in uninterrupted], resumed
     assert [l for _, l, _ in resumed] == pytest.approx([l for _, l, _ in uninterrupted], rel=1e-6, abs=1e-6)
     for name, value in got["weights"].items():
-        torch.testing.assert_close(got["resumed_weights"][name], value, rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(got["resumed_weights"][name], value, rtol=1e-6, atol=1e-7, msg=_named(name))
 
 
 def _assert_saved(ranks, world_size):

@@ -12,14 +12,17 @@ autoshard's Trainer in place of transformers'::
 
 It trains as the same model does with transformers' Trainer in one process, whose batch is the
 per-device batch times the data-parallel replicas: the same losses, gradient norms, evaluation
-and weights. What it changes (for a model parallelized over two or more ranks; any other model
-trains as with transformers' Trainer):
+and weights. (On a mesh, an evaluation set whose last batch leaves a replica short is padded by
+accelerate, as under DDP, and the padded batch's mean loss differs from one process's.)
+
+What it changes (for a model parallelized over two or more ranks; any other model trains as
+with transformers' Trainer):
 
 - accelerate never wraps the model in DDP or FSDP, which would take the ranks' shards for copies
   of one tensor; each tensor-parallel group is one data-parallel replica and gets the same
-  batches, gradient clipping uses the global norm, evaluation and the count of input tokens
-  seen count each sample once (see accelerate_layout), and logits returned beside a loss computed over vocabulary shards are
-  gathered whole before they reach ``compute_metrics``;
+  batches; gradient clipping uses the global norm; evaluation and the count of input tokens
+  seen count each sample once (see accelerate_layout); logits returned beside a loss computed
+  over vocabulary shards are gathered whole before they reach ``compute_metrics``;
 - ``save_model`` (and each checkpoint) writes the whole tensors (``autoshard.full_state_dict``),
   a directory ``from_pretrained`` loads into the unsharded model, and resuming loads each
   rank's part of them;
@@ -92,7 +95,8 @@ class AutoshardTrainerMixin:
     # -- the optimizer ----------------------------------------------------------------------
     def create_optimizer(self, model=None):
         state = state_of(self.model)
-        if self.optimizer is None and self.optimizer_cls_and_kwargs is None and state is not None and state.partitions:
+        partitioned = state is not None and bool(state.partitions)
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None and partitioned:
             cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model if model is None else model)
             if cls is torch.optim.AdamW:
                 from ..optim import AdamW
