@@ -223,23 +223,27 @@ def test_refusals_name_what_to_do(tmp_path):
         assert "resumes at the number of ranks and the ('dp', 'tp') layout that saved it" in text, text
 
 
-def _tensor_parallel_over_part_of_the_world(output_dir: str):
-    """parallelize over the mesh's "tp" groups only: nothing would average the gradients of the
-    two replicas, which the Trainer would give different batches."""
+def _layouts_the_trainer_cannot_feed(output_dir: str):
+    """At 4 ranks: parallelize over the mesh's "tp" groups only (nothing would average the two
+    replicas' gradients, which the Trainer would give different batches), and a mesh whose "tp"
+    groups are not runs of consecutive ranks (accelerate's data loaders give those one batch)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    with _torchrun_env():
+    def trainer_of(mesh):
         model = build("llama", seed=0)
-        autoshard.parallelize(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"])
-        try:
-            autoshard.integrations.Trainer(model=model, args=_arguments(output_dir, BATCH),
-                                           train_dataset=_Tokens(16, seed=1), data_collator=default_data_collator)
-        except ValueError as error:
-            return str(error)
-    return "no error"
+        autoshard.parallelize(model, mesh=mesh)
+        autoshard.integrations.Trainer(model=model, args=_arguments(output_dir, BATCH),
+                                       train_dataset=_Tokens(16, seed=1), data_collator=default_data_collator)
+
+    with _torchrun_env():
+        part = _error(lambda: trainer_of(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]))
+        strided = _error(lambda: trainer_of(init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))))
+    return part, strided
 
 
-def test_tensor_parallel_over_part_of_the_world_is_refused(tmp_path):
-    for text in run_on_ranks(_tensor_parallel_over_part_of_the_world, 4, str(tmp_path / "part"), timeout=600):
-        assert "autoshard.integrations.Trainer: the model is tensor-parallel over 2 ranks" in text, text
-        assert "torchrun started 4 processes" in text and "parallelize(model, mesh=mesh)" in text, text
+def test_layouts_the_trainer_cannot_feed_are_refused(tmp_path):
+    for part, strided in run_on_ranks(_layouts_the_trainer_cannot_feed, 4, str(tmp_path / "layout"), timeout=600):
+        assert "autoshard.integrations.Trainer: the model is tensor-parallel over 2 ranks" in part, part
+        assert "torchrun started 4 processes" in part and "parallelize(model, mesh=mesh)" in part, part
+        assert "the tensor-parallel ranks must be consecutive" in strided, strided
+        assert "mesh_dim_names=('dp', 'tp')" in strided, strided
