@@ -22,7 +22,8 @@ _ALTERNATIVE = ("Wrap the model over its data-parallel group only, whose ranks e
                 "rank: the 'dp' dimension of a ('dp', 'tp') DeviceMesh, as in {how}. Or leave data parallelism to "
                 "autoshard: parallelize(model, mesh=mesh) with a ('dp', 'tp') DeviceMesh, and no wrapper. "
                 "transformers.Trainer and accelerate wrap the model in DistributedDataParallel or FSDP over every "
-                "process when started by torchrun")
+                "process when started by torchrun: with the Trainer, use autoshard.integrations.Trainer in its place "
+                "(from autoshard.integrations import Trainer), which trains a parallelized model without a wrapper")
 # FSDP is refused over the data-parallel ranks too (fsdp_refusal): DDP is the wrapper to name.
 _HOW = {tool: "DistributedDataParallel(model, process_group=mesh.get_group('dp'))"
         for tool in (DDP, "FullyShardedDataParallel", "fully_shard")}
