@@ -2,6 +2,7 @@
 causal-LM head, each built from its tiny config with random weights, and example inputs made
 from the config and the model's main input."""
 
+import inspect
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Set
 
@@ -82,15 +83,31 @@ def _token_ids(config, shape, generator) -> torch.Tensor:
     return allowed[torch.randint(0, len(allowed), shape, generator=generator)]
 
 
-def example_inputs(model: torch.nn.Module, generator: torch.Generator) -> Dict[str, torch.Tensor]:
-    """Inputs for the model's main input; raises LookupError for one this sweep cannot make."""
+def _pixels(config, generator) -> torch.Tensor:
+    channels, size = _first(config, "num_channels") or 3, _first(config, "image_size") or 32
+    return torch.randn(BATCH, channels, size, size, generator=generator)
+
+
+# How many sets of example inputs a model may be tried with: its main input alone, then with
+# images beside text (a dual encoder such as CLIP needs both).
+INPUT_KINDS = 2
+
+
+def example_inputs(model: torch.nn.Module, generator: torch.Generator, kind: int = 0) -> Dict[str, torch.Tensor]:
+    """Inputs for the model's main input (and with `kind` 1, images beside text); raises
+    LookupError for inputs this sweep cannot make."""
     config = model.config
     main = getattr(model, "main_input_name", "input_ids")
     if main == "input_ids":
         inputs = {"input_ids": _token_ids(config, (BATCH, SEQ), generator)}
+        if kind == 1:
+            if "pixel_values" not in inspect.signature(model.forward).parameters:
+                raise LookupError("the model takes no pixel_values beside its input_ids")
+            inputs["pixel_values"] = _pixels(config, generator)
+    elif kind != 0:
+        raise LookupError(f"no other inputs than {main!r}")
     elif main == "pixel_values":
-        channels, size = _first(config, "num_channels") or 3, _first(config, "image_size") or 32
-        inputs = {"pixel_values": torch.randn(BATCH, channels, size, size, generator=generator)}
+        inputs = {"pixel_values": _pixels(config, generator)}
     elif main == "input_values":
         inputs = {"input_values": torch.randn(BATCH, AUDIO_SAMPLES, generator=generator)}
     elif main == "input_features":

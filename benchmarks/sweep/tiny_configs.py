@@ -96,6 +96,28 @@ def shrink(fields: Dict[str, Any]) -> Dict[str, Any]:
     for key in ("head_dim", "d_kv", "attention_head_size"):
         if _is_count(fields.get(key)) and heads and width:
             fields[key] = width // heads
+    if old_layers and new_layers < old_layers:
+        # Backbone outputs named by stage follow the stages (the default: the last one).
+        for key in ("out_features", "out_indices", "stage_names"):
+            if key in fields:
+                fields[key] = None
+        # Settings of single layers by index keep those of the layers that remain.
+        if isinstance(fields.get("per_layer_config"), dict):
+            fields["per_layer_config"] = {k: v for k, v in fields["per_layer_config"].items()
+                                          if str(k).isdigit() and int(k) < new_layers}
+    if isinstance(fields.get("num_heads"), list):  # heads per stage (Swin): the same small count
+        fields["num_heads"] = [HEADS] * len(fields["num_heads"])
+    head_width = width // heads if heads and width else 0
+    if head_width and _is_count(fields.get("rotary_dim")) and fields["rotary_dim"] > head_width:
+        fields["rotary_dim"] = head_width
+    rope = fields.get("rope_parameters")
+    if head_width and isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
+        # Multimodal rotary sections share half a head's features.
+        sections = rope["mrope_section"]
+        half, total = head_width // 2, sum(sections)
+        scaled = [max(1, s * half // total) for s in sections]
+        scaled[0] += half - sum(scaled)
+        fields["rope_parameters"] = {**rope, "mrope_section": scaled}
     if _is_count(fields.get("qk_rope_head_dim")):
         # Multi-head latent attention: a head is its no-position part and its rotary part.
         rope, nope = fields["qk_rope_head_dim"], fields.get("qk_nope_head_dim", 0)
