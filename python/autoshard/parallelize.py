@@ -33,9 +33,10 @@ from .optimizer_views import install_global_optimizer_hook
 from .replaced_modules import check_no_hooks_lost
 from .state import has_state_dict_hooks
 from .state_views import install_state_dict_views
-from .plan import LayerPlan, ShardingPlan, plan as make_plan
-from .plan.dry_run_collectives import ForwardCollectives, forward_mismatch, watched_layers
-from .plan.capture import every_block_run, input_shapes, inputs_on_meta, meta_shadow, trace_shapes
+from .plan import LayerPlan, ShardingPlan
+from .plan_until_it_runs import plan_until_it_runs
+from .plan.dry_run_collectives import ForwardCollectives, forward_mismatch, silent_layers, watched_layers
+from .plan.capture import input_shapes, inputs_on_meta, meta_shadow, trace_shapes
 from .plan.inputs import ordinary_token
 from .plan.meta_values import KnownValues
 from .plan.layers import is_layer_module, rms_norm_eps, rms_norm_form
@@ -349,6 +350,7 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_
         refusal = ValueError(f"parallelize: on a meta copy of the model, {error}; the plan was refused and the model "
                              "left unchanged")
         refusal.folded_block = isinstance(error, FoldedBlockMismatch)
+        refusal.module = getattr(error, "module", None)
         raise refusal from None
     except Exception as error:
         raise ValueError(f"parallelize: the plan does not run on a meta copy of the model "
@@ -356,8 +358,10 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_
     # The plan counted its collectives on its own example inputs (as it predicted its shapes).
     mismatch = forward_mismatch(plan, collectives, shadow) if group.size() > 1 and planned_shapes else None
     if mismatch is not None:
-        raise ValueError(f"parallelize: on a meta copy of the model, {mismatch}; the plan was refused and the model "
-                         "left unchanged")
+        refusal = ValueError(f"parallelize: on a meta copy of the model, {mismatch}; the plan was refused and the "
+                             "model left unchanged")
+        refusal.silent_layers = silent_layers(plan, collectives)
+        raise refusal
     if hasattr(outputs, "to_tuple"):
         outputs = outputs.to_tuple()
     flat = [o for o in torch.utils._pytree.tree_flatten(outputs)[0] if isinstance(o, torch.Tensor)]
@@ -436,19 +440,14 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     group = resolve(group, "parallelize")
     # Before anything that could fail on some ranks only (and leave the others waiting).
     check_ranks_agree(model, plan.to_json() if isinstance(plan, ShardingPlan) else None, group)
-    planned_here = plan is None
-    if planned_here:
-        plan = make_plan(model, world_size=group.size(), example_inputs=example_inputs,
-                         sequence_parallel=sequence_parallel)
-    _check_plan_fits(model, plan, group.size())
-    try:
-        state_shapes = _dry_run(model, plan, group, example_inputs)
-    except ValueError as refusal:
-        if not (planned_here and getattr(refusal, "folded_block", False)):
-            raise
-        with every_block_run():  # a block that looked identical to another computes otherwise
-            plan = make_plan(model, world_size=group.size(), example_inputs=example_inputs,
-                             sequence_parallel=sequence_parallel)
+    if plan is None:
+        def checked_dry_run(candidate):
+            _check_plan_fits(model, candidate, group.size())
+            return _dry_run(model, candidate, group, example_inputs)
+
+        plan, state_shapes = plan_until_it_runs(model, group.size(), example_inputs, sequence_parallel,
+                                                checked_dry_run)
+    else:
         _check_plan_fits(model, plan, group.size())
         state_shapes = _dry_run(model, plan, group, example_inputs)
     _apply(model, plan, group)

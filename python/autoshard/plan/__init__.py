@@ -220,6 +220,14 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
         raise ValueError(f"plan: world_size must be a positive int, got {world_size!r}")
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"plan: sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
+    return plan_keeping_whole(model, world_size, example_inputs, overrides, sequence_parallel, {})
+
+
+def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overrides: Optional[Dict[str, str]],
+                       sequence_parallel: bool, whole: Dict[str, str]) -> ShardingPlan:
+    """plan() with the layers under each module pattern of `whole` (fnmatch on module names)
+    held whole for the reason given: modules whose sharded forward did not compute what the
+    plan predicted on a meta copy (see parallelize), planned again without them."""
     graph = capture(model, example_inputs)
     forced = []
     for pattern, style in (overrides or {}).items():
@@ -235,7 +243,8 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
             forced.append({"node": node, "style": style})
     # Layers replicated because their region's module computes other shapes than the plan
     # predicts on some rank (a size written into the model as a constant): node -> why.
-    mismatched: Dict[int, str] = {}
+    mismatched: Dict[int, str] = {node: why for node, info in graph.layers.items()
+                                  for pattern, why in whole.items() if _under(info.name, pattern)}
     token_indexing = None  # why sequence parallelism was given up, if it was
     while True:
         replicated = [{"node": node, "style": "replicate"} for node in mismatched]
@@ -288,6 +297,11 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
     result.parameters = inventory(graph.shadow)
     _warn_if_mostly_whole(result)
     return result
+
+
+def _under(name: str, pattern: str) -> bool:
+    """Whether module `name` is a module matching `pattern` or inside one ("" is the model)."""
+    return pattern == "" or fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*")
 
 
 def _warn_if_mostly_whole(result: ShardingPlan) -> None:

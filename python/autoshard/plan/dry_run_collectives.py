@@ -80,6 +80,11 @@ def watched_layers(plan) -> List[str]:
     return sorted({layer.module for layer in plan.layers if layer.style in _COLLECTIVE_STYLES})
 
 
+def silent_layers(plan, counter: ForwardCollectives) -> List[str]:
+    """The watched layers that issued no collective in the forward counted."""
+    return [name for name in watched_layers(plan) if counter.by_layer.get(name, 1) == 0]
+
+
 def forward_mismatch(plan, counter: ForwardCollectives, model: nn.Module) -> Optional[str]:
     """Why the counted forward collectives differ from the plan's, naming the layers that issued
     none where their plan needs one; None when they agree."""
@@ -87,14 +92,13 @@ def forward_mismatch(plan, counter: ForwardCollectives, model: nn.Module) -> Opt
     if counter.counts == predicted:
         return None
     silent = []
-    for name in watched_layers(plan):
-        if counter.by_layer.get(name, 1) == 0:
-            try:
-                module = model.get_submodule(name)
-                cls = getattr(module, "autoshard_class", type(module)).__name__
-            except AttributeError:
-                cls = "?"
-            silent.append((name, cls))
+    for name in silent_layers(plan, counter):
+        try:
+            module = model.get_submodule(name)
+            cls = getattr(module, "autoshard_class", type(module)).__name__
+        except AttributeError:
+            cls = "?"
+        silent.append((name, cls))
     text = f"its forward issues the collectives {counter.counts or {}} where the plan predicts {predicted}"
     if silent:
         named = ", ".join(f"{name!r} ({cls})" for name, cls in silent)

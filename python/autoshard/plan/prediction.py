@@ -602,8 +602,9 @@ def check_model_trace(prediction: Prediction, got: List[Tuple[str, List[tuple]]]
     if folded:
         why += (f" ({folded[0]!r} was recorded as identical to {graph.folded[folded[0]]!r} without being run, and "
                 "computes something else: parallelize(model) without a plan plans such a model running every block)")
-    raise FoldedBlockMismatch(f"in module {owner!r} on rank {rank}, {why}") if folded else \
-        ShapeMismatch(f"in module {owner!r} on rank {rank}, {why}")
+    error = (FoldedBlockMismatch if folded else ShapeMismatch)(f"in module {owner!r} on rank {rank}, {why}")
+    error.module = owner  # where a plan made again holds the layers whole (plan_until_it_runs)
+    raise error
 
 
 def _owners(graph: CapturedGraph) -> Dict[int, str]:
