@@ -17,6 +17,7 @@ from typing import Iterable, List, Optional, Set, Tuple
 import torch.distributed as dist
 
 DDP = "DistributedDataParallel"
+FULLY_SHARD = "fully_shard"
 
 _ALTERNATIVE = ("Wrap the model over its data-parallel group only, whose ranks each hold a different tensor-parallel "
                 "rank: the 'dp' dimension of a ('dp', 'tp') DeviceMesh, as in {how}. Or leave data parallelism to "
@@ -56,8 +57,8 @@ def ranks_of(groups: Iterable) -> Set[int]:
     return ranks
 
 
-def _fully_shard_groups(module) -> List:
-    """The process groups over which fully_shard communicates for `module`."""
+def fully_shard_groups(module) -> List:
+    """The process groups over which fully_shard communicates for `module` (None entries left out)."""
     groups = []
     try:
         param_groups = module._get_fsdp_state()._fsdp_param_groups
@@ -66,7 +67,7 @@ def _fully_shard_groups(module) -> List:
     for param_group in param_groups:
         info = param_group.mesh_info
         groups += [getattr(info, "shard_process_group", None), getattr(info, "replicate_process_group", None)]
-    return groups
+    return [group for group in groups if group is not None]
 
 
 def describe(module) -> Optional[Tuple[str, Set[int]]]:
@@ -77,7 +78,7 @@ def describe(module) -> Optional[Tuple[str, Set[int]]]:
     if isinstance(module, fsdp1):
         return "FullyShardedDataParallel", ranks_of([module.process_group, getattr(module, "_inter_node_pg", None)])
     if isinstance(module, fsdp2):
-        return "fully_shard", ranks_of(_fully_shard_groups(module))
+        return FULLY_SHARD, ranks_of(fully_shard_groups(module))
     return None
 
 

@@ -11,6 +11,9 @@ wrapper is found at the model's forward, before it computes anything:
   module costs about a millisecond on a model of a few hundred modules, too much for each
   forward, and wrapping precedes training.
 
+fully_shard over data-parallel ranks is exact: the first forward that finds it hands the model
+to fully_sharded.adopt. FSDP1's FullyShardedDataParallel (flat parameters) is refused.
+
 A DDP over data-parallel ranks found around the model is held to ddp_guard's rules.
 """
 
@@ -20,8 +23,10 @@ from typing import Optional, Sequence, Set, Tuple
 
 from torch import nn
 
-from .data_parallel_wrappers import DDP, describe, fsdp_refusal, refusal, spans_tensor_parallel
+from .data_parallel_wrappers import DDP, FULLY_SHARD, describe, fsdp_refusal, fully_shard_groups, refusal, \
+    spans_tensor_parallel
 from .ddp_guard import check_over_data_parallel
+from .fully_sharded import adopt
 from .model_state import state_of
 
 _CALL_CODE = nn.Module._call_impl.__code__
@@ -43,10 +48,12 @@ class WrapperCheck:
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._exact_ddps: weakref.WeakSet = weakref.WeakSet()  # DDPs over "dp" found exact
 
-    def _check(self, found: Optional[Tuple[str, Set[int]]]) -> None:
+    def _check(self, found: Optional[Tuple[str, Set[int]]], module: nn.Module, model: nn.Module) -> None:
         if found is not None and spans_tensor_parallel(found[1], self.tp_ranks):
             raise refusal(found[0], found[1], self.tp_ranks, _WHEN)
-        if found is not None and found[0] != DDP:
+        if found is not None and found[0] == FULLY_SHARD:
+            adopt(model, state_of(model), found[1], fully_shard_groups(module))
+        elif found is not None and found[0] != DDP:
             raise fsdp_refusal(found[0], found[1])
 
     def _around(self, module: nn.Module, model: nn.Module) -> Optional[Tuple[str, Set[int]]]:
@@ -61,7 +68,7 @@ class WrapperCheck:
         model = self._model()
         if model is None:
             return
-        self._check(describe(model))
+        self._check(describe(model), model, model)
         frame = sys._getframe(1)
         for _ in range(_STACK_DEPTH):
             if frame is None:
@@ -70,7 +77,7 @@ class WrapperCheck:
                 caller = frame.f_locals.get("self")
                 if isinstance(caller, nn.Module) and caller is not model:
                     found = self._around(caller, model)
-                    self._check(found)
+                    self._check(found, caller, model)
                     if found is not None and found[0] == DDP and caller not in self._exact_ddps:
                         check_over_data_parallel(found[1], model, state_of(model))
                         self._exact_ddps.add(caller)
@@ -78,5 +85,5 @@ class WrapperCheck:
         if not self._scanned:
             for module in model.modules():
                 if module is not model:
-                    self._check(describe(module))
+                    self._check(describe(module), module, model)
             self._scanned = True
