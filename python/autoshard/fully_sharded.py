@@ -31,7 +31,7 @@ from torch import nn
 from . import ops
 from .model_state import ParallelState
 
-__all__ = ["adopt", "is_dtensor", "local_tensor", "whole_over_data_parallel"]
+__all__ = ["adopt", "fsdp_group_of", "is_dtensor", "local_tensor", "whole_over_data_parallel"]
 
 _SUMMED = "_autoshard_tensor_parallel_sum"  # on a tensor whose gradients are hooked here
 
@@ -49,6 +49,17 @@ def whole_over_data_parallel(t: torch.Tensor) -> torch.Tensor:
     """`t` all-gathered over FSDP's ranks (this rank's tensor-parallel shard, or the replicated
     tensor, whole); `t` itself when it is no DTensor. A collective over FSDP's group."""
     return t.detach().full_tensor() if is_dtensor(t) else t.detach()
+
+
+def fsdp_group_of(t: torch.Tensor):
+    """The process group over which the DTensor `t` is split (FSDP's shard dimension; None when
+    replicated over its mesh)."""
+    mesh = t.device_mesh
+    dims = [dim for dim, placement in enumerate(t.placements) if placement.is_shard()]
+    if len(dims) > 1:
+        raise ValueError(f"autoshard: a DTensor split over {len(dims)} mesh dimensions {mesh.mesh_dim_names}; "
+                         "fully_shard over the 'dp' dimension alone splits each parameter over one")
+    return mesh.get_group(dims[0]) if dims else None
 
 
 def _already_averaged(ranks: Set[int]) -> ValueError:
