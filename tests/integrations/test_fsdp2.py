@@ -27,6 +27,9 @@ from multirank import run_on_ranks
 
 # Even shards at tp=2: hidden 64, 4 heads over 2 KV heads (GQA), vocabulary 256.
 EVEN = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=256, intermediate_size=128)
+# One KV head held by both tensor-parallel ranks: its gradient is summed over them, and clipping
+# counts it once.
+SHARED_KV = dict(EVEN, num_key_value_heads=1)
 MAX_NORM = 0.5  # below the gradients' norm (about 1.4): clipping scales every step
 
 
@@ -34,12 +37,12 @@ def _batch(step: int, rows: int = 4, seq: int = 8):
     return torch.randint(0, 256, (rows, seq), generator=torch.Generator().manual_seed(100 + step))
 
 
-def _fully_sharded_model(sequence_parallel: bool, mesh_spelling: str = "tp"):
+def _fully_sharded_model(sequence_parallel: bool, mesh_spelling: str = "tp", config=EVEN):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = build("llama", seed=0, **EVEN)
+    model = build("llama", seed=0, **config)
     autoshard.parallelize(model, mesh=mesh["tp"] if mesh_spelling == "tp" else mesh,
                           sequence_parallel=sequence_parallel)
     for layer in model.model.layers:
@@ -66,11 +69,11 @@ def _worst(got: dict, want: dict) -> float:
     return max(float((got[k] - want[k]).abs().max()) for k in want)
 
 
-def _train(sequence_parallel: bool, optimizer: str, steps: int = 3):
+def _train(sequence_parallel: bool, optimizer: str, config=EVEN, steps: int = 3):
     try:
-        model, mesh = _fully_sharded_model(sequence_parallel)
+        model, mesh = _fully_sharded_model(sequence_parallel, config=config)
         dp_rank, dp_group = mesh.get_local_rank("dp"), mesh.get_group("dp")
-        reference = build("llama", seed=0, **EVEN)
+        reference = build("llama", seed=0, **config)
         make = autoshard.optim.AdamW if optimizer == "autoshard" else torch.optim.AdamW
         opt = make(model.parameters(), lr=2e-3, weight_decay=0.1)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=2e-3, weight_decay=0.1)
@@ -116,6 +119,12 @@ def _train(sequence_parallel: bool, optimizer: str, steps: int = 3):
 @pytest.mark.parametrize("optimizer", ["autoshard", "torch"])
 def test_fully_shard_over_dp_trains_exactly(sequence_parallel, optimizer):
     for r in run_on_ranks(_train, 4, sequence_parallel, optimizer, timeout=900):
+        assert r["loss"] < 1e-5 and r["grad"] < 1e-5 and r["norm"] < 1e-5, r
+        assert r["weight"] < 1e-5 and r["logits"] < 1e-4 and r["inf_norm"] < 1e-6, r
+
+
+def test_shared_kv_head_trains_exactly():
+    for r in run_on_ranks(_train, 4, True, "autoshard", SHARED_KV, timeout=900):
         assert r["loss"] < 1e-5 and r["grad"] < 1e-5 and r["norm"] < 1e-5, r
         assert r["weight"] < 1e-5 and r["logits"] < 1e-4 and r["inf_norm"] < 1e-6, r
 
