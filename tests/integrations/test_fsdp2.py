@@ -43,6 +43,9 @@ def _fully_sharded_model(sequence_parallel: bool, mesh_spelling: str = "tp", con
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = build("llama", seed=0, **config)
+    if mesh_spelling == "keyword":  # autoshard applies fully_shard itself
+        autoshard.parallelize(model, mesh=mesh, sequence_parallel=sequence_parallel, fully_shard=True)
+        return model, mesh
     autoshard.parallelize(model, mesh=mesh["tp"] if mesh_spelling == "tp" else mesh,
                           sequence_parallel=sequence_parallel)
     for layer in model.model.layers:
@@ -69,9 +72,9 @@ def _worst(got: dict, want: dict) -> float:
     return max(float((got[k] - want[k]).abs().max()) for k in want)
 
 
-def _train(sequence_parallel: bool, optimizer: str, config=EVEN, steps: int = 3):
+def _train(sequence_parallel: bool, optimizer: str, config=EVEN, spelling: str = "tp", steps: int = 3):
     try:
-        model, mesh = _fully_sharded_model(sequence_parallel, config=config)
+        model, mesh = _fully_sharded_model(sequence_parallel, spelling, config)
         dp_rank, dp_group = mesh.get_local_rank("dp"), mesh.get_group("dp")
         reference = build("llama", seed=0, **config)
         make = autoshard.optim.AdamW if optimizer == "autoshard" else torch.optim.AdamW
@@ -125,6 +128,13 @@ def test_fully_shard_over_dp_trains_exactly(sequence_parallel, optimizer):
 
 def test_shared_kv_head_trains_exactly():
     for r in run_on_ranks(_train, 4, True, "autoshard", SHARED_KV, timeout=900):
+        assert r["loss"] < 1e-5 and r["grad"] < 1e-5 and r["norm"] < 1e-5, r
+        assert r["weight"] < 1e-5 and r["logits"] < 1e-4 and r["inf_norm"] < 1e-6, r
+
+
+def test_mesh_path_with_fully_shard_keyword_trains_exactly():
+    """parallelize(model, mesh=mesh, fully_shard=True) applies fully_shard over "dp" itself."""
+    for r in run_on_ranks(_train, 4, True, "autoshard", EVEN, "keyword", timeout=900):
         assert r["loss"] < 1e-5 and r["grad"] < 1e-5 and r["norm"] < 1e-5, r
         assert r["weight"] < 1e-5 and r["logits"] < 1e-4 and r["inf_norm"] < 1e-6, r
 
@@ -191,3 +201,14 @@ def test_full_state_dict_and_refusals():
         text = r["mesh_path"]
         assert "fully_shard over ranks" in text and "averaged twice" in text, text
         assert "parallelize(model, mesh=mesh['tp'])" in text and "mesh=mesh['dp']" in text, text
+
+
+def test_fully_shard_keyword_bad_input_is_refused_before_anything_changes():
+    model = build("llama", seed=0, **EVEN)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"fully_shard=True shards over the 'dp' dimension .* give mesh="):
+        autoshard.parallelize(model, fully_shard=True)
+    with pytest.raises(TypeError, match="parallelize: fully_shard must be a bool"):
+        autoshard.parallelize(model, fully_shard="yes")
+    assert state_of(model) is None
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
