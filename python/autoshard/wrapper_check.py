@@ -7,9 +7,10 @@ wrapper is found at the model's forward, before it computes anything:
 - around it: among the modules being called (the callers' frames of ``nn.Module._call_impl``),
   a DDP or FSDP wrapper of a module that holds the model;
 - the model itself, which ``fully_shard(model)`` makes an ``FSDPModule``;
-- its submodules (FSDP applied layer by layer), on its first forward only: a walk over every
-  module costs about a millisecond on a model of a few hundred modules, too much for each
-  forward, and wrapping precedes training.
+- its submodules (FSDP applied layer by layer), on its first forward, and again at a forward
+  that finds a sharded module's parameter replaced (fully_shard applied after a forward): a
+  walk over every module costs about a millisecond on a model of a few hundred modules, too
+  much for each forward; looking up one parameter per sharded module costs far less.
 
 fully_shard over data-parallel ranks is exact: the first forward that finds it hands the model
 to fully_sharded.adopt. FSDP1's FullyShardedDataParallel (flat parameters) is refused.
@@ -43,6 +44,9 @@ class WrapperCheck:
         self._model = weakref.ref(model)
         self.tp_ranks = list(tp_ranks)
         self._scanned = False
+        # (module, attribute, parameter) of each sharded module, as found at the last scan: one
+        # replaced since (fully_shard applied after a forward) calls for another scan.
+        self._registered: list = []
         # Modules called around the model's forward -> (their class, the wrapper they are of
         # the model, or None). Kept with the class: fully_shard changes a module's class.
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -82,8 +86,19 @@ class WrapperCheck:
                         check_over_data_parallel(found[1], model, state_of(model))
                         self._exact_ddps.add(caller)
             frame = frame.f_back
+        if self._scanned and not self._adopted(model) and any(
+                module._parameters.get(attr) is not param for module, attr, param in self._registered):
+            self._scanned = False
         if not self._scanned:
             for module in model.modules():
                 if module is not model:
                     self._check(describe(module), module, model)
             self._scanned = True
+            self._registered = [(m, attr, m._parameters.get(attr)) for m in model.modules()
+                                for attr in list(getattr(m, "shard_specs", {}))[:1] if attr in m._parameters]
+
+    @staticmethod
+    def _adopted(model: nn.Module) -> bool:
+        # Once fully_shard is adopted, FSDP swaps the parameters at every forward, as it should.
+        state = state_of(model)
+        return state is not None and state.fully_sharded_over is not None

@@ -59,7 +59,7 @@ def _full_grads(model):
     shards = state_of(model).shards()
     grads = {}
     for name, p in model.named_parameters():
-        grad = p.grad.full_tensor()
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         if id(p) in shards:
             spec, group = shards[id(p)]
             grad = gather_full(grad, spec, group)
@@ -160,6 +160,34 @@ def _accumulated():
 
 def test_gradient_accumulation_without_sync_is_exact():
     for worst in run_on_ranks(_accumulated, 4, timeout=900):
+        assert worst < 1e-5, worst
+
+
+def _wrapped_after_a_forward():
+    """fully_shard applied after the model already ran a forward is found at the next one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model, reference = build("llama", seed=0, **EVEN), build("llama", seed=0, **EVEN)
+        autoshard.parallelize(model, mesh=mesh["tp"])
+        ids = _batch(0)
+        with torch.no_grad():
+            model(input_ids=ids)
+        for layer in model.model.layers:  # the blocks only: the root stays as it was
+            fully_shard(layer, mesh=mesh["dp"])
+        half = ids.chunk(2)[mesh.get_local_rank("dp")]
+        model(input_ids=half, labels=half).loss.backward()
+        reference(input_ids=ids, labels=ids).loss.backward()
+        layer_grads = {n: g for n, g in _full_grads(model).items() if n.startswith("model.layers.")}
+        return _worst(layer_grads, {n: p.grad for n, p in reference.named_parameters() if n in layer_grads})
+    finally:
+        set_default_group(None)
+
+
+def test_fully_shard_after_a_forward_is_found():
+    for worst in run_on_ranks(_wrapped_after_a_forward, 4, timeout=900):
         assert worst < 1e-5, worst
 
 
