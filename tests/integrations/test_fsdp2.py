@@ -9,8 +9,9 @@ logits after several AdamW steps, with ``autoshard.optim.AdamW`` and with ``torc
 ``set_requires_gradient_sync(False)`` counts each pass's partial sums once.
 
 Refused, with the alternative named: fully_shard around a model that ``parallelize(model,
-mesh=mesh)`` already averages over "dp", and ``model.state_dict()``, whose FSDP pieces of
-tensor-parallel shards a tool reading by name would take for whole tensors. fully_shard over the
+mesh=mesh)`` already averages over "dp"; ``model.state_dict()``, whose FSDP pieces of
+tensor-parallel shards a tool reading by name (DCP) would take for whole tensors; and
+``autoshard.checkpoint``. fully_shard applied after a forward is found at the next one. fully_shard over the
 tensor-parallel ranks is refused too (test_misuse).
 """
 
@@ -205,6 +206,11 @@ def _full_state_dict_and_refusals():
             state_dict = "no error"
         except ValueError as error:
             state_dict = str(error)
+        try:
+            autoshard.checkpoint.save(f"/nonexistent-{dist.get_rank()}/checkpoint", model)
+            checkpoint = "no error"
+        except ValueError as error:
+            checkpoint = str(error)
     finally:
         set_default_group(None)
     try:
@@ -217,7 +223,7 @@ def _full_state_dict_and_refusals():
     finally:
         set_default_group(None)
     return dict(weights=_worst(full, want), shapes_match=shapes_match, plain=plain, state_dict=state_dict,
-                mesh_path=mesh_path)
+                checkpoint=checkpoint, mesh_path=mesh_path)
 
 
 def test_full_state_dict_and_refusals():
@@ -226,6 +232,9 @@ def test_full_state_dict_and_refusals():
         text = r["state_dict"]
         assert "fully_shard" in text and "autoshard.full_state_dict(model)" in text, text
         assert "parallelize(model, mesh=mesh)" in text, text
+        text = r["checkpoint"]
+        assert "autoshard.checkpoint" in text and "fully_shard" in text, text
+        assert "autoshard.full_state_dict(model)" in text and "parallelize(model, mesh=mesh)" in text, text
         text = r["mesh_path"]
         assert "fully_shard over ranks" in text and "averaged twice" in text, text
         assert "parallelize(model, mesh=mesh['tp'])" in text and "mesh=mesh['dp']" in text, text
