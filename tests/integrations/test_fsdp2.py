@@ -140,11 +140,15 @@ def test_mesh_path_with_fully_shard_keyword_trains_exactly():
         assert r["weight"] < 1e-5 and r["logits"] < 1e-4 and r["inf_norm"] < 1e-6, r
 
 
-def _accumulated():
+def _accumulated(checkpointing: bool):
     """Two backward passes without gradient sync, then one with: FSDP reduce-scatters the
-    accumulated unsharded gradients once; each pass's partial sums over "tp" counted once."""
+    accumulated unsharded gradients once; each pass's partial sums over "tp" counted once.
+    With Hugging Face's activation checkpointing, the blocks' recomputed forwards too."""
     try:
         model, mesh = _fully_sharded_model(sequence_parallel=True)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+            model.train()
         dp_rank = mesh.get_local_rank("dp")
         reference = build("llama", seed=0, **EVEN)
         for micro in range(3):
@@ -159,8 +163,9 @@ def _accumulated():
         set_default_group(None)
 
 
-def test_gradient_accumulation_without_sync_is_exact():
-    for worst in run_on_ranks(_accumulated, 4, timeout=900):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation_checkpointing"])
+def test_gradient_accumulation_without_sync_is_exact(checkpointing):
+    for worst in run_on_ranks(_accumulated, 4, checkpointing, timeout=900):
         assert worst < 1e-5, worst
 
 
