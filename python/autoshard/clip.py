@@ -80,11 +80,9 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
         norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=norm_dtype))
         return combine(norms)
 
-    def across(tensors, combine, over, op, participate=None):
-        # Every rank of `over` must take part; a rank whose KV shards are all owned elsewhere
-        # may hold no tensor here while the others do.
+    def across(tensors, combine, over, op):
         part = local(tensors, combine)
-        if (tensors if participate is None else participate) and dist.is_initialized():
+        if tensors and dist.is_initialized():
             all_reduce_(part, op, over)
         return part
 
@@ -95,6 +93,8 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
             all_reduce_(part, op, fsdp_group)
         return part[0], part[1]
 
+    # Every rank of the tensor-parallel group takes part in its sum as soon as it holds a sharded
+    # gradient: a rank whose KV shards are all owned elsewhere may hold no tensor while the others do.
     if math.isinf(norm_type):
         sharded_dp, replicated_dp = fully_sharded(torch.max, "max")
         total = torch.maximum(local(sharded, torch.max), sharded_dp)
