@@ -9,8 +9,9 @@ logits after several AdamW steps, with ``autoshard.optim.AdamW`` and with ``torc
 ``set_requires_gradient_sync(False)`` counts each pass's partial sums once.
 
 Refused, with the alternative named: fully_shard around a model that ``parallelize(model,
-mesh=mesh)`` already averages over "dp"; ``model.state_dict()``, whose FSDP pieces of
-tensor-parallel shards a tool reading by name (DCP) would take for whole tensors; and
+mesh=mesh)`` already averages over "dp"; ``model.state_dict()`` and ``optimizer.state_dict()``,
+whose FSDP pieces of tensor-parallel shards a tool reading by name (DCP) would take for whole
+tensors; and
 ``autoshard.checkpoint``. fully_shard applied after a forward is found at the next one. fully_shard over the
 tensor-parallel ranks is refused too (test_misuse).
 """
@@ -202,6 +203,8 @@ def _full_state_dict_and_refusals():
         model, _ = _fully_sharded_model(sequence_parallel=True)
         ids = _batch(0, rows=2)
         model(input_ids=ids, labels=ids).loss.backward()
+        opt = autoshard.optim.AdamW(model.parameters(), lr=0.0)
+        opt.step()
         full = autoshard.full_state_dict(model)
         want = build("llama", seed=0, **EVEN).state_dict()
         shapes_match = {k: list(v.shape) for k, v in full.items()} == {k: list(v.shape) for k, v in want.items()}
@@ -211,6 +214,11 @@ def _full_state_dict_and_refusals():
             state_dict = "no error"
         except ValueError as error:
             state_dict = str(error)
+        try:
+            opt.state_dict()
+            optimizer_state = "no error"
+        except ValueError as error:
+            optimizer_state = str(error)
         try:
             autoshard.checkpoint.save(f"/nonexistent-{dist.get_rank()}/checkpoint", model)
             checkpoint = "no error"
@@ -228,7 +236,7 @@ def _full_state_dict_and_refusals():
     finally:
         set_default_group(None)
     return dict(weights=_worst(full, want), shapes_match=shapes_match, plain=plain, state_dict=state_dict,
-                checkpoint=checkpoint, mesh_path=mesh_path)
+                optimizer_state=optimizer_state, checkpoint=checkpoint, mesh_path=mesh_path)
 
 
 def test_full_state_dict_and_refusals():
@@ -236,6 +244,9 @@ def test_full_state_dict_and_refusals():
         assert r["shapes_match"] and r["plain"] and r["weights"] == 0.0, r
         text = r["state_dict"]
         assert "fully_shard" in text and "autoshard.full_state_dict(model)" in text, text
+        assert "parallelize(model, mesh=mesh)" in text, text
+        text = r["optimizer_state"]
+        assert text.startswith("optimizer.state_dict(): state 'exp_avg'") and "FSDP's piece" in text, text
         assert "parallelize(model, mesh=mesh)" in text, text
         text = r["checkpoint"]
         assert "autoshard.checkpoint" in text and "fully_shard" in text, text
