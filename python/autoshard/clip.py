@@ -3,7 +3,8 @@ for the unsharded model. A shard's squares are summed across the tensor-parallel
 replicated parameter (a norm's weight, a row layer's bias) holds the same gradient on every
 rank and is counted once, as is a KV head that several ranks hold; a replicated parameter whose state is partitioned across
 data-parallel replicas holds only its own piece of the averaged gradient, so its pieces'
-squares are summed across the data-parallel group. The norm is computed in fp32 whatever
+squares are summed across the data-parallel group, and so are the pieces of FSDP's DTensor
+gradients (fully_shard over "dp"). The norm is computed in fp32 whatever
 the gradients' dtype (bf16 gradients included; fp64 stays fp64); the scaling is applied in their dtype."""
 
 import math
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from .comm import all_reduce_
 from .model_state import shards_of
+from .fully_sharded import fsdp_group_of, is_dtensor, local_tensor, whole_over_data_parallel
 from .partitioned_state import piece_of
 
 
@@ -23,6 +25,11 @@ def _one_group(groups, what: str):
     if len(unique) > 1:
         raise ValueError(f"clip_grad_norm_: the {what} parameters are spread over different process groups")
     return next(iter(unique.values()), None)
+
+
+def _owns_all(spec) -> bool:
+    """Whether this rank counts its whole shard (no KV head or whole part held by several ranks)."""
+    return spec.repeat is None and spec.whole_parts is None
 
 
 def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
@@ -50,13 +57,22 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     norm_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     pieces = {key: piece for key, p in unique.items() if (piece := piece_of(p)) is not None}
     shards = {key: found for key, found in shards_of(unique.values()).items() if key not in pieces}
-    # A KV head held by several ranks (ShardSpec.repeat) is counted by one of them.
-    owned = {key: shards[key][0].owned_part(p.grad) for key, p in unique.items() if key in shards}
-    sharded = [g for g in owned.values() if g is not None]
+    # FSDP's DTensor gradients (fully_shard over "dp") hold this rank's piece of each tensor-parallel
+    # shard or replicated gradient: the pieces' powers are summed over FSDP's group first. A KV
+    # head held by several ranks is gathered whole over it, to be counted by one of them.
+    over_dp = {key for key, p in unique.items() if is_dtensor(p.grad)}
+    whole = {key: whole_over_data_parallel(p.grad) if key in over_dp and not _owns_all(shards[key][0]) else p.grad
+             for key, p in unique.items() if key in shards}
+    owned = {key: shards[key][0].owned_part(whole[key]) for key in whole}
+    sharded = [local_tensor(g) for key, g in owned.items() if g is not None and not is_dtensor(g)]
+    sharded_pieces = [local_tensor(g) for key, g in owned.items() if g is not None and is_dtensor(g)]
     partitioned = [pieces[key].of(p.grad) for key, p in unique.items() if key in pieces]
-    replicated = [p.grad for key, p in unique.items() if key not in shards and key not in pieces]
+    rest = [p.grad for key, p in unique.items() if key not in shards and key not in pieces]
+    replicated = [g for g in rest if not is_dtensor(g)]
+    replicated_pieces = [local_tensor(g) for g in rest if is_dtensor(g)]
     group = _one_group([shards[key][1] for key in unique if key in shards], "sharded")
     dp_group = _one_group([piece.group for piece in pieces.values()], "partitioned")
+    fsdp_group = _one_group([fsdp_group_of(unique[key].grad) for key in over_dp], "fully sharded")
 
     def local(tensors, combine):
         if not tensors:
@@ -64,25 +80,38 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
         norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=norm_dtype))
         return combine(norms)
 
-    def across(tensors, combine, over, op, participate=None):
-        # Every rank of `over` must take part; a rank whose KV shards are all owned elsewhere
-        # may hold no tensor here while the others do.
+    def across(tensors, combine, over, op):
         part = local(tensors, combine)
-        if (tensors if participate is None else participate) and dist.is_initialized():
+        if tensors and dist.is_initialized():
             all_reduce_(part, op, over)
         return part
 
+    def fully_sharded(combine, op):
+        # (sharded, replicated) over FSDP's group, in one collective; FSDP's ranks all hold both kinds alike.
+        part = torch.stack([local(sharded_pieces, combine), local(replicated_pieces, combine)])
+        if over_dp and fsdp_group is not None:
+            all_reduce_(part, op, fsdp_group)
+        return part[0], part[1]
+
+    # Every rank of the tensor-parallel group takes part in its sum as soon as it holds a sharded
+    # gradient: a rank whose KV shards are all owned elsewhere may hold no tensor while the others do.
     if math.isinf(norm_type):
-        total = torch.maximum(across(sharded, torch.max, group, "max", bool(owned)),
-                              across(partitioned, torch.max, dp_group, "max"))
-        total = torch.maximum(total, local(replicated, torch.max))
+        sharded_dp, replicated_dp = fully_sharded(torch.max, "max")
+        total = torch.maximum(local(sharded, torch.max), sharded_dp)
+        if owned and dist.is_initialized():
+            all_reduce_(total, "max", group)
+        total = torch.maximum(total, across(partitioned, torch.max, dp_group, "max"))
+        total = torch.maximum(torch.maximum(total, replicated_dp), local(replicated, torch.max))
     else:
         power_sum = lambda n: n.pow(norm_type).sum()
-        total = (across(sharded, power_sum, group, "sum", bool(owned))
-                 + across(partitioned, power_sum, dp_group, "sum"))
+        sharded_dp, replicated_dp = fully_sharded(power_sum, "sum")
+        total = local(sharded, power_sum) + sharded_dp
+        if owned and dist.is_initialized():
+            all_reduce_(total, "sum", group)
+        total = total + across(partitioned, power_sum, dp_group, "sum") + replicated_dp
         total = (total + local(replicated, power_sum)).pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is {total.item()}")
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
+    torch._foreach_mul_([local_tensor(g) for g in grads], coefficient.to(grads[0].dtype))
     return total

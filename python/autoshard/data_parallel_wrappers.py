@@ -8,8 +8,9 @@ and the Trainer and accelerate, which wrap the model in one of them under torchr
 ranks' tensors of one name for copies of one tensor: DDP's construction broadcasts rank 0's
 shards over the others' and averages different shards' gradients, FSDP splits each rank's
 shard as if it were whole. Training goes on and is silently wrong. A wrapper is legitimate
-only over ranks that each hold a different tensor-parallel rank: the "dp" dimension of a
-("dp", "tp") DeviceMesh.
+only over ranks that each hold the same tensor-parallel rank of a different replica: the "dp"
+dimension of a ("dp", "tp") DeviceMesh. There DDP and FSDP2 (fully_shard, see fully_sharded)
+are exact; FSDP1's flat parameters are refused.
 """
 
 from typing import Iterable, List, Optional, Set, Tuple
@@ -17,22 +18,26 @@ from typing import Iterable, List, Optional, Set, Tuple
 import torch.distributed as dist
 
 DDP = "DistributedDataParallel"
+FULLY_SHARD = "fully_shard"
 
-_ALTERNATIVE = ("Wrap the model over its data-parallel group only, whose ranks each hold a different tensor-parallel "
-                "rank: the 'dp' dimension of a ('dp', 'tp') DeviceMesh, as in {how}. Or leave data parallelism to "
-                "autoshard: parallelize(model, mesh=mesh) with a ('dp', 'tp') DeviceMesh, and no wrapper. "
-                "transformers.Trainer and accelerate wrap the model in DistributedDataParallel or FSDP over every "
-                "process when started by torchrun: with the Trainer, use autoshard.integrations.Trainer in its place "
-                "(from autoshard.integrations import Trainer), which trains a parallelized model without a wrapper")
-# FSDP is refused over the data-parallel ranks too (fsdp_refusal): DDP is the wrapper to name.
-_HOW = {tool: "DistributedDataParallel(model, process_group=mesh.get_group('dp'))"
-        for tool in (DDP, "FullyShardedDataParallel", "fully_shard")}
+_ALTERNATIVE = ("Wrap the model over its data-parallel group only, whose ranks each hold the same tensor-parallel "
+                "rank of a different replica: the 'dp' dimension of a ('dp', 'tp') DeviceMesh, as in {how}. Or leave "
+                "data parallelism to autoshard: parallelize(model, mesh=mesh) with a ('dp', 'tp') DeviceMesh, and no "
+                "wrapper. transformers.Trainer and accelerate wrap the model in DistributedDataParallel or FSDP over "
+                "every process when started by torchrun: with the Trainer, use autoshard.integrations.Trainer in its "
+                "place (from autoshard.integrations import Trainer), which trains a parallelized model without a "
+                "wrapper")
+_FULLY_SHARD_HOW = "parallelize(model, mesh=mesh['tp']), then fully_shard(module, mesh=mesh['dp'])"
+_HOW = {DDP: "DistributedDataParallel(model, process_group=mesh.get_group('dp'))",
+        # FSDP1 is refused over the data-parallel ranks too (fsdp_refusal): FSDP2 is the one to name.
+        "FullyShardedDataParallel": _FULLY_SHARD_HOW,
+        FULLY_SHARD: _FULLY_SHARD_HOW}
 _FSDP_WHY = ("FSDP takes each rank's shard of a parameter for the whole parameter and splits it again, so that its "
              "all-gather mixes different shards")
 _WHY = {DDP: "DDP takes the ranks' different shards of a parameter for copies of one tensor: it broadcasts rank 0's "
              "shards over the others' and averages different shards' gradients",
         "FullyShardedDataParallel": _FSDP_WHY,
-        "fully_shard": _FSDP_WHY}
+        FULLY_SHARD: _FSDP_WHY}
 
 _TYPES: Optional[Tuple[type, type, type]] = None
 
@@ -57,8 +62,8 @@ def ranks_of(groups: Iterable) -> Set[int]:
     return ranks
 
 
-def _fully_shard_groups(module) -> List:
-    """The process groups over which fully_shard communicates for `module`."""
+def fully_shard_groups(module) -> List:
+    """The process groups over which fully_shard communicates for `module` (None entries left out)."""
     groups = []
     try:
         param_groups = module._get_fsdp_state()._fsdp_param_groups
@@ -67,7 +72,7 @@ def _fully_shard_groups(module) -> List:
     for param_group in param_groups:
         info = param_group.mesh_info
         groups += [getattr(info, "shard_process_group", None), getattr(info, "replicate_process_group", None)]
-    return groups
+    return [group for group in groups if group is not None]
 
 
 def describe(module) -> Optional[Tuple[str, Set[int]]]:
@@ -78,7 +83,7 @@ def describe(module) -> Optional[Tuple[str, Set[int]]]:
     if isinstance(module, fsdp1):
         return "FullyShardedDataParallel", ranks_of([module.process_group, getattr(module, "_inter_node_pg", None)])
     if isinstance(module, fsdp2):
-        return "fully_shard", ranks_of(_fully_shard_groups(module))
+        return FULLY_SHARD, ranks_of(fully_shard_groups(module))
     return None
 
 
@@ -96,15 +101,13 @@ def refusal(tool: str, wrapper_ranks: Set[int], tp_ranks: Iterable[int], when: s
 
 
 def fsdp_refusal(tool: str, wrapper_ranks: Set[int]) -> ValueError:
-    """The error for FSDP over data-parallel ranks only. FSDP replaces the parameters with
-    DTensors of its own: the sums over the tensor-parallel group of replicated parameters'
-    partial gradients (norm weights with sequence parallelism) are hooked on the parameters it
-    replaced, and clipping, autoshard's optimizers and full_state_dict would read its pieces of
-    each shard as shards. Training would go on, silently wrong."""
+    """The error for FSDP1 (FullyShardedDataParallel) over data-parallel ranks only: its flat
+    parameters hide the shards from the sums over the tensor-parallel group of replicated
+    parameters' partial gradients (norm weights with sequence parallelism), from clipping,
+    autoshard's optimizers and full_state_dict. FSDP2 (fully_shard) is exact (fully_sharded)."""
     return ValueError(f"autoshard: {tool} over ranks {sorted(wrapper_ranks)} of a parallelized model is not supported: "
-                      "it replaces the parameters with DTensors of its own, so the sums of partial gradients over the "
-                      "tensor-parallel group, gradient clipping, autoshard.optim and full_state_dict would no longer "
-                      "see the shards, and training would be silently wrong. For data parallelism with tensor "
-                      "parallelism use parallelize(model, mesh=mesh) with a ('dp', 'tp') DeviceMesh (gradients "
-                      "averaged over dp, optimizer state partitioned over dp), or "
-                      "DistributedDataParallel(model, process_group=mesh.get_group('dp')).")
+                      "its flat parameters hide the shards from the sums of partial gradients over the "
+                      "tensor-parallel group, gradient clipping, autoshard.optim and full_state_dict, and training "
+                      f"would be silently wrong. Use FSDP2 instead: {_FULLY_SHARD_HOW}; or parallelize(model, "
+                      "mesh=mesh) with a ('dp', 'tp') DeviceMesh (gradients averaged over dp, optimizer state "
+                      "partitioned over dp), or DistributedDataParallel(model, process_group=mesh.get_group('dp')).")

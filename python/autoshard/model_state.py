@@ -45,6 +45,10 @@ class ParallelState:
         self.loss_parallel = None
         # What the model checks at each forward (forward_checks.ForwardChecks; None on one rank).
         self.forward_checks = None
+        # With fully_shard over "dp" (fully_sharded.adopt): FSDP's ranks, and the sums over the
+        # tensor-parallel group that replace partial_gradients on FSDP's parameters.
+        self.fully_sharded_over = None
+        self.fsdp_gradient_sums = None
 
     @property
     def model(self) -> Optional[nn.Module]:

@@ -17,7 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .model_state import shards_of
 from .nn.spec import ShardSpec
-from .state_views import ShardView, local_of
+from .state_views import ShardView, fully_sharded_entry, local_of
 
 __all__ = ["install_optimizer_views", "install_global_optimizer_hook", "local_state_dict"]
 
@@ -53,6 +53,8 @@ def _views_on_save(optimizer, state_dict):
         # A new dict: torch's packed state shares each parameter's dict with the live state.
         param_state = dict(state.get(index, {}))
         for key, value in param_state.items():
+            if hasattr(value, "device_mesh"):
+                raise fully_sharded_entry(f"optimizer.state_dict(): state {key!r} of parameter {index!r}")
             # A state tensor shaped like the shard is sharded with it; a scalar step, or a piece
             # partitioned over data-parallel replicas (1-D), is left as it is.
             if isinstance(value, torch.Tensor) and not isinstance(value, ShardView) and value.shape == param.shape \

@@ -13,7 +13,8 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from . import forward_checks, loss_parallel as loss_parallelism, ops, partial_gradients, torch_optim_check
+from . import forward_checks, loss_parallel as loss_parallelism, mesh_fully_shard, ops, partial_gradients, \
+    torch_optim_check
 from .agreement import check_ranks_agree
 from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, resolve, set_default_group
@@ -376,7 +377,7 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_
 def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Optional[ProcessGroup] = None,
                 mesh=None, *, example_inputs=None, sequence_parallel: bool = True, loss_parallel: bool = True,
                 partition_optimizer_state: bool = True, check_inputs: bool = True,
-                reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
+                reduce_dtype: Optional[torch.dtype] = None, fully_shard: bool = False) -> nn.Module:
     """Shards `model` in place over `group` (None: the default tensor-parallel group, or the
     "tp" dimension of `mesh`) following `plan` (None: autoshard.plan(model, example_inputs=...));
     returns it. `example_inputs` (as autoshard.plan takes them: a tuple of positional arguments
@@ -390,6 +391,9 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     their gradients are reduce-scattered, autoshard.optim steps each rank's piece, and the
     pieces are all-gathered after the step. torch.optim's optimizers know nothing of pieces:
     a step of one over such parameters raises; use them with partition_optimizer_state=False.
+    With `fully_shard`, torch's FSDP2 shards every parameter, its gradient and optimizer state
+    over "dp" instead (each block and the root, see mesh_fully_shard): 1/(dp*tp) of the model
+    per rank, against 1/tp; the parameters become FSDP's DTensors.
 
     Each forward first checks (see forward_checks) that no DDP or FSDP wrapper spans two of
     the tensor-parallel ranks, and, with `check_inputs`, that every tensor-parallel rank was
@@ -427,7 +431,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     if state_of(model) is not None or any(hasattr(m, "shard_specs") for m in model.modules()):
         raise ValueError("parallelize: the model is already parallelized (it holds sharded layers); parallelize "
                          "a freshly built model instead")
-    data_parallel = None
+    data_parallel = fully_shard_over = None
     if mesh is not None:
         if group is not None:
             raise ValueError("parallelize: give group or mesh, not both")
@@ -436,7 +440,11 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
             raise ValueError(f"parallelize: mesh dimensions must be ('dp', 'tp') or ('tp',), got {names}")
         group = mesh.get_group("tp")
         if "dp" in names and mesh.size(names.index("dp")) > 1:
-            data_parallel = mesh.get_group("dp")
+            if fully_shard:
+                fully_shard_over = mesh["dp"]
+            else:
+                data_parallel = mesh.get_group("dp")
+    mesh_fully_shard.check_keyword(fully_shard, mesh, tuple(getattr(mesh, "mesh_dim_names", None) or ()))
     group = resolve(group, "parallelize")
     # Before anything that could fail on some ranks only (and leave the others waiting).
     check_ranks_agree(model, plan.to_json() if isinstance(plan, ShardingPlan) else None, group)
@@ -477,6 +485,8 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
             torch_optim_check.install()
     if group.size() > 1:
         state.forward_checks = forward_checks.install(model, group, check_inputs)
+    if fully_shard_over is not None:
+        mesh_fully_shard.apply(model, fully_shard_over, reduce_dtype)
     if mesh is not None:
         set_default_group(group)  # group=None now means this mesh's "tp" group
     return model

@@ -48,6 +48,7 @@ class PartialGradientReducer:
         self.dp_group = dp_group
         self.reduce_dtype = reduce_dtype  # None: the gradients' own
         self.buckets = [_Bucket(list(params)) for params in buckets if params]
+        self.names: List[str] = []  # the parameters' names in the model, when install() knows them
         self.handles = []
         self._finish_queued = False
         for bucket in self.buckets:
@@ -128,4 +129,7 @@ def install(model: torch.nn.Module, buckets: List[Dict[str, object]], group_name
     if missing:
         raise ValueError(f"parallelize: the plan sums the partial gradients of {missing}, which the model lacks")
     trainable = [[params[name] for name in bucket["params"] if params[name].requires_grad] for bucket in buckets]
-    return PartialGradientReducer(trainable, group_name, dp_group, reduce_dtype)
+    reducer = PartialGradientReducer(trainable, group_name, dp_group, reduce_dtype)
+    # By name too: fully_shard replaces the parameters, and its own keep the names (fully_sharded).
+    reducer.names = [name for bucket in buckets for name in bucket["params"] if params[name].requires_grad]
+    return reducer

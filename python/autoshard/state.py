@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .comm import all_gather_uneven
+from .fully_sharded import is_dtensor, whole_over_data_parallel
 from .nn.spec import ShardSpec, module_shards
 
 
@@ -36,8 +37,9 @@ def gather_full(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
 
 
 def _own_hook(hook) -> bool:
-    """A hook the model came with, not one autoshard registered (those know about shards)."""
-    return not (getattr(hook, "__module__", None) or "").startswith("autoshard.")
+    """A hook the model came with, not one autoshard registered (those know about shards) nor
+    one of fully_shard's (which only reshards FSDP's parameters before a save or load)."""
+    return not (getattr(hook, "__module__", None) or "").startswith(("autoshard.", "torch.distributed.fsdp."))
 
 
 def has_state_dict_hooks(model: nn.Module) -> bool:
@@ -97,16 +99,27 @@ def _hooked_state_dict(model: nn.Module, sharded) -> Dict[str, torch.Tensor]:
 
 
 def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The state dict the unsharded model would have, on every rank (a collective call)."""
+    """The state dict the unsharded model would have, on every rank (a collective call).
+    Under fully_shard over "dp", FSDP's pieces are all-gathered over its ranks first."""
     sharded = module_shards(model.modules())
+    fully_sharded = any(is_dtensor(p) for p in model.parameters())
     if has_state_dict_hooks(model):
+        if fully_sharded:
+            raise ValueError("full_state_dict: a model under fully_shard whose modules have state_dict hooks of their "
+                             "own is not supported; call it before fully_shard, or remove the hooks")
         return _hooked_state_dict(model, sharded)
-    state = model.state_dict()
+    # Under fully_shard, the parameters themselves (keep_vars): state_dict() refuses FSDP's pieces of shards.
+    state = model.state_dict(keep_vars=fully_sharded)
     gathered: Dict[int, torch.Tensor] = {}  # a tied parameter is gathered once
     for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in sharded and name in state:
+        if name in state and (id(param) in sharded or is_dtensor(param)):
             if id(param) not in gathered:
-                spec, group = sharded[id(param)]
-                gathered[id(param)] = gather_full(param, spec, group)
+                whole = whole_over_data_parallel(param)
+                if id(param) in sharded:
+                    spec, group = sharded[id(param)]
+                    whole = gather_full(whole, spec, group)
+                gathered[id(param)] = whole
             state[name] = gathered[id(param)]
+    if fully_sharded:
+        state = {key: value.detach() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
     return state

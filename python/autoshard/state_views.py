@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map_only
 
 from .nn.spec import ShardSpec
 
-__all__ = ["ShardView", "install_state_dict_views", "local_of", "unwrap_shard_views"]
+__all__ = ["ShardView", "fully_sharded_entry", "install_state_dict_views", "local_of", "unwrap_shard_views"]
 
 
 class ShardView(torch.Tensor):
@@ -197,9 +197,21 @@ class _ViewsOnSave:
             value = state_dict.get(key)
             # keep_vars=True asks for the parameters themselves (DDP, FSDP, accelerate): left as they
             # are; so is a whole tensor (full_state_dict runs the model's own hooks on whole tensors).
+            if hasattr(value, "device_mesh") and not isinstance(value, nn.Parameter):
+                raise fully_sharded_entry(f"state_dict: {key!r}")
             if isinstance(value, torch.Tensor) and not isinstance(value, (nn.Parameter, ShardView)) \
                     and value.dim() > spec.dim and value.shape[spec.dim] == spec.local_size():
                 state_dict[key] = ShardView(value, spec)
+
+
+def fully_sharded_entry(what: str) -> ValueError:
+    """The error for a state dict entry that is FSDP's DTensor of a tensor-parallel shard: it has
+    the shard's shape, and a tool reading it by name (DCP) would save one tensor-parallel rank's
+    shard as the whole tensor."""
+    return ValueError(f"{what} is FSDP's piece of a tensor-parallel shard (fully_shard over 'dp' of a "
+                      "parallelized model), which a tool reading the state dict by name would take for the whole "
+                      "tensor. Save with autoshard.full_state_dict(model) (the unsharded tensors, on every rank), or "
+                      "use autoshard's own dp x tp path, parallelize(model, mesh=mesh), with torch.distributed.checkpoint")
 
 
 class _LocalOnLoad:

@@ -1,5 +1,6 @@
 """Misuse of a parallelized model, caught at its first step with an error that names the tool
-and what to do instead, on every rank: DDP or FSDP over the tensor-parallel ranks, and inputs
+and what to do instead, on every rank: DDP or FSDP over the tensor-parallel ranks, FSDP1 over
+the data-parallel ones (FSDP2 there is exact: test_fsdp2), and inputs
 that differ across them. What is legitimate stays exact against the unsharded model: DDP over
 the "dp" dimension of a 2 x 2 mesh, the same inputs on every rank, the input check turned off,
 activation checkpointing and torch.compile (no graph break) with the checks on.
@@ -275,23 +276,25 @@ def test_checks_run_under_torch_compile_without_graph_breaks():
         assert "holds different values" in r["refused"], r
 
 
-def _fully_shard_over_data_parallel():
+def _fsdp1_over_data_parallel():
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = build("llama", seed=0, **EVEN)
-    autoshard.parallelize(model, mesh=mesh["tp"])
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    ids = _batch()
-    return _error(lambda: model(input_ids=ids, labels=ids))
+    try:
+        autoshard.parallelize(model, mesh=mesh["tp"])
+        stand_in = _fsdp1_stand_in(model)
+        stand_in.process_group = mesh.get_group("dp")
+        ids = _batch()
+        return _error(lambda: stand_in(input_ids=ids, labels=ids))
+    finally:
+        set_default_group(None)
 
 
-def test_fully_shard_over_data_parallel_ranks_is_refused():
-    """FSDP2 over "dp" only would lose the partial-gradient sums and mislead clipping: refused,
-    naming autoshard's own mesh path and DDP over dp."""
-    for text in run_on_ranks(_fully_shard_over_data_parallel, 4, timeout=600):
-        assert "fully_shard over ranks" in text and "is not supported" in text, text
+def test_fsdp1_over_data_parallel_ranks_is_refused():
+    """FSDP1's flat parameters hide the shards: refused over "dp" too, naming FSDP2 (fully_shard
+    over mesh['dp'], exact: test_fsdp2), autoshard's own mesh path and DDP over dp."""
+    for text in run_on_ranks(_fsdp1_over_data_parallel, 4, timeout=600):
+        assert "FullyShardedDataParallel over ranks" in text and "is not supported" in text, text
+        assert "fully_shard(module, mesh=mesh['dp'])" in text and "parallelize(model, mesh=mesh['tp'])" in text, text
         assert "parallelize(model, mesh=mesh)" in text and "mesh.get_group('dp')" in text, text

@@ -33,8 +33,19 @@ class Target:
         return part, Selection(self.selection.shape, tuple(runs))
 
 
+def _refuse_fully_sharded(model: torch.nn.Module) -> None:
+    # FSDP's DTensor of a tensor-parallel shard holds a piece the selections here do not describe.
+    name = next((n for n, p in model.named_parameters() if hasattr(p, "device_mesh")), None)
+    if name is not None:
+        raise ValueError(f"autoshard.checkpoint and load_pretrained do not read or write a model under fully_shard "
+                         f"({name!r} is FSDP's piece of a parameter). Save autoshard.full_state_dict(model) instead, "
+                         "load weights before fully_shard, or use the mesh path without fully_shard, "
+                         "parallelize(model, mesh=mesh)")
+
+
 def model_targets(model: torch.nn.Module, persistent_only: bool = True) -> Dict[str, Target]:
     """Name -> Target for every parameter and (persistent) buffer, tied tensors once."""
+    _refuse_fully_sharded(model)
     specs = module_shards(model.modules())
     targets: Dict[str, Target] = {}
     by_id: Dict[int, Target] = {}

@@ -12,6 +12,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 
+from ..fully_sharded import local_tensor
 from ..optimizer_views import local_state_dict
 from ..partitioned_state import all_gather_pieces, piece_of
 
@@ -210,6 +211,13 @@ def gather_buckets(
                 partitioned.append(p)
         plan.append((group, buckets))
     return plan, partitioned
+
+
+def local_tensors(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """What a fused op steps: this rank's piece of each of FSDP's DTensors (fully_shard over "dp"),
+    in place; the tensor itself otherwise. States are kept as DTensors like their parameters, as
+    torch.optim keeps them, so that the state dict describes them as FSDP does."""
+    return [local_tensor(t) for t in tensors]
 
 
 def finish_step(partitioned: List[torch.Tensor]) -> None:

@@ -7,7 +7,7 @@ import torch
 from .. import ops
 from ._common import (MASTER, as_real, check_at_least, check_bool, check_master_weights, check_masterable,
                       check_one_device, finish_step, gather_buckets, hyperparameter_name, keep_owned_pieces,
-                      conform_master_state, load_state_dict_keeping_masters, new_master, uses_master)
+                      conform_master_state, load_state_dict_keeping_masters, new_master, uses_master, local_tensors)
 
 _NAME = "AdamW"
 
@@ -151,10 +151,12 @@ class AdamW(torch.optim.Optimizer):
                 hyperparameters = (float(group["lr"]), beta1, beta2, float(group["weight_decay"]),
                                    float(group["eps"]), step, bool(group["maximize"]))
                 if master:
-                    ops.fused_adamw_master_(bucket.params, bucket.grads, masters, exp_avgs, exp_avg_sqs,
+                    ops.fused_adamw_master_(*map(local_tensors, (bucket.params, bucket.grads, masters, exp_avgs,
+                                                                  exp_avg_sqs)),
                                             *hyperparameters)
                 else:
-                    ops.fused_adamw_(as_real(bucket.params, dtype), as_real(bucket.grads, dtype),
-                                     as_real(exp_avgs, dtype), as_real(exp_avg_sqs, dtype), *hyperparameters)
+                    ops.fused_adamw_(*(as_real(local_tensors(tensors), dtype)
+                                       for tensors in (bucket.params, bucket.grads, exp_avgs, exp_avg_sqs)),
+                                     *hyperparameters)
         finish_step(partitioned)
         return loss

@@ -7,7 +7,7 @@ import torch
 from .. import ops
 from ._common import (MASTER, as_float, as_real, check_at_least, check_bool, check_master_weights, check_masterable,
                       check_one_device, finish_step, gather_buckets, hyperparameter_name, keep_owned_pieces,
-                      conform_master_state, load_state_dict_keeping_masters, new_master, uses_master)
+                      conform_master_state, load_state_dict_keeping_masters, new_master, uses_master, local_tensors)
 
 _NAME = "SGD"
 
@@ -131,9 +131,11 @@ class SGD(torch.optim.Optimizer):
                                    float(group["weight_decay"]), bool(group["nesterov"]), bool(group["maximize"]),
                                    not has_buffers)
                 if master:
-                    ops.fused_sgd_master_(bucket.params, bucket.grads, masters, buffers, *hyperparameters)
+                    ops.fused_sgd_master_(*map(local_tensors, (bucket.params, bucket.grads, masters, buffers)),
+                                          *hyperparameters)
                 else:
-                    ops.fused_sgd_(as_real(bucket.params, dtype), as_real(bucket.grads, dtype),
-                                   as_real(buffers, dtype), *hyperparameters)
+                    ops.fused_sgd_(*(as_real(local_tensors(tensors), dtype)
+                                     for tensors in (bucket.params, bucket.grads, buffers)),
+                                   *hyperparameters)
         finish_step(partitioned)
         return loss
