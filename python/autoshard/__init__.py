@@ -2,6 +2,7 @@
 
 from . import checkpoint, comm, nn, ops, optim
 from .clip import clip_grad_norm_
+from .torch_clip import install as _route_torch_clipping
 from .comm import CommCounter
 from .distributed import init_distributed
 from .loss_parallel import gather_logits
@@ -33,3 +34,6 @@ __all__ = [
     "split_sizes",
 ]
 __version__ = "0.1.0"
+
+# torch.nn.utils.clip_grad_norm_ over a parallelized model's gradients: the global norm.
+_route_torch_clipping()

@@ -42,6 +42,25 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or not norm_type > 0:
         raise ValueError(f"clip_grad_norm_: norm_type must be a positive number or inf, got {norm_type!r}")
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    total = global_grad_norm(params, norm_type, error_if_nonfinite)
+    scale_grads_(params, max_norm, total)
+    return total
+
+
+def scale_grads_(params: Iterable[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Scales the gradients of `params` by max_norm / total where that is below 1 (each rank's
+    local part: FSDP's pieces, shards)."""
+    grads = [p.grad for p in {id(p): p for p in params if isinstance(p, torch.Tensor) and p.grad is not None}.values()]
+    if grads:
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_([local_tensor(g) for g in grads], coefficient.to(grads[0].dtype))
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
+                     error_if_nonfinite: bool = False) -> torch.Tensor:
+    """The norm of order `norm_type` of the gradients of `params` over every rank that holds a
+    part of them, as torch computes it for the unsharded model (a collective: every rank of the
+    groups calls it)."""
     # A tied parameter listed twice counts once, as model.parameters() lists it.
     unique = {id(p): p for p in params if isinstance(p, torch.Tensor) and p.grad is not None}
     if not unique:
@@ -112,6 +131,4 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
         total = (total + local(replicated, power_sum)).pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is {total.item()}")
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    torch._foreach_mul_([local_tensor(g) for g in grads], coefficient.to(grads[0].dtype))
     return total

@@ -69,6 +69,7 @@ class ParallelState:
         """Attaches this state to its model and points every parameter of the model at it."""
         model = self.model
         setattr(model, STATE_ATTRIBUTE, self)
+        _LIVE_STATES.add(self)
         ref = weakref.ref(self)
         for param in model.parameters():
             param.__dict__[_PARAMETER_TAG] = ref
@@ -79,6 +80,14 @@ def state_of(model: nn.Module) -> Optional[ParallelState]:
     """The state parallelize attached to `model` (a sharded layer's own), or None."""
     state = getattr(model, STATE_ATTRIBUTE, None)
     return state if isinstance(state, ParallelState) else None
+
+
+# Every attached state while its model lives (torch_clip finds a gradient's parameter here).
+_LIVE_STATES: "weakref.WeakSet[ParallelState]" = weakref.WeakSet()
+
+
+def live_states() -> List[ParallelState]:
+    return list(_LIVE_STATES)
 
 
 def parameter_state(param: torch.Tensor) -> Optional[ParallelState]:
