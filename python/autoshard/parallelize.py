@@ -37,6 +37,7 @@ from .plan import LayerPlan, ShardingPlan, plan as make_plan
 from .plan.dry_run_collectives import ForwardCollectives, forward_mismatch, watched_layers
 from .plan.capture import every_block_run, input_shapes, inputs_on_meta, meta_shadow, trace_shapes
 from .plan.inputs import ordinary_token
+from .plan.meta_autocast import meta_autocast
 from .plan.meta_values import KnownValues
 from .plan.layers import is_layer_module, rms_norm_eps, rms_norm_form
 from .plan.prediction import FoldedBlockMismatch, ShapeMismatch, check_model_trace, set_attribute
@@ -341,7 +342,8 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_
             check_model_trace(prediction, traced, group.rank())
             if error is not None:
                 raise error
-        with torch.no_grad(), values, ForwardCollectives().watch(shadow, watched_layers(plan)) as collectives:
+        watch = ForwardCollectives().watch(shadow, watched_layers(plan))
+        with torch.no_grad(), meta_autocast(), values, watch as collectives:
             outputs = shadow(*args, **kwargs)
     except LookupRefusal as error:
         raise ValueError(f"{error}; the plan was refused and the model left unchanged") from None

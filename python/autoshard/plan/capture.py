@@ -24,6 +24,7 @@ from .folding import BlockFolder
 from .index_lists import ConsecutiveIndexLists
 from .inputs import example_inputs_for, missing_decoder_inputs
 from .layers import LayerInfo, describe_layer, in_projection_layer, is_linear_like, rms_norm_form
+from .meta_autocast import meta_autocast
 from .meta_values import KnownValues
 
 aten = torch.ops.aten
@@ -639,7 +640,7 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
     handles += norm_calls(shadow, recorder, record_norm, lambda m: describe_layer("", m, {}) is not None)
     example = describe_inputs(args, kwargs)
     try:
-        with torch.no_grad(), values, recorder, folder, ConsecutiveIndexLists(), attention_calls(
+        with torch.no_grad(), meta_autocast(), values, recorder, folder, ConsecutiveIndexLists(), attention_calls(
                 shadow, recorder, record_in_projection, functools.partial(record_attention_weights, recorder)):
             outputs = shadow(*args, **kwargs)
     except Exception as error:
@@ -779,7 +780,7 @@ def trace_text(module: nn.Module, args: tuple, kwargs: dict, values: Optional[Kn
     """The ATen-level graph of one module call, for comparing two variants of a module."""
     recorder = _Recorder({})
     args, kwargs = replay_inputs((args, kwargs))
-    with torch.no_grad(), values or contextlib.nullcontext(), recorder, ConsecutiveIndexLists(), \
+    with torch.no_grad(), meta_autocast(), values or contextlib.nullcontext(), recorder, ConsecutiveIndexLists(), \
             attention_calls(module, recorder, _as_layer(recorder)):
         module(*args, **kwargs)
     return repr((recorder.tensors, recorder.node_records))
@@ -814,7 +815,7 @@ def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values:
     error = None
     args, kwargs = replay_inputs((args, kwargs))
     try:
-        with torch.no_grad(), values or contextlib.nullcontext(), recorder, ConsecutiveIndexLists(), \
+        with torch.no_grad(), meta_autocast(), values or contextlib.nullcontext(), recorder, ConsecutiveIndexLists(), \
                 attention_calls(module, recorder, _as_layer(recorder)):
             module(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - the caller reports where the trace stopped
