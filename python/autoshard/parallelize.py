@@ -37,6 +37,7 @@ from .plan import LayerPlan, ShardingPlan, plan as make_plan
 from .plan.dry_run_collectives import ForwardCollectives, forward_mismatch, watched_layers
 from .plan.capture import every_block_run, input_shapes, inputs_on_meta, meta_shadow, trace_shapes
 from .plan.inputs import ordinary_token
+from .pending_gradients import check_no_pending_gradients
 from .plan.meta_autocast import meta_autocast
 from .plan.meta_values import KnownValues
 from .plan.layers import is_layer_module, rms_norm_eps, rms_norm_form
@@ -425,6 +426,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     if state_of(model) is not None or any(hasattr(m, "shard_specs") for m in model.modules()):
         raise ValueError("parallelize: the model is already parallelized (it holds sharded layers); parallelize "
                          "a freshly built model instead")
+    check_no_pending_gradients(model)
     data_parallel = None
     if mesh is not None:
         if group is not None:

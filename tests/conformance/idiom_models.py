@@ -11,7 +11,8 @@ and that a plan must either compute exactly or keep whole with a reason naming i
 - "conv": a patch stem and a positional convolution;
 - "two_input_attention": a module called as `attn(x, memory)`, both from split streams;
 - "own_loss": a loss computed by the model's forward itself, from its labels;
-- "frozen_input": a column layer whose input needs no gradient (features fed in directly).
+- "frozen_input": a column layer whose input needs no gradient (features fed in directly);
+- "trained": a decoder that has already run forward, backward and an optimizer step.
 
 Sizes: hidden 48, 6 heads of 8 (3 KV heads where grouped), FFN 70, vocabulary 97, 2 blocks.
 """
@@ -281,6 +282,19 @@ class FeatureEncoder(nn.Module):
         return self.head(x)
 
 
+def trained(model: nn.Module, clear=True, **inputs) -> nn.Module:
+    """`model` after one training step of its own (forward, backward, SGD), its gradients then
+    cleared unless not `clear`: a plan must not depend on whether the model ran before."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    out = model(**inputs)
+    out = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
+    out.float().pow(2).mean().backward()
+    optimizer.step()
+    if clear:
+        optimizer.zero_grad()
+    return model
+
+
 def idiom_model(idiom: str) -> nn.Module:
     """The model written in `idiom` (see the module's docstring)."""
     if idiom == "optional_layers":
@@ -304,4 +318,7 @@ def idiom_model(idiom: str) -> nn.Module:
         return OwnLossDecoder([Block(Attention()) for _ in range(2)])
     if idiom == "frozen_input":
         return FeatureEncoder()
+    if idiom == "trained":
+        ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+        return trained(Decoder([Block(Attention()) for _ in range(2)]), input_ids=ids)
     raise ValueError(f"idiom_model: unknown idiom {idiom!r}")
