@@ -264,6 +264,7 @@ IDIOMS = [
     Arch("own_idiom_two_input_attention", idiom("two_input_attention"), token_ids(97), small=True),
     Arch("own_idiom_own_loss", idiom("own_loss"), token_ids_and_labels(97), small=True),
     Arch("own_idiom_frozen_input", idiom("frozen_input"), features(48), small=True),
+    Arch("own_idiom_frozen_embedding", idiom("frozen_embedding"), token_ids(97), small=True),
     Arch("own_idiom_trained", idiom("trained"), token_ids(97), small=True),
 ]
 TABLE += IDIOMS

@@ -12,6 +12,7 @@ and that a plan must either compute exactly or keep whole with a reason naming i
 - "two_input_attention": a module called as `attn(x, memory)`, both from split streams;
 - "own_loss": a loss computed by the model's forward itself, from its labels;
 - "frozen_input": a column layer whose input needs no gradient (features fed in directly);
+- "frozen_embedding": a frozen token embedding, whose output needs no gradient;
 - "trained": a decoder that has already run forward, backward and an optimizer step.
 
 Sizes: hidden 48, 6 heads of 8 (3 KV heads where grouped), FFN 70, vocabulary 97, 2 blocks.
@@ -318,6 +319,10 @@ def idiom_model(idiom: str) -> nn.Module:
         return OwnLossDecoder([Block(Attention()) for _ in range(2)])
     if idiom == "frozen_input":
         return FeatureEncoder()
+    if idiom == "frozen_embedding":
+        model = Decoder([Block(Attention()) for _ in range(2)])
+        model.embed.weight.requires_grad_(False)
+        return model
     if idiom == "trained":
         ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
         return trained(Decoder([Block(Attention()) for _ in range(2)]), input_ids=ids)

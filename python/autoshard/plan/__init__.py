@@ -12,6 +12,7 @@ from torch import nn
 from ..nn.multihead_attention import IN_PROJECTION
 from .adapters import add_adapters
 from .capture import CapturedGraph, capture
+from .gradient_flow import drop_gradient_free_collectives
 from .holdings import imbalance_warning, inventory
 from .prediction import Prediction, ShapeMismatch, localize_attributes
 from .sharding_plan import OVERRIDE_STYLES, LayerPlan, RegionPlan, ShardingPlan
@@ -77,6 +78,7 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
     comm = [{"phase": c["phase"], "kind": c["kind"], "count": c["count"], "bytes": c["elements"] * element_size}
             for c in data["comm"]]
     _add_routing_gradients(comm, data, graph, element_size)
+    drop_gradient_free_collectives(comm, data, graph, element_size)
     partial = [{"params": [names[i] for i in bucket["params"]], "bytes": bucket["elements"] * element_size}
                for bucket in data["partial_gradients"]]
     region_plans = {}

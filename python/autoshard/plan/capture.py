@@ -98,6 +98,8 @@ class CapturedGraph:
     # Each module called once (the model itself left out): (leaf, tensor id) of the recorded
     # tensors it returned, leaf being the place among the flattened outputs.
     module_exits: Dict[str, List[Tuple[int, int]]] = field(default_factory=dict)
+    # Per tensor id: whether it is floating-point (or complex), so that a gradient can reach it.
+    floating: List[bool] = field(default_factory=list)
 
 
 def _narrows(x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -711,6 +713,7 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
         inner_nodes=recorder.inner_nodes,
         layer_calls=recorder.layer_calls,
         module_exits={name: left for name, left in module_exits.items() if name and name not in called_again},
+        floating=[t is None or t.is_floating_point() or t.is_complex() for t in recorder.keep],
     )
 
 
