@@ -261,7 +261,9 @@ IDIOMS = [
     Arch("own_idiom_functional_qkv_bias", idiom("functional_qkv_bias"), token_ids(97), small=True),
     Arch("own_idiom_adaptive_norm", idiom("adaptive_norm"), token_ids(97), small=True),
     Arch("own_idiom_conv", idiom("conv"), pixels(3, 8), small=True),
-    Arch("own_idiom_two_input_attention", idiom("two_input_attention"), token_ids(97), small=True),
+    # Its cross attention norms x and the memory itself and reshapes q with x's length: both kept whole.
+    Arch("own_idiom_two_input_attention", idiom("two_input_attention"), token_ids(97), small=True,
+         plan_says=r"module 'blocks\.0\.cross' receives tokens split over the ranks .* may read their count"),
     Arch("own_idiom_own_loss", idiom("own_loss"), token_ids_and_labels(97), small=True),
     Arch("own_idiom_frozen_input", idiom("frozen_input"), features(48), small=True),
     Arch("own_idiom_frozen_embedding", idiom("frozen_embedding"), token_ids(97), small=True),

@@ -14,6 +14,7 @@ from .adapters import add_adapters
 from .capture import CapturedGraph, capture
 from .gradient_flow import drop_gradient_free_collectives
 from .holdings import imbalance_warning, inventory
+from .length_reads import explain_length_reads, split_inputs_gathered_inside, with_length_reads
 from .prediction import Prediction, ShapeMismatch, localize_attributes
 from .sharding_plan import OVERRIDE_STYLES, LayerPlan, RegionPlan, ShardingPlan
 from .token_selections import gather_before_token_indexing
@@ -239,10 +240,12 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
     # predicts on some rank (a size written into the model as a constant): node -> why.
     mismatched: Dict[int, str] = {}
     token_indexing = None  # why sequence parallelism was given up, if it was
+    length_reads = []  # (module, tensor): inputs kept whole where a module may read their length
     while True:
         replicated = [{"node": node, "style": "replicate"} for node in mismatched]
         document = torch.ops.autoshard.plan_graph(
-            json.dumps({**graph.document, "forced": forced + replicated, "sequence_parallel": sequence_parallel}),
+            json.dumps({**with_length_reads(graph.document, length_reads), "forced": forced + replicated,
+                        "sequence_parallel": sequence_parallel}),
             world_size)
         try:
             result = _parse(document, graph, world_size, _element_size(model))
@@ -254,6 +257,10 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
             raise ValueError(f"plan: world_size={world_size} is larger than every dimension autoshard could split "
                              f"(e.g. {too_small[0].module}: only {too_small[0]._whole_units} whole unit(s) (heads) "
                              f"to split across {world_size} ranks)")
+        reads = [read for read in split_inputs_gathered_inside(result, graph) if read not in length_reads]
+        if reads:
+            length_reads += reads
+            continue
         unpaired = _unpaired_attentions(result, graph)
         if unpaired:
             mismatched.update(unpaired)
@@ -275,6 +282,7 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
         attention = why.startswith(_UNPAIRED)
         layer.reason = "attention_unpaired" if attention else "shape_mismatch"
         layer.note = "replicated: " + why.removeprefix("plan: ")
+    explain_length_reads(result)
     if token_indexing is not None:
         for layer in result.layers:
             if layer.style == "row":
