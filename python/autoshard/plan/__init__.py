@@ -14,6 +14,7 @@ from .adapters import add_adapters
 from .capture import CapturedGraph, capture
 from .gradient_flow import drop_gradient_free_collectives
 from .holdings import imbalance_warning, inventory
+from .idiom_notes import explain_idioms, whole_reasons
 from .length_reads import explain_length_reads, split_inputs_gathered_inside, with_length_reads
 from .prediction import Prediction, ShapeMismatch, localize_attributes
 from .sharding_plan import OVERRIDE_STYLES, LayerPlan, RegionPlan, ShardingPlan
@@ -283,6 +284,7 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
         layer.reason = "attention_unpaired" if attention else "shape_mismatch"
         layer.note = "replicated: " + why.removeprefix("plan: ")
     explain_length_reads(result)
+    explain_idioms(result, graph)
     if token_indexing is not None:
         for layer in result.layers:
             if layer.style == "row":
@@ -296,6 +298,7 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
     result.overrides = dict(overrides or {})
     add_adapters(result, graph, _element_size(model))
     result.parameters = inventory(graph.shadow)
+    whole_reasons(result.parameters, graph)
     _warn_if_mostly_whole(result)
     return result
 
