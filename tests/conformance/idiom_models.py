@@ -90,6 +90,7 @@ class UnbindAttention(nn.Module):
 
     def __init__(self, functional_bias=False):
         super().__init__()
+        self.num_heads = HEADS
         self.functional_bias = functional_bias
         self.qkv = nn.Linear(HIDDEN, 3 * HEADS * HEAD_DIM, bias=False)
         if functional_bias:
@@ -104,9 +105,9 @@ class UnbindAttention(nn.Module):
             qkv = F.linear(x, self.qkv.weight, torch.cat((self.q_bias, self.k_bias, self.v_bias)))
         else:
             qkv = self.qkv(x)
-        q, k, v = qkv.reshape(b, t, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = qkv.reshape(b, t, 3, self.num_heads, HEAD_DIM).permute(2, 0, 3, 1, 4).unbind(0)
         out = _attend(q, k, v)
-        return self.proj(out.transpose(1, 2).reshape(b, t, HEADS * HEAD_DIM))
+        return self.proj(out.transpose(1, 2).reshape(b, t, self.num_heads * HEAD_DIM))
 
 
 class Block(nn.Module):
