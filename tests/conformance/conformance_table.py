@@ -274,8 +274,8 @@ IDIOMS = [
     Arch("own_idiom_two_input_attention", idiom("two_input_attention"), token_ids(97), small=True,
          plan_says=r"module 'blocks\.0\.cross' receives tokens split over the ranks .* may read their count"),
     Arch("own_idiom_own_loss", idiom("own_loss"), token_ids_and_labels(97), small=True,
-         plan_says=r"lm_head .*loss in its own forward.*loss parallelism, which keeps them split, applies only to "
-                   r"Hugging Face's loss functions"),
+         plan_says=r"lm_head .*computes a loss from these logits in its own forward.*loss parallelism, which keeps "
+                   r"them split, applies only to Hugging Face's loss functions"),
     Arch("own_idiom_frozen_input", idiom("frozen_input"), features(48), small=True),
     Arch("own_idiom_frozen_embedding", idiom("frozen_embedding"), token_ids(97), small=True),
     Arch("own_idiom_trained", idiom("trained"), token_ids(97), small=True),
