@@ -18,9 +18,13 @@ def needs_gradient(graph) -> List[bool]:
     tensors = graph.document["tensors"]
     trainable = [p.requires_grad for _, p in graph.shadow.named_parameters(remove_duplicate=True)]
     needs = [("param" in t and trainable[t["param"]]) for t in tensors]
-    for node in graph.document["nodes"]:
-        params = [node.get(key, -1) for key in ("weight_param", "bias_param")]
-        reached = any(needs[i] for i in node["inputs"]) or any(p >= 0 and trainable[p] for p in params)
+    modules = dict(graph.shadow.named_modules())
+    # A layer's output needs a gradient when any parameter of its module requires one (a LoRA
+    # layer's factors beside a frozen base weight), not only its weight and bias.
+    layer_trainable = {node: any(p.requires_grad for p in modules[info.name].parameters()) if info.name in modules
+                       else True for node, info in graph.layers.items()}
+    for index, node in enumerate(graph.document["nodes"]):
+        reached = any(needs[i] for i in node["inputs"]) or layer_trainable.get(index, False)
         for out in node["outputs"]:
             needs[out] = needs[out] or (reached and graph.floating[out])
     return needs
@@ -37,7 +41,8 @@ def drop_gradient_free_collectives(comm: List[Dict[str, object]], data: dict, gr
     """Takes out of `comm` (the plan's collectives) the backward collectives of tensors that
     need no gradient: a column layer's copy (all-reduce) or gather (reduce-scatter) of its
     input, a sequence entry's cut (all-gather) and gather (reduce-scatter), an embedding's
-    output cut to the ranks' heads (all-gather)."""
+    output cut to the ranks' heads (all-gather); and the all-reduce of a partial-gradient
+    bucket whose parameters are all frozen."""
     needs = needs_gradient(graph)
     produced = {t for node in graph.document["nodes"] for t in node["outputs"]}
     shapes = [t["shape"] for t in graph.document["tensors"]]
@@ -59,10 +64,15 @@ def drop_gradient_free_collectives(comm: List[Dict[str, object]], data: dict, gr
     dropped += [("all_gather", e["tensor"]) for e in data["sequence_entries"] if not needs[e["tensor"]]]
     dropped += [("reduce_scatter", e["tensor"]) for e in data["sequence_gathers"] if not needs[e["tensor"]]]
     dropped += [("all_gather", e["tensor"]) for e in data.get("head_outputs", []) if not needs[e["tensor"]]]
-    for kind, tensor in dropped:
+    elements = [(kind, _numel(shapes[tensor])) for kind, tensor in dropped]
+    # A partial-gradient bucket of frozen parameters only: nothing to sum (see partial_gradients).
+    trainable = [p.requires_grad for _, p in graph.shadow.named_parameters(remove_duplicate=True)]
+    elements += [("all_reduce", bucket["elements"]) for bucket in data["partial_gradients"]
+                 if not any(trainable[i] for i in bucket["params"])]
+    for kind, count in elements:
         for c in comm:
             if c["phase"] == "backward" and c["kind"] == kind and c["count"] > 0:
                 c["count"] -= 1
-                c["bytes"] -= _numel(shapes[tensor]) * element_size
+                c["bytes"] -= count * element_size
                 break
     comm[:] = [c for c in comm if c["count"] > 0]
