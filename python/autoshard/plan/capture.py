@@ -23,6 +23,7 @@ from ..nn.multihead_attention import (AttentionCalls, ParallelMultiheadAttention
 from .folding import BlockFolder
 from .index_lists import ConsecutiveIndexLists
 from .inputs import example_inputs_for, missing_decoder_inputs
+from .computed_tensors import computed_tensors
 from .layers import LayerInfo, describe_layer, in_projection_layer, is_linear_like, rms_norm_form
 from .meta_autocast import meta_autocast
 from .meta_values import KnownValues
@@ -514,32 +515,9 @@ def meta_shadow(model: nn.Module, always_copy: bool = False) -> nn.Module:
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
-    for t in _computed_tensors(model, memo):
+    for t in computed_tensors(model, memo):
         memo[id(t)] = t.detach().clone()
     return copy.deepcopy(model, memo)
-
-
-def _computed_tensors(model: nn.Module, skip: Dict[int, Any]) -> List[torch.Tensor]:
-    """The tensors held by the model (in its modules' attributes and the containers and objects
-    they hold) that an autograd graph computed: a weight that torch.nn.utils.weight_norm
-    recomputes in each forward, a tensor a forward left behind. torch cannot deepcopy them; the
-    copy holds them detached (its forward computes them again, on meta)."""
-    found, seen, stack = [], set(), [model]
-    while stack:
-        value = stack.pop()
-        if id(value) in seen or id(value) in skip:
-            continue
-        seen.add(id(value))
-        if isinstance(value, torch.Tensor):
-            if value.grad_fn is not None:
-                found.append(value)
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            stack.extend(value)
-        elif isinstance(value, dict):
-            stack.extend(value.values())
-        elif hasattr(value, "__dict__") and not isinstance(value, type):
-            stack.extend(vars(value).values())
-    return found
 
 
 def split_inputs(example_inputs) -> Tuple[tuple, dict]:
