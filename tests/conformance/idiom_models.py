@@ -198,8 +198,9 @@ class ConvEncoder(nn.Module):
 
 
 class CrossAttention(nn.Module):
-    """Queries from x, keys and values from x and the memory together (joint attention over
-    both streams' tokens): called as attn(x, memory)."""
+    """Queries from x, keys and values from the memory: called as attn(x, memory). It norms both
+    inputs itself and reads both lengths from them (x's for q, the memory's for k and v), so
+    each must reach it with every token."""
 
     def __init__(self):
         super().__init__()
@@ -214,15 +215,14 @@ class CrossAttention(nn.Module):
         b, t, _ = x.shape
         heads = self.num_heads
         x, memory = self.x_norm(x), self.memory_norm(memory)
-        both = memory
         q = self.q_proj(x).view(b, t, heads, HEAD_DIM).transpose(1, 2)
-        k, v = self.kv_proj(both).view(b, both.shape[1], 2 * heads, HEAD_DIM).transpose(1, 2).chunk(2, dim=1)
+        k, v = self.kv_proj(memory).view(b, memory.shape[1], 2 * heads, HEAD_DIM).transpose(1, 2).chunk(2, dim=1)
         out = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM), dim=-1) @ v
         return self.o_proj(out.transpose(1, 2).reshape(b, t, heads * HEAD_DIM))
 
 
 class TwoStreamBlock(nn.Module):
-    """Self-attention and MLP on x, then attention from x over both streams."""
+    """Self-attention and MLP on x, then attention from x to the memory."""
 
     def __init__(self):
         super().__init__()
