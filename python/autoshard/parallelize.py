@@ -39,6 +39,8 @@ from .plan_until_it_runs import plan_until_it_runs
 from .plan.dry_run_collectives import ForwardCollectives, forward_mismatch, silent_layers, watched_layers
 from .plan.capture import input_shapes, inputs_on_meta, meta_shadow, trace_shapes
 from .plan.inputs import ordinary_token
+from .pending_gradients import check_no_pending_gradients
+from .plan.meta_autocast import meta_autocast
 from .plan.meta_values import KnownValues
 from .plan.layers import is_layer_module, rms_norm_eps, rms_norm_form
 from .plan.prediction import FoldedBlockMismatch, ShapeMismatch, check_model_trace, set_attribute
@@ -343,7 +345,8 @@ def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_
             check_model_trace(prediction, traced, group.rank())
             if error is not None:
                 raise error
-        with torch.no_grad(), values, ForwardCollectives().watch(shadow, watched_layers(plan)) as collectives:
+        watch = ForwardCollectives().watch(shadow, watched_layers(plan))
+        with torch.no_grad(), meta_autocast(), values, watch as collectives:
             outputs = shadow(*args, **kwargs)
     except LookupRefusal as error:
         raise ValueError(f"{error}; the plan was refused and the model left unchanged") from None
@@ -431,6 +434,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     if state_of(model) is not None or any(hasattr(m, "shard_specs") for m in model.modules()):
         raise ValueError("parallelize: the model is already parallelized (it holds sharded layers); parallelize "
                          "a freshly built model instead")
+    check_no_pending_gradients(model)
     data_parallel = fully_shard_over = None
     if mesh is not None:
         if group is not None:

@@ -10,6 +10,7 @@ from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModel
 from transformers.utils import logging
 
 import conformance_models
+import idiom_models
 
 logging.set_verbosity_error()
 
@@ -46,6 +47,11 @@ def own_multihead(**options):
     return functools.partial(conformance_models.multihead_decoder, **options)
 
 
+def idiom(name: str):
+    """A builder of our plain-PyTorch model written in idiom `name` (see idiom_models)."""
+    return functools.partial(idiom_models.idiom_model, name)
+
+
 def _ids(generator, vocab=VOCAB, seq=SEQ):
     # Token 0 is avoided: some models treat it as padding.
     return torch.randint(1, vocab, (BATCH, seq), generator=generator)
@@ -58,6 +64,24 @@ def _token_ids(vocab, generator):
 def token_ids(vocab=VOCAB):
     """input_ids of shape (2, 7)."""
     return functools.partial(_token_ids, vocab)
+
+
+def _ids_and_labels(vocab, generator):
+    return {"input_ids": _ids(generator, vocab), "labels": _ids(generator, vocab)}
+
+
+def token_ids_and_labels(vocab=VOCAB):
+    """input_ids and labels, each of shape (2, 7)."""
+    return functools.partial(_ids_and_labels, vocab)
+
+
+def _features(width, generator):
+    return {"features": torch.randn(BATCH, SEQ, width, generator=generator)}
+
+
+def features(width):
+    """features (2, 7, width): floating-point inputs that need no gradient."""
+    return functools.partial(_features, width)
 
 
 def _seq2seq_ids(generator):

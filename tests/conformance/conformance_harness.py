@@ -69,6 +69,10 @@ class StateMismatch(ConformanceFailure):
     pass
 
 
+class PlanSilent(ConformanceFailure):
+    """print(plan) does not say what the plan did with the model's idiom."""
+
+
 class NothingSharded(ConformanceFailure):
     """Every layer was replicated: the other checks would pass without testing anything."""
 
@@ -86,6 +90,7 @@ class Report:
     worst: Dict[str, float] = field(default_factory=dict)  # per check: the largest error / its tolerance
     held: float = 1.0  # the largest fraction of the model's parameters any rank holds
     largest_whole: str = ""  # the reason of the largest part held whole on every rank
+    plan_text: str = ""  # print(plan)
 
 
 def _flat_outputs(out) -> List[torch.Tensor]:
@@ -156,6 +161,7 @@ def check(arch) -> Report:
     except Exception as error:  # plan and parallelize raise alike on every rank, before any collective
         report.refused = f"{type(error).__name__}: {error}"
         return report
+    report.plan_text = str(plan)
     for layer in plan.layers:
         report.styles[layer.style] = report.styles.get(layer.style, 0) + 1
     report.held = held_fraction(plan)
@@ -265,6 +271,10 @@ def judge(arch, world_size: int, reports: List[Report]) -> Dict[str, float]:
     if lines:
         findings.append("full_state_dict after one step:\n  " + "\n  ".join(lines))
         first = first or StateMismatch
+    says = arch.plan_says_at(world_size)
+    if first is None and says and not re.search(says, reports[0].plan_text):
+        findings.append(f"print(plan) does not match {says!r}:\n{reports[0].plan_text}")
+        first = PlanSilent
     if first is None and not any(style != "replicate" for style in reports[0].styles):
         findings.append(f"the plan replicates every layer: {reports[0].styles}")
         first = NothingSharded

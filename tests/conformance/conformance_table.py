@@ -13,6 +13,8 @@
   example_inputs=inputs)` then `parallelize(model, plan)`; "parallelize":
   `parallelize(model, example_inputs=inputs)`; "auto": `parallelize(model)`, the inputs made
   from the model's config. `inputs` always drive the checked forward and backward.
+- `plan_says`: a regex (or `{world_size: regex}`) that `print(plan)` must match: the plan says
+  what it did with the idiom the model is written in, in words that name it.
 - `tolerance`: in place of the harness's for the entry's dtype, for a model that computes
   part of its forward in float32 whatever its dtype.
 
@@ -24,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import conformance_sweep_sample
-from conformance_builders import audio_features, hf, own, own_multihead, pixels, seq2seq_ids, token_ids
+from conformance_builders import (audio_features, features, hf, idiom, own, own_multihead, pixels, seq2seq_ids, token_ids,
+                                  token_ids_and_labels)
 from conformance_harness import GradientMismatch, LogitsMismatch, Refused
 
 WORLD_SIZES = (2, 3, 4)
@@ -48,9 +51,13 @@ class Arch:
     fp64: bool = True
     planning: str = "plan"  # "plan", "parallelize" or "auto"
     tolerance: Optional[dict] = None  # dict(rtol=..., atol=...)
+    plan_says: Any = None  # regex, or {world_size: regex}
 
     def small_at(self, world_size: int) -> bool:
         return world_size in (self.small if isinstance(self.small, tuple) else SMALL_WORLD_SIZES if self.small else ())
+
+    def plan_says_at(self, world_size: int) -> Optional[str]:
+        return self.plan_says.get(world_size) if isinstance(self.plan_says, dict) else self.plan_says
 
     def xfail_at(self, world_size: int) -> Optional[Xfail]:
         return self.xfail.get(world_size) if isinstance(self.xfail, dict) else self.xfail
@@ -248,10 +255,43 @@ TABLE = [
     Arch("own_mqa_alibi", own(kv_heads=1, alibi="computed"), token_ids(97), small=True),
 ]
 
+# ---- plain-PyTorch idioms (see idiom_models): each exact, and where a part is kept whole, the plan
+# says why in words that name the idiom.
+IDIOMS = [
+    Arch("own_idiom_optional_layers", idiom("optional_layers"), token_ids(97), small=True),
+    Arch("own_idiom_autocast", idiom("autocast"), token_ids(97), small=True),
+    Arch("own_idiom_config_heads", idiom("config_heads"), token_ids(97), small=True,
+         plan_says=r"blocks\.0\.attn: local attributes \{'config\.num_attention_heads'"),
+    # Both head counts made local together: one at a time neither changes kv * (heads // kv).
+    Arch("own_idiom_grouped_heads", idiom("grouped_heads"), token_ids(97), small=True,
+         plan_says=r"blocks\.0\.attn: local attributes \{'config\.num_attention_heads': '[\d/]+', "
+                   r"'config\.num_key_value_heads'"),
+    Arch("own_idiom_unbind_qkv", idiom("unbind_qkv"), token_ids(97), small=True,
+         plan_says=r"blocks\.0\.attn\.qkv .*replicated: .*fused q/k/v split with unbind"),
+    Arch("own_idiom_functional_qkv_bias", idiom("functional_qkv_bias"), token_ids(97), small=True,
+         plan_says=r"a Linear the model never calls: its forward applies the weight itself \(F\.linear.*"
+                   r"blocks\.0\.attn\.qkv"),
+    Arch("own_idiom_adaptive_norm", idiom("adaptive_norm"), token_ids(97), small=True,
+         plan_says=r"blocks\.0\.modulation\.1 .*replicated: .*adaptive-norm modulation"),
+    Arch("own_idiom_conv", idiom("conv"), pixels(3, 8), small=True,
+         plan_says=r"a convolution \(.*\): autoshard splits no convolution: .*stem \(Conv2d, .*position \(Conv1d"),
+    # Its cross attention norms x and the memory itself and reshapes q with x's length: both kept whole.
+    Arch("own_idiom_two_input_attention", idiom("two_input_attention"), token_ids(97), small=True,
+         plan_says=r"module 'blocks\.0\.cross' receives tokens split over the ranks .* may read their count"),
+    Arch("own_idiom_own_loss", idiom("own_loss"), token_ids_and_labels(97), small=True,
+         plan_says=r"lm_head .*computes a loss from these logits in its own forward.*loss parallelism, which keeps "
+                   r"them split, applies only to Hugging Face's loss functions"),
+    Arch("own_idiom_frozen_input", idiom("frozen_input"), features(48), small=True),
+    Arch("own_idiom_frozen_embedding", idiom("frozen_embedding"), token_ids(97), small=True),
+    Arch("own_idiom_trained", idiom("trained"), token_ids(97), small=True),
+]
+TABLE += IDIOMS
 TABLE += conformance_sweep_sample.entries(Arch)
 
 # Our own models written to exhibit the defect classes; each is in the small matrix.
 DEFECT_MODELS = {"own_qk_norm", "own_partial_rotary", "own_head_scale", "own_head_dim_gain", "own_mlp_scalar_gain"}
+
+IDIOM_MODELS = {arch.name for arch in IDIOMS}
 
 BY_NAME = {arch.name: arch for arch in TABLE}
 assert len(BY_NAME) == len(TABLE), "architecture names must be unique"

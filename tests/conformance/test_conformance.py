@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conformance_harness import judge  # noqa: E402
-from conformance_table import DEFECT_MODELS, TABLE, WORLD_SIZES, check_named  # noqa: E402
+from conformance_table import DEFECT_MODELS, IDIOM_MODELS, TABLE, WORLD_SIZES, check_named  # noqa: E402
 from multirank import run_on_ranks  # noqa: E402
 
 # Building, planning and checking a tiny model takes a few seconds per rank; 4 ranks share 2 cores.
@@ -37,9 +37,10 @@ def test_conforms(name, world_size):
 
 
 def test_table_is_wide_enough():
-    """At least 25 Hugging Face architectures, and every defect-class model of our own in the
-    small matrix that each make test runs."""
+    """At least 25 Hugging Face architectures, and every defect-class and idiom model of our own
+    in the small matrix that each make test runs."""
     hf = [a for a in TABLE if not a.name.startswith("own_")]
     assert len(hf) >= 25, len(hf)
     small = {a.name for a in TABLE if a.small}
     assert DEFECT_MODELS <= small, DEFECT_MODELS - small
+    assert IDIOM_MODELS <= small, IDIOM_MODELS - small

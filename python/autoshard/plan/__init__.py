@@ -12,7 +12,10 @@ from torch import nn
 from ..nn.multihead_attention import IN_PROJECTION
 from .adapters import add_adapters
 from .capture import CapturedGraph, capture
+from .gradient_flow import drop_gradient_free_collectives
 from .holdings import imbalance_warning, inventory
+from .idiom_notes import explain_idioms, whole_reasons
+from .length_reads import explain_length_reads, split_inputs_gathered_inside, with_length_reads
 from .prediction import Prediction, ShapeMismatch, localize_attributes
 from .sharding_plan import OVERRIDE_STYLES, LayerPlan, RegionPlan, ShardingPlan
 from .token_selections import gather_before_token_indexing
@@ -77,6 +80,7 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
     comm = [{"phase": c["phase"], "kind": c["kind"], "count": c["count"], "bytes": c["elements"] * element_size}
             for c in data["comm"]]
     _add_routing_gradients(comm, data, graph, element_size)
+    drop_gradient_free_collectives(comm, data, graph, element_size)
     partial = [{"params": [names[i] for i in bucket["params"]], "bytes": bucket["elements"] * element_size}
                for bucket in data["partial_gradients"]]
     region_plans = {}
@@ -246,10 +250,12 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     mismatched: Dict[int, str] = {node: why for node, info in graph.layers.items()
                                   for pattern, why in whole.items() if _under(info.name, pattern)}
     token_indexing = None  # why sequence parallelism was given up, if it was
+    length_reads = []  # (module, tensor): inputs kept whole where a module may read their length
     while True:
         replicated = [{"node": node, "style": "replicate"} for node in mismatched]
         document = torch.ops.autoshard.plan_graph(
-            json.dumps({**graph.document, "forced": forced + replicated, "sequence_parallel": sequence_parallel}),
+            json.dumps({**with_length_reads(graph.document, length_reads), "forced": forced + replicated,
+                        "sequence_parallel": sequence_parallel}),
             world_size)
         try:
             result = _parse(document, graph, world_size, _element_size(model))
@@ -261,6 +267,10 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
             raise ValueError(f"plan: world_size={world_size} is larger than every dimension autoshard could split "
                              f"(e.g. {too_small[0].module}: only {too_small[0]._whole_units} whole unit(s) (heads) "
                              f"to split across {world_size} ranks)")
+        reads = [read for read in split_inputs_gathered_inside(result, graph) if read not in length_reads]
+        if reads:
+            length_reads += reads
+            continue
         unpaired = _unpaired_attentions(result, graph)
         if unpaired:
             mismatched.update(unpaired)
@@ -282,6 +292,8 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
         attention = why.startswith(_UNPAIRED)
         layer.reason = "attention_unpaired" if attention else "shape_mismatch"
         layer.note = "replicated: " + why.removeprefix("plan: ")
+    explain_length_reads(result)
+    explain_idioms(result, graph)
     if token_indexing is not None:
         for layer in result.layers:
             if layer.style == "row":
@@ -295,6 +307,7 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     result.overrides = dict(overrides or {})
     add_adapters(result, graph, _element_size(model))
     result.parameters = inventory(graph.shadow)
+    whole_reasons(result.parameters, graph)
     _warn_if_mostly_whole(result)
     return result
 

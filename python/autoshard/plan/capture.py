@@ -23,7 +23,9 @@ from ..nn.multihead_attention import (AttentionCalls, ParallelMultiheadAttention
 from .folding import BlockFolder
 from .index_lists import ConsecutiveIndexLists
 from .inputs import example_inputs_for, missing_decoder_inputs
+from .computed_tensors import computed_tensors
 from .layers import LayerInfo, describe_layer, in_projection_layer, is_linear_like, rms_norm_form
+from .meta_autocast import meta_autocast
 from .meta_values import KnownValues
 
 aten = torch.ops.aten
@@ -97,6 +99,8 @@ class CapturedGraph:
     # Each module called once (the model itself left out): (leaf, tensor id) of the recorded
     # tensors it returned, leaf being the place among the flattened outputs.
     module_exits: Dict[str, List[Tuple[int, int]]] = field(default_factory=dict)
+    # Per tensor id: whether it is floating-point (or complex), so that a gradient can reach it.
+    floating: List[bool] = field(default_factory=list)
 
 
 def _narrows(x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -511,6 +515,8 @@ def meta_shadow(model: nn.Module, always_copy: bool = False) -> nn.Module:
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
+    for t in computed_tensors(model, memo):
+        memo[id(t)] = t.detach().clone()
     return copy.deepcopy(model, memo)
 
 
@@ -639,7 +645,7 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
     handles += norm_calls(shadow, recorder, record_norm, lambda m: describe_layer("", m, {}) is not None)
     example = describe_inputs(args, kwargs)
     try:
-        with torch.no_grad(), values, recorder, folder, ConsecutiveIndexLists(), attention_calls(
+        with torch.no_grad(), meta_autocast(), values, recorder, folder, ConsecutiveIndexLists(), attention_calls(
                 shadow, recorder, record_in_projection, functools.partial(record_attention_weights, recorder)):
             outputs = shadow(*args, **kwargs)
     except Exception as error:
@@ -685,6 +691,7 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
         inner_nodes=recorder.inner_nodes,
         layer_calls=recorder.layer_calls,
         module_exits={name: left for name, left in module_exits.items() if name and name not in called_again},
+        floating=[t is None or t.is_floating_point() or t.is_complex() for t in recorder.keep],
     )
 
 
@@ -779,7 +786,7 @@ def trace_text(module: nn.Module, args: tuple, kwargs: dict, values: Optional[Kn
     """The ATen-level graph of one module call, for comparing two variants of a module."""
     recorder = _Recorder({})
     args, kwargs = replay_inputs((args, kwargs))
-    with torch.no_grad(), values or contextlib.nullcontext(), recorder, ConsecutiveIndexLists(), \
+    with torch.no_grad(), meta_autocast(), values or contextlib.nullcontext(), recorder, ConsecutiveIndexLists(), \
             attention_calls(module, recorder, _as_layer(recorder)):
         module(*args, **kwargs)
     return repr((recorder.tensors, recorder.node_records))
@@ -817,7 +824,7 @@ def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values:
     error = None
     args, kwargs = replay_inputs((args, kwargs))
     try:
-        with torch.no_grad(), values or contextlib.nullcontext(), recorder, ConsecutiveIndexLists(), \
+        with torch.no_grad(), meta_autocast(), values or contextlib.nullcontext(), recorder, ConsecutiveIndexLists(), \
                 attention_calls(module, recorder, _as_layer(recorder)):
             module(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - the caller reports where the trace stopped

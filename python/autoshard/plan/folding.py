@@ -70,12 +70,16 @@ def foldable_blocks(model: nn.Module) -> Dict[str, str]:
     for list_name, container in model.named_modules():
         if not isinstance(container, nn.ModuleList) or len(container) < 2:
             continue
-        described = [_description(block) for block in container]
+        # A ModuleList may hold None (a layer a config leaves out): there is nothing to fold.
+        blocks = [(int(key), block) for key, block in container._modules.items() if block is not None]
+        if len(blocks) < 2:
+            continue
+        described = [_description(block) for _, block in blocks]
         # An int attribute that holds each block's own index (layer_idx) differs by design.
         own_index = {key for key in described[0]
-                     if all(d.get(key) == (int, i) for i, d in enumerate(described))}
+                     if all(d.get(key) == (int, i) for (i, _), d in zip(blocks, described))}
         first: Dict[tuple, str] = {}
-        for index, entries in enumerate(described):
+        for (index, _), entries in zip(blocks, described):
             name = f"{list_name}.{index}" if list_name else str(index)
             key = tuple(sorted(((k, v) for k, v in entries.items() if k not in own_index), key=repr))
             try:

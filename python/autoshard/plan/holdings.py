@@ -24,7 +24,8 @@ REASONS = {
     "too_few_units": "fewer whole heads than ranks",
     "override_replicate": "replicated by override",
     "attention_unpaired": "an nn.MultiheadAttention whose projections cannot be split by heads together",
-    "shape_mismatch": "its module computes other local shapes than the plan's (a size fixed in the model's code)",
+    "shape_mismatch": ("its module computes other local shapes than the plan's (a size it reads from no attribute that "
+                       "autoshard could make local: a constant in its code, or an attribute of an object it does not hold)"),
     "weight_read_elsewhere": "its weight is also read outside the layer",
     "weight_shared": "its weight is shared with a layer split differently",
     "feeds_called_layer": "it feeds a layer that its other calls split as a column layer (a layer called more than once)",
@@ -32,6 +33,9 @@ REASONS = {
     "unsplit": "the planner found no axis to split",
     "row_bias": "the bias of a row-parallel layer, added once after the all-reduce",
     "not_a_layer": "not a Linear, Embedding or einsum layer (norms, convolutions, free parameters)",
+    "convolution": "a convolution (a patch stem, a positional or feature convolution): autoshard splits no convolution",
+    "functional_layer": ("a Linear the model never calls: its forward applies the weight itself (F.linear(x, "
+                         "layer.weight, bias)), which autoshard does not split"),
     "adapter_factor": "a LoRA factor read whole beside its split base layer (A of a column layer, B of a row layer)",
 }
 
@@ -125,7 +129,7 @@ def replicated(plan) -> List[Replicated]:
     for name, record in plan.parameters.items():
         if name in split:
             continue
-        code, note = reasons.get(name, ("not_a_layer", ""))
+        code, note = reasons.get(name, (record.get("whole_reason", "not_a_layer"), ""))
         key = (code, record["module"])
         if key not in found:
             found[key] = Replicated(code, record["module"], record["module_class"], 0, note)

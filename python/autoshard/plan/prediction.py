@@ -19,6 +19,7 @@ from ..nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from ..nn.head_cuts import cut_leaf, cut_steps, local_heads_shape
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
+from .attribute_pairs import widen_by_pairs
 from .capture import CapturedGraph, trace_shapes
 from .layers import is_layer_module
 
@@ -532,6 +533,8 @@ def _choose(plan, prediction, name, module, region, values, ranks) -> Tuple[Dict
             if all(t >= c for t, c in zip(trial, current)) and any(t > c for t, c in zip(trial, current)):
                 chosen[attr] = 0
                 current, improved = trial, True
+    chosen, current = widen_by_pairs(candidates, chosen, current,
+                                     lambda attrs: [progress(attempt(r, attrs)) for r in ranks])
     for r in ranks:
         result = attempt(r, chosen)
         if result is not None:

@@ -1,0 +1,78 @@
+"""Which recorded tensors a backward pass reaches, and the backward collectives that never run
+for lack of one.
+
+The planner counts a backward collective for each tensor a column layer copies or gathers, and
+for each tensor sequence parallelism cuts on entering a module, unless it is a model input.
+Autograd runs none of them for a tensor that needs no gradient: the features a model is fed
+(through a norm without weights), the output of a frozen embedding. A tensor needs a gradient
+when a parameter that requires one, or a tensor that needs one, reaches it; integer and bool
+tensors never do. Ops are taken as differentiable (detach included), so that a tensor is found
+to need no gradient only where none can reach it: the counts drop only where nothing runs.
+"""
+
+from typing import Dict, List
+
+
+def needs_gradient(graph) -> List[bool]:
+    """Per tensor id of the captured graph: whether a backward pass can reach it."""
+    tensors = graph.document["tensors"]
+    trainable = [p.requires_grad for _, p in graph.shadow.named_parameters(remove_duplicate=True)]
+    needs = [("param" in t and trainable[t["param"]]) for t in tensors]
+    modules = dict(graph.shadow.named_modules())
+    # A layer's output needs a gradient when any parameter of its module requires one (a LoRA
+    # layer's factors beside a frozen base weight), not only its weight and bias.
+    layer_trainable = {node: any(p.requires_grad for p in modules[info.name].parameters()) if info.name in modules
+                       else True for node, info in graph.layers.items()}
+    for index, node in enumerate(graph.document["nodes"]):
+        reached = any(needs[i] for i in node["inputs"]) or layer_trainable.get(index, False)
+        for out in node["outputs"]:
+            needs[out] = needs[out] or (reached and graph.floating[out])
+    return needs
+
+
+def _numel(shape) -> int:
+    count = 1
+    for s in shape:
+        count *= s
+    return count
+
+
+def drop_gradient_free_collectives(comm: List[Dict[str, object]], data: dict, graph, element_size: int) -> None:
+    """Takes out of `comm` (the plan's collectives) the backward collectives of tensors that
+    need no gradient: a column layer's copy (all-reduce) or gather (reduce-scatter) of its
+    input, a sequence entry's cut (all-gather) and gather (reduce-scatter), an embedding's
+    output cut to the ranks' heads (all-gather); and the all-reduce of a partial-gradient
+    bucket whose parameters are all frozen."""
+    needs = needs_gradient(graph)
+    produced = {t for node in graph.document["nodes"] for t in node["outputs"]}
+    shapes = [t["shape"] for t in graph.document["tensors"]]
+    dropped: List[tuple] = []  # (kind, tensor)
+    copied = set()
+    for record in data["layers"]:
+        if record["style"] not in ("column", "column_gather") or record["sequence"] == "gathered":
+            continue
+        tensor = graph.document["nodes"][record["node"]]["inputs"][0]
+        if tensor in copied:
+            continue
+        copied.add(tensor)
+        if needs[tensor]:
+            continue
+        if record["sequence"] == "gather":
+            dropped.append(("reduce_scatter", tensor))
+        elif tensor in produced:
+            dropped.append(("all_reduce", tensor))
+    dropped += [("all_gather", e["tensor"]) for e in data["sequence_entries"] if not needs[e["tensor"]]]
+    dropped += [("reduce_scatter", e["tensor"]) for e in data["sequence_gathers"] if not needs[e["tensor"]]]
+    dropped += [("all_gather", e["tensor"]) for e in data.get("head_outputs", []) if not needs[e["tensor"]]]
+    elements = [(kind, _numel(shapes[tensor])) for kind, tensor in dropped]
+    # A partial-gradient bucket of frozen parameters only: nothing to sum (see partial_gradients).
+    trainable = [p.requires_grad for _, p in graph.shadow.named_parameters(remove_duplicate=True)]
+    elements += [("all_reduce", bucket["elements"]) for bucket in data["partial_gradients"]
+                 if not any(trainable[i] for i in bucket["params"])]
+    for kind, count in elements:
+        for c in comm:
+            if c["phase"] == "backward" and c["kind"] == kind and c["count"] > 0:
+                c["count"] -= 1
+                c["bytes"] -= count * element_size
+                break
+    comm[:] = [c for c in comm if c["count"] > 0]
