@@ -111,3 +111,10 @@ def fsdp_refusal(tool: str, wrapper_ranks: Set[int]) -> ValueError:
                       f"would be silently wrong. Use FSDP2 instead: {_FULLY_SHARD_HOW}; or parallelize(model, "
                       "mesh=mesh) with a ('dp', 'tp') DeviceMesh (gradients averaged over dp, optimizer state "
                       "partitioned over dp), or DistributedDataParallel(model, process_group=mesh.get_group('dp')).")
+
+
+def already_averaged(wrapper: str, ranks, instead: str) -> ValueError:
+    """The error for a data-parallel wrapper over a model whose mesh path averages over "dp" itself."""
+    return ValueError(f"autoshard: {wrapper} over ranks {sorted(ranks)} wraps a model that parallelize already "
+                      "averages over the 'dp' dimension of its mesh (parallelize(model, mesh=mesh)): its gradients "
+                      f"would be averaged twice and the pieces of its partitioned optimizer state mixed. {instead}")

@@ -23,7 +23,7 @@ from typing import Iterable, List, Optional, Set, Tuple
 
 from torch import nn
 
-from .data_parallel_wrappers import DDP, ranks_of, refusal, spans_tensor_parallel, wrapper_types
+from .data_parallel_wrappers import DDP, already_averaged, ranks_of, refusal, spans_tensor_parallel, wrapper_types
 from .model_state import ParallelState, state_of
 
 
@@ -35,11 +35,8 @@ def partial_gradient_names(model: nn.Module, state: ParallelState) -> List[str]:
 
 
 def _already_averaged(ddp_ranks: Set[int]) -> ValueError:
-    return ValueError(f"autoshard: {DDP} over ranks {sorted(ddp_ranks)} wraps a model that parallelize already "
-                      "averages over the 'dp' dimension of its mesh (parallelize(model, mesh=mesh)): its gradients "
-                      "would be averaged twice and the pieces of its partitioned optimizer state mixed. Drop the "
-                      "DDP wrapper, or parallelize over the tensor-parallel group alone (parallelize(model, "
-                      "mesh=mesh['tp'])) and wrap the model in DDP over mesh.get_group('dp')")
+    return already_averaged(DDP, ddp_ranks, "Drop the DDP wrapper, or parallelize over the tensor-parallel group alone "
+                            "(parallelize(model, mesh=mesh['tp'])) and wrap the model in DDP over mesh.get_group('dp')")
 
 
 def check_over_data_parallel(ddp_ranks: Set[int], model: nn.Module, state: ParallelState) -> None:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ops
+from .data_parallel_wrappers import already_averaged
 from .model_state import ParallelState
 
 __all__ = ["adopt", "fsdp_group_of", "is_dtensor", "local_tensor", "whole_over_data_parallel"]
@@ -63,11 +64,9 @@ def fsdp_group_of(t: torch.Tensor):
 
 
 def _already_averaged(ranks: Set[int]) -> ValueError:
-    return ValueError(f"autoshard: fully_shard over ranks {sorted(ranks)} wraps a model that parallelize already "
-                      "averages over the 'dp' dimension of its mesh (parallelize(model, mesh=mesh)): its gradients "
-                      "would be averaged twice, and the pieces of its partitioned optimizer state mixed. Parallelize "
-                      "over the tensor-parallel dimension alone, parallelize(model, mesh=mesh['tp']), then "
-                      "fully_shard(..., mesh=mesh['dp']); or keep parallelize(model, mesh=mesh) without fully_shard")
+    return already_averaged("fully_shard", ranks, "Parallelize over the tensor-parallel dimension alone, "
+                            "parallelize(model, mesh=mesh['tp']), then fully_shard(..., mesh=mesh['dp']); or keep "
+                            "parallelize(model, mesh=mesh) without fully_shard")
 
 
 def _check_same_tensor_parallel_rank(ranks: Set[int], state: ParallelState, fsdp_group) -> None:

@@ -25,6 +25,7 @@ import autoshard
 import autoshard.integrations
 from autoshard.distributed import set_default_group
 from hf_models import build
+from checks import error_text
 from multirank import run_on_ranks
 
 STEPS, SAVE_AT, BATCH, EVAL_BATCH = 4, 2, 2, 2
@@ -185,14 +186,6 @@ def test_mesh_trainer_equals_one_process(one_process, tmp_path):
     _assert_saved(ranks, 4)
 
 
-def _error(call) -> str:
-    try:
-        call()
-    except ValueError as error:
-        return str(error)
-    return "no error"
-
-
 def _refusals(output_dir: str):
     """At 2 ranks, tensor-parallel over both: transformers' own Trainer (accelerate wraps the
     model in DDP over the tensor-parallel ranks), FSDP asked of autoshard's Trainer, and a
@@ -200,14 +193,14 @@ def _refusals(output_dir: str):
     with _torchrun_env():
         make = lambda cls, **kw: cls(model=_model("tp", seed=0), args=_arguments(output_dir, BATCH, **kw),
                                      train_dataset=_Tokens(16, seed=1), data_collator=default_data_collator)
-        errors = dict(plain=_error(lambda: make(transformers.Trainer).train()),
-                      fsdp=_error(lambda: make(autoshard.integrations.Trainer, fsdp="full_shard")))
+        errors = dict(plain=error_text(lambda: make(transformers.Trainer).train()),
+                      fsdp=error_text(lambda: make(autoshard.integrations.Trainer, fsdp="full_shard")))
         trainer = make(autoshard.integrations.Trainer)
         trainer.create_optimizer_and_scheduler(num_training_steps=STEPS)
         checkpoint = os.path.join(output_dir, f"saved-by-3-{dist.get_rank()}")
         os.makedirs(checkpoint)
         torch.save({}, os.path.join(checkpoint, "optimizer.rank0-of-3.pt"))
-        errors["resume"] = _error(lambda: trainer._load_optimizer_and_scheduler(checkpoint))
+        errors["resume"] = error_text(lambda: trainer._load_optimizer_and_scheduler(checkpoint))
     return errors
 
 
@@ -236,8 +229,8 @@ def _layouts_the_trainer_cannot_feed(output_dir: str):
                                        train_dataset=_Tokens(16, seed=1), data_collator=default_data_collator)
 
     with _torchrun_env():
-        part = _error(lambda: trainer_of(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]))
-        strided = _error(lambda: trainer_of(init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))))
+        part = error_text(lambda: trainer_of(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]))
+        strided = error_text(lambda: trainer_of(init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))))
     return part, strided
 
 

@@ -18,6 +18,7 @@ from autoshard.state_views import unwrap_shard_views
 from autoshard.distributed import set_default_group
 from gathered import gathered_grads
 from hf_models import build
+from checks import error_text
 from multirank import run_on_ranks
 
 EVEN = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=256, intermediate_size=128)
@@ -26,14 +27,6 @@ ALTERNATIVE = ("mesh.get_group('dp')", "parallelize(model, mesh=mesh)", "Trainer
 
 def _batch(step: int = 0, rows: int = 2, seq: int = 8):
     return torch.randint(0, 256, (rows, seq), generator=torch.Generator().manual_seed(100 + step))
-
-
-def _error(call) -> str:
-    try:
-        call()
-    except ValueError as error:
-        return str(error)
-    return "no error"
 
 
 class _Holder(torch.nn.Module):
@@ -54,12 +47,12 @@ def _ddp_over_tensor_parallel(around: bool):
     autoshard.parallelize(model)
     # Each rank's own tensors (the state dict shows sharded ones with their global shapes).
     before = {k: v.clone() for k, v in unwrap_shard_views(model.state_dict()).items()}
-    refused = _error(lambda: DistributedDataParallel(model))
+    refused = error_text(lambda: DistributedDataParallel(model))
     unchanged = all(torch.equal(before[k], v) for k, v in unwrap_shard_views(model.state_dict()).items())
     at_forward = None
     if around:  # constructed, and its broadcast done: caught at the first forward
         wrapped = DistributedDataParallel(_Holder(model))
-        at_forward = _error(lambda: wrapped(input_ids=_batch(), labels=_batch()))
+        at_forward = error_text(lambda: wrapped(input_ids=_batch(), labels=_batch()))
     return refused, unchanged, at_forward
 
 
@@ -98,17 +91,17 @@ def _fsdp_over_tensor_parallel():
     errors = {}
     model = build("llama", seed=0, **EVEN)
     autoshard.parallelize(model)
-    errors["FullyShardedDataParallel"] = _error(lambda: _fsdp1_stand_in(model)(input_ids=ids, labels=ids))
+    errors["FullyShardedDataParallel"] = error_text(lambda: _fsdp1_stand_in(model)(input_ids=ids, labels=ids))
     world = init_device_mesh("cpu", (dist.get_world_size(),))
     model = build("llama", seed=0, **EVEN)
     autoshard.parallelize(model)
     fully_shard(model, mesh=world)
-    errors["fully_shard"] = _error(lambda: model(input_ids=ids, labels=ids))
+    errors["fully_shard"] = error_text(lambda: model(input_ids=ids, labels=ids))
     layers = build("llama", seed=0, **EVEN)  # layer by layer, the model itself left out
     autoshard.parallelize(layers)
     for layer in layers.model.layers:
         fully_shard(layer, mesh=world)
-    errors["fully_shard (layers)"] = _error(lambda: layers(input_ids=ids, labels=ids))
+    errors["fully_shard (layers)"] = error_text(lambda: layers(input_ids=ids, labels=ids))
     return errors
 
 
@@ -178,11 +171,11 @@ def _ddp_over_data_parallel_inexact():
     try:
         averaged = build("llama", seed=0, **EVEN)
         autoshard.parallelize(averaged, mesh=mesh)
-        twice = _error(lambda: DistributedDataParallel(averaged, process_group=dp))
+        twice = error_text(lambda: DistributedDataParallel(averaged, process_group=dp))
         held = build("llama", seed=0, **EVEN)
         autoshard.parallelize(held, mesh=mesh["tp"])
         wrapped = DistributedDataParallel(_Holder(held), process_group=dp)
-        around = _error(lambda: wrapped(input_ids=_batch(), labels=_batch()))
+        around = error_text(lambda: wrapped(input_ids=_batch(), labels=_batch()))
         return twice, around
     finally:
         set_default_group(None)
@@ -212,11 +205,11 @@ def _inputs(check_inputs: bool = True, checkpointing: bool = False):
     worst = max(float((grads[n] - p.grad).abs().max()) for n, p in reference.named_parameters())
     own = _batch(1 + rank)  # each rank a batch of its own
     result = dict(loss=abs(float(loss) - float(want)), grad=worst,
-                  ids=_error(lambda: model(input_ids=own, labels=ids)),
-                  labels=_error(lambda: model(input_ids=ids, labels=own)))
+                  ids=error_text(lambda: model(input_ids=own, labels=ids)),
+                  labels=error_text(lambda: model(input_ids=ids, labels=own)))
     if check_inputs:  # without the check, these would fail or hang in the model's collectives
-        result["length"] = _error(lambda: model(input_ids=_batch(seq=8 + rank)))
-        result["only_one"] = _error(lambda: model(input_ids=ids, attention_mask=torch.ones_like(ids)) if rank
+        result["length"] = error_text(lambda: model(input_ids=_batch(seq=8 + rank)))
+        result["only_one"] = error_text(lambda: model(input_ids=ids, attention_mask=torch.ones_like(ids)) if rank
                                     else model(ids))
     return result
 
@@ -264,7 +257,7 @@ def _compiled(backend: str = "aot_eager"):
     ids = _batch()
     loss = compiled(input_ids=ids, labels=ids).loss
     loss.backward()
-    refused = _error(lambda: compiled(input_ids=_batch(1 + dist.get_rank()), labels=ids))
+    refused = error_text(lambda: compiled(input_ids=_batch(1 + dist.get_rank()), labels=ids))
     return dict(loss=abs(float(loss) - float(reference(input_ids=ids, labels=ids).loss)),
                 breaks=sum(counters["graph_break"].values()), refused=refused)
 
@@ -286,7 +279,7 @@ def _fsdp1_over_data_parallel():
         stand_in = _fsdp1_stand_in(model)
         stand_in.process_group = mesh.get_group("dp")
         ids = _batch()
-        return _error(lambda: stand_in(input_ids=ids, labels=ids))
+        return error_text(lambda: stand_in(input_ids=ids, labels=ids))
     finally:
         set_default_group(None)
 

@@ -15,3 +15,12 @@ def expect_errors(cases):
         else:
             raise AssertionError(f"no {error.__name__} for case {len(raised)}")
     return raised
+
+
+def error_text(call, error=ValueError) -> str:
+    """The message `call` raises as `error`, or "no error"."""
+    try:
+        call()
+    except error as e:
+        return str(e)
+    return "no error"
