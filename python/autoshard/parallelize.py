@@ -20,7 +20,7 @@ from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, resolve, set_default_group
 from .nn.einsum import ShardedEinsumDense
 from .nn.embedding import VocabParallelEmbedding
-from .nn.embedding_subclass import LookupRefusal, shard_embedding_subclass
+from .nn.embedding_subclass import shard_embedding_subclass
 from .nn.experts import shard_experts
 from .nn.head_parameters import shard_head_parameter
 from .nn import head_cuts, sequence
@@ -32,18 +32,13 @@ from .model_state import ParallelState, state_of
 from .partitioned_state import partition_replicated
 from .optimizer_views import install_global_optimizer_hook
 from .replaced_modules import check_no_hooks_lost
-from .state import has_state_dict_hooks
 from .state_views import install_state_dict_views
 from .plan import LayerPlan, ShardingPlan
 from .plan_until_it_runs import plan_until_it_runs
-from .plan.dry_run_collectives import ForwardCollectives, forward_mismatch, silent_layers, watched_layers
-from .plan.capture import input_shapes, inputs_on_meta, meta_shadow, trace_shapes
-from .plan.inputs import ordinary_token
+from .dry_run import dry_run
 from .pending_gradients import check_no_pending_gradients
-from .plan.meta_autocast import meta_autocast
-from .plan.meta_values import KnownValues
-from .plan.layers import is_layer_module, rms_norm_eps, rms_norm_form
-from .plan.prediction import FoldedBlockMismatch, ShapeMismatch, check_model_trace, set_attribute
+from .plan.layers import rms_norm_eps, rms_norm_form
+from .plan.prediction import set_attribute
 
 
 class SharedInputCopy:
@@ -289,94 +284,6 @@ def _shard_experts(model: nn.Module, name: str, sides, group: ProcessGroup, rank
                   row.weight.rpartition(".")[2], row.weight_spec(rank, world), group, copies.get(column.copy_group))
 
 
-def _example_inputs(model: nn.Module, plan: ShardingPlan, example_inputs, values: KnownValues):
-    """The dry run's inputs on meta: the caller's, else those the plan was made with (tensors of
-    their shapes for a plan read from JSON), else made from the model's config."""
-    if example_inputs is not None:
-        return inputs_on_meta(model, example_inputs, values)
-    recorded = getattr(plan, "_input_values", None)
-    if recorded is not None:
-        return values.to_meta(recorded[0]), values.to_meta(recorded[1])
-    spec = plan.example.get("inputs")
-    if spec is not None:
-        # Ids hold a token that is no special one (1 without a config: 0 is the usual padding)
-        # and masks ones, so that a padding check finds no padding; the rest zeros.
-        token = ordinary_token(model.config) if hasattr(model, "config") else 1
-
-        def make(s, name=""):
-            fill = token if name.endswith("input_ids") else 1 if name.endswith("mask") else 0
-            return torch.full(s["shape"], fill, dtype=getattr(torch, s["dtype"]))
-        args, kwargs = tuple(make(s) for s in spec["args"]), {k: make(s, k) for k, s in spec["kwargs"].items()}
-        return values.to_meta(args), values.to_meta(kwargs)
-    return inputs_on_meta(model, None, values)
-
-
-def _is_layer(module: nn.Module) -> bool:
-    return is_layer_module(module)
-
-
-def _state_shapes(shadow: nn.Module) -> Optional[Dict[str, list]]:
-    """The unsharded model's state_dict entries' shapes where state_dict hooks make them (see
-    state.full_state_dict), from its meta copy; None without hooks or where they fail on meta."""
-    if not has_state_dict_hooks(shadow):
-        return None
-    try:
-        return {k: list(v.shape) for k, v in shadow.state_dict().items() if isinstance(v, torch.Tensor)}
-    except Exception:  # noqa: BLE001 - a hook that needs values: full_state_dict checks nothing then
-        return None
-
-
-def _dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_inputs=None) -> Optional[dict]:
-    """Tries `plan` on a meta copy of `model`; returns _state_shapes of that copy."""
-    shadow = meta_shadow(model, always_copy=True)
-    state_shapes = _state_shapes(shadow)
-    prediction = getattr(plan, "_prediction", None)
-    values = KnownValues()
-    try:
-        _apply(shadow, plan, group)
-        args, kwargs = _example_inputs(shadow, plan, example_inputs, values)
-        # The plan's predicted shapes hold for the inputs it was made with.
-        planned_shapes = example_inputs is None or input_shapes(args, kwargs) == plan.example.get("description")
-        if prediction is not None and planned_shapes:
-            # Every intermediate shape against the plan's prediction for this rank.
-            traced, error = trace_shapes(shadow, args, kwargs, _is_layer, values)
-            if isinstance(error, LookupRefusal):
-                raise error
-            check_model_trace(prediction, traced, group.rank())
-            if error is not None:
-                raise error
-        watch = ForwardCollectives().watch(shadow, watched_layers(plan))
-        with torch.no_grad(), meta_autocast(), values, watch as collectives:
-            outputs = shadow(*args, **kwargs)
-    except LookupRefusal as error:
-        raise ValueError(f"{error}; the plan was refused and the model left unchanged") from None
-    except ShapeMismatch as error:
-        refusal = ValueError(f"parallelize: on a meta copy of the model, {error}; the plan was refused and the model "
-                             "left unchanged")
-        refusal.folded_block = isinstance(error, FoldedBlockMismatch)
-        refusal.module = getattr(error, "module", None)
-        raise refusal from None
-    except Exception as error:
-        raise ValueError(f"parallelize: the plan does not run on a meta copy of the model "
-                         f"({type(error).__name__}: {error}); the model was left unchanged") from error
-    # The plan counted its collectives on its own example inputs (as it predicted its shapes).
-    mismatch = forward_mismatch(plan, collectives, shadow) if group.size() > 1 and planned_shapes else None
-    if mismatch is not None:
-        refusal = ValueError(f"parallelize: on a meta copy of the model, {mismatch}; the plan was refused and the "
-                             "model left unchanged")
-        refusal.silent_layers = silent_layers(plan, collectives)
-        raise refusal
-    if hasattr(outputs, "to_tuple"):
-        outputs = outputs.to_tuple()
-    flat = [o for o in torch.utils._pytree.tree_flatten(outputs)[0] if isinstance(o, torch.Tensor)]
-    got = [list(o.shape) for o in flat]
-    want = plan.example.get("output_shapes")
-    if want is not None and planned_shapes and got != want:
-        raise ValueError(f"parallelize: on a meta copy, the sharded model's outputs have shapes {got} instead of "
-                         f"{want}; the model was left unchanged")
-    return state_shapes
-
-
 def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Optional[ProcessGroup] = None,
                 mesh=None, *, example_inputs=None, sequence_parallel: bool = True, loss_parallel: bool = True,
                 partition_optimizer_state: bool = True, check_inputs: bool = True,
@@ -455,13 +362,13 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     if plan is None:
         def checked_dry_run(candidate):
             _check_plan_fits(model, candidate, group.size())
-            return _dry_run(model, candidate, group, example_inputs)
+            return dry_run(model, candidate, group, example_inputs, _apply)
 
         plan, state_shapes = plan_until_it_runs(model, group.size(), example_inputs, sequence_parallel,
                                                 checked_dry_run)
     else:
         _check_plan_fits(model, plan, group.size())
-        state_shapes = _dry_run(model, plan, group, example_inputs)
+        state_shapes = dry_run(model, plan, group, example_inputs, _apply)
     _apply(model, plan, group)
     for module in model.modules():
         if hasattr(type(module), "reduce_dtype"):

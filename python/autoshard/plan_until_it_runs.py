@@ -1,7 +1,7 @@
 """A plan parallelize() made itself, planned again until its dry run on a meta copy computes
 what it predicts.
 
-The dry run (parallelize._dry_run) traces the sharded model on meta and compares every op's
+The dry run (dry_run.py) traces the sharded model on meta and compares every op's
 shape, and the forward collectives, with the plan's prediction. Where they differ, the plan
 would compute something else than the model: a plan the user gave is refused. A plan made here
 is instead made again with the module where the difference appeared held whole, and so on
