@@ -42,7 +42,10 @@ def variants() -> List[Variant]:
 
 
 def by_name(name: str) -> Variant:
-    return next(v for v in variants() if v.name == name)
+    found = [v for v in variants() if v.name == name]
+    if not found:
+        raise LookupError(f"no variant {name!r} in this transformers (names are model_type:base or model_type:causal)")
+    return found[0]
 
 
 def build(variant: Variant) -> torch.nn.Module:

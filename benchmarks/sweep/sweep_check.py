@@ -41,11 +41,11 @@ CLASSES = ("exact", "exact_over", "refused", "dry_run_refused", "crash", "wrong"
 _OWN_ERROR_PREFIXES = ("plan", "parallelize", "autoshard")
 # Used where an op of the model has no fp64 kernel on CPU (grouped matmuls of experts), or the
 # model computes part of its forward in float32 whatever its dtype.
-# rtol relative to each tensor's largest magnitude: float32's rounding there (1.2e-7) summed
-# over the few dozen terms of a tiny model stays under 1e-5; atol as the MoE entries of the
+# rtol relative to each tensor's largest magnitude: float32's rounding there (1.2e-7), through
+# a few hundred sums and two blocks' backward, was seen up to 1.05e-5; atol as the MoE entries of the
 # conformance table (a router's gradient, near zero, is float32 noise of the values around it).
 # The defects this sweep looks for (a lost partial sum, a wrong shard) show at 1e-2 and above.
-SWEEP_FP32_TOLERANCE = dict(rtol=1e-5, atol=5e-5, of_largest=True)
+SWEEP_FP32_TOLERANCE = dict(rtol=1e-4, atol=5e-5, of_largest=True)
 
 
 class _LowerPrecision(TorchDispatchMode):

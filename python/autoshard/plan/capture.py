@@ -24,7 +24,7 @@ from .folding import BlockFolder
 from .index_lists import ConsecutiveIndexLists
 from .inputs import example_inputs_for, missing_decoder_inputs
 from .computed_tensors import computed_tensors
-from .layers import LayerInfo, describe_layer, in_projection_layer, is_linear_like, rms_norm_form
+from .layers import LayerInfo, describe_layer, experts_weights, in_projection_layer, is_linear_like, rms_norm_form
 from .meta_autocast import meta_autocast
 from .meta_values import KnownValues
 
@@ -67,6 +67,15 @@ _EXPERT_WEIGHT_VIEWS = {
     aten.clone, aten.contiguous, aten.unbind, aten.lift_fresh,
 }
 _EXPERT_WEIGHT_PRODUCTS = {aten.mm, aten.bmm, aten._grouped_mm, aten.addmm, aten.baddbmm, aten.matmul, aten.linear}
+# Ops after an experts module's out projection that are linear in its (then partial) outputs:
+# a sum over the ranks after them equals them applied to the sum.
+_PRODUCTS_OF_TWO = {aten.mul, aten.mul_, aten.div, aten.div_, aten.bmm, aten.mm, aten.matmul}
+_LINEAR_IN_PARTIAL_SUMS = _EXPERT_WEIGHT_VIEWS | _PRODUCTS_OF_TWO | {
+    aten.index_add, aten.index_add_, aten.scatter_add, aten.scatter_add_, aten.index_put, aten.index_put_,
+    aten.add, aten.add_, aten.sum, aten.cat, aten.stack, aten.copy_, aten.to, aten.neg, aten.zeros_like,
+    aten.empty_like, aten.new_zeros, aten.masked_fill, aten.where, aten.split, aten.split_with_sizes, aten.chunk,
+    aten.flatten, aten.unflatten, aten.as_strided, aten.view_as, aten.sub, aten.sub_, aten.narrow,
+}
 _COPIES = {
     aten.clone, aten._to_copy, aten.detach, aten.copy_, aten.native_dropout, aten.dropout, aten.contiguous,
     aten.where, aten.masked_fill, aten.type_as, aten.to,
@@ -110,6 +119,15 @@ def _narrows(x: torch.Tensor, out: torch.Tensor) -> bool:
 
 def _normalize_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
+
+
+@dataclass
+class ExpertReads:
+    """What an experts module's call has read so far (see _Recorder.follow_expert_weights)."""
+    tracked: Dict[int, torch.Tensor]  # its weights and the views taken of them
+    out_weight: Dict[int, torch.Tensor]  # the out weight and its views
+    partial: Dict[int, torch.Tensor] = field(default_factory=dict)  # what follows linearly from out products
+    refusals: List[str] = field(default_factory=list)
 
 
 class _Recorder(TorchDispatchMode):
@@ -228,18 +246,34 @@ class _Recorder(TorchDispatchMode):
     def follow_expert_weights(self, func, args, kwargs, out) -> None:
         """Inside an experts module's call: its weights (and the views and experts taken of them)
         may only be multiplied by activations. Anything else (a norm over a weight's FFN axis)
-        would compute otherwise than split experts: the module is then kept whole."""
-        tracked, refusals = self.experts_reads
-        read = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and id(t) in tracked]
-        if not read:
-            return
+        would compute otherwise than split experts: the module is then kept whole. The products
+        with the out weight are partial sums once the experts are split over their FFN axis:
+        only ops linear in them (views, copies, sums, a product with a routing weight) may follow
+        before the module's output; a norm of each expert's output would normalise a partial sum."""
+        reads = self.experts_reads
+        flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        read = [t for t in flat if id(t) in reads.tracked]
         packet = func.overloadpacket
-        if packet in _EXPERT_WEIGHT_VIEWS:
-            for o in tree_flatten(out)[0]:
-                if isinstance(o, torch.Tensor):
-                    tracked[id(o)] = o
-        elif packet not in _EXPERT_WEIGHT_PRODUCTS:
-            refusals.append(str(func))
+        if read:
+            of_out_weight = any(id(t) in reads.out_weight for t in read)
+            if packet in _EXPERT_WEIGHT_VIEWS:
+                for o in outs:
+                    reads.tracked[id(o)] = o
+                    if of_out_weight:
+                        reads.out_weight[id(o)] = o
+            elif packet not in _EXPERT_WEIGHT_PRODUCTS:
+                reads.refusals.append(str(func))
+            elif of_out_weight:
+                reads.partial.update((id(o), o) for o in outs)
+            return
+        partial = [t for t in flat if id(t) in reads.partial]
+        if not partial:
+            return
+        if packet not in _LINEAR_IN_PARTIAL_SUMS or (packet in _PRODUCTS_OF_TWO and len(partial) > 1):
+            reads.refusals.append(f"{func} of an expert's output before the experts' outputs are summed")
+            return
+        reads.partial.update((id(o), o) for o in outs)
 
     def record(self, func, args, kwargs, out) -> None:
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
@@ -603,13 +637,15 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
                 info.input = inputs[0] if inputs else None
                 info.inputs = tuple(inputs)
                 if info.kind == "experts":
-                    recorder.experts_reads = ({id(p): p for p in mod._parameters.values() if p is not None}, [])
+                    out_weight = getattr(mod, experts_weights(mod)[1])
+                    recorder.experts_reads = ExpertReads({id(p): p for p in mod._parameters.values() if p is not None},
+                                                         {id(out_weight): out_weight})
             recorder.layer_depth += 1
 
         def post(mod, inputs, output, info=info):
             recorder.layer_depth -= 1
             if info.kind == "experts" and recorder.layer_depth == 0:
-                refusals = recorder.experts_reads[1]
+                refusals = recorder.experts_reads.refusals
                 recorder.experts_reads = None
                 if (not refusals and isinstance(info.input, torch.Tensor) and isinstance(output, torch.Tensor)
                         and output.shape == info.input.shape):
