@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoshard
+from gathered import gathered_grads
 from multirank import run_on_ranks
 
 VOCAB, HIDDEN, FFN = 13, 8, 12
@@ -324,3 +325,34 @@ def test_renaming_state_dict_hooks_give_the_unsharded_state(world_size):
     assert "attn.q.weight" in keys and "attn.v.bias" in keys and "attn.qkv.weight" not in keys, keys
     text, unchanged = run_on_ranks(_hook_on_replaced, world_size)[0]
     assert unchanged and "'attn.qkv' (Linear: state_dict_hook)" in text and "remove the hooks" in text, text
+
+
+def _planned_again_without_the_silent_layer():
+    """The embedding subclass computing on this rank's rows alone, as in the refusal above, but
+    with the plan left to parallelize: planned again with that layer whole, and exact."""
+    from autoshard.nn import embedding_subclass
+
+    kept = embedding_subclass.WholeTableLookups.__torch_function__
+    embedding_subclass.WholeTableLookups.__torch_function__ = lambda self, func, types, args=(), kwargs=None: \
+        func(*args, **(kwargs or {}))
+    try:
+        model = _seeded(lambda: LanguageModel(embedding=DirectEmbedding))
+        reference = _seeded(lambda: LanguageModel(embedding=DirectEmbedding))
+        autoshard.parallelize(model, example_inputs=(IDS,))
+        layer = autoshard.model_state.state_of(model).plan.layer("emb")
+        out, want = model(IDS), reference(IDS)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        grads = gathered_grads(model)
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        return layer.style, layer.reason, layer.note
+    finally:
+        embedding_subclass.WholeTableLookups.__torch_function__ = kept
+
+
+def test_a_plan_parallelize_makes_is_made_again_with_the_differing_layer_whole():
+    for style, reason, note in run_on_ranks(_planned_again_without_the_silent_layer, 2):
+        assert (style, reason) == ("replicate", "dry_run_mismatch"), (style, reason, note)
+        assert "issued none" in note and "'emb'" in note, note

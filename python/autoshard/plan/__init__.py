@@ -249,6 +249,7 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     # predicts on some rank (a size written into the model as a constant): node -> why.
     mismatched: Dict[int, str] = {node: why for node, info in graph.layers.items()
                                   for pattern, why in whole.items() if _under(info.name, pattern)}
+    from_dry_run = set(mismatched)
     token_indexing = None  # why sequence parallelism was given up, if it was
     length_reads = []  # (module, tensor): inputs kept whole where a module may read their length
     while True:
@@ -290,7 +291,8 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     for node, why in mismatched.items():
         layer = result.layer(graph.layers[node].name)
         attention = why.startswith(_UNPAIRED)
-        layer.reason = "attention_unpaired" if attention else "shape_mismatch"
+        layer.reason = ("attention_unpaired" if attention else "dry_run_mismatch" if node in from_dry_run
+                        else "shape_mismatch")
         layer.note = "replicated: " + why.removeprefix("plan: ")
     explain_length_reads(result)
     explain_idioms(result, graph)

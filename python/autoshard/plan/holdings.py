@@ -26,6 +26,8 @@ REASONS = {
     "attention_unpaired": "an nn.MultiheadAttention whose projections cannot be split by heads together",
     "shape_mismatch": ("its module computes other local shapes than the plan's (a size it reads from no attribute that "
                        "autoshard could make local: a constant in its code, or an attribute of an object it does not hold)"),
+    "dry_run_mismatch": ("its module, sharded on a meta copy, computed other shapes or collectives than the plan "
+                         "predicted: planned again with it whole"),
     "weight_read_elsewhere": "its weight is also read outside the layer",
     "weight_shared": "its weight is shared with a layer split differently",
     "feeds_called_layer": "it feeds a layer that its other calls split as a column layer (a layer called more than once)",
