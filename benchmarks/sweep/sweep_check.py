@@ -81,6 +81,8 @@ def _runs_unsharded(variant, dtype, kind: int) -> bool:
     if not all(bool(t.isfinite().all()) for t in flat):
         raise FloatingPointError("an output is not finite (NaN or inf): nothing to compare a shard against")
     sum(t.sum() for t in flat).backward()
+    if not all(bool(p.grad.isfinite().all()) for p in model.parameters() if p.grad is not None):
+        raise FloatingPointError("a gradient is not finite (NaN or inf): nothing to compare a shard against")
     return lower.seen
 
 

@@ -34,7 +34,8 @@ SHRINK: Dict[str, int] = {
     # positions and tokens
     **dict.fromkeys(("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length",
                      "max_source_positions", "max_target_positions", "n_ctx", "seq_length"), 64),
-    "vocab_size": VOCAB,
+    **dict.fromkeys(("vocab_size", "decoder_vocab_size", "vocab_size_per_layer_input"), VOCAB),
+    "hidden_size_per_layer_input": 16,
     # experts
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
     **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"), 2),
