@@ -15,8 +15,7 @@ import autoshard
 
 from multirank import run_on_ranks
 
-# 4 query heads over 2 KV heads split on 2 ranks, not on 3 (attention stays whole there, and
-# with it sequence parallelism); 6 over 3 split on both.
+# 4 query heads over 2 KV heads (split 2/1/1 on 3 ranks: KV heads shared unevenly) and 6 over 3.
 CONFIGS = {
     "llama": ("llama", dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)),
     "qwen2": ("qwen2", dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)),
