@@ -53,6 +53,8 @@ class Arch:
     tolerance: Optional[dict] = None  # dict(rtol=..., atol=...)
     plan_says: Any = None  # regex, or {world_size: regex}
 
+    world_sizes: tuple = WORLD_SIZES  # where the full matrix checks it
+
     def small_at(self, world_size: int) -> bool:
         return world_size in (self.small if isinstance(self.small, tuple) else SMALL_WORLD_SIZES if self.small else ())
 

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conformance_harness import judge  # noqa: E402
-from conformance_table import DEFECT_MODELS, IDIOM_MODELS, TABLE, WORLD_SIZES, check_named  # noqa: E402
+from conformance_table import DEFECT_MODELS, IDIOM_MODELS, TABLE, check_named  # noqa: E402
 from multirank import run_on_ranks  # noqa: E402
 
 # Building, planning and checking a tiny model takes a few seconds per rank; 4 ranks share 2 cores.
@@ -20,7 +20,7 @@ TIMEOUT = 300
 
 def _params():
     for arch in TABLE:
-        for world_size in WORLD_SIZES:
+        for world_size in arch.world_sizes:
             marks = [pytest.mark.conformance]
             if not arch.small_at(world_size):
                 marks.append(pytest.mark.conformance_full)
