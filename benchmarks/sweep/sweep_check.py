@@ -34,7 +34,7 @@ for path in (os.path.join(TESTS, "support"), os.path.join(TESTS, "conformance"))
         sys.path.insert(0, path)
 
 import catalogue  # noqa: E402
-from conformance_harness import FP32_TOLERANCE, check  # noqa: E402
+from conformance_harness import check  # noqa: E402
 
 CLASSES = ("exact", "exact_over", "refused", "dry_run_refused", "crash", "wrong", "skipped")
 # The first words of autoshard's own refusals.

@@ -20,7 +20,7 @@ The layers held whole say why in the plan (reason "shape_mismatch", the dry run'
 import re
 from typing import Callable, Dict, Optional, Tuple
 
-from .plan import ShardingPlan, plan_keeping_whole
+from .plan import ShardingPlan, plan_keeping_whole, within
 from .plan.capture import every_block_run
 
 # Each round holds one more module whole; a model deeper than this is held whole at once.
@@ -77,6 +77,4 @@ def plan_until_it_runs(model, world_size: int, example_inputs, sequence_parallel
 
 
 def _holds_split_layer(plan: ShardingPlan, pattern: str) -> bool:
-    from .plan import _under
-
-    return any(layer.style != "replicate" and _under(layer.module, pattern) for layer in plan.layers)
+    return any(layer.style != "replicate" and within(layer.module, pattern) for layer in plan.layers)

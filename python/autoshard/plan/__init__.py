@@ -248,7 +248,7 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     # Layers replicated because their region's module computes other shapes than the plan
     # predicts on some rank (a size written into the model as a constant): node -> why.
     mismatched: Dict[int, str] = {node: why for node, info in graph.layers.items()
-                                  for pattern, why in whole.items() if _under(info.name, pattern)}
+                                  for pattern, why in whole.items() if within(info.name, pattern)}
     from_dry_run = set(mismatched)
     token_indexing = None  # why sequence parallelism was given up, if it was
     length_reads = []  # (module, tensor): inputs kept whole where a module may read their length
@@ -314,7 +314,7 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     return result
 
 
-def _under(name: str, pattern: str) -> bool:
+def within(name: str, pattern: str) -> bool:
     """Whether module `name` is a module matching `pattern` or inside one ("" is the model)."""
     return pattern == "" or fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*")
 
