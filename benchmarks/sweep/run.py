@@ -30,14 +30,23 @@ PROGRESS = os.path.join(RESULTS, "sweep_progress_cpu.jsonl")
 TIMEOUT = 240
 
 
+def _transformers_version() -> str:
+    from importlib.metadata import version
+
+    return version("transformers")
+
+
 def _done() -> dict:
-    records = {}
+    """The records judged so far with the installed transformers (another release's catalogue and
+    models differ, so its records are judged again)."""
+    records, installed = {}, _transformers_version()
     if os.path.exists(PROGRESS):
         with open(PROGRESS) as f:
             for line in f:
                 if line.strip():
                     record = json.loads(line)
-                    records[record["name"]] = record
+                    if record.get("transformers") == installed:
+                        records[record["name"]] = record
     return records
 
 
@@ -63,6 +72,7 @@ def _work(names, world_size: int) -> None:
             record = {"name": name, "class": "crash", "why": f"{type(error).__name__}: {str(error)[:600]}"}
         record["seconds"] = round(time.monotonic() - start, 1)
         record["world_size"] = world_size
+        record["transformers"] = _transformers_version()
         _append(record)
         print(f"{name:40s} {record['class']:16s} {record['seconds']:6.1f}s", flush=True)
 
