@@ -263,18 +263,18 @@ IDIOMS = [
     Arch("own_idiom_optional_layers", idiom("optional_layers"), token_ids(97), small=True),
     Arch("own_idiom_autocast", idiom("autocast"), token_ids(97), small=True),
     Arch("own_idiom_config_heads", idiom("config_heads"), token_ids(97), small=True,
-         plan_says=r"blocks\.0\.attn: local attributes \{'config\.num_attention_heads'"),
+         plan_says=r"blocks\.0(-1)?\.attn: local attributes \{'config\.num_attention_heads'"),
     # Both head counts made local together: one at a time neither changes kv * (heads // kv).
     Arch("own_idiom_grouped_heads", idiom("grouped_heads"), token_ids(97), small=True,
-         plan_says=r"blocks\.0\.attn: local attributes \{'config\.num_attention_heads': '[\d/]+', "
+         plan_says=r"blocks\.0(-1)?\.attn: local attributes \{'config\.num_attention_heads': '[\d/]+', "
                    r"'config\.num_key_value_heads'"),
     Arch("own_idiom_unbind_qkv", idiom("unbind_qkv"), token_ids(97), small=True,
-         plan_says=r"blocks\.0\.attn\.qkv .*replicated: .*fused q/k/v split with unbind"),
+         plan_says=r"blocks\.0(-1)?\.attn\.qkv .*replicated: .*fused q/k/v split with unbind"),
     Arch("own_idiom_functional_qkv_bias", idiom("functional_qkv_bias"), token_ids(97), small=True,
          plan_says=r"a Linear the model never calls: its forward applies the weight itself \(F\.linear.*"
-                   r"blocks\.0\.attn\.qkv"),
+                   r"blocks\.0(-1)?\.attn\.qkv"),
     Arch("own_idiom_adaptive_norm", idiom("adaptive_norm"), token_ids(97), small=True,
-         plan_says=r"blocks\.0\.modulation\.1 .*replicated: .*adaptive-norm modulation"),
+         plan_says=r"blocks\.0(-1)?\.modulation\.1 .*replicated: .*adaptive-norm modulation"),
     Arch("own_idiom_conv", idiom("conv"), pixels(3, 8), small=True,
          plan_says=r"a convolution \(.*\): autoshard splits no convolution: .*stem \(Conv2d, .*position \(Conv1d"),
     # Its cross attention norms x and the memory itself and reshapes q with x's length: both kept whole.

@@ -78,7 +78,7 @@ def test_multihead_attention_with_weights_never_read_is_split_and_returns_none()
     assert plan.attention_weights == [{"module": f"blocks.{b}.attn", "used": False} for b in range(2)]
     assert plan.returned_weights("blocks.0.attn") == "none"
     assert plan.collectives("forward") == unread.collectives("forward")
-    assert "blocks.0.attn: attention weights not returned (None): the model never reads them" in str(plan)
+    assert "blocks.0-1.attn: attention weights not returned (None): the model never reads them" in str(plan)
     assert plan.held_fraction(0) <= 0.5 + 0.1
 
 
@@ -96,7 +96,7 @@ def test_multihead_attention_whose_averaged_weights_are_read_plans_one_all_reduc
     averaged = 2 * 7 * 7 * 4  # (batch, tokens, tokens) fp32 per attention
     bytes_of = lambda p: next(c["bytes"] for c in p.comm if c["phase"] == "forward" and c["kind"] == "all_reduce")
     assert bytes_of(plan) - bytes_of(unread) == 2 * averaged
-    assert "blocks.1.attn: attention weights averaged over every head (one all-reduce" in str(plan)
+    assert "blocks.0-1.attn: attention weights averaged over every head (one all-reduce" in str(plan)
     assert plan.held_fraction(0) <= 1 / world_size + 0.1
     # The plan's record survives its JSON form.
     assert autoshard.ShardingPlan.from_json(plan.to_json()).attention_weights == plan.attention_weights
@@ -194,16 +194,18 @@ def test_parallel_multihead_attention_computes_the_module_and_refuses_other_call
         attention(x, y, y)
 
 
-def test_codegen_attention_with_its_fixed_group_count_stays_whole():
-    """CodeGen reshapes its fused q/v/k features into a fixed 4 groups (mp_num, a constant of
-    its code): the rank's share cannot be laid out so, which the plan's trace finds; the
-    attention is replicated with that reason while the MLP is split."""
+def test_codegen_attention_is_split_on_whole_groups_of_its_interleaved_qkv():
+    """CodeGen's fused projection interleaves q, v and k in 4 groups (mp_num, a constant of its
+    code) and views its output as (..., -1, 3 * embed_dim // 4): the plan splits it on whole groups
+    (4 units), and the heads each rank computes are those its share of out_proj reads (the
+    conformance entry "codegen" checks outputs and every gradient at 2, 3 and 4 ranks)."""
     model = hf("codegen", n_embd=64, n_layer=2, n_head=8, n_positions=32, rotary_dim=4)()
-    plan = _plan(model)
-    qkv = plan.layer("transformer.h.0.attn.qkv_proj")
-    assert (qkv.style, qkv.reason) == ("replicate", "shape_mismatch"), qkv.note
-    assert "does not compute the shapes the plan predicts" in qkv.note
-    assert plan.layer("transformer.h.0.mlp.fc_in").style == "column"
+    for world_size in (2, 3):
+        plan = _plan(model, world_size=world_size)
+        qkv = plan.layer("transformer.h.0.attn.qkv_proj")
+        assert (qkv.style, qkv.units) == ("column", 4), qkv.note
+        assert plan.layer("transformer.h.0.attn.out_proj").style == "row"
+        assert plan.layer("transformer.h.0.mlp.fc_in").style == "column"
 
 
 def _save_sharded_multihead(path):

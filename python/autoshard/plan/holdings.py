@@ -16,6 +16,7 @@ from torch import nn
 
 from ..nn.lora import is_lora_linear
 from ..split import split_sizes
+from .name_ranges import fold
 
 # Why a parameter stays whole, in words: the planner's reason codes (csrc/plan/settle.cpp) for
 # replicated layers, and the cases outside the planner's layers.
@@ -167,10 +168,27 @@ def summary_lines(plan) -> List[str]:
             by_reason.setdefault(item.reason, []).append(item)
         for code, items in sorted(by_reason.items(), key=lambda kv: -sum(i.params for i in kv[1])):
             params = sum(i.params for i in items)
-            shown = ", ".join(f"{i.module or '<model>'} ({i.module_class}, {i.params:,})" for i in items[:4])
-            more = f", ... {len(items) - 4} more" if len(items) > 4 else ""
+            # Identical blocks once: model.layers.0-31.input_layernorm (LlamaRMSNorm, 4,096 each).
+            folded = fold([(i.module or "<model>", (i.module_class, i.params)) for i in items])
+            shown = ", ".join(f"{name} ({cls}, {size:,}{' each' if count > 1 else ''})"
+                              for name, count, (cls, size) in folded[:4])
+            more = f", ... {len(folded) - 4} more" if len(folded) > 4 else ""
             lines.append(f"  {REASONS.get(code, code)}: {params:,} params ({params / total:.1%}): {shown}{more}")
     return lines
+
+
+def largest_reasons(plan, shown: int = 2) -> List[str]:
+    """The reasons that keep the most parameters whole, largest first, each with its share of the
+    model (the printout's summary)."""
+    total = sum(_numel(r["shape"]) for r in plan.parameters.values())
+    by_reason: Dict[str, int] = {}
+    for item in replicated(plan):
+        by_reason[item.reason] = by_reason.get(item.reason, 0) + item.params
+    ranked = sorted(by_reason.items(), key=lambda kv: -kv[1])
+    said = [f"{params / total:.1%} of the parameters: {REASONS.get(code, code)}" for code, params in ranked[:shown]]
+    if len(ranked) > shown:
+        said.append(f"{len(ranked) - shown} more reasons below")
+    return said
 
 
 def held_fraction(plan) -> float:

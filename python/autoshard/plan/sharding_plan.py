@@ -6,6 +6,7 @@ from typing import Dict, List, Optional
 
 from .. import ops
 from . import holdings
+from .name_ranges import blocks, fold, fold_names
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
 
@@ -82,6 +83,7 @@ class LayerPlan:
 
 
 def _listed(names: List[str], shown: int = 4) -> str:
+    names = fold_names(names)
     if len(names) <= shown:
         return ", ".join(names) if names else "-"
     return f"{', '.join(names[:shown])} and {len(names) - shown} more"
@@ -300,27 +302,32 @@ class ShardingPlan:
                 if layer.whole_parts:
                     sizes += f" (parts {', '.join(str(i + 1) for i in layer.whole_parts)} whole on every rank)"
             units = str(layer.units) if layer.units else "-"
-            rows.append([layer.module, layer.style, units, sizes, layer.note])
+            rows.append((layer.module, (layer.style, units, sizes, layer.note)))
+        # Identical blocks print once, their index as a range (model.layers.0-31.mlp.up_proj).
+        rows = [[name, *cells] for name, _, cells in fold(rows)]
         widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
         lines = [f"ShardingPlan for {self.world_size} ranks"]
+        lines += self._summary_lines([r[0] for r in rows])
         lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
         lines.append("  ".join("-" * w for w in widths))
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        attributes = []
         for region_id, region in sorted(self.regions.items()):
             if region.attributes:
                 local = {k: "/".join(str(region.local_attribute(k, r, self.world_size)) for r in range(self.world_size))
                          for k in region.attributes}
-                lines.append(f"  {region.module}: local attributes {local}")
+                attributes.append((region.module, f"local attributes {local}"))
+        lines += [f"  {module}: {text}" for module, _, text in fold(attributes)]
         if self.head_entries:
             lines.append(f"  bias over the heads cut to each rank's heads on entering "
                          f"{_listed([e['module'] for e in self.head_entries])}")
         if self.head_outputs:
             lines.append(f"  output cut to each rank's heads as it leaves "
                          f"{_listed([e['module'] for e in self.head_outputs])} (its gradient gathered back)")
-        for returned in self.attention_weights:
-            lines.append(f"  {returned['module']}: attention weights averaged over every head (one all-reduce of each "
-                         "rank's sum in forward)" if returned["used"] else
-                         f"  {returned['module']}: attention weights not returned (None): the model never reads them")
+        for module, _, used in fold([(returned["module"], returned["used"]) for returned in self.attention_weights]):
+            lines.append(f"  {module}: attention weights averaged over every head (one all-reduce of each "
+                         "rank's sum in forward)" if used else
+                         f"  {module}: attention weights not returned (None): the model never reads them")
         if self.norms:
             lines.append(f"  norms split with their layer's features (one all-reduce in forward and one in backward "
                          f"each): {_listed([n['module'] for n in self.norms])}")
@@ -329,11 +336,11 @@ class ShardingPlan:
         lines += self._sequence_lines()
         for bucket in self.partial_gradients:
             lines.append(f"  partial gradients summed over the ranks in backward (one all-reduce, "
-                         f"{bucket['bytes'] / 2**20:.3f} MiB): {', '.join(bucket['params'])}")
+                         f"{bucket['bytes'] / 2**20:.3f} MiB): {', '.join(fold_names(bucket['params']))}")
         shape = self.example.get("description", "the example inputs")
         lines.append(f"collectives per step on {shape}:")
         for c in sorted(self.comm, key=lambda c: c["phase"] != "forward"):
-            lines.append(f"  {c['phase']:<8} {c['kind']:<10} x{c['count']:<4} {c['bytes'] / 2**20:.3f} MiB")
+            lines.append(f"  {c['phase']:<8} {c['kind']:<14} x{c['count']:<5} {c['bytes'] / 2**20:.3f} MiB")
         if self.loss_parallel_head:
             lines.append(f"  called with labels (loss parallelism): {self.loss_parallel_head}'s all_gather of the logits "
                          f"gives way to all_reduce x{LOSS_PARALLEL_ALL_REDUCES} of a few values per token, so forward "
@@ -343,6 +350,26 @@ class ShardingPlan:
                      f"{b['local'] / 2**20:.2f} MiB on rank 0 (fp32)")
         lines += holdings.summary_lines(self)
         return "\n".join(lines)
+
+    def _summary_lines(self, folded_layers: List[str]) -> List[str]:
+        """The printout's first lines: what a rank holds, what a step communicates, what stays
+        whole and why, and which blocks are shown once."""
+        lines = []
+        if self.parameters:
+            total = sum(holdings._numel(r["shape"]) for r in self.parameters.values())
+            lines.append(f"  parameters: {total:,}; the fullest rank holds {holdings.held_fraction(self):.1%} "
+                         f"(an even split is {1 / self.world_size:.1%})")
+        for phase in ("forward", "backward"):
+            counts = self.collectives(phase)
+            said = ", ".join(f"{kind} x{count}" for kind, count in counts.items()) or "none"
+            lines.append(f"  collectives per step, {phase}: {said}")
+        whole = holdings.largest_reasons(self) if self.parameters else []
+        if whole:
+            lines.append("  held whole on every rank: " + "; ".join(whole))
+        shown_once = blocks(folded_layers)
+        if shown_once:
+            lines.append(f"  identical blocks shown once: {_listed(shown_once, shown=6)}")
+        return lines
 
     def sequence_regions(self) -> Dict[int, Dict[str, List[str]]]:
         """Each sequence region's modules by role: {"reduce_scatter": [...], "gather": [...], "entry": [...]}."""
@@ -367,10 +394,16 @@ class ShardingPlan:
             cut = f"; cut on entering {_listed(roles['entry'])}" if roles["entry"] else ""
             lines.append(f"  sequence parallel (tokens split over the ranks): after {_listed(roles['reduce_scatter'])}"
                          f"{cut}; gathered before {_listed(roles['gather'])}")
+        # A note that names its own layer's modules folds with the layer: the name becomes a mark.
+        mark = "\0"
+        folded = fold([(layer.module, layer.sequence_note.replace(layer.module, mark))
+                       for layer in self.layers if layer.sequence_note])
         refused: Dict[str, List[str]] = {}
-        for layer in self.layers:
-            if layer.sequence_note:
-                refused.setdefault(layer.sequence_note, []).append(layer.module)
+        for module, _, note in folded:
+            if mark in note:
+                lines.append(f"  tokens held whole after {module}: {note.replace(mark, module)}")
+            else:
+                refused.setdefault(note, []).append(module)
         for note, modules in refused.items():
             lines.append(f"  tokens held whole after {_listed(modules)}: {note}")
         return lines
