@@ -5,6 +5,7 @@
 #   make test TORCH="torch==2.14.1"    # another torch, e.g. a CUDA build on a GPU machine
 #   make cuda-check                    # compile (and link) the CUDA kernels without running them
 #   make conformance                   # the full conformance matrix (tests/conformance, 2/3/4 ranks)
+#   make lint                          # ruff over the Python sources
 PYTHON ?= python3
 TORCH ?= torch==2.13.0+cpu
 DTYPE ?= fp32
@@ -29,7 +30,7 @@ SOURCES := $(shell find csrc build_tools -name '*.cpp' -o -name '*.h' -o -name '
 TORCH_STAMP := $(VENV)/.torch-spec
 $(shell mkdir -p $(VENV) && [ "$$(cat $(TORCH_STAMP) 2>/dev/null)" = "$(TORCH)" ] || echo "$(TORCH)" > $(TORCH_STAMP))
 
-.PHONY: build test demo bench conformance cuda-check clean sweep
+.PHONY: build test demo bench conformance cuda-check clean sweep lint
 
 $(VENV)/.deps: requirements-dev.txt constraints.txt $(TORCH_STAMP)
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +61,10 @@ conformance: build
 # Writes benchmarks/results/sweep_cpu.txt and .json. Under 2 hours on 2 cores.
 sweep: build
 	$(PY) benchmarks/sweep/run.py --jobs 2 $(if $(FRESH),--fresh)
+
+# ruff over the Python sources (rules in pyproject.toml); needs only the environment, not the build.
+lint: $(VENV)/.deps
+	$(VENV)/bin/ruff check python tests benchmarks examples build_tools setup.py
 
 bench: build
 	$(PY) benchmarks/bench_split.py

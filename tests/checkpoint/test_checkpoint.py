@@ -3,7 +3,6 @@
 parameters, outputs and next training step; killed saves, flipped bytes, failing writers,
 retention, and consolidation into a checkpoint that safetensors and transformers load."""
 
-import json
 import importlib
 import os
 import signal

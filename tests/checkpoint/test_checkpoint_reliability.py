@@ -9,7 +9,6 @@ import errno
 import importlib
 import json
 import os
-import resource
 import shutil
 import socket
 import subprocess

@@ -10,7 +10,6 @@ import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM

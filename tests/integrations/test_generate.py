@@ -7,7 +7,6 @@ tokens before its head; the plan gathers the tokens before that indexing
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 

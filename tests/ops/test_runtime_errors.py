@@ -2,7 +2,6 @@
 different models, parallelizing twice, a partial load_pretrained, absurd split arguments and a
 stray CommCounter.__exit__."""
 
-import os
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ from safetensors.torch import save_file
 
 import autoshard
 from autoshard.state_views import unwrap_shard_views
-from checkpoint_models import TiedToy, build_toy, parallelize_toy, toy_ids
+from checkpoint_models import TiedToy, build_toy, toy_ids
 from multirank import run_on_ranks
 
 

@@ -110,7 +110,7 @@ def test_opcheck(world_size):
 
 
 def _bad_input():
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     local = torch.zeros(2, 3 if rank == 0 else 2, 4)
     errors = []
     for error, call in ((ValueError, lambda: comm.all_gather_from_sequence(torch.zeros(2, 5, 4), 1, 7)),  # not my piece

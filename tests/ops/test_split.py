@@ -1,6 +1,5 @@
 """array_split / shard / split_sizes against numpy.array_split, opcheck and gradcheck."""
 
-import random
 
 import numpy as np
 import pytest

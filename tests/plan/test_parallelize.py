@@ -8,7 +8,7 @@ from torch import nn
 
 import autoshard
 from hf_models import CONFIGS, build
-from multirank import RankFailure, run_on_ranks
+from multirank import run_on_ranks
 
 KINDS = sorted(CONFIGS)
 

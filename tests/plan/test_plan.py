@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-import autoshard
 from autoshard.plan import ShardingPlan, plan
 from hf_models import CONFIGS, HEADS, build, layer_count
 

@@ -14,7 +14,7 @@ def block(g, seq=5, hidden=8, ffn=12, vocab=16, mixing=None, merge=False, pos_em
     transformer-like stream. With `entry` the graph records that layers.0 receives the
     embedding output (so it can be cut to the tokens there)."""
     ids = g.tensor(2, seq)
-    table = g.tensor(vocab, hidden, param=0)
+    g.tensor(vocab, hidden, param=0)  # the token table (parameter 0)
     x0 = g.tensor(2, seq, hidden)
     g.node("embedding", [ids], [x0], label="embed", num_embeddings=vocab, embedding_dim=hidden, weight_param=0)
     if pos_embedding:

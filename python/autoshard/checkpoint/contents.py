@@ -12,7 +12,7 @@ Non-tensor values go into the manifest as JSON.
 
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 

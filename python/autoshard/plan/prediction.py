@@ -562,8 +562,8 @@ def _cut_heads(plan, prediction: Prediction, name: str, args, kwargs, rank: int)
         if entry["module"] != name:
             continue
         units = plan.regions[entry["region"]].units
-        local = lambda x: torch.empty(local_heads_shape(x.shape, entry, units, rank, plan.world_size),
-                                      dtype=x.dtype, device="meta")
+        local = lambda x, entry=entry, units=units: torch.empty(
+            local_heads_shape(x.shape, entry, units, rank, plan.world_size), dtype=x.dtype, device="meta")
         args, kwargs = cut_leaf(args, kwargs, entry["leaf"], local, name)
     return args, kwargs
 
