@@ -209,9 +209,11 @@ def check(arch) -> Report:
         report.worst["gradients"] = max(report.worst["gradients"], _tolerance_used(p.grad, want, tol))
 
     # 4. clipping's norm, then 5. one step
+    # The norm of the unsharded gradients summed in fp64 is the truth both fp32 sums round from.
+    true_norm = torch.stack([p.grad.double().norm() for p in reference.parameters() if p.grad is not None]).norm()
     got_norm = autoshard.clip_grad_norm_(model.parameters(), MAX_NORM)
     want_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
-    report.norm = (float(got_norm), float(want_norm))
+    report.norm = (float(got_norm), float(want_norm), float(true_norm))
     autoshard.optim.SGD(model.parameters(), lr=SGD_LR).step()
     torch.optim.SGD(reference.parameters(), lr=SGD_LR).step()
     got_state, want_state = autoshard.full_state_dict(model), reference.state_dict()
@@ -229,6 +231,15 @@ def check(arch) -> Report:
             report.state.append(f"{name}: {line}")
         report.worst["state"] = max(report.worst["state"], _tolerance_used(got, want, tol))
     return report
+
+
+def norm_agrees(norm: float, torch_norm: float, true_norm: float) -> bool:
+    """Whether clip_grad_norm_'s global norm is right: within 1e-5 of torch's on the unsharded
+    model, or no further from the norm summed in fp64 than twice torch's own fp32 rounding (a
+    large fp32 norm sums with a rounding of 1e-4 in torch too)."""
+    if abs(norm - torch_norm) <= 1e-5 * abs(torch_norm) + 1e-7:
+        return True
+    return abs(norm - true_norm) <= max(1e-5 * abs(true_norm), 2 * abs(torch_norm - true_norm)) + 1e-7
 
 
 def _lines(reports, attribute: str, limit: int = 8) -> List[str]:
@@ -263,9 +274,9 @@ def judge(arch, world_size: int, reports: List[Report]) -> Dict[str, float]:
             if counted != predicted:
                 findings.append(f"rank {report.rank} {phase} collectives: counted {counted}, the plan predicts {predicted}")
                 first = first or CommMismatch
-    norm, want_norm = reports[0].norm
-    if abs(norm - want_norm) > 1e-5 * abs(want_norm) + 1e-7:
-        findings.append(f"clip_grad_norm_: {norm!r}, torch computes {want_norm!r}")
+    if not norm_agrees(*reports[0].norm):
+        norm, want_norm, true_norm = reports[0].norm
+        findings.append(f"clip_grad_norm_: {norm!r}, torch computes {want_norm!r} (in fp64: {true_norm!r})")
         first = first or NormMismatch
     lines = _lines(reports, "state")
     if lines:

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from conformance_harness import judge  # noqa: E402
+from conformance_harness import judge, norm_agrees  # noqa: E402
 from conformance_table import DEFECT_MODELS, IDIOM_MODELS, TABLE, check_named  # noqa: E402
 from multirank import run_on_ranks  # noqa: E402
 
@@ -44,3 +44,13 @@ def test_table_is_wide_enough():
     small = {a.name for a in TABLE if a.small}
     assert DEFECT_MODELS <= small, DEFECT_MODELS - small
     assert IDIOM_MODELS <= small, IDIOM_MODELS - small
+
+
+def test_norm_judged_against_torch_and_the_fp64_sum():
+    # A large fp32 norm (Inkling 2's gradients, 2.6e4): torch's own sum is 1.4e-4 off the fp64 sum,
+    # autoshard's 5.3e-5; both round from the same gradients, equal to 1.3e-6.
+    assert norm_agrees(26400.783203125, 26398.349609375, 26402.18580217512)
+    # A norm further from the truth than torch's rounding explains is wrong, as is one off by 1e-3.
+    assert not norm_agrees(26390.0, 26398.349609375, 26402.18580217512)
+    assert not norm_agrees(1.001, 1.0, 1.0)
+    assert norm_agrees(1.000001, 1.0, 1.0)
