@@ -21,7 +21,6 @@ import re
 from typing import Callable, Dict, Optional, Tuple
 
 from .plan import ShardingPlan, plan_keeping_whole, within
-from .plan.capture import every_block_run
 
 # Each round holds one more module whole; a model deeper than this is held whole at once.
 MAX_ROUNDS = 8
@@ -43,10 +42,8 @@ def plan_until_it_runs(model, world_size: int, example_inputs, sequence_parallel
     every_block = False
 
     def make() -> ShardingPlan:
-        if every_block:
-            with every_block_run():
-                return plan_keeping_whole(model, world_size, example_inputs, None, sequence_parallel, whole)
-        return plan_keeping_whole(model, world_size, example_inputs, None, sequence_parallel, whole)
+        return plan_keeping_whole(model, world_size, example_inputs, None, sequence_parallel, whole,
+                                  fold_blocks=not every_block)
 
     plan = make()
     for _ in range(MAX_ROUNDS):

@@ -2,8 +2,6 @@
 must be exactly the plan of a capture that runs every block, and a block that only looks
 identical (it computes otherwise) must not give a plan that computes something else."""
 
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,18 +12,15 @@ from gathered import assert_equals_unsharded
 from hf_models import build
 from multirank import run_on_ranks
 
-capture_module = sys.modules["autoshard.plan.capture"]
+from autoshard.plan import plan_keeping_whole
+
 
 
 def _plans(model, world_size, example_inputs=None):
     """(folded plan, plan of every block run): JSON document and every rank's predicted nodes."""
     result = []
     for fold in (True, False):
-        saved, capture_module.FOLD_BLOCKS = capture_module.FOLD_BLOCKS, fold
-        try:
-            p = autoshard.plan(model, world_size=world_size, example_inputs=example_inputs)
-        finally:
-            capture_module.FOLD_BLOCKS = saved
+        p = plan_keeping_whole(model, world_size, example_inputs, None, True, {}, fold_blocks=fold)
         result.append((p.to_json(), [p._prediction.nodes(r) for r in range(world_size)],
                        dict(p._prediction.graph.folded)))
     return result

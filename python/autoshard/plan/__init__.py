@@ -228,11 +228,12 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
 
 
 def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overrides: Optional[Dict[str, str]],
-                       sequence_parallel: bool, whole: Dict[str, str]) -> ShardingPlan:
+                       sequence_parallel: bool, whole: Dict[str, str], fold_blocks: bool = True) -> ShardingPlan:
     """plan() with the layers under each module pattern of `whole` (fnmatch on module names)
     held whole for the reason given: modules whose sharded forward did not compute what the
-    plan predicted on a meta copy (see parallelize), planned again without them."""
-    graph = capture(model, example_inputs)
+    plan predicted on a meta copy (see parallelize), planned again without them. With
+    `fold_blocks` identical blocks are run once and recorded again for the others (folding.py)."""
+    graph = capture(model, example_inputs, fold_blocks)
     forced = []
     for pattern, style in (overrides or {}).items():
         if style not in OVERRIDE_STYLES:

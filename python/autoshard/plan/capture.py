@@ -30,21 +30,6 @@ from .meta_values import KnownValues
 
 aten = torch.ops.aten
 
-# Identical blocks (every decoder layer) are run once and recorded again for the others (see
-# folding.py); every_block_run() turns this off.
-FOLD_BLOCKS = True
-
-
-@contextlib.contextmanager
-def every_block_run():
-    """Captures within run every block of the model, identical or not."""
-    global FOLD_BLOCKS
-    saved, FOLD_BLOCKS = FOLD_BLOCKS, False
-    try:
-        yield
-    finally:
-        FOLD_BLOCKS = saved
-
 _VIEWS = {
     aten.view, aten._unsafe_view, aten.reshape, aten._reshape_alias, aten.unsqueeze, aten.squeeze,
     aten.flatten, aten.unflatten, aten.view_as, aten.alias, aten.lift_fresh,
@@ -573,7 +558,7 @@ def inputs_on_meta(model: nn.Module, example_inputs, values: KnownValues) -> Tup
     return values.to_meta(args), values.to_meta(kwargs)
 
 
-def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
+def capture(model: nn.Module, example_inputs=None, fold_blocks: bool = True) -> CapturedGraph:
     shadow = meta_shadow(model)
     values = KnownValues()
     args, kwargs = inputs_on_meta(shadow, example_inputs, values)
@@ -597,7 +582,7 @@ def capture(model: nn.Module, example_inputs=None) -> CapturedGraph:
     module_entries: Dict[str, List[Tuple[int, int]]] = {}
     module_exits: Dict[str, List[Tuple[int, int]]] = {}
     called_again = set()
-    folder = BlockFolder(shadow, recorder, param_index, layers, module_inputs, module_nodes, enabled=FOLD_BLOCKS,
+    folder = BlockFolder(shadow, recorder, param_index, layers, module_inputs, module_nodes, enabled=fold_blocks,
                          replayable=lambda a, kw: (_replayable(a), _replayable(dict(kw))), module_entries=module_entries)
     for name, module in shadow.named_modules():
         def remember(mod, a, kw, name=name):
