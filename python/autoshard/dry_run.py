@@ -11,7 +11,8 @@ from torch import nn
 from .distributed import ProcessGroup
 from .nn.embedding_subclass import LookupRefusal
 from .plan import ShardingPlan
-from .plan.capture import input_shapes, inputs_on_meta, meta_shadow, trace_shapes
+from .plan.meta_inputs import input_shapes, inputs_on_meta, meta_shadow
+from .plan.shape_trace import trace_shapes
 from .plan.dry_run_collectives import ForwardCollectives, forward_mismatch, silent_layers, watched_layers
 from .plan.inputs import ordinary_token
 from .plan.layers import is_layer_module

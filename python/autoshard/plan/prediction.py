@@ -20,7 +20,8 @@ from ..nn.head_cuts import cut_leaf, cut_steps, local_heads_shape
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
 from .attribute_pairs import widen_by_pairs
-from .capture import CapturedGraph, trace_shapes
+from .capture import CapturedGraph
+from .shape_trace import trace_shapes
 from .layers import is_layer_module
 
 
@@ -570,7 +571,7 @@ def _cut_heads(plan, prediction: Prediction, name: str, args, kwargs, rank: int)
 
 def _fallback(graph, name, module, candidates) -> Tuple[Dict[str, int], List[str]]:
     """Regions with einsum layers: the attributes whose change changes the module's trace."""
-    from .capture import trace_text
+    from .shape_trace import trace_text
 
     args, kwargs = graph.module_inputs[name]
     baseline = trace_text(module, args, kwargs, graph.values)

@@ -1,0 +1,72 @@
+"""The op-by-op trace of a (sharded) module's forward on meta: labels and output shapes, as
+the capture records them, for the dry run's check against the plan's prediction."""
+
+import contextlib
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .index_lists import ConsecutiveIndexLists
+from .layers import is_linear_like
+from .meta_autocast import meta_autocast
+from .meta_inputs import replay_inputs
+from .meta_values import KnownValues
+from .module_calls import attention_calls, norm_calls
+from .recorder import Recorder
+
+
+aten = torch.ops.aten
+
+
+def trace_text(module: nn.Module, args: tuple, kwargs: dict, values: Optional[KnownValues] = None) -> str:
+    """The ATen-level graph of one module call, for comparing two variants of a module."""
+    recorder = Recorder({})
+    args, kwargs = replay_inputs((args, kwargs))
+    with torch.no_grad(), meta_autocast(), values or contextlib.nullcontext(), recorder, ConsecutiveIndexLists(), \
+            attention_calls(module, recorder, _as_layer(recorder)):
+        module(*args, **kwargs)
+    return repr((recorder.tensors, recorder.node_records))
+
+
+def _as_layer(recorder: Recorder):
+    """record_layer for attention_calls in a trace: the projection is one "layer" node."""
+    return lambda name, module, x, out: recorder.nodes.append(("layer", (), (recorder.layer_output(out),)))
+
+
+def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values: Optional[KnownValues] = None):
+    """(op label, output shapes) of every node of one call of `module`, recorded as capture()
+    records them: the modules for which `is_layer(module)` holds are one node each (labelled
+    "layer"); and the error that stopped the call, or None. `values` answers reads of input values."""
+    recorder = Recorder({})
+    handles = []
+    for sub in module.modules():
+        if sub is module or not is_layer(sub):
+            continue
+
+        def pre(mod, inputs):
+            recorder.layer_depth += 1
+
+        def post(mod, inputs, output):
+            recorder.layer_depth -= 1
+            # As capture records a layer: a call whose first input is a tensor (a position table
+            # called with a shape makes its own positions, which capture does not follow).
+            if (recorder.layer_depth == 0 and isinstance(output, torch.Tensor) and inputs
+                    and isinstance(inputs[0], torch.Tensor)):
+                recorder.nodes.append(("layer", (), (recorder.layer_output(output, is_linear_like(mod)),)))
+
+        handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
+    handles += norm_calls(module, recorder, lambda name, mod, x, out: recorder.nodes.append(
+        ("layer", (), (recorder.tensor_id(out),))), lambda m: m is module or is_layer(m))
+    error = None
+    args, kwargs = replay_inputs((args, kwargs))
+    try:
+        with torch.no_grad(), meta_autocast(), values or contextlib.nullcontext(), recorder, ConsecutiveIndexLists(), \
+                attention_calls(module, recorder, _as_layer(recorder)):
+            module(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the caller reports where the trace stopped
+        error = e
+    finally:
+        for h in handles:
+            h.remove()
+    return [(label, [recorder.shapes[i] for i in outputs]) for label, _, outputs in recorder.nodes], error
