@@ -4,7 +4,8 @@ A config class's defaults describe the released model (4096 wide, 32 layers, 128
 field below that exists in a config is shrunk to a small value, in every sub-config too
 (`text_config`, `vision_config`, `encoder`, ...). Sizes that must agree are derived together:
 `head_dim` from the width and the head count, grouped-query KV heads kept fewer than the query
-heads, per-layer lists cut to the new layer count, special token ids kept inside the vocabulary.
+heads, per-layer lists cut to the new layer count, blocks per stage (`depths`) capped at the layer
+count with the stages kept, special token ids kept inside the vocabulary.
 
 A model that needs more than the generic rules gets a line of `OVERRIDES` (fields only, no code).
 """
@@ -20,7 +21,7 @@ SHRINK: Dict[str, int] = {
     # widths of the residual stream
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_embed_proj_dim",
                      "projection_dim", "text_embed_dim", "vision_embed_dim", "output_hidden_size",
-                     "embedding_size", "hidden_dim_out"), WIDTH),
+                     "embedding_size", "hidden_dim_out", "hidden_size_global"), WIDTH),
     # feed-forward widths
     **dict.fromkeys(("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff",
                      "hidden_dim", "ffn_hidden_size", "mlp_dim", "inner_dim"), FFN),
@@ -34,7 +35,8 @@ SHRINK: Dict[str, int] = {
     # positions and tokens
     **dict.fromkeys(("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length",
                      "max_source_positions", "max_target_positions", "n_ctx", "seq_length"), 64),
-    **dict.fromkeys(("vocab_size", "decoder_vocab_size", "vocab_size_per_layer_input"), VOCAB),
+    **dict.fromkeys(("vocab_size", "decoder_vocab_size", "vocab_size_per_layer_input",
+                     "encoder_hash_byte_group_vocab"), VOCAB),
     "hidden_size_per_layer_input": 16,
     # experts
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
@@ -44,6 +46,9 @@ SHRINK: Dict[str, int] = {
     "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     # images and audio
     "image_size": 32, "patch_size": 8, "num_mel_bins": 16, "conv_dim_last": 64,
+    # the first convolution's channels of an audio codec, doubled at each downsampling stage
+    # (VibeVoice's tokenizers: 32 doubled six times, 2048 channels and 8192-wide feed-forwards)
+    "num_filters": 8,
     # layers made dense before the first experts
     "first_k_dense_replace": 1,
 }
@@ -51,6 +56,9 @@ SHRINK: Dict[str, int] = {
 # model_type -> fields set after the generic rules (for models whose defaults the rules get wrong).
 OVERRIDES: Dict[str, Dict[str, Any]] = {
     "whisper": dict(max_source_positions=32),  # the encoder's frames are 2 x this
+    # transformers 5.24 builds BLT's cache from the top config, which has no layer count
+    # (AttributeError in DynamicCache); the sweep's forward needs no cache.
+    "blt": dict(use_cache=False),
 }
 
 _LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
@@ -108,6 +116,8 @@ def shrink(fields: Dict[str, Any]) -> Dict[str, Any]:
                                           if str(k).isdigit() and int(k) < new_layers}
     if isinstance(fields.get("num_heads"), list):  # heads per stage (Swin): the same small count
         fields["num_heads"] = [HEADS] * len(fields["num_heads"])
+    if isinstance(fields.get("depths"), list):  # blocks per stage: at most the layer count, stages kept
+        fields["depths"] = [min(d, LAYERS) if _is_count(d) else d for d in fields["depths"]]
     head_width = width // heads if heads and width else 0
     if head_width and _is_count(fields.get("rotary_dim")) and fields["rotary_dim"] > head_width:
         fields["rotary_dim"] = head_width
