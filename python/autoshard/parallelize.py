@@ -7,17 +7,17 @@ plan is first tried on a meta copy of the model; a plan that cannot work fails t
 any weight is touched.
 """
 
-import weakref
 from typing import Dict, Optional
 
 import torch
 from torch import nn
 
-from . import forward_checks, loss_parallel as loss_parallelism, mesh_fully_shard, ops, partial_gradients, \
+from . import forward_checks, loss_parallel as loss_parallelism, mesh_fully_shard, partial_gradients, \
     torch_optim_check
 from .agreement import check_ranks_agree
 from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, resolve, set_default_group
+from .input_copies import InputCopyPerCall, SharedInputCopy
 from .nn.einsum import ShardedEinsumDense
 from .nn.embedding import VocabParallelEmbedding
 from .nn.embedding_subclass import shard_embedding_subclass
@@ -39,30 +39,6 @@ from .dry_run import dry_run
 from .pending_gradients import check_no_pending_gradients
 from .plan.layers import rms_norm_eps, rms_norm_form
 from .plan.prediction import set_attribute
-
-
-class SharedInputCopy:
-    """One copy_to_parallel (or, with sequence parallelism, one gather of the tokens) for
-    several column layers that read the same tensor in a row."""
-
-    def __init__(self, group_name: str, users: int, enter=None):
-        self.group_name = group_name
-        self.users = users
-        self.enter = enter
-        self._source = None
-        self._copy = None
-        self._served = 0
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._source is not None and self._source() is x and self._served < self.users:
-            self._served += 1
-            copy = self._copy
-        else:
-            copy = self.enter(x) if self.enter is not None else ops.copy_to_parallel(x, self.group_name)
-            self._source, self._copy, self._served = weakref.ref(x), copy, 1
-        if self._served == self.users:
-            self._source = self._copy = None  # hold no activation beyond its last reader
-        return copy
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -157,7 +133,23 @@ def _sharded_layer(layer, module: nn.Module, group: ProcessGroup) -> nn.Module:
     return RowParallelLinear.from_linear(module, group, input_is_parallel=True, units=units, parts=parts)
 
 
-def _shard_attention(model, plan, layer, attention, group, copies, tokens) -> None:
+def _input_copy(calls, copies, tokens, group_name: str):
+    """A column layer's input copy, from the plan's records of its calls: its group's shared
+    copy, its gather of the tokens, or None (a copy of its own); one of those per call where
+    its calls read tensors of different copy groups."""
+    def of(layer):
+        if layer.copy_group in copies:
+            return copies[layer.copy_group]
+        if layer.sequence in ("gather", "gathered"):
+            return tokens.gathers[layer.copy_group]
+        return None
+
+    if len({layer.copy_group for layer in calls}) > 1:
+        return InputCopyPerCall(group_name, [of(layer) for layer in calls])
+    return of(calls[0])
+
+
+def _shard_attention(model, plan, layer, attention, group, copies, tokens, calls) -> None:
     """Splits an nn.MultiheadAttention by heads: its q/k/v projection `layer` (column) and its
     out_proj (the row layer the planner paired with it)."""
     out_layer = plan.layer(layer.module.rpartition(".")[0] + ".out_proj")
@@ -166,10 +158,9 @@ def _shard_attention(model, plan, layer, attention, group, copies, tokens) -> No
         out_proj.output_tokens = tokens.reduce_scatter(out_layer)
     shard_multihead_attention(attention, layer.weight_spec(group.rank(), group.size()), out_proj, group,
                               plan.returned_weights(layer.module.rpartition(".")[0]))
-    if layer.copy_group in copies:
-        attention.in_proj.input_copy = copies[layer.copy_group]
-    elif layer.sequence in ("gather", "gathered"):
-        attention.in_proj.input_copy = tokens.gathers[layer.copy_group]
+    input_copy = _input_copy(calls[layer.module], copies, tokens, group.group_name)
+    if input_copy is not None:
+        attention.in_proj.input_copy = input_copy
 
 
 def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
@@ -180,6 +171,10 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
             users[layer.copy_group] = users.get(layer.copy_group, 0) + 1
     tokens = sequence.steps(plan, group.group_name)
     copies = {g: SharedInputCopy(group.group_name, n, tokens.gathers.get(g)) for g, n in users.items() if n > 1}
+    calls: Dict[str, list] = {}  # a column layer -> the plan's records of its calls, in order
+    for layer in plan.layers:
+        if layer.style in ("column", "column_gather"):
+            calls.setdefault(layer.module, []).append(layer)
     # Every place a parameter is registered, so that tied parameters (an embedding shared with
     # the output head, a head's bias also held by its parent) stay one parameter once sharded.
     registrations: Dict[int, list] = {}
@@ -206,7 +201,7 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
         if layer.style == "replicate" or layer.module in inside_attention:
             continue
         if layer.module in attentions:
-            _shard_attention(model, plan, layer, attentions[layer.module], group, copies, tokens)
+            _shard_attention(model, plan, layer, attentions[layer.module], group, copies, tokens, calls)
             continue
         module = model.get_submodule(layer.module)
         originals = {name: getattr(module, name, None) for name in ("weight", "bias")}
@@ -218,10 +213,9 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
                 setattr(sharded, name, replaced[id(original)])
             else:
                 replaced[id(original)] = getattr(sharded, name)
-        if layer.copy_group in copies:
-            sharded.input_copy = copies[layer.copy_group]
-        elif layer.sequence in ("gather", "gathered"):
-            sharded.input_copy = tokens.gathers[layer.copy_group]
+        input_copy = _input_copy(calls[layer.module], copies, tokens, group.group_name) if layer.module in calls else None
+        if input_copy is not None:
+            sharded.input_copy = input_copy
         if layer.sequence == "reduce_scatter":
             sharded.output_tokens = tokens.reduce_scatter(layer)
         _set_submodule(model, layer.module, sharded)

@@ -286,6 +286,10 @@ IDIOMS = [
     Arch("own_idiom_frozen_input", idiom("frozen_input"), features(48), small=True),
     Arch("own_idiom_frozen_embedding", idiom("frozen_embedding"), token_ids(97), small=True),
     Arch("own_idiom_trained", idiom("trained"), token_ids(97), small=True),
+    # Outputs computed and dropped: the backward never reaches their layers' input copies.
+    Arch("own_idiom_dropped_outputs", idiom("dropped_outputs"), token_ids(97), small=True),
+    # k/v projections called on x and on the encoder's output in every block: one copy of that output.
+    Arch("own_idiom_merged_attention", idiom("merged_attention"), token_ids(97), small=True),
 ]
 TABLE += IDIOMS
 TABLE += conformance_sweep_sample.entries(Arch)

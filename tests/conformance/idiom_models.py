@@ -14,6 +14,12 @@ and that a plan must either compute exactly or keep whole with a reason naming i
 - "frozen_input": a column layer whose input needs no gradient (features fed in directly);
 - "frozen_embedding": a frozen token embedding, whose output needs no gradient;
 - "trained": a decoder that has already run forward, backward and an optimizer step.
+- "dropped_outputs": a pooler and a projection computed and thrown away (a pooler under a
+  language-model head, a projection for a branch the inputs leave out): backward never reaches
+  them, so their input copies sum no gradient;
+- "merged_attention": one set of k/v projections for self-attention on x and cross-attention on
+  an encoder's output, called twice per block: the encoder's output, read by every block, is
+  copied once.
 
 Sizes: hidden 48, 6 heads of 8 (3 KV heads where grouped), FFN 70, vocabulary 97, 2 blocks.
 """
@@ -284,6 +290,79 @@ class FeatureEncoder(nn.Module):
         return self.head(x)
 
 
+class DroppedOutputsDecoder(Decoder):
+    """Also computes a pooler of the first token and an MLP's projection of the last hidden
+    state, and returns neither."""
+
+    def __init__(self, blocks):
+        super().__init__(blocks)
+        self.pooler = nn.Linear(HIDDEN, HIDDEN)
+        self.projection = MLP()
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        torch.tanh(self.pooler(x[:, 0]))
+        self.projection(x)
+        return self.lm_head(self.norm(x))
+
+
+class MergedAttention(nn.Module):
+    """Self- and cross-attention in one: the keys and values of x and of the memory made by the
+    same projections, and attended together (T5Gemma 2's merged attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads = HEADS
+        self.q_proj = nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False)
+        self.k_proj = nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False)
+        self.v_proj = nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False)
+        self.o_proj = nn.Linear(HEADS * HEAD_DIM, HIDDEN, bias=False)
+
+    def forward(self, x, memory):
+        b, t, _ = x.shape
+        heads = lambda y: y.view(b, -1, self.num_heads, HEAD_DIM).transpose(1, 2)
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        k = torch.cat((k, heads(self.k_proj(memory))), dim=2)
+        v = torch.cat((v, heads(self.v_proj(memory))), dim=2)
+        out = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM), dim=-1) @ v
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * HEAD_DIM))
+
+
+class MergedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(HIDDEN)
+        self.attn = MergedAttention()
+        self.mlp_norm = nn.LayerNorm(HIDDEN)
+        self.mlp = MLP()
+
+    def forward(self, x, memory):
+        x = x + self.attn(self.attn_norm(x), memory)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class MergedAttentionDecoder(nn.Module):
+    """An encoder block over the tokens, then decoder blocks that each attend to its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.encoder = Block(Attention())
+        self.encoder_norm = nn.LayerNorm(HIDDEN)
+        self.blocks = nn.ModuleList(MergedBlock() for _ in range(2))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, input_ids):
+        memory = self.encoder_norm(self.encoder(self.embed(input_ids)))
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x, memory)
+        return self.lm_head(self.norm(x))
+
+
 def trained(model: nn.Module, clear=True, **inputs) -> nn.Module:
     """`model` after one training step of its own (forward, backward, SGD), its gradients then
     cleared unless not `clear`: a plan must not depend on whether the model ran before."""
@@ -327,4 +406,8 @@ def idiom_model(idiom: str) -> nn.Module:
     if idiom == "trained":
         ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
         return trained(Decoder([Block(Attention()) for _ in range(2)]), input_ids=ids)
+    if idiom == "dropped_outputs":
+        return DroppedOutputsDecoder([Block(Attention()) for _ in range(2)])
+    if idiom == "merged_attention":
+        return MergedAttentionDecoder()
     raise ValueError(f"idiom_model: unknown idiom {idiom!r}")
