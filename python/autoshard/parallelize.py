@@ -38,7 +38,7 @@ from .plan_until_it_runs import plan_until_it_runs
 from .dry_run import dry_run
 from .pending_gradients import check_no_pending_gradients
 from .plan.layers import rms_norm_eps, rms_norm_form
-from .plan.prediction import set_attribute
+from .plan.local_attributes import set_attribute
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -54,7 +54,7 @@ def unsharded_view(model: nn.Module, whole: Dict[int, torch.Tensor]):
     """While inside: each sharded parameter (by id in `whole`) holds its whole tensor, and the
     attributes the plan made local hold their global values again."""
     from .model_state import state_of
-    from .plan.prediction import set_attribute
+    from .plan.local_attributes import set_attribute
 
     params = {id(p): p for p in model.parameters()}
     local = {key: params[key].data for key in whole}

@@ -86,7 +86,7 @@ def test_shape_mismatch_refuses_the_plan_naming_module_op_and_shapes():
 def test_a_config_size_is_localised_on_a_copy_of_the_modules_own():
     from types import SimpleNamespace
 
-    from autoshard.plan.prediction import set_attribute
+    from autoshard.plan.local_attributes import set_attribute
 
     shared = SimpleNamespace(num_attention_heads=6, hidden_size=48)
     a, b = nn.Module(), nn.Module()

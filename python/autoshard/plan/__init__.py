@@ -16,7 +16,8 @@ from .gradient_flow import drop_gradient_free_collectives
 from .holdings import imbalance_warning, inventory
 from .idiom_notes import explain_idioms, whole_reasons
 from .length_reads import explain_length_reads, split_inputs_gathered_inside, with_length_reads
-from .prediction import Prediction, ShapeMismatch, localize_attributes
+from .local_attributes import localize_attributes
+from .prediction import Prediction, ShapeMismatch
 from .sharding_plan import OVERRIDE_STYLES, LayerPlan, RegionPlan, ShardingPlan
 from .token_selections import gather_before_token_indexing
 

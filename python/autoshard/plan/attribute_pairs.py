@@ -2,7 +2,7 @@
 
 A module may spell a size from two attributes at once: the query heads written as
 `num_kv_heads * (num_heads // num_kv_heads)`. Made local one at a time, neither changes that
-size (3 * (4 // 3) is still 3), so the one-at-a-time search of prediction._choose finds no
+size (3 * (4 // 3) is still 3), so the one-at-a-time search of local_attributes._choose finds no
 progress and keeps both global. Here, when that search leaves the trace short of the
 prediction, pairs of the remaining candidates are tried together.
 """
