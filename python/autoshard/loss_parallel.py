@@ -37,6 +37,7 @@ from torch import nn
 from . import ops
 from .nn.functional import vocab_parallel_cross_entropy
 from .nn.linear import ColumnParallelLinear
+from .styles import Style
 
 logger = logging.getLogger("autoshard")
 
@@ -131,7 +132,7 @@ def _head(model: nn.Module, plan):
     if not layers:
         return None, f"the plan does not name the output head {name!r}"
     layer = layers[0]
-    if layer.kind != "linear" or layer.style != "column_gather" or layer.reason != "model_output":
+    if layer.kind != "linear" or layer.style is not Style.COLUMN_GATHER or layer.reason != "model_output":
         return None, (f"the plan makes the output head {name!r} {layer.style!r} (reason {layer.reason!r}), not a "
                       "column layer gathered because its output is a model output")
     if not isinstance(head, ColumnParallelLinear) or not head.gather_output or not head._plain_split:

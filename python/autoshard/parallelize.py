@@ -12,33 +12,34 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from . import forward_checks, loss_parallel as loss_parallelism, mesh_fully_shard, partial_gradients, \
-    torch_optim_check
+from . import forward_checks, mesh_fully_shard, partial_gradients, torch_optim_check
+from . import loss_parallel as loss_parallelism
 from .agreement import check_ranks_agree
 from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, resolve, set_default_group
+from .dry_run import dry_run
 from .input_copies import InputCopyPerCall, SharedInputCopy
+from .model_state import ParallelState, state_of
+from .nn import head_cuts, sequence
 from .nn.einsum import ShardedEinsumDense
 from .nn.embedding import VocabParallelEmbedding
 from .nn.embedding_subclass import shard_embedding_subclass
 from .nn.experts import shard_experts
 from .nn.head_parameters import shard_head_parameter
-from .nn import head_cuts, sequence
 from .nn.linear import ColumnParallelLinear, RowParallelLinear
 from .nn.lora import is_lora_linear, shard_lora
 from .nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from .nn.rms_norm import ShardedRMSNorm
-from .model_state import ParallelState, state_of
-from .partitioned_state import partition_replicated
 from .optimizer_views import install_global_optimizer_hook
-from .replaced_modules import check_no_hooks_lost
-from .state_views import install_state_dict_views
-from .plan import LayerPlan, ShardingPlan
-from .plan_until_it_runs import plan_until_it_runs
-from .dry_run import dry_run
+from .partitioned_state import partition_replicated
 from .pending_gradients import check_no_pending_gradients
+from .plan import LayerPlan, ShardingPlan
 from .plan.layers import rms_norm_eps, rms_norm_form
 from .plan.local_attributes import set_attribute
+from .plan_until_it_runs import plan_until_it_runs
+from .replaced_modules import check_no_hooks_lost
+from .state_views import install_state_dict_views
+from .styles import Style
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -105,8 +106,8 @@ def _sharded_layer(layer, module: nn.Module, group: ProcessGroup) -> nn.Module:
             raise ValueError(f"parallelize: einsum layer {layer.module!r} would be split in {layer.units} units, "
                              f"but ShardedEinsumDense splits letter {layer.letter!r} element by element ({split})")
         return ShardedEinsumDense.from_einsum_dense(module, layer.letter, group,
-                                                    gather_output=layer.style == "column_gather")
-    if layer.style == "vocab":
+                                                    gather_output=layer.style is Style.COLUMN_GATHER)
+    if layer.style is Style.VOCAB:
         if type(module).forward is not nn.Embedding.forward:
             if layer.sequence == "reduce_scatter":
                 # Its forward goes on after the lookup with ops the plan never saw (one call, one
@@ -121,12 +122,12 @@ def _sharded_layer(layer, module: nn.Module, group: ProcessGroup) -> nn.Module:
     units = layer.units if (layer.parts or layer.units != split) else None
     parts = layer.parts or None
     if is_lora_linear(module):
-        column = layer.style in ("column", "column_gather")
+        column = layer.style.is_column
         return shard_lora(module, layer.style, group, units=layer.units if layer.repeat else units, parts=parts,
                           **(dict(repeat=layer.repeat or None, whole_parts=layer.whole_parts or None,
                                   sum_whole_parts=layer.summed_parts) if column else {}))
-    if layer.style in ("column", "column_gather"):
-        return ColumnParallelLinear.from_linear(module, group, gather_output=layer.style == "column_gather",
+    if layer.style.is_column:
+        return ColumnParallelLinear.from_linear(module, group, gather_output=layer.style is Style.COLUMN_GATHER,
                                                 units=layer.units if layer.repeat else units, parts=parts,
                                                 repeat=layer.repeat or None, whole_parts=layer.whole_parts or None,
                                                 sum_whole_parts=layer.summed_parts)
@@ -167,13 +168,13 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     rank, world = group.rank(), group.size()
     users: Dict[int, int] = {}
     for layer in plan.layers:
-        if layer.style in ("column", "column_gather"):
+        if layer.style.is_column:
             users[layer.copy_group] = users.get(layer.copy_group, 0) + 1
     tokens = sequence.steps(plan, group.group_name)
     copies = {g: SharedInputCopy(group.group_name, n, tokens.gathers.get(g)) for g, n in users.items() if n > 1}
     calls: Dict[str, list] = {}  # a column layer -> the plan's records of its calls, in order
     for layer in plan.layers:
-        if layer.style in ("column", "column_gather"):
+        if layer.style.is_column:
             calls.setdefault(layer.module, []).append(layer)
     # Every place a parameter is registered, so that tied parameters (an embedding shared with
     # the output head, a head's bias also held by its parent) stay one parameter once sharded.
@@ -183,7 +184,7 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
             if param is not None:
                 registrations.setdefault(id(param), []).append((owner, attr))
     replaced: Dict[int, nn.Parameter] = {}
-    attentions = {layer.module: _attention_of(model, layer) for layer in plan.layers if layer.style != "replicate"}
+    attentions = {layer.module: _attention_of(model, layer) for layer in plan.layers if layer.style.is_split}
     attentions = {name: module for name, module in attentions.items() if module is not None}
     inside_attention = {name.rpartition(".")[0] + ".out_proj" for name in attentions}
     experts: Dict[str, list] = {}
@@ -198,7 +199,7 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
         if first is not layer:
             _check_same_split(first, layer)
             continue
-        if layer.style == "replicate" or layer.module in inside_attention:
+        if not layer.style.is_split or layer.module in inside_attention:
             continue
         if layer.module in attentions:
             _shard_attention(model, plan, layer, attentions[layer.module], group, copies, tokens, calls)
@@ -267,9 +268,9 @@ def _shard_experts(model: nn.Module, name: str, sides, group: ProcessGroup, rank
     """An experts module's two sides, a column and a row layer on the FFN axis (see
     nn/experts.py), or both replicated."""
     styles = tuple(layer.style for layer in sides)
-    if styles == ("replicate", "replicate"):
+    if styles == (Style.REPLICATE, Style.REPLICATE):
         return
-    if styles != ("column", "row") or any(layer.sequence for layer in sides):
+    if styles != (Style.COLUMN, Style.ROW) or any(layer.sequence for layer in sides):
         raise ValueError(f"parallelize: experts module {name!r} is planned as {styles}"
                          f"{' with sequence parallelism' if any(l.sequence for l in sides) else ''}; its 3-D weights "
                          "can only be split as a column side followed by a row side, or replicated")

@@ -74,4 +74,4 @@ def plan_until_it_runs(model, world_size: int, example_inputs, sequence_parallel
 
 
 def _holds_split_layer(plan: ShardingPlan, pattern: str) -> bool:
-    return any(layer.style != "replicate" and within(layer.module, pattern) for layer in plan.layers)
+    return any(layer.style.is_split and within(layer.module, pattern) for layer in plan.layers)

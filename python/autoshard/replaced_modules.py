@@ -14,6 +14,7 @@ from typing import List
 from torch import nn
 
 from .nn.multihead_attention import IN_PROJECTION
+from .styles import Style
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
           "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
@@ -24,7 +25,7 @@ def replaced_modules(model: nn.Module, plan) -> List[str]:
     """The names of the modules `plan` replaces in `model`."""
     names = []
     for layer in plan.layers:
-        if layer.style == "replicate" or layer.kind == "experts":
+        if not layer.style.is_split or layer.kind == "experts":
             continue
         owner, _, child = layer.module.rpartition(".")
         if child == IN_PROJECTION:
@@ -46,7 +47,7 @@ def check_no_hooks_lost(model: nn.Module, plan) -> None:
         if kinds:
             found.append(f"{name!r} ({type(module).__name__}: {', '.join(kinds)})")
     if found:
-        overrides = {text.split("'")[1]: "replicate" for text in found}
+        overrides = {text.split("'")[1]: Style.REPLICATE.value for text in found}
         raise ValueError(f"parallelize: the plan replaces module(s) {'; '.join(found)} by sharded ones, which would "
                          "not run their hooks; remove the hooks before parallelize (and register them again on the "
                          f"sharded modules if they still apply), or keep these modules whole with "

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from autoshard.plan import ShardingPlan, plan
+from autoshard.styles import Style
 from hf_models import CONFIGS, HEADS, build, layer_count
 
 KINDS = sorted(CONFIGS)
@@ -108,6 +109,10 @@ def test_plan_json_round_trip_and_table():
     again = ShardingPlan.from_json(p.to_json())
     assert again.to_json() == p.to_json()
     assert json.loads(p.to_json())["world_size"] == 2
+    # Styles are typed on both sides of the round trip, and plain words in the JSON.
+    assert [layer.style for layer in again.layers] == [layer.style for layer in p.layers]
+    assert all(isinstance(layer.style, Style) for layer in again.layers + p.layers)
+    assert {record["style"] for record in json.loads(p.to_json())["layers"]} <= {s.value for s in Style}
     table = str(p)
     # The two identical blocks print once, their index as a range.
     assert "model.layers.0-1.self_attn.q_proj" in table and "column" in table and "all_reduce" in table

@@ -16,6 +16,7 @@ from torch import nn
 from .. import comm, ops
 from ..distributed import resolve
 from ..model_state import attach_layer_state
+from ..styles import Style
 from .spec import ShardSpec
 
 Shape = Tuple[Optional[int], ...]
@@ -184,13 +185,13 @@ class ShardedEinsumDense(nn.Module):
                 f"ShardedEinsumDense: shard_axis '{shard_axis}' is a batch letter of equation '{equation}' (in the "
                 "input, the weight and the output), which cannot be sharded: pick an output or contracted letter"
             )
-        style = "column" if role == "output" else "row"
-        if gather_output and style == "row":
+        style = Style.COLUMN if role == "output" else Style.ROW
+        if gather_output and style is Style.ROW:
             raise ValueError(
                 f"ShardedEinsumDense: gather_output=True needs an output letter, but shard_axis '{shard_axis}' is "
                 f"contracted in equation '{equation}'"
             )
-        if not input_is_parallel and style == "column":
+        if not input_is_parallel and style is Style.COLUMN:
             raise ValueError(
                 f"ShardedEinsumDense: input_is_parallel=False needs a contracted letter, but shard_axis "
                 f"'{shard_axis}' is an output letter of equation '{equation}'"
@@ -222,7 +223,7 @@ class ShardedEinsumDense(nn.Module):
         self.weight = nn.Parameter(spec.take(layer.weight.detach()), requires_grad=layer.weight.requires_grad)
         if layer.bias is None:
             self.register_parameter("bias", None)
-        elif style == "column" and shard_axis in layer.bias_axes:
+        elif style is Style.COLUMN and shard_axis in layer.bias_axes:
             # The bias lines up with the output's trailing dims.
             output_rank = 1 + len(layer.output_shape)
             from_end = self._output_dim - output_rank if self._output_dim >= 0 else self._output_dim
@@ -254,7 +255,7 @@ class ShardedEinsumDense(nn.Module):
         return tuple(shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.style == "column":
+        if self.style is Style.COLUMN:
             _check_input(x, self._expected_input(local=False), "ShardedEinsumDense")
             x = self.input_copy(x) if self.input_copy is not None else comm.copy_to_parallel(x, self.group)
             y = torch.einsum(self.equation, x, self.weight)

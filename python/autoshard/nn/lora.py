@@ -25,9 +25,8 @@ import torch
 from torch import nn
 
 from ..distributed import ProcessGroup
+from ..styles import Style
 from .linear import ColumnParallelLinear, RowParallelLinear
-
-_COLUMN_STYLES = ("column", "column_gather")
 
 
 def _peft_lora_linear() -> Optional[type]:
@@ -160,12 +159,13 @@ def shard_lora(module: nn.Module, style: str, group: ProcessGroup, *, units: Opt
     if not is_lora_linear(module):
         raise TypeError(f"shard_lora: {type(module).__name__} is not a LoRA layer on an nn.Linear autoshard can split")
     keys = list(module.lora_A.keys())
-    if style in _COLUMN_STYLES:
+    style = Style(style)
+    if style.is_column:
         split = dict(units=units, parts=parts, repeat=repeat, whole_parts=whole_parts, sum_whole_parts=sum_whole_parts)
-        base = ColumnParallelLinear.from_linear(module.base_layer, group, gather_output=style == "column_gather", **split)
+        base = ColumnParallelLinear.from_linear(module.base_layer, group, gather_output=style == Style.COLUMN_GATHER, **split)
         factors = {key: ColumnParallelLinear.from_linear(module.lora_B[key], group, **split) for key in keys}
         side = module.lora_B
-    elif style == "row":
+    elif style == Style.ROW:
         base = RowParallelLinear.from_linear(module.base_layer, group, input_is_parallel=True, units=units, parts=parts)
         factors = {key: RowParallelLinear.from_linear(module.lora_A[key], group, input_is_parallel=True, units=units,
                                                       parts=parts) for key in keys}

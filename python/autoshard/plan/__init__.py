@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..nn.multihead_attention import IN_PROJECTION
+from ..styles import OVERRIDE_STYLES, Style
 from .adapters import add_adapters
 from .capture import CapturedGraph, capture
 from .gradient_flow import drop_gradient_free_collectives
@@ -18,7 +19,7 @@ from .idiom_notes import explain_idioms, whole_reasons
 from .length_reads import explain_length_reads, split_inputs_gathered_inside, with_length_reads
 from .local_attributes import localize_attributes
 from .prediction import Prediction, ShapeMismatch
-from .sharding_plan import OVERRIDE_STYLES, LayerPlan, RegionPlan, ShardingPlan
+from .sharding_plan import LayerPlan, RegionPlan, ShardingPlan
 from .token_selections import gather_before_token_indexing
 
 __all__ = ["LayerPlan", "RegionPlan", "ShardingPlan", "plan"]
@@ -65,11 +66,11 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
             shape = list(info.weight_shape)
         else:
             shape = [info.num_embeddings, info.embedding_dim]
-        style = record["style"]
+        style = Style(record["style"])
         layers.append(LayerPlan(
             module=info.name, kind=info.kind, style=style, weight=names[info.weight_param],
             bias=names[info.bias_param] if info.bias_param >= 0 else None, weight_shape=shape,
-            transposed=info.transposed, units=record["units"] if style != "replicate" else 0, parts=record["parts"],
+            transposed=info.transposed, units=record["units"] if style.is_split else 0, parts=record["parts"],
             whole_parts=record["whole_parts"], summed_parts=record["summed_parts"],
             region=record["region"], copy_group=record["copy_group"], note=named(record["note"]),
             equation=info.equation, letter=record["letter"], repeat=record["repeat"], reason=record["reason"],
@@ -143,7 +144,7 @@ def _unpaired_attentions(result: ShardingPlan, graph: CapturedGraph) -> Dict[int
         if child != IN_PROJECTION or owner + ".out_proj" not in nodes:
             continue
         out = result.layer(owner + ".out_proj")
-        if (layer.style, out.style) in (("column", "row"), ("replicate", "replicate")):
+        if (layer.style, out.style) in ((Style.COLUMN, Style.ROW), (Style.REPLICATE, Style.REPLICATE)):
             continue
         why = (f"{_UNPAIRED} {owner!r} would have its q/k/v projection {layer.style} and out_proj {out.style}; it is "
                "split only as a whole (by heads: column, then row)")
@@ -155,7 +156,7 @@ def _add_routing_gradients(comm, data, graph: CapturedGraph, element_size: int) 
     """A sharded experts module's routing weights meet every rank's partial expert outputs in
     the combine: their gradient is partial, summed over the ranks in backward (one all-reduce
     per floating-point routing input). The planner does not follow the routing; counted here."""
-    split = {record["node"] for record in data["layers"] if record["style"] != "replicate"}
+    split = {record["node"] for record in data["layers"] if Style(record["style"]).is_split}
     elements = []
     for node in graph.layer_calls:
         inner_linear = node - 1  # the experts' "out" node comes right before its combine
@@ -190,7 +191,7 @@ def _attention_copies(region_plans: Dict[int, RegionPlan], layers, graph: Captur
             continue
         groups: Dict[str, list] = {}
         for layer in layers:
-            if layer.region == region_id and layer.style != "replicate":
+            if layer.region == region_id and layer.style.is_split:
                 groups.setdefault(layer.module.rpartition(".")[0], []).append(layer.module)
         if len(groups) < 2:
             continue
@@ -238,13 +239,14 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     forced = []
     for pattern, style in (overrides or {}).items():
         if style not in OVERRIDE_STYLES:
-            raise ValueError(f"plan: override for {pattern!r} must be one of {OVERRIDE_STYLES}, got {style!r}")
+            raise ValueError(f"plan: override for {pattern!r} must be one of {tuple(s.value for s in OVERRIDE_STYLES)}, "
+                             f"got {style!r}")
         hits = [node for node, info in graph.layers.items()
                 if fnmatch.fnmatchcase(info.name, pattern) or fnmatch.fnmatchcase(graph.param_names[info.weight_param], pattern)]
         if not hits:
             raise ValueError(f"plan: override pattern {pattern!r} names no layer or parameter of the model")
         for node in hits:
-            if style == "column_gather" and graph.layers[node].kind != "linear":
+            if style == Style.COLUMN_GATHER and graph.layers[node].kind != "linear":
                 raise ValueError(f"plan: override {pattern!r}: only Linear layers can be column_gather")
             forced.append({"node": node, "style": style})
     # Layers replicated because their region's module computes other shapes than the plan
@@ -255,7 +257,7 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     token_indexing = None  # why sequence parallelism was given up, if it was
     length_reads = []  # (module, tensor): inputs kept whole where a module may read their length
     while True:
-        replicated = [{"node": node, "style": "replicate"} for node in mismatched]
+        replicated = [{"node": node, "style": Style.REPLICATE.value} for node in mismatched]
         document = torch.ops.autoshard.plan_graph(
             json.dumps({**with_length_reads(graph.document, length_reads), "forced": forced + replicated,
                         "sequence_parallel": sequence_parallel}),
@@ -266,7 +268,7 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
             token_indexing, sequence_parallel = str(refusal), False
             continue
         too_small = [layer for layer in result.layers if layer.reason == "too_few_units"]
-        if too_small and all(layer.style == "replicate" for layer in result.layers):
+        if too_small and not any(layer.style.is_split for layer in result.layers):
             raise ValueError(f"plan: world_size={world_size} is larger than every dimension autoshard could split "
                              f"(e.g. {too_small[0].module}: only {too_small[0]._whole_units} whole unit(s) (heads) "
                              f"to split across {world_size} ranks)")
@@ -286,7 +288,7 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
             break
         found = {node: str(failures[layer.region]) for node, info in graph.layers.items()
                  for layer in [result.layer(info.name)]
-                 if layer.style != "replicate" and layer.region in failures and node not in mismatched}
+                 if layer.style.is_split and layer.region in failures and node not in mismatched}
         if not found:
             raise next(iter(failures.values()))
         mismatched.update(found)
@@ -300,7 +302,7 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     explain_idioms(result, graph)
     if token_indexing is not None:
         for layer in result.layers:
-            if layer.style == "row":
+            if layer.style is Style.ROW:
                 layer.sequence_note = "sequence parallelism refused: " + token_indexing
     # The modules' recorded inputs are views of the model's own tensors (its buffers): kept, they
     # would hold those tensors' use counts up, and load_pretrained could not give them storage in

@@ -19,11 +19,12 @@ counts take every parameter as trained.
 
 from typing import Dict, List
 
+from ..styles import Style
 from .capture import CapturedGraph
 
 # As the planner's partial-gradient buckets (csrc/plan/emit.cpp): at most 100 MiB of fp32.
 BUCKET_ELEMENTS = 25 << 20
-SPLIT_STYLES = ("column", "column_gather", "row")
+SPLIT_STYLES = (Style.COLUMN, Style.COLUMN_GATHER, Style.ROW)
 
 
 def _numel(shape) -> int:
@@ -44,7 +45,7 @@ def add_adapters(result, graph: CapturedGraph, element_size: int) -> None:
         if not info.adapters:
             continue
         layer = result.layer(info.name)
-        split_side = 1 if layer.style in ("column", "column_gather") else 0 if layer.style == "row" else None
+        split_side = 1 if layer.style.is_column else 0 if layer.style is Style.ROW else None
         record = {"module": info.name, "split": [], "whole": []}
         for factors in info.adapters:
             for side, index in enumerate(factors):

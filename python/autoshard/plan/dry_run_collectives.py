@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..styles import Style
+
 _autoshard = torch.ops.autoshard
 
 # Each op's collectives in forward, by the kinds CommCounter reports.
@@ -31,7 +33,7 @@ FORWARD_KINDS = {
 
 # Planned styles whose sharded layer issues a collective on every call (unless its output is
 # cut to this rank's tokens or gathered by sequence parallelism, which is a collective too).
-_COLLECTIVE_STYLES = ("row", "vocab", "column_gather")
+_COLLECTIVE_STYLES = (Style.ROW, Style.VOCAB, Style.COLUMN_GATHER)
 
 
 class ForwardCollectives(TorchDispatchMode):
@@ -102,7 +104,7 @@ def forward_mismatch(plan, counter: ForwardCollectives, model: nn.Module) -> Opt
     text = f"its forward issues the collectives {counter.counts or {}} where the plan predicts {predicted}"
     if silent:
         named = ", ".join(f"{name!r} ({cls})" for name, cls in silent)
-        overrides = {name: "replicate" for name, _ in silent}
+        overrides = {name: Style.REPLICATE.value for name, _ in silent}
         text += (f"; layer(s) {named} issued none where the plan needs one: their forward computes without the "
                  "sharded layer's collective (a forward of their own that bypasses their base class's); keep them "
                  f"whole with autoshard.plan(model, overrides={overrides})")

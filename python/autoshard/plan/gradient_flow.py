@@ -16,6 +16,8 @@ none can reach it: the counts drop only where nothing runs.
 
 from typing import Dict, List
 
+from ..styles import Style
+
 
 def needs_gradient(graph) -> List[bool]:
     """Per tensor id of the captured graph: whether a backward pass can reach it."""
@@ -97,7 +99,7 @@ def drop_gradient_free_collectives(comm: List[Dict[str, object]], data: dict, gr
     copies: Dict[int, dict] = {}  # input tensor -> its first column layer's record
     read_on: Dict[int, bool] = {}  # input tensor -> whether backward reaches one of its layers
     for record in data["layers"]:
-        if record["style"] not in ("column", "column_gather") or record["sequence"] == "gathered":
+        if not Style(record["style"]).is_column or record["sequence"] == "gathered":
             continue
         tensor = nodes[record["node"]]["inputs"][0]
         copies.setdefault(tensor, record)

@@ -92,7 +92,7 @@ def local_counts(plan, rank: int) -> Dict[str, int]:
         counts[name] = full if spec is None else full // spec.full_size * spec.local_size()
     for layer in plan.layers:
         # An einsum layer's bias is split with its weight when it carries the split letter.
-        if layer.kind == "einsum" and layer.bias in counts and layer.style != "replicate" and layer.letter in layer.bias_axes:
+        if layer.kind == "einsum" and layer.bias in counts and layer.style.is_split and layer.letter in layer.bias_axes:
             split = layer.weight_shape[layer.weight_dim()]
             counts[layer.bias] = counts[layer.bias] // split * split_sizes(split, plan.world_size)[rank]
     return counts
@@ -112,7 +112,7 @@ def replicated(plan) -> List[Replicated]:
     counts = local_counts(plan, 0)
     reasons: Dict[str, Tuple[str, str]] = {}
     for layer in plan.layers:
-        if layer.style == "replicate":
+        if not layer.style.is_split:
             code = layer.reason or ("position_table" if layer.kind == "embedding" else "unsplit")
             for name in (layer.weight, layer.bias):
                 if name is not None:
@@ -126,7 +126,7 @@ def replicated(plan) -> List[Replicated]:
         code, note = reasons.get(plan.layer(record["module"]).weight, ("adapter_factor", ""))
         for name in record["whole"]:
             reasons.setdefault(name, (code, note))
-    split = set(plan.param_specs(0)) | {l.bias for l in plan.layers if l.kind == "einsum" and l.style != "replicate"
+    split = set(plan.param_specs(0)) | {l.bias for l in plan.layers if l.kind == "einsum" and l.style.is_split
                                         and l.bias is not None and l.letter in l.bias_axes}
     found: Dict[Tuple[str, str], Replicated] = {}
     for name, record in plan.parameters.items():

@@ -15,6 +15,7 @@ from typing import Dict, List
 
 from torch import nn
 
+from ..styles import Style
 from .layers import describe_layer
 
 CONVOLUTION = "convolution"
@@ -83,7 +84,7 @@ def explain_idioms(result, graph) -> None:
     readers = _readers(graph)
     for node, info in graph.layers.items():
         layer = result.layer(info.name)
-        if layer.style not in ("replicate", "column_gather") or not nodes[node]["outputs"]:
+        if layer.style not in (Style.REPLICATE, Style.COLUMN_GATHER) or not nodes[node]["outputs"]:
             continue
         reached = _reached(graph, readers, list(nodes[node]["outputs"]), ("view", "permute", "pointwise", "slice"))
         labels = [nodes[i]["label"] for i in reached]
@@ -92,7 +93,7 @@ def explain_idioms(result, graph) -> None:
             why = UNBIND
         elif any(op in label for label in labels for op in _LOSS_OPS):
             why = OWN_LOSS
-        elif layer.style == "replicate" and _modulates(graph, readers, reached):
+        elif layer.style is Style.REPLICATE and _modulates(graph, readers, reached):
             why = MODULATION
         if why and why not in layer.note:
             layer.note = f"{layer.note} ({why})" if layer.note else f"replicated: {why}"

@@ -12,6 +12,7 @@ from ..nn.head_cuts import cut_leaf, local_heads_shape
 from ..nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
+from ..styles import Style
 from .attribute_pairs import widen_by_pairs
 from .layers import is_layer_module
 from .prediction import Prediction, ShapeMismatch, first_difference
@@ -58,16 +59,16 @@ class _LocalModule:
                 owner.weight = nn.Parameter(torch.empty(local, device="meta", dtype=owner.weight.dtype))
         done = self._local_attentions(plan, prefix, rank)
         for layer in plan.layers:
-            if not layer.module.startswith(prefix) or layer.style == "replicate" or layer.module in done:
+            if not layer.module.startswith(prefix) or not layer.style.is_split or layer.module in done:
                 continue
             if layer.kind != "linear":
                 self.supported = False  # einsum layers: no local stand-in
                 continue
             spec = layer.weight_spec(rank, world)
             out_features, in_features = (layer.weight_shape[::-1] if layer.transposed else layer.weight_shape)
-            if layer.style == "column":
+            if layer.style is Style.COLUMN:
                 out_features = spec.local_size()
-            elif layer.style == "row":
+            elif layer.style is Style.ROW:
                 in_features = spec.local_size()
             relative = layer.module[len(prefix):]
             parent, _, child = relative.rpartition(".")
@@ -85,7 +86,7 @@ class _LocalModule:
         layers = {layer.module: layer for layer in plan.layers}
         for layer in plan.layers:
             owner_name, _, child = layer.module.rpartition(".")
-            if child != IN_PROJECTION or layer.style == "replicate" or not (layer.module.startswith(prefix)):
+            if child != IN_PROJECTION or not layer.style.is_split or not (layer.module.startswith(prefix)):
                 continue
             relative = owner_name[len(prefix):] if owner_name != prefix[:-1] else ""
             owner = self.module.get_submodule(relative) if relative else self.module

@@ -5,12 +5,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 from .. import ops
-from . import holdings
-from .name_ranges import blocks, fold, fold_names
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
+from ..styles import Style
+from . import holdings
+from .name_ranges import blocks, fold, fold_names
 
-OVERRIDE_STYLES = ("replicate", "column_gather")
 # vocab_parallel_cross_entropy's forward: the rows' maxima, their sums of exponentials and their
 # target logits (csrc/loss/cross_entropy_common.cpp).
 LOSS_PARALLEL_ALL_REDUCES = 3
@@ -20,7 +20,7 @@ LOSS_PARALLEL_ALL_REDUCES = 3
 class LayerPlan:
     module: str
     kind: str  # "linear", "embedding" or "einsum"
-    style: str
+    style: Style
     weight: str  # parameter names
     bias: Optional[str]
     weight_shape: List[int]
@@ -52,15 +52,18 @@ class LayerPlan:
     sequence_region: int = -1
     sequence_note: str = ""
 
+    def __post_init__(self):
+        self.style = Style(self.style)  # from JSON, a plain word
+
     def weight_dim(self) -> Optional[int]:
         """The weight dimension this layer splits, or None."""
         if self.kind == "einsum":
-            return None if self.style == "replicate" else ops.einsum_weight_axes(self.equation)[0].index(self.letter)
+            return None if not self.style.is_split else ops.einsum_weight_axes(self.equation)[0].index(self.letter)
         if self.kind == "experts":  # [E, out, in]: the FFN axis is out for the column side, in for the row side
-            return {"column": 1, "row": 2}.get(self.style)
-        if self.style in ("column", "column_gather", "vocab"):
+            return {Style.COLUMN: 1, Style.ROW: 2}.get(self.style)
+        if self.style.is_column or self.style is Style.VOCAB:
             return 1 if self.transposed else 0
-        if self.style == "row":
+        if self.style is Style.ROW:
             return 0 if self.transposed else 1
         return None
 
@@ -74,7 +77,7 @@ class LayerPlan:
 
     def bias_spec(self, rank: int, world_size: int) -> Optional[ShardSpec]:
         # An einsum layer's bias is laid out by its bias_axes; the layer itself records it.
-        if self.bias is None or self.kind == "einsum" or self.style not in ("column", "column_gather"):
+        if self.bias is None or self.kind == "einsum" or not self.style.is_column:
             return None
         full = self.weight_shape[self.weight_dim()]
         return ShardSpec(0, full, rank, world_size, units=self.units or None,

@@ -1,0 +1,34 @@
+"""How a layer is split: the style the planner decides for it (csrc/plan/settle.cpp).
+
+A `Style` is a string too ("column" == Style.COLUMN), so a plan's JSON and the planner's document
+carry the plain words, and user overrides name them as text.
+"""
+
+from enum import Enum
+
+
+class Style(str, Enum):
+    COLUMN = "column"  # output features split; the input is copied (backward all-reduces its gradient)
+    COLUMN_GATHER = "column_gather"  # column, with its output gathered whole (a model output)
+    ROW = "row"  # input features split; the partial outputs are all-reduced
+    VOCAB = "vocab"  # an embedding split over its rows (the vocabulary)
+    REPLICATE = "replicate"  # held whole on every rank
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def is_column(self) -> bool:
+        """Splits its output features (column or column_gather)."""
+        return self in (Style.COLUMN, Style.COLUMN_GATHER)
+
+    @property
+    def is_split(self) -> bool:
+        return self is not Style.REPLICATE
+
+
+# The styles a user may force on a layer (plan(..., overrides=)).
+OVERRIDE_STYLES = (Style.REPLICATE, Style.COLUMN_GATHER)
