@@ -7,6 +7,7 @@
 #include "comm/counters.h"
 #include "nn/einsum_equation.h"
 #include "plan/plan_op.h"
+#include "plan/reasons.h"
 #include "split/split_rule.h"
 
 TORCH_LIBRARY(autoshard, m) {
@@ -126,6 +127,8 @@ TORCH_LIBRARY(autoshard, m) {
   // --- plan/ : a model's dataflow graph (text, see plan/graph.h) in, the plan out as a versioned JSON
   // document of named records (see plan/emit.cpp)
   m.def("plan_graph(str graph, int world_size) -> str", &autoshard::plan::plan_graph);
+  // Every reason code a plan may give, with its words, as a JSON object (see plan/reasons.cpp).
+  m.def("plan_reasons() -> str", &autoshard::plan::plan_reasons);
 }
 
 // `import autoshard._C` loads this library, which runs the registrations above.

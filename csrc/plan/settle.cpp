@@ -1,15 +1,6 @@
 // Settling the decisions: passes repeat, each forcing the layers whose regions cannot be
-// split (replicated) or must end in a gather, until no decision changes.
-//
-// Reason codes given to a forced layer (LayerDecision::reason):
-//   override_replicate, override_gather   the user asked for it
-//   conflict            its region reaches something that needs the axis whole (note says what)
-//   too_few_units       its region has fewer whole units (heads) than ranks
-//   model_output        its output is a model output: gathered
-//   weight_read_elsewhere, weight_shared  its weight is read outside the layer, or shared
-//                       with a layer split differently
-//   feeds_called_layer  it feeds a call of a layer that its other calls split as a column layer
-//   small_parts_whole   (split) a fused layer whose smaller parts are held whole on every rank
+// split (replicated) or must end in a gather, until no decision changes. The reason code
+// given to a forced layer (LayerDecision::reason) is one of reasons.cpp's table.
 #include <algorithm>
 #include <functional>
 #include <map>
@@ -20,6 +11,7 @@
 
 #include "plan/emit.h"
 #include "plan/propagation.h"
+#include "plan/reasons.h"
 
 namespace autoshard::plan {
 namespace {
@@ -190,6 +182,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   // Layers forced to WholeSmallParts, with their parts as found when forced.
   std::map<int, std::vector<int64_t>> known_parts;
   auto force = [&](int n, Force f, Why w) {
+    reason_text(w.reason);  // every code has its words in reasons.cpp
     if (forced[n] == f || forced[n] == Force::Replicate) return false;
     forced[n] = f;
     why[n] = std::move(w);

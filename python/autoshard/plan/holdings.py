@@ -9,38 +9,23 @@ counts with LlamaAttention; embeddings count as Embedding). A sharded parameter 
 counts whole.
 """
 
+import json
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
+import torch
 from torch import nn
 
+from .. import _library
 from ..nn.lora import is_lora_linear
 from ..split import split_sizes
 from .name_ranges import fold
 
-# Why a parameter stays whole, in words: the planner's reason codes (csrc/plan/settle.cpp) for
-# replicated layers, and the cases outside the planner's layers.
-REASONS = {
-    "conflict": "its output reaches an op that needs the whole axis",
-    "too_few_units": "fewer whole heads than ranks",
-    "override_replicate": "replicated by override",
-    "attention_unpaired": "an nn.MultiheadAttention whose projections cannot be split by heads together",
-    "shape_mismatch": ("its module computes other local shapes than the plan's (a size it reads from no attribute that "
-                       "autoshard could make local: a constant in its code, or an attribute of an object it does not hold)"),
-    "dry_run_mismatch": ("its module, sharded on a meta copy, computed other shapes or collectives than the plan "
-                         "predicted: planned again with it whole"),
-    "weight_read_elsewhere": "its weight is also read outside the layer",
-    "weight_shared": "its weight is shared with a layer split differently",
-    "feeds_called_layer": "it feeds a layer that its other calls split as a column layer (a layer called more than once)",
-    "position_table": "a position or type table (only the token table is split)",
-    "unsplit": "the planner found no axis to split",
-    "row_bias": "the bias of a row-parallel layer, added once after the all-reduce",
-    "not_a_layer": "not a Linear, Embedding or einsum layer (norms, convolutions, free parameters)",
-    "convolution": "a convolution (a patch stem, a positional or feature convolution): autoshard splits no convolution",
-    "functional_layer": ("a Linear the model never calls: its forward applies the weight itself (F.linear(x, "
-                         "layer.weight, bias)), which autoshard does not split"),
-    "adapter_factor": "a LoRA factor read whole beside its split base layer (A of a column layer, B of a row layer)",
-}
+# Why a parameter stays whole, in words, by reason code: the planner's table (csrc/plan/reasons.cpp),
+# which also words the codes given outside the planner (parameters of no layer, layers held whole
+# after their module computed other shapes than planned).
+_library.load()
+REASONS: Dict[str, str] = json.loads(torch.ops.autoshard.plan_reasons())
 
 # Layer classes that count with the module holding them.
 _PLAIN_LAYERS = ("Linear", "Conv1D", "EinsumDense")

@@ -1,0 +1,71 @@
+// The reason codes of a plan, each with its words. Codes are stable (plans and tests name them);
+// the words are what print(plan) and warnings say.
+#include "plan/reasons.h"
+
+#include <sstream>
+
+#include <c10/util/Exception.h>
+
+namespace autoshard::plan {
+
+const std::vector<std::pair<std::string, std::string>>& reason_table() {
+  static const std::vector<std::pair<std::string, std::string>> table = {
+      // Decisions of the planner (settle.cpp) about a layer it could split.
+      {"conflict", "its output reaches an op that needs the whole axis"},
+      {"too_few_units", "fewer whole heads than ranks"},
+      {"model_output", "its output is a model output"},
+      {"override_replicate", "replicated by override"},
+      {"override_gather", "gathered by override"},
+      {"weight_read_elsewhere", "its weight is also read outside the layer"},
+      {"weight_shared", "its weight is shared with a layer split differently"},
+      {"feeds_called_layer",
+       "it feeds a layer that its other calls split as a column layer (a layer called more than once)"},
+      {"small_parts_whole", "split by heads; its smaller parts (KV heads) are held whole on every rank"},
+      // Decisions taken around the planner: the module computes other shapes than planned.
+      {"attention_unpaired", "an nn.MultiheadAttention whose projections cannot be split by heads together"},
+      {"shape_mismatch",
+       "its module computes other local shapes than the plan's (a size it reads from no attribute that autoshard "
+       "could make local: a constant in its code, or an attribute of an object it does not hold)"},
+      {"dry_run_mismatch",
+       "its module, sharded on a meta copy, computed other shapes or collectives than the plan predicted: planned "
+       "again with it whole"},
+      // Parameters outside the layers the planner splits.
+      {"position_table", "a position or type table (only the token table is split)"},
+      {"unsplit", "the planner found no axis to split"},
+      {"row_bias", "the bias of a row-parallel layer, added once after the all-reduce"},
+      {"not_a_layer", "not a Linear, Embedding or einsum layer (norms, convolutions, free parameters)"},
+      {"convolution",
+       "a convolution (a patch stem, a positional or feature convolution): autoshard splits no convolution"},
+      {"functional_layer",
+       "a Linear the model never calls: its forward applies the weight itself (F.linear(x, layer.weight, bias)), "
+       "which autoshard does not split"},
+      {"adapter_factor", "a LoRA factor read whole beside its split base layer (A of a column layer, B of a row layer)"},
+  };
+  return table;
+}
+
+const std::string& reason_text(const std::string& code) {
+  for (const auto& [known, words] : reason_table()) {
+    if (known == code) return words;
+  }
+  TORCH_CHECK(false, "autoshard planner: no reason code ", code);
+}
+
+std::string plan_reasons() {
+  std::ostringstream out;
+  out << '{';
+  bool first = true;
+  for (const auto& [code, words] : reason_table()) {
+    out << (first ? "" : ",") << '"' << code << "\":\"";
+    for (char c : words) {
+      if (c == '"' || c == '\\') out << '\\';
+      out << c;
+    }
+    out << '"';
+    first = false;
+  }
+  out << '}';
+  return out.str();
+}
+
+}  // namespace autoshard::plan
