@@ -295,8 +295,9 @@ def as_real(tensors: List[torch.Tensor], dtype: torch.dtype) -> List[torch.Tenso
 
 
 class FusedOptimizer(torch.optim.Optimizer):
-    """What AdamW and SGD share as optimizers: checking a param group as it joins, loading a
-    state dict, and a step that gathers and checks every bucket before stepping any.
+    """What AdamW and SGD share as optimizers: checking the defaults and each param group as it
+    joins, loading a state dict, and a step that gathers and checks every bucket before stepping
+    any.
 
     A subclass sets `_name` (for messages), `_check_hyperparameters(values, group_index,
     defaults)` (the settings present in `values`; `defaults` fill in what a group does not set)
@@ -304,6 +305,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     `_step_buckets(group, buckets)`."""
 
     _name: str
+
+    def __init__(self, params, defaults: Dict) -> None:
+        self._check_hyperparameters(defaults, None)
+        super().__init__(params, defaults)
 
     def add_param_group(self, param_group: Dict) -> None:
         if isinstance(param_group, dict):

@@ -82,6 +82,10 @@ class AdamW(FusedOptimizer):
     without partitioning) keeps this rank's piece of each.
     """
 
+    _name = _NAME
+    _check_hyperparameters = staticmethod(_check_hyperparameters)
+    _state_rule = staticmethod(_state_rule)
+
     def __init__(
         self,
         params,
@@ -95,12 +99,7 @@ class AdamW(FusedOptimizer):
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
                         weight_decay=weight_decay, maximize=maximize, master_weights=master_weights)
-        _check_hyperparameters(defaults, None)
         super().__init__(params, defaults)
-
-    _name = _NAME
-    _check_hyperparameters = staticmethod(_check_hyperparameters)
-    _state_rule = staticmethod(_state_rule)
 
     def _step_buckets(self, group: Dict, buckets: Dict) -> None:
         """One AdamW step for each bucket of `group`: one fused op per (dtype, step count)."""

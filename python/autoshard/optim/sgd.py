@@ -65,6 +65,10 @@ class SGD(FusedOptimizer):
     parameter keeps this rank's piece.
     """
 
+    _name = _NAME
+    _check_hyperparameters = staticmethod(_check_hyperparameters)
+    _state_rule = staticmethod(_state_rule)
+
     def __init__(
         self,
         params,
@@ -79,12 +83,7 @@ class SGD(FusedOptimizer):
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, master_weights=master_weights)
-        _check_hyperparameters(defaults, None)
         super().__init__(params, defaults)
-
-    _name = _NAME
-    _check_hyperparameters = staticmethod(_check_hyperparameters)
-    _state_rule = staticmethod(_state_rule)
 
     def _step_buckets(self, group: Dict, buckets: Dict) -> None:
         """One SGD step for each bucket of `group`: one fused op per (dtype, has buffers)."""
