@@ -31,6 +31,7 @@ import time
 import torch
 
 from common import device_label, print_table, save_json  # puts tests/support on sys.path
+from local_ranks import torchrun_command
 from peak_memory import PeakMemory
 
 
@@ -94,8 +95,7 @@ def _run(side: str, path: str, scratch: str) -> list:
     out = os.path.join(scratch, side)
     script = [os.path.abspath(__file__), "--worker", side, "--path", path, "--out", out]
     if side == "autoshard":
-        command, ranks = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          *script], 2
+        command, ranks = torchrun_command(*script), 2
     else:
         command, ranks = [sys.executable, *script], 1
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
