@@ -19,18 +19,16 @@ it). Prints a table and writes benchmarks/results/bench_checkpoint_cpu.json.
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import autoshard
 from autoshard import checkpoint
-from common import print_table, save_json
+from common import print_table, run_on_gloo_ranks, save_json
 
 # Not a save: copying this rank's tensors into buffers kept between rounds, all that an
 # asynchronous save must do before it returns on a CPU (the floor of its blocking time).
@@ -86,10 +84,8 @@ def _methods(model, root):
             "DCP save": peer(False), "DCP async_save": peer(True), FLOOR: host_copy}
 
 
-def _rank_main(rank: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _rank_main(rank: int, world: int, args):
+    """On rank 0, this rank's parameter bytes and each method's median (blocking, total) seconds."""
     model = _model(args.layers, args.hidden)
     local_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     methods = _methods(model, args.dir)
@@ -107,9 +103,9 @@ def _rank_main(rank: int, port: int, args, queue) -> None:
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
     if rank == 0:
-        queue.put((local_bytes, {n: (statistics.median(b for b, _ in t), statistics.median(s for _, s in t))
-                                 for n, t in times.items()}))
-    dist.destroy_process_group()
+        return local_bytes, {n: (statistics.median(b for b, _ in t), statistics.median(s for _, s in t))
+                             for n, t in times.items()}
+    return None
 
 
 def main() -> None:
@@ -121,16 +117,11 @@ def main() -> None:
     args = parser.parse_args()
     owned = args.dir is None
     args.dir = tempfile.mkdtemp(prefix="bench_checkpoint_") if owned else args.dir
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
     try:
-        mp.spawn(_rank_main, args=(port, args, queue), nprocs=2)
+        local_bytes, medians = run_on_gloo_ranks(_rank_main, 2, args)[0]
     finally:
         if owned:
             shutil.rmtree(args.dir, ignore_errors=True)
-    local_bytes, medians = queue.get()
     baseline = medians["autoshard save"][1]
     rows = [{"method": name, "model MB": round(2 * local_bytes / 1e6), "blocking s": blocked, "total s": total,
              "blocking / autoshard sync": blocked / baseline, "total / autoshard sync": total / baseline}

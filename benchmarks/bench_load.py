@@ -26,52 +26,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import torch
 
-
-def _resident_bytes() -> dict:
-    """RssAnon (private) and VmRSS (private + file pages mapped in, e.g. an mmap'ed checkpoint)."""
-    found = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("RssAnon", "VmRSS"):
-                found[key] = int(value.split()[0]) * 1024
-    return found
-
-
-class PeakMemory:
-    """Peak resident memory added while the block runs, sampled every millisecond by a thread."""
-
-    def __init__(self):
-        self.base = _resident_bytes()
-        self.peak = dict(self.base)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def _sample(self):
-        for key, value in _resident_bytes().items():
-            self.peak[key] = max(self.peak[key], value)
-
-    def _watch(self):
-        while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(0.001)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-
-    def added(self, key: str) -> int:
-        return self.peak[key] - self.base[key]
+from common import device_label, print_table, save_json  # puts tests/support on sys.path
+from local_ranks import torchrun_command
+from peak_memory import PeakMemory
 
 
 def _warm_up(config) -> None:
@@ -134,8 +95,7 @@ def _run(side: str, path: str, scratch: str) -> list:
     out = os.path.join(scratch, side)
     script = [os.path.abspath(__file__), "--worker", side, "--path", path, "--out", out]
     if side == "autoshard":
-        command, ranks = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          *script], 2
+        command, ranks = torchrun_command(*script), 2
     else:
         command, ranks = [sys.executable, *script], 1
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -162,8 +122,6 @@ def main() -> None:
         return _worker_transformers(args.path, args.out)
 
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from common import device_label, print_table, save_json
 
     scratch = tempfile.mkdtemp(prefix="bench_load_")
     path = args.keep or os.path.join(scratch, "gpt2")

@@ -1,16 +1,25 @@
-"""Shared benchmark plumbing: timing, gloo ranks, a printed table, and a JSON record per run."""
+"""Shared benchmark plumbing: timing, gloo ranks, a printed table, and a JSON record per run.
+
+Importing it puts tests/support on sys.path: the helpers the tests share with the benchmarks
+(free ports and rank environments, peak memory) live there."""
 
 import json
 import os
 import platform
-import socket
 import statistics
+import sys
 import time
 from typing import Callable, Dict, List
 
 import torch
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS_DIR = os.path.join(HERE, "results")
+SUPPORT_DIR = os.path.join(os.path.dirname(HERE), "tests", "support")
+if SUPPORT_DIR not in sys.path:
+    sys.path.append(SUPPORT_DIR)
+
+from local_ranks import free_port, rank_env  # noqa: E402
 
 
 def device_label(device: torch.device) -> str:
@@ -79,7 +88,7 @@ def save_json(name: str, device: torch.device, rows: List[Dict[str, object]]) ->
 def _gloo_rank(rank: int, rank_main: Callable, world: int, port: int, queue, args) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(rank_env(port, rank, world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     result = rank_main(rank, world, *args)
@@ -95,9 +104,6 @@ def run_on_gloo_ranks(rank_main: Callable, world: int, *args) -> list:
     thread each), in rank order. `rank_main` must be a module-level function."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_gloo_rank, args=(rank_main, world, port, queue, args), nprocs=world)
+    mp.spawn(_gloo_rank, args=(rank_main, world, free_port(), queue, args), nprocs=world)
     return queue.get()

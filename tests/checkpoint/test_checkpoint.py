@@ -6,7 +6,6 @@ retention, and consolidation into a checkpoint that safetensors and transformers
 import importlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from autoshard.checkpoint import CheckpointCorruptError, CheckpointSaveError, Un
 from checkpoint_models import build_toy, parallelize_toy, toy_ids
 from checks import expect_errors
 from hf_models import build
+from local_ranks import free_port, rank_env
 from multirank import run_on_ranks
 
 SUPPORT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
@@ -353,22 +353,16 @@ def test_a_failing_rank_fails_the_save_on_every_rank(tmp_path):
     assert not os.path.exists(path) and not os.path.exists(path + ".partial")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("slow_writer", [True, False])
 def test_killed_async_save_leaves_previous_checkpoint_intact(tmp_path, slow_writer):
     """Two real ranks save step-1, change every parameter, start an async save of step-2, and
     are SIGKILLed while step-2.partial exists (with a writer held back, before it can commit;
     without, wherever the save happens to be)."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    port = free_port()
     script = os.path.join(SUPPORT_DIR, "checkpoint_kill_worker.py")
     procs = [subprocess.Popen([sys.executable, script, str(tmp_path), str(int(slow_writer))],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+                              env={**env, **rank_env(port, r, 2), "LOCAL_RANK": str(r)}) for r in range(2)]
     partial = tmp_path / "step-2.partial"
     try:
         deadline = time.monotonic() + 240

@@ -4,7 +4,6 @@ file, and the values it holds are the file's (read back with the safetensors lib
 
 import gc
 import os
-import threading
 
 import torch
 import torch.distributed as dist
@@ -14,6 +13,7 @@ from torch import nn
 
 import autoshard
 from multirank import run_on_ranks
+from peak_memory import PeakMemory
 
 # Column/row pairs whose row-parallel rows are H/2 float32 values = 1 MiB per rank: long
 # enough that the reader reads each straight into the destination, so the bytes a rank reads
@@ -40,40 +40,9 @@ class Stack(nn.Module):
         return self.blocks(x)
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def _chars_read() -> int:
     with open("/proc/self/io") as f:
         return int(next(line for line in f if line.startswith("rchar:")).split()[1])
-
-
-class PeakSampler:
-    """The highest RssAnon seen by a thread sampling it every millisecond."""
-
-    def __init__(self):
-        self.peak = _status_kib("RssAnon")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _status_kib("RssAnon"))
-            self._stop.wait(0.001)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _status_kib("RssAnon"))
 
 
 def _load_and_measure(path: str) -> dict:
@@ -82,8 +51,8 @@ def _load_and_measure(path: str) -> dict:
     plan = autoshard.plan(model, world_size=dist.get_world_size(), example_inputs=(torch.zeros(1, 2, D),))
     autoshard.parallelize(model, plan)
     gc.collect()
-    before, read_before = _status_kib("RssAnon"), _chars_read()
-    with PeakSampler() as sampler:
+    read_before = _chars_read()
+    with PeakMemory() as memory:
         autoshard.load_pretrained(model, path, progress=False)
     read = _chars_read() - read_before
     held = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -104,7 +73,7 @@ def _load_and_measure(path: str) -> dict:
             assert torch.equal(param, expected), name
     del model
     gc.collect()
-    return {"peak_added": (sampler.peak - before) * 1024, "read": read, "held": held, "styles": styles}
+    return {"peak_added": memory.added("RssAnon"), "read": read, "held": held, "styles": styles}
 
 
 def test_two_ranks_load_a_1gb_checkpoint_in_their_share_of_memory(tmp_path):

@@ -5,14 +5,12 @@ under the same seed on every rank, so each rank builds the same model."""
 import functools
 
 import torch
-from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
-                          AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq)
-from transformers.utils import logging
+from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM,
+                          AutoModelForSpeechSeq2Seq)
 
 import conformance_models
 import idiom_models
-
-logging.set_verbosity_error()
+from hf_models import from_config  # also quiets transformers' logging
 
 VOCAB = 101
 BATCH, SEQ = 2, 7  # 7 tokens: no size of the example divides evenly either
@@ -27,9 +25,7 @@ _HEADS = {
 
 
 def _hf_model(kind: str, head: str, config: dict):
-    cfg = AutoConfig.for_model(kind, **config)
-    cfg._attn_implementation = "eager"
-    return _HEADS[head].from_config(cfg)
+    return from_config(_HEADS[head], kind, **config)
 
 
 def hf(kind: str, head: str = "causal", **config):

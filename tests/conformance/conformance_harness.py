@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 import autoshard
 from autoshard.model_state import state_of
 from autoshard.plan.holdings import held_fraction, replicated
+from gathered import nonzero_counts
 
 SGD_LR = 0.1
 # Larger than any norm here: clipping scales by exactly 1, so the state after the step is
@@ -133,10 +134,6 @@ def _local_piece(full: torch.Tensor, spec) -> torch.Tensor:
     return torch.cat([full.narrow(spec.dim, start, length) for start, length in spec.local_ranges()], spec.dim)
 
 
-def _counts(counter) -> Dict[str, int]:
-    return {k: v for k, v in counter.counts.items() if v}
-
-
 def check(arch) -> Report:
     """Runs on every rank of the default process group."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -186,8 +183,8 @@ def check(arch) -> Report:
     with autoshard.CommCounter() as backward:
         sum((o * w).sum() for o, w in zip(outputs, weights)).backward()
     sum((e * w).sum() for e, w in zip(expected, weights)).backward()
-    report.comm = {"forward": (_counts(forward), plan.collectives("forward")),
-                   "backward": (_counts(backward), plan.collectives("backward"))}
+    report.comm = {"forward": (nonzero_counts(forward), plan.collectives("forward")),
+                   "backward": (nonzero_counts(backward), plan.collectives("backward"))}
     shards = state_of(model).shards()
     params = dict(model.named_parameters(remove_duplicate=False))
     report.worst["gradients"] = 0.0

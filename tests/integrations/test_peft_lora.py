@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 import autoshard  # noqa: E402
 from autoshard.model_state import state_of  # noqa: E402
 from autoshard.state import gather_full  # noqa: E402
+from gathered import nonzero_counts  # noqa: E402
 from multirank import run_on_ranks  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -66,10 +67,6 @@ def _gathered_grads(model, names):
         p = params[name]
         found[name] = gather_full(p.grad, *shards[id(p)]) if id(p) in shards else p.grad
     return found
-
-
-def _counts(counter):
-    return {k: v for k, v in counter.counts.items() if v}
 
 
 def _lora_names(model):
@@ -150,10 +147,10 @@ def _train(kind: str, optimizer: str, sequence_parallel: bool, trained: str, dir
         with autoshard.CommCounter() as backward:
             loss.backward()
         want.backward()
-        assert _counts(forward) == plan.collectives("forward", labels=True), (_counts(forward), str(plan))
-        _check_counts(_counts(backward), plan.collectives("backward"), exact=trained == "all")
+        assert nonzero_counts(forward) == plan.collectives("forward", labels=True), (nonzero_counts(forward), str(plan))
+        _check_counts(nonzero_counts(backward), plan.collectives("backward"), exact=trained == "all")
         # The adapters' whole factors are summed in backward: at least that all-reduce happens.
-        assert _counts(backward).get("all_reduce", 0) >= 1, _counts(backward)
+        assert nonzero_counts(backward).get("all_reduce", 0) >= 1, nonzero_counts(backward)
         grads = _gathered_grads(model, names)
         ref_params = dict(reference.named_parameters())
         for name in names:

@@ -1,14 +1,13 @@
 """The README's "Using it" example, run as written under torchrun on 2 gloo ranks, against the
 same training done on the unsharded model in one process."""
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+
+from local_ranks import run_under_torchrun
 
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -46,11 +45,8 @@ def test_readme_example_runs_as_written_and_trains_as_the_unsharded_model(tmp_pa
     AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "pretrained"))
     script = tmp_path / "train.py"
     script.write_text(_example())
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("ShardingPlan for 2 ranks") == 1  # printed by rank 0 only
+    stdout = run_under_torchrun(script, cwd=tmp_path)
+    assert stdout.count("ShardingPlan for 2 ranks") == 1  # printed by rank 0 only
 
     finetuned = AutoModelForCausalLM.from_pretrained(str(tmp_path / "finetuned")).float().state_dict()
     want = _unsharded_run(tmp_path)

@@ -349,6 +349,25 @@ def _error(got, want):
     return (got - want).abs().max().item()
 
 
+def _compare(name, layer, reference, inputs, grad, results, counts):
+    """Runs the sharded `layer` and its unsharded `reference` on copies of `inputs`, backward
+    from `grad`: the collectives each counts in forward and backward, and the largest errors of
+    the output, the input's gradient and the weight's and bias's (a shard's against its piece)."""
+    a, b = inputs.clone().requires_grad_(), inputs.clone().requires_grad_()
+    with autoshard.CommCounter() as forward:
+        got = layer(a)
+    with autoshard.CommCounter() as backward:
+        got.backward(grad)
+    counts[name] = (forward.counts, backward.counts)
+    want = reference(b)
+    want.backward(grad)
+    results[f"{name}.out"] = _error(got, want)
+    results[f"{name}.input.grad"] = _error(a.grad, b.grad)
+    for param in ("weight", "bias"):
+        spec, whole = layer.shard_specs.get(param), getattr(reference, param).grad
+        results[f"{name}.{param}.grad"] = _error(getattr(layer, param).grad, whole if spec is None else spec.take(whole))
+
+
 def _gathered_and_scattered():
     qkv, out = _attention_pair("nh", "d", seed=3)
     g = torch.Generator().manual_seed(8)
@@ -356,35 +375,11 @@ def _gathered_and_scattered():
     results, counts = {}, {}
     # Column-style with its output gathered back: the full output on every rank.
     layer = ShardedEinsumDense.from_einsum_dense(qkv, "h", gather_output=True)
-    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-    grad = torch.randn(2, 4, N, H, generator=g)
-    with autoshard.CommCounter() as forward:
-        got = layer(x1)
-    with autoshard.CommCounter() as backward:
-        got.backward(grad)
-    counts["gather"] = (forward.counts, backward.counts)
-    want = qkv(x2)
-    want.backward(grad)
-    results["gather.out"] = (got - want).abs().max().item()
-    results["gather.x.grad"] = (x1.grad - x2.grad).abs().max().item()
-    results["gather.weight.grad"] = _error(layer.weight.grad, layer.shard_specs["weight"].take(qkv.weight.grad))
-    results["gather.bias.grad"] = (layer.bias.grad - layer.shard_specs["bias"].take(qkv.bias.grad)).abs().max().item()
+    _compare("gather", layer, qkv, x, torch.randn(2, 4, N, H, generator=g), results, counts)
     # Row-style cutting its full input itself.
     layer = ShardedEinsumDense.from_einsum_dense(out, "h", input_is_parallel=False)
     h = torch.randn(2, 4, N, H, generator=g)
-    h1, h2 = h.clone().requires_grad_(), h.clone().requires_grad_()
-    grad = torch.randn(2, 4, D, generator=g)
-    with autoshard.CommCounter() as forward:
-        got = layer(h1)
-    with autoshard.CommCounter() as backward:
-        got.backward(grad)
-    counts["scatter"] = (forward.counts, backward.counts)
-    want = out(h2)
-    want.backward(grad)
-    results["scatter.out"] = (got - want).abs().max().item()
-    results["scatter.h.grad"] = (h1.grad - h2.grad).abs().max().item()
-    results["scatter.weight.grad"] = _error(layer.weight.grad, layer.shard_specs["weight"].take(out.weight.grad))
-    results["scatter.bias.grad"] = (layer.bias.grad - out.bias.grad).abs().max().item()
+    _compare("scatter", layer, out, h, torch.randn(2, 4, D, generator=g), results, counts)
     return results, counts
 
 

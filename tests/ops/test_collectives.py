@@ -7,11 +7,10 @@ Every tensor is derived from a seed, so each rank can rebuild what the others ho
 import pytest
 import torch
 import torch.distributed as dist
-from torch.library import opcheck
 
 import autoshard
 from autoshard import comm
-from checks import expect_errors
+from checks import expect_errors, opcheck_all
 from multirank import run_on_ranks
 from seeded import seeded
 
@@ -108,17 +107,9 @@ def _opcheck_cases(device):
     ]
 
 
-def _opcheck_all(device):
-    checked = 0
-    for op, args in _opcheck_cases(device):
-        opcheck(op, args)
-        checked += 1
-    return checked
-
-
 @pytest.mark.parametrize("device, world_size", on_devices((1, 2)))
 def test_opcheck(device, world_size):
-    assert run_on_ranks(_opcheck_all, world_size, device) == [7] * world_size
+    assert run_on_ranks(opcheck_all, world_size, _opcheck_cases, device) == [7] * world_size
 
 
 def _meta_shapes():

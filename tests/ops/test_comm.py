@@ -18,7 +18,7 @@ import autoshard
 from autoshard import comm, ops
 from multirank import run_on_ranks
 from seeded import seeded
-from checks import expect_errors
+from checks import expect_errors, opcheck_all
 
 
 def piece_shape(shape, dim, size):
@@ -166,17 +166,9 @@ def _opcheck_cases(device):
     ]
 
 
-def _opcheck_all(device):
-    checked = 0
-    for op, args in _opcheck_cases(device):
-        opcheck(op, args)
-        checked += 1
-    return checked
-
-
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_opcheck(world_size):
-    assert run_on_ranks(_opcheck_all, world_size, "cpu") == [8] * world_size
+    assert run_on_ranks(opcheck_all, world_size, _opcheck_cases, "cpu") == [8] * world_size
 
 
 def test_opcheck_counter_ops():
@@ -329,7 +321,7 @@ def test_mappings_on_cuda_match_their_definitions(world_size):
 @pytest.mark.gpu
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_opcheck_cuda(world_size):
-    assert run_on_ranks(_opcheck_all, world_size, "cuda") == [8] * world_size
+    assert run_on_ranks(opcheck_all, world_size, _opcheck_cases, "cuda") == [8] * world_size
 
 
 def _nccl_group_of_one():

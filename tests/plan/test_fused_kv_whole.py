@@ -12,7 +12,7 @@ from autoshard import checkpoint
 from autoshard.nn.spec import ShardSpec
 from hf_models import CONFIGS, build
 from multirank import run_on_ranks
-from adamw_steps import adamw_with_clipping
+from adamw_steps import adamw_with_clipping, save_after_one_step
 
 HEADS, HEAD_DIM = CONFIGS["gpt_bigcode"]["n_head"], CONFIGS["gpt_bigcode"]["n_embd"] // CONFIGS["gpt_bigcode"]["n_head"]
 PARTS = (HEADS * HEAD_DIM, HEAD_DIM, HEAD_DIM)
@@ -66,12 +66,7 @@ def test_adamw_with_clipping_matches_unsharded(world):
 
 def _save_trained(path):
     model = build("gpt_bigcode")
-    autoshard.parallelize(model)
-    opt = autoshard.optim.AdamW(model.parameters(), lr=2e-3)
-    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(3))
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    checkpoint.save(path, model, opt, extra={"step": 1})
+    save_after_one_step(model, path)
     return {k: v.clone() for k, v in autoshard.full_state_dict(model).items()}
 
 

@@ -14,7 +14,7 @@ from autoshard.nn.spec import ShardSpec
 from hf_models import build
 from gathered import gathered_grads
 from multirank import run_on_ranks
-from adamw_steps import adamw_with_clipping
+from adamw_steps import adamw_with_clipping, save_after_one_step
 
 # (query heads, KV heads, world size): 6/2 on 3 and 4 ranks, 6/3 and 4/2 on 4, and 4/2 on 3,
 # where the query heads split 2/1/1: repeat_kv's n_rep is 2 on rank 0 and 1 on the others (which
@@ -133,12 +133,7 @@ def test_adamw_with_clipping_matches_unsharded(q_heads, kv_heads, world):
 
 def _save_trained(path, q_heads, kv_heads):
     model = _build(q_heads, kv_heads)
-    autoshard.parallelize(model)
-    opt = autoshard.optim.AdamW(model.parameters(), lr=2e-3)
-    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(3))
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    checkpoint.save(path, model, opt, extra={"step": 1})
+    opt = save_after_one_step(model, path)
     full = autoshard.full_state_dict(model)
     moments = {}
     for name, p in model.named_parameters():

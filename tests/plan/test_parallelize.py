@@ -7,14 +7,11 @@ import torch.distributed as dist
 from torch import nn
 
 import autoshard
+from gathered import forward_backward_as_planned, nonzero_counts
 from hf_models import CONFIGS, build
 from multirank import run_on_ranks
 
 KINDS = sorted(CONFIGS)
-
-
-def _counts(counter):
-    return {k: v for k, v in counter.counts.items() if v}
 
 
 def _check_model(kind: str) -> dict:
@@ -24,18 +21,8 @@ def _check_model(kind: str) -> dict:
     ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(1))
     plan = autoshard.plan(model, world_size=world)
     autoshard.parallelize(model, plan)
-
-    with autoshard.CommCounter() as forward:
-        logits = model(input_ids=ids).logits
-    expected = reference(input_ids=ids).logits
-    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-    assert _counts(forward) == plan.collectives("forward"), (_counts(forward), plan.collectives("forward"))
-
-    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2))
-    with autoshard.CommCounter() as backward:
-        (logits * weights).sum().backward()
-    (expected * weights).sum().backward()
-    assert _counts(backward) == plan.collectives("backward"), (_counts(backward), plan.collectives("backward"))
+    forward, backward = forward_backward_as_planned(model, reference, plan, lambda m: m(input_ids=ids).logits,
+                                                    rtol=1e-4, atol=1e-4)
 
     for m in (model, reference):
         torch.optim.SGD(m.parameters(), lr=0.1).step()
@@ -44,7 +31,7 @@ def _check_model(kind: str) -> dict:
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
     styles = sorted({layer.style for layer in plan.layers})
-    return {"kind": kind, "styles": styles, "forward": _counts(forward), "backward": _counts(backward)}
+    return {"kind": kind, "styles": styles, "forward": forward, "backward": backward}
 
 
 def _check_all_models():
@@ -92,11 +79,11 @@ def _check_own_model():
     with autoshard.CommCounter() as forward:
         out = model(x)
     torch.testing.assert_close(out, reference(x), rtol=1e-5, atol=1e-5)
-    assert _counts(forward) == plan.collectives("forward") == {"all_reduce": 2, "all_gather": 1}
+    assert nonzero_counts(forward) == plan.collectives("forward") == {"all_reduce": 2, "all_gather": 1}
     with autoshard.CommCounter() as backward:
         out.pow(2).sum().backward()
     # p reads the model input, which needs no gradient: only a and c all-reduce theirs.
-    assert _counts(backward) == plan.collectives("backward") == {"all_reduce": 2}, (_counts(backward), plan.collectives("backward"), str(plan))
+    assert nonzero_counts(backward) == plan.collectives("backward") == {"all_reduce": 2}, (nonzero_counts(backward), plan.collectives("backward"), str(plan))
     reference(x).pow(2).sum().backward()
     for m in (model, reference):
         torch.optim.SGD(m.parameters(), lr=0.1).step()

@@ -11,14 +11,11 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard.model_state import state_of
+from gathered import forward_backward_as_planned
 from multirank import run_on_ranks
 from soundness_models import PARTIAL_GRADIENT_MODELS, build
 
 NAMES = sorted(PARTIAL_GRADIENT_MODELS)
-
-
-def _counts(counter):
-    return {k: v for k, v in counter.counts.items() if v}
 
 
 def _check(name: str) -> dict:
@@ -27,17 +24,7 @@ def _check(name: str) -> dict:
     ids = torch.randint(0, 37, (2, 7), generator=torch.Generator().manual_seed(1))
     plan = autoshard.plan(model, world_size=world, example_inputs=(ids,))
     autoshard.parallelize(model, plan)
-    with autoshard.CommCounter() as forward:
-        logits = model(ids)
-    expected = reference(ids)
-    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
-    assert _counts(forward) == plan.collectives("forward"), (_counts(forward), plan.collectives("forward"))
-
-    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2))
-    with autoshard.CommCounter() as backward:
-        (logits * weights).sum().backward()
-    (expected * weights).sum().backward()
-    assert _counts(backward) == plan.collectives("backward"), (_counts(backward), plan.collectives("backward"), str(plan))
+    forward_backward_as_planned(model, reference, plan, lambda m: m(ids), rtol=1e-5, atol=1e-5)
 
     shards = state_of(model).shards()
     params = dict(model.named_parameters())

@@ -1,9 +1,11 @@
 """Training a parallelized language model beside its unsharded copy: the same batches, autoshard's
-AdamW and clipping against torch.optim.AdamW and torch's clip_grad_norm_."""
+AdamW and clipping against torch.optim.AdamW and torch's clip_grad_norm_; and one step saved as
+a checkpoint."""
 
 import torch
 
 import autoshard
+from autoshard import checkpoint
 
 
 def adamw_with_clipping(model, reference, steps: int, max_norm: float, vocab: int = 101):
@@ -26,3 +28,16 @@ def adamw_with_clipping(model, reference, steps: int, max_norm: float, vocab: in
         ref_opt.step()
     got, want = autoshard.full_state_dict(model), reference.state_dict()
     return norms, max(float((got[k] - want[k]).abs().max()) for k in want)
+
+
+def save_after_one_step(model, path: str):
+    """Parallelizes `model`, takes one AdamW step (lr 2e-3) on a batch of token ids drawn from
+    seed 3 and saves the model and optimizer at `path` with extra {"step": 1}; returns the
+    optimizer."""
+    autoshard.parallelize(model)
+    opt = autoshard.optim.AdamW(model.parameters(), lr=2e-3)
+    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(3))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    checkpoint.save(path, model, opt, extra={"step": 1})
+    return opt

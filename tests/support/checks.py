@@ -1,4 +1,6 @@
-"""Shared assertions for bad-input tests."""
+"""Shared assertions: bad input raises the named error, and opcheck over a list of cases."""
+
+from torch.library import opcheck
 
 
 def expect_errors(cases):
@@ -24,3 +26,12 @@ def error_text(call, error=ValueError) -> str:
     except error as e:
         return str(e)
     return "no error"
+
+
+def opcheck_all(make_cases, *args) -> int:
+    """Runs torch.library.opcheck on every (op, args) case of `make_cases(*args)` (built where
+    it runs: on each rank, under run_on_ranks); returns how many cases there were."""
+    cases = make_cases(*args)
+    for op, op_args in cases:
+        opcheck(op, op_args)
+    return len(cases)

@@ -1,4 +1,5 @@
-"""Full gradients of a parallelized model, for comparison with the unsharded model's."""
+"""A parallelized model against the unsharded one: full gradients gathered for comparison, and
+forward and backward compared with the collectives the plan predicts."""
 
 from autoshard.model_state import state_of
 from autoshard.state import gather_full
@@ -31,3 +32,31 @@ def assert_equals_unsharded(model, reference, inputs: tuple, rtol: float, atol: 
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
     return grads
+
+
+def nonzero_counts(counter) -> dict:
+    """The collectives a CommCounter saw at least once: {kind: count}."""
+    return {k: v for k, v in counter.counts.items() if v}
+
+
+def forward_backward_as_planned(model, reference, plan, run, rtol: float, atol: float):
+    """`run(m)`, the output of the parallelized `model` and of the unsharded `reference`, compared;
+    then backward through both from the same random weights (seed 2) on the output. The
+    collectives counted in forward and in backward must be those `plan` predicts; returns them."""
+    import torch
+
+    import autoshard
+
+    with autoshard.CommCounter() as forward:
+        got = run(model)
+    want = run(reference)
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    assert nonzero_counts(forward) == plan.collectives("forward"), (nonzero_counts(forward),
+                                                                      plan.collectives("forward"))
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(2))
+    with autoshard.CommCounter() as backward:
+        (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    assert nonzero_counts(backward) == plan.collectives("backward"), (nonzero_counts(backward),
+                                                                        plan.collectives("backward"), str(plan))
+    return nonzero_counts(forward), nonzero_counts(backward)

@@ -34,13 +34,19 @@ CONFIGS = {
 HEADS = {"gpt2": (5,), "gpt_bigcode": (5,), "bert": (5,), "roberta": (5,), "opt": (5,), "llama": (6, 3), "gemma": (6, 3)}
 
 
-def build(kind: str, device="cpu", seed: int = 0, **overrides):
-    config = AutoConfig.for_model(kind, **{**CONFIGS[kind], **overrides})
+def from_config(model_class, kind: str, **config):
+    """A `model_class` (an ``AutoModelFor...``) of `kind` from a config with these settings and
+    eager attention, its weights drawn from torch's generator as it stands."""
+    config = AutoConfig.for_model(kind, **config)
     config._attn_implementation = "eager"
+    return model_class.from_config(config)
+
+
+def build(kind: str, device="cpu", seed: int = 0, **overrides):
     torch.manual_seed(seed)
     cls = AutoModelForMaskedLM if kind in MASKED_LM else AutoModelForCausalLM
     with torch.device(device):
-        model = cls.from_config(config)
+        model = from_config(cls, kind, **{**CONFIGS[kind], **overrides})
     return model.float().eval()
 
 

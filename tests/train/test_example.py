@@ -1,22 +1,17 @@
 """The training example, run the way a user runs it: torchrun with 2 gloo ranks, briefly."""
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from local_ranks import run_under_torchrun
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_lm.py"
 
 
 def _run(tmp_path, *options):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(EXAMPLE), "--seq-len", "32", "--batch-size", "4", "--out", str(tmp_path), *options]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "ShardingPlan for 2 ranks" in result.stdout
-    return result.stdout
+    stdout = run_under_torchrun(EXAMPLE, "--seq-len", "32", "--batch-size", "4", "--out", tmp_path, *options)
+    assert "ShardingPlan for 2 ranks" in stdout
+    return stdout
 
 
 def _collectives(stdout):

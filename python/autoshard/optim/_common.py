@@ -292,3 +292,56 @@ def keep_owned_pieces(optimizer: torch.optim.Optimizer) -> None:
 def as_real(tensors: List[torch.Tensor], dtype: torch.dtype) -> List[torch.Tensor]:
     """Complex tensors are stepped as pairs of reals, as torch.optim does."""
     return [torch.view_as_real(t) for t in tensors] if dtype.is_complex else tensors
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """What AdamW and SGD share as optimizers: checking the defaults and each param group as it
+    joins, loading a state dict, and a step that gathers and checks every bucket before stepping
+    any.
+
+    A subclass sets `_name` (for messages), `_check_hyperparameters(values, group_index,
+    defaults)` (the settings present in `values`; `defaults` fill in what a group does not set)
+    and `_state_rule` (see StateRule, as staticmethods), and steps one group's buckets in
+    `_step_buckets(group, buckets)`."""
+
+    _name: str
+
+    def __init__(self, params, defaults: Dict) -> None:
+        self._check_hyperparameters(defaults, None)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: Dict) -> None:
+        if isinstance(param_group, dict):
+            self._check_hyperparameters(param_group, len(self.param_groups), self.defaults)
+            check_one_device(self._name, self.param_groups, param_group)
+            check_masterable(self._name, {**self.defaults, **param_group}, len(self.param_groups))
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: Dict) -> None:
+        """torch's load_state_dict, keeping fp32 master weights and states fp32 (a state saved
+        without master weights gets them); a partitioned parameter keeps only its own piece of
+        state tensors saved whole (see the class docstring)."""
+        load_state_dict_keeping_masters(self, state_dict, super().load_state_dict)
+        keep_owned_pieces(self)
+
+    def conform_loaded_state(self) -> None:
+        """After a state was put in place from elsewhere (autoshard.checkpoint.load): master
+        weights and fp32 states where master_weights asks for them, none where it does not."""
+        conform_master_state(self)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step for every parameter that has a gradient; returns closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plan, partitioned = gather_buckets(self._name, self.param_groups, self.state, self._check_hyperparameters,
+                                           self._state_rule)
+        for group, buckets in plan:
+            self._step_buckets(group, buckets)
+        finish_step(partitioned)
+        return loss
+
+    def _step_buckets(self, group: Dict, buckets: Dict[Hashable, Bucket]) -> None:
+        raise NotImplementedError

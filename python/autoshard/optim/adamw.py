@@ -5,15 +5,15 @@ from typing import Dict, Optional
 import torch
 
 from .. import ops
-from ._common import (MASTER, as_real, check_at_least, check_bool, check_master_weights, check_masterable,
-                      check_one_device, finish_step, gather_buckets, hyperparameter_name, keep_owned_pieces,
-                      conform_master_state, load_state_dict_keeping_masters, new_master, uses_master, local_tensors)
+from ._common import (MASTER, FusedOptimizer, as_real, check_at_least, check_bool, check_master_weights,
+                      hyperparameter_name, new_master, uses_master, local_tensors)
 
 _NAME = "AdamW"
 
 
-def _check_hyperparameters(values: Dict, group_index: Optional[int]) -> None:
-    """Checks the AdamW settings present in `values` (all of them for a complete group)."""
+def _check_hyperparameters(values: Dict, group_index: Optional[int], defaults: Optional[Dict] = None) -> None:
+    """Checks the AdamW settings present in `values` (all of them for a complete group); no
+    check needs `defaults`."""
 
     def name(key: str) -> str:
         return hyperparameter_name(key, group_index)
@@ -53,7 +53,7 @@ def _state_rule(group: Dict, state: Optional[Dict], dtype: torch.dtype):
     return keys, _step_count(state.get("step")) + 1
 
 
-class AdamW(torch.optim.Optimizer):
+class AdamW(FusedOptimizer):
     """``torch.optim.AdamW`` (decoupled weight decay), stepping each (param group, dtype)
     with one fused multi-tensor op, ``torch.ops.autoshard.fused_adamw_``.
 
@@ -82,6 +82,10 @@ class AdamW(torch.optim.Optimizer):
     without partitioning) keeps this rank's piece of each.
     """
 
+    _name = _NAME
+    _check_hyperparameters = staticmethod(_check_hyperparameters)
+    _state_rule = staticmethod(_state_rule)
+
     def __init__(
         self,
         params,
@@ -95,68 +99,39 @@ class AdamW(torch.optim.Optimizer):
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
                         weight_decay=weight_decay, maximize=maximize, master_weights=master_weights)
-        _check_hyperparameters(defaults, None)
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: Dict) -> None:
-        if isinstance(param_group, dict):
-            _check_hyperparameters(param_group, len(self.param_groups))
-            check_one_device(_NAME, self.param_groups, param_group)
-            check_masterable(_NAME, {**self.defaults, **param_group}, len(self.param_groups))
-        super().add_param_group(param_group)
-
-    def load_state_dict(self, state_dict: Dict) -> None:
-        """torch's load_state_dict, keeping fp32 master weights and states fp32 (a state saved
-        without master weights gets them); a partitioned parameter keeps only its own piece of
-        state tensors saved whole (see the class docstring)."""
-        load_state_dict_keeping_masters(self, state_dict, super().load_state_dict)
-        keep_owned_pieces(self)
-
-    def conform_loaded_state(self) -> None:
-        """After a state was put in place from elsewhere (autoshard.checkpoint.load): master
-        weights and fp32 states where master_weights asks for them, none where it does not."""
-        conform_master_state(self)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One AdamW step for every parameter that has a gradient; returns closure's loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        plan, partitioned = gather_buckets(_NAME, self.param_groups, self.state, _check_hyperparameters, _state_rule)
-        for group, buckets in plan:
-            beta1, beta2 = (float(b) for b in group["betas"])
-            for (dtype, step), bucket in buckets.items():
-                master = uses_master(group, dtype)
-                exp_avgs, exp_avg_sqs, masters, steps = [], [], [], []
-                for key, p, state in zip(bucket.keys, bucket.params, bucket.states):
-                    if not state:
-                        state = self.state[key]
-                        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                        moment_dtype = torch.float32 if master else p.dtype
-                        state["exp_avg"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
-                        state["exp_avg_sq"] = torch.zeros_like(p, dtype=moment_dtype,
-                                                               memory_format=torch.preserve_format)
-                        if master:
-                            state[MASTER] = new_master(p)
-                    elif not isinstance(state["step"], torch.Tensor):
-                        state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
-                    exp_avgs.append(state["exp_avg"])
-                    exp_avg_sqs.append(state["exp_avg_sq"])
+    def _step_buckets(self, group: Dict, buckets: Dict) -> None:
+        """One AdamW step for each bucket of `group`: one fused op per (dtype, step count)."""
+        beta1, beta2 = (float(b) for b in group["betas"])
+        for (dtype, step), bucket in buckets.items():
+            master = uses_master(group, dtype)
+            exp_avgs, exp_avg_sqs, masters, steps = [], [], [], []
+            for key, p, state in zip(bucket.keys, bucket.params, bucket.states):
+                if not state:
+                    state = self.state[key]
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    moment_dtype = torch.float32 if master else p.dtype
+                    state["exp_avg"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=moment_dtype,
+                                                           memory_format=torch.preserve_format)
                     if master:
-                        masters.append(state[MASTER])
-                    steps.append(state["step"])
-                torch._foreach_add_(steps, 1)
-                hyperparameters = (float(group["lr"]), beta1, beta2, float(group["weight_decay"]),
-                                   float(group["eps"]), step, bool(group["maximize"]))
+                        state[MASTER] = new_master(p)
+                elif not isinstance(state["step"], torch.Tensor):
+                    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
                 if master:
-                    ops.fused_adamw_master_(*map(local_tensors, (bucket.params, bucket.grads, masters, exp_avgs,
-                                                                  exp_avg_sqs)),
-                                            *hyperparameters)
-                else:
-                    ops.fused_adamw_(*(as_real(local_tensors(tensors), dtype)
-                                       for tensors in (bucket.params, bucket.grads, exp_avgs, exp_avg_sqs)),
-                                     *hyperparameters)
-        finish_step(partitioned)
-        return loss
+                    masters.append(state[MASTER])
+                steps.append(state["step"])
+            torch._foreach_add_(steps, 1)
+            hyperparameters = (float(group["lr"]), beta1, beta2, float(group["weight_decay"]),
+                               float(group["eps"]), step, bool(group["maximize"]))
+            if master:
+                ops.fused_adamw_master_(*map(local_tensors, (bucket.params, bucket.grads, masters, exp_avgs,
+                                                              exp_avg_sqs)),
+                                        *hyperparameters)
+            else:
+                ops.fused_adamw_(*(as_real(local_tensors(tensors), dtype)
+                                   for tensors in (bucket.params, bucket.grads, exp_avgs, exp_avg_sqs)),
+                                 *hyperparameters)

@@ -5,9 +5,8 @@ from typing import Dict, Optional
 import torch
 
 from .. import ops
-from ._common import (MASTER, as_float, as_real, check_at_least, check_bool, check_master_weights, check_masterable,
-                      check_one_device, finish_step, gather_buckets, hyperparameter_name, keep_owned_pieces,
-                      conform_master_state, load_state_dict_keeping_masters, new_master, uses_master, local_tensors)
+from ._common import (MASTER, FusedOptimizer, as_float, as_real, check_at_least, check_bool, check_master_weights,
+                      hyperparameter_name, new_master, uses_master, local_tensors)
 
 _NAME = "SGD"
 
@@ -46,7 +45,7 @@ def _state_rule(group: Dict, state: Optional[Dict], dtype: torch.dtype):
     return ("momentum_buffer",) + master, True
 
 
-class SGD(torch.optim.Optimizer):
+class SGD(FusedOptimizer):
     """``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay, maximize), stepping each
     (param group, dtype) with one fused multi-tensor op, ``torch.ops.autoshard.fused_sgd_``.
 
@@ -66,6 +65,10 @@ class SGD(torch.optim.Optimizer):
     parameter keeps this rank's piece.
     """
 
+    _name = _NAME
+    _check_hyperparameters = staticmethod(_check_hyperparameters)
+    _state_rule = staticmethod(_state_rule)
+
     def __init__(
         self,
         params,
@@ -80,62 +83,34 @@ class SGD(torch.optim.Optimizer):
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, master_weights=master_weights)
-        _check_hyperparameters(defaults, None)
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: Dict) -> None:
-        if isinstance(param_group, dict):
-            _check_hyperparameters(param_group, len(self.param_groups), self.defaults)
-            check_one_device(_NAME, self.param_groups, param_group)
-            check_masterable(_NAME, {**self.defaults, **param_group}, len(self.param_groups))
-        super().add_param_group(param_group)
-
-    def load_state_dict(self, state_dict: Dict) -> None:
-        """torch's load_state_dict, keeping fp32 master weights and buffers fp32; a partitioned
-        parameter keeps only its own piece of state tensors saved whole (see the class docstring)."""
-        load_state_dict_keeping_masters(self, state_dict, super().load_state_dict)
-        keep_owned_pieces(self)
-
-    def conform_loaded_state(self) -> None:
-        """After a state was put in place from elsewhere (autoshard.checkpoint.load): master
-        weights and fp32 states where master_weights asks for them, none where it does not."""
-        conform_master_state(self)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One SGD step for every parameter that has a gradient; returns closure's loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        plan, partitioned = gather_buckets(_NAME, self.param_groups, self.state, _check_hyperparameters, _state_rule)
-        for group, buckets in plan:
-            momentum = float(group["momentum"])
-            for (dtype, has_buffers), bucket in buckets.items():
-                master = uses_master(group, dtype)
-                buffers, masters = [], []
-                for key, p in zip(bucket.keys, bucket.params):
-                    if not (master or momentum != 0):
-                        continue  # plain SGD without momentum keeps no state
-                    state = self.state[key]
-                    if master:
-                        if MASTER not in state:
-                            state[MASTER] = new_master(p)
-                        masters.append(state[MASTER])
-                    if momentum != 0:
-                        if not has_buffers:
-                            state["momentum_buffer"] = torch.empty_like(
-                                p, dtype=torch.float32 if master else p.dtype, memory_format=torch.preserve_format)
-                        buffers.append(state["momentum_buffer"])
-                hyperparameters = (float(group["lr"]), momentum, float(group["dampening"]),
-                                   float(group["weight_decay"]), bool(group["nesterov"]), bool(group["maximize"]),
-                                   not has_buffers)
+    def _step_buckets(self, group: Dict, buckets: Dict) -> None:
+        """One SGD step for each bucket of `group`: one fused op per (dtype, has buffers)."""
+        momentum = float(group["momentum"])
+        for (dtype, has_buffers), bucket in buckets.items():
+            master = uses_master(group, dtype)
+            buffers, masters = [], []
+            for key, p in zip(bucket.keys, bucket.params):
+                if not (master or momentum != 0):
+                    continue  # plain SGD without momentum keeps no state
+                state = self.state[key]
                 if master:
-                    ops.fused_sgd_master_(*map(local_tensors, (bucket.params, bucket.grads, masters, buffers)),
-                                          *hyperparameters)
-                else:
-                    ops.fused_sgd_(*(as_real(local_tensors(tensors), dtype)
-                                     for tensors in (bucket.params, bucket.grads, buffers)),
-                                   *hyperparameters)
-        finish_step(partitioned)
-        return loss
+                    if MASTER not in state:
+                        state[MASTER] = new_master(p)
+                    masters.append(state[MASTER])
+                if momentum != 0:
+                    if not has_buffers:
+                        state["momentum_buffer"] = torch.empty_like(
+                            p, dtype=torch.float32 if master else p.dtype, memory_format=torch.preserve_format)
+                    buffers.append(state["momentum_buffer"])
+            hyperparameters = (float(group["lr"]), momentum, float(group["dampening"]),
+                               float(group["weight_decay"]), bool(group["nesterov"]), bool(group["maximize"]),
+                               not has_buffers)
+            if master:
+                ops.fused_sgd_master_(*map(local_tensors, (bucket.params, bucket.grads, masters, buffers)),
+                                      *hyperparameters)
+            else:
+                ops.fused_sgd_(*(as_real(local_tensors(tensors), dtype)
+                                 for tensors in (bucket.params, bucket.grads, buffers)),
+                               *hyperparameters)
