@@ -309,9 +309,19 @@ def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
 
 
-def test_background_error_surfaces_at_wait_and_at_next_save(tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
+def test_background_error_surfaces_at_wait_and_at_next_save(tmp_path, monkeypatch):
+    # A parent that is no directory is refused by save itself now: the claim fails in the background.
+    claim_module = importlib.import_module("autoshard.checkpoint.claim")
+    original = claim_module.claim
+
+    def claim_fails_under_blocker(partial):
+        if "blocker" in partial:
+            raise OSError(13, "Permission denied")
+        return original(partial)
+
+    monkeypatch.setattr(claim_module, "claim", claim_fails_under_blocker)
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
     handle = checkpoint.save(blocker / "ckpt", build_toy(0), async_save=True)
     with pytest.raises(CheckpointSaveError, match="cannot create"):
         handle.wait()

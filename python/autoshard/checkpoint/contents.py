@@ -17,7 +17,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..partitioned_state import piece_of
-from ..tensor_io import Selection, full_selection
+from ..tensor_io import Selection, full_selection, json_input
+from .manifest import MAX_VALUE_DEPTH
 from .targets import Target, model_targets
 
 OPTIMIZER_PREFIX = "optimizer/"
@@ -46,6 +47,11 @@ def json_value(value: Any, where: str) -> Any:
         text = json.dumps(value)
     except (TypeError, ValueError):
         raise TypeError(f"save: {where} holds a {type(value).__name__}, which cannot be stored as JSON") from None
+    except RecursionError:
+        text = None
+    if text is None or json_input.too_deep(text.encode(), MAX_VALUE_DEPTH):
+        raise ValueError(f"save: {where} nests lists and dicts more than {MAX_VALUE_DEPTH} levels deep, "
+                         "more than a checkpoint's manifest may hold")
     return json.loads(text) if isinstance(value, (list, dict)) else value
 
 

@@ -13,7 +13,7 @@ from . import manifest as mf
 from ..partitioned_state import piece_of
 from .contents import OPTIMIZER_PREFIX
 from .files import CheckpointFiles
-from .hyperparameters import check_hyperparameters
+from .hyperparameters import check_hyperparameters, check_state, step_problem
 from .pending import wait_for_pending_save
 from .targets import Target, model_targets
 from ..tensor_io import CheckpointCorruptError, Selection, full_selection
@@ -65,6 +65,7 @@ def _optimizer_plan(optimizer, manifest: mf.Manifest, targets: Dict[str, Target]
         raise ValueError(f"load: the optimizer has {len(optimizer.param_groups)} param groups, the checkpoint "
                          f"{len(saved['param_groups'])}")
     check_hyperparameters(saved["param_groups"], optimizer, os.path.join(path, mf.MANIFEST))
+    check_state(saved, optimizer, manifest.tensors, os.path.join(path, mf.MANIFEST))
     names = {id(t.tensor): name for name, t in targets.items()}
     params = []
     for g, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
@@ -154,6 +155,25 @@ def _optimizer_reads(params, targets: Dict[str, Target], manifest: mf.Manifest):
                 yield entry["tensor"], full_selection(record.shape)
 
 
+def _check_stored_steps(params, manifest: mf.Manifest, files: CheckpointFiles, manifest_path: str) -> None:
+    """Reads each ``step`` the checkpoint stores as a tensor and refuses one that is not a whole
+    number >= 0 (after its blocks were verified; before anything is changed)."""
+    for _, name, entries in params:
+        entry = (entries or {}).get("step")
+        if entry is None or "tensor" not in entry:
+            continue
+        record = manifest.tensors[entry["tensor"]]
+        if math.prod(record.shape) != 1:
+            continue  # refused by check_state for the optimizers whose state is known
+        value = torch.empty(record.shape, dtype=mf.dtype_of(record.dtype))
+        files.fill(entry["tensor"], value, full_selection(record.shape))
+        number = value.item()
+        problem = step_problem(number if isinstance(number, (int, float)) else None)
+        if problem is not None:
+            raise CheckpointCorruptError(f"load: {manifest_path!r}: optimizer.state[{name!r}]['step'] (stored in "
+                                         f"{entry['tensor']!r}) {problem}, got {number!r}")
+
+
 def _load_optimizer_state(optimizer, params, targets: Dict[str, Target], manifest: mf.Manifest, files: CheckpointFiles) -> None:
     for p, name, entries in params:
         if not entries:
@@ -210,6 +230,7 @@ def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
         if optimizer_plan is not None:
             for key, selection in _optimizer_reads(optimizer_plan[1], targets, manifest):
                 files.verify(key, selection)
+            _check_stored_steps(optimizer_plan[1], manifest, files, os.path.join(path, mf.MANIFEST))
         for key, tensor, selection in reads:
             files.fill(key, tensor, selection)
         if optimizer_plan is not None:

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..tensor_io import CheckpointCorruptError, Selection
+from ..tensor_io import CheckpointCorruptError, Selection, json_input
 from ..tensor_io.safetensors import DTYPE_NAMES
 from . import validate
 
@@ -24,6 +24,12 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 COMMITTED = "COMMITTED"
 PARTIAL_SUFFIX = ".partial"
+# A manifest is read only if it holds at most json_input.MAX_JSON_BYTES (the safetensors
+# library's header limit) and nests at most this deep; save refuses an `extra` (or optimizer
+# value) that would nest deeper than MAX_VALUE_DEPTH, which leaves room for the levels above it.
+MAX_MANIFEST_DEPTH = 64
+MAX_VALUE_DEPTH = 48
+_MAX_MARKER_BYTES = 4096
 
 
 class UncommittedCheckpointError(RuntimeError):
@@ -95,7 +101,10 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
-        data = json.loads(text)
+        return cls.from_data(json.loads(text))
+
+    @classmethod
+    def from_data(cls, data: dict) -> "Manifest":
         version = data.get("format_version")
         if version != FORMAT_VERSION:
             raise ValueError(f"format version {version!r}, expected {FORMAT_VERSION}")
@@ -149,18 +158,35 @@ def read_manifest(path, function: str = "load") -> Manifest:
         raise UncommittedCheckpointError(f"{function}: {path!r} has no {COMMITTED} marker: the save that "
                                          "wrote it did not finish")
     manifest_path = os.path.join(path, MANIFEST)
+    for file_path in (marker_path, manifest_path):
+        # A symbolic link may not lead out of the checkpoint directory (see files.py).
+        if os.path.dirname(os.path.realpath(file_path)) != os.path.realpath(path):
+            raise CheckpointCorruptError(f"{function}: {file_path!r} is a symbolic link to "
+                                         f"{os.path.realpath(file_path)!r}, outside the checkpoint directory")
     try:
-        with open(marker_path, "rb") as f:
-            marker = json.loads(f.read())
-        with open(manifest_path, "rb") as f:
-            data = f.read()
+        marker = json_input.read_file(marker_path, max_depth=1, limit=_MAX_MARKER_BYTES)
+        size = os.path.getsize(manifest_path)
+    except json_input.JSONRefusal as refusal:
+        raise CheckpointCorruptError(f"{function}: {marker_path!r}: {refusal.field} {refusal.problem}") from None
     except (OSError, ValueError) as error:
         raise CheckpointCorruptError(f"{function}: cannot read {marker_path!r} or {manifest_path!r}: {error}") from error
+    if not isinstance(marker, dict):
+        raise CheckpointCorruptError(f"{function}: {marker_path!r} is not a JSON object")
+    if size > json_input.MAX_JSON_BYTES:
+        raise CheckpointCorruptError(f"{function}: {manifest_path!r} holds {size} bytes, more than the "
+                                     f"{json_input.MAX_JSON_BYTES} a manifest may hold")
+    try:
+        with open(manifest_path, "rb") as f:
+            data = f.read(json_input.MAX_JSON_BYTES + 1)
+    except OSError as error:
+        raise CheckpointCorruptError(f"{function}: cannot read {manifest_path!r}: {error}") from error
     if len(data) != marker.get("manifest_size") or zlib.crc32(data) != marker.get("manifest_crc32"):
         raise CheckpointCorruptError(f"{function}: {manifest_path!r} is corrupt: its size or crc32 differs "
                                      f"from what {COMMITTED} records")
     try:
-        raw = json.loads(data.decode())
+        raw = json_input.loads(data, MAX_MANIFEST_DEPTH)
+    except json_input.JSONRefusal as refusal:
+        raise CheckpointCorruptError(f"{function}: {manifest_path!r}: {refusal.field} {refusal.problem}") from None
     except ValueError as error:
         raise CheckpointCorruptError(f"{function}: {manifest_path!r} is not valid JSON: {error}") from error
     if isinstance(raw, dict) and raw.get("format_version") != FORMAT_VERSION:
@@ -168,7 +194,7 @@ def read_manifest(path, function: str = "load") -> Manifest:
                                      f"this autoshard reads {FORMAT_VERSION}")
     validate.check_manifest_data(raw, manifest_path, function, _known_dtype)
     try:
-        manifest = Manifest.from_json(data.decode())
+        manifest = Manifest.from_data(raw)
     except (ValueError, KeyError, TypeError) as error:
         raise CheckpointCorruptError(f"{function}: {manifest_path!r} is not a valid manifest: {error}") from error
     validate.check_coverage(manifest.tensors, manifest_path, function)

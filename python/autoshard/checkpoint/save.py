@@ -236,6 +236,13 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
             held += optimizer_held
     except (TypeError, ValueError) as e:
         error = f"rank {comm.rank}: {e}"
+    if comm.rank == 0:
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent):
+            missing = (f"save: the parent directory {parent!r} of {path!r} "
+                       + ("is not a directory" if os.path.exists(parent) else "does not exist")
+                       + "; create it first (nothing was written)")
+            error = missing if error is None else f"{error}; {missing}"
     exists = comm.rank == 0 and os.path.exists(path)
     claimed = comm.rank == 0 and os.path.lexists(path + mf.PARTIAL_SUFFIX)
     pending = start_agreement(comm, path, held, error, exists, claimed)

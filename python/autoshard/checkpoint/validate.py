@@ -161,13 +161,47 @@ def check_manifest_data(data: Any, manifest_path: str, function: str, known_dtyp
         raise CheckpointCorruptError(f"{function}: {manifest_path!r}: {refusal.field} {refusal.problem}") from None
 
 
-def _runs_overlap(a, b) -> bool:
-    return all(any(sa < sb + nb and sb < sa + na for sa, na in runs_a for sb, nb in runs_b if na and nb)
-               for runs_a, runs_b in zip(a, b))
+# The most corner terms (see _corners) a manifest's coverage check may add up: a saved piece has a
+# few runs per dim, so a real checkpoint stays far below; a crafted one is refused past it.
+_MAX_CORNER_TERMS = 1 << 22
+
+
+def _edges(dim_runs) -> List[tuple]:
+    """The runs of one dim as +1 at each start and -1 at each end (adjacent runs cancel)."""
+    edges: Dict[int, int] = {}
+    for start, length in dim_runs:
+        if length:
+            edges[start] = edges.get(start, 0) + 1
+            edges[start + length] = edges.get(start + length, 0) - 1
+    return sorted((x, w) for x, w in edges.items() if w)
+
+
+def _corners(runs, budget: List[int]):
+    """The signed corners of a piece (a product of runs per dim): its indicator function is the
+    sum, over these corners c with weight w, of w on the orthant {x >= c}. Two sets of pieces
+    hold the same elements equally often exactly when their summed corners are equal."""
+    per_dim = [_edges(dim_runs) for dim_runs in runs]
+    corners = [((), 1)]
+    for edges in per_dim:
+        budget[0] -= len(corners) * len(edges)
+        if budget[0] < 0:
+            return None
+        corners = [(c + (x,), w * v) for c, w in corners for x, v in edges]
+    return corners
+
+
+def _holds(runs, point) -> bool:
+    return all(any(start <= x < start + length for start, length in dim_runs) for dim_runs, x in zip(runs, point))
 
 
 def check_coverage(tensors: Dict[str, Any], manifest_path: str, function: str) -> None:
-    """Each tensor's pieces are pairwise disjoint and together hold every element once."""
+    """Each tensor's pieces are pairwise disjoint and together hold every element once.
+
+    The pieces' summed signed corners must equal those of the whole tensor (which holds exactly
+    when every element is in exactly one piece); that costs a few dict updates per piece, so a
+    manifest of many pieces is checked in linear time. When they differ, the smallest corner
+    where they do is an element held by no piece or by several, which the error names."""
+    budget = [_MAX_CORNER_TERMS]
     for name, record in tensors.items():
         runs = [piece.runs for piece in record.pieces]
         volumes = [math.prod(sum(n for _, n in dim) for dim in r) for r in runs]
@@ -175,31 +209,26 @@ def check_coverage(tensors: Dict[str, Any], manifest_path: str, function: str) -
         if covered != total:
             raise CheckpointCorruptError(f"{function}: {manifest_path!r}: the pieces of {name!r} cover {covered} "
                                          f"of its {total} elements")
-        nonempty = [r for r, v in zip(runs, volumes) if v]
-        pair = _first_overlap(nonempty)
-        if pair is not None:
+        sums: Dict[tuple, int] = {}
+        whole = [[[0, n]] for n in record.shape]
+        for i, piece_runs in [(-1, whole)] + list(enumerate(runs)):
+            if not (volumes[i] if i >= 0 else total):
+                continue
+            corners = _corners(piece_runs, budget)
+            if corners is None:
+                raise CheckpointCorruptError(
+                    f"{function}: {manifest_path!r}: tensors[{name!r}].pieces[{max(i, 0)}].runs: the pieces hold more runs "
+                    f"than a checkpoint's coverage check accepts ({_MAX_CORNER_TERMS} corners in all)")
+            sign = -1 if i < 0 else 1  # the whole tensor's corners are taken away
+            for corner, weight in corners:
+                sums[corner] = sums.get(corner, 0) + sign * weight
+        wrong = [corner for corner, weight in sums.items() if weight]
+        if wrong:
+            point = min(wrong)
+            holders = [i for i, (r, v) in enumerate(zip(runs, volumes)) if v and _holds(r, point)]
+            where = (f"pieces {holders[0]} and {holders[1]} (in {record.pieces[holders[0]].file!r} and "
+                     f"{record.pieces[holders[1]].file!r}) both hold element {list(point)}" if len(holders) > 1 else
+                     f"element {list(point)} is in no piece although their sizes add up to the tensor's")
             raise CheckpointCorruptError(
-                f"{function}: {manifest_path!r}: tensors[{name!r}] has pieces that overlap ({pair[0]} and {pair[1]}), "
+                f"{function}: {manifest_path!r}: tensors[{name!r}] has pieces that overlap: {where}, "
                 "so some elements would never be read")
-
-
-def _first_overlap(pieces):
-    """Two overlapping pieces, or None. Saved pieces usually differ in one dim only (a split),
-    where sorting finds an overlap in n log n; other layouts are compared pair by pair."""
-    if len(pieces) < 2:
-        return None
-    varying = [d for d in range(len(pieces[0])) if any(p[d] != pieces[0][d] for p in pieces)]
-    if len(varying) == 1:
-        d = varying[0]
-        runs = sorted((start, length, i) for i, p in enumerate(pieces) for start, length in p[d] if length)
-        for (start, length, i), (following, _, j) in zip(runs, runs[1:]):
-            if start + length > following:
-                return pieces[i], pieces[j]
-        return None
-    if not varying:
-        return pieces[0], pieces[1]
-    for i, a in enumerate(pieces):
-        for b in pieces[i + 1:]:
-            if _runs_overlap(a, b):
-                return a, b
-    return None

@@ -17,11 +17,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import ops
+from .header import HeaderRefusal, parse_header
 from .selection import Selection, byte_runs, full_selection
 
 BLOCK_SIZE = 4 << 20  # checksum granularity, and the window small runs are read through
 _DIRECT_READ_BYTES = 1 << 20  # runs at least this long go straight into their destination
-_MAX_HEADER_BYTES = 100 << 20
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's limit (its MAX_HEADER_SIZE)
 
 DTYPES: Dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -102,30 +103,40 @@ class SafetensorsReader:
         if self.size < 8:
             raise self._corrupt("too short to be a safetensors file")
         (length,) = struct.unpack("<Q", self._read_bytes(0, 8))
-        if length > min(_MAX_HEADER_BYTES, self.size - 8):
+        if length > MAX_HEADER_BYTES:
+            raise self._corrupt(f"header length {length} is more than {MAX_HEADER_BYTES} bytes, the most a "
+                                "safetensors header may hold")
+        if length > self.size - 8:
             raise self._corrupt(f"header length {length} does not fit in the file's {self.size} bytes")
         try:
-            header = json.loads(bytes(self._read_bytes(8, length)))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            text = bytes(self._read_bytes(8, length)).decode("utf-8")
+        except UnicodeDecodeError as error:
             raise self._corrupt(f"unreadable header ({error})") from None
-        if not isinstance(header, dict):
-            raise self._corrupt("the header is not a JSON object")
+        try:
+            entries, metadata = parse_header(text)
+        except HeaderRefusal as refusal:
+            raise self._corrupt(f"safetensors header: {refusal.field} {refusal.problem}") from None
         data_start = 8 + length
-        metadata = header.pop("__metadata__", None) or {}
         tensors = {}
-        for name, entry in header.items():
+        for name, entry in entries.items():
             try:
                 dtype = DTYPES[entry["dtype"]]
-                shape = tuple(int(n) for n in entry["shape"])
-                begin, end = (data_start + int(x) for x in entry["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise self._corrupt(f"bad header entry for tensor {name!r}: {entry!r}") from None
+            except KeyError:
+                raise self._corrupt(f"safetensors header: tensor {name!r}['dtype'] is {entry['dtype']!r}, "
+                                    f"not one of {sorted(DTYPES)}") from None
+            shape = tuple(entry["shape"])
+            begin, end = (data_start + x for x in entry["data_offsets"])
             numel = 1
             for n in shape:
                 numel *= n
             if not data_start <= begin <= end <= self.size or end - begin != numel * dtype.itemsize:
                 raise self._corrupt(f"tensor {name!r} ({entry['dtype']} {list(shape)}) does not fit its byte range")
             tensors[name] = TensorInfo(dtype, shape, begin, end)
+        ranges = sorted((info.begin, info.end, name) for name, info in tensors.items() if info.end > info.begin)
+        for (_, end, name), (begin, _, following) in zip(ranges, ranges[1:]):
+            if begin < end:
+                raise self._corrupt(f"safetensors header: tensor {following!r}['data_offsets'] overlaps the bytes "
+                                    f"of tensor {name!r} (file bytes [{begin}, {end}) are claimed by both)")
         return tensors, metadata
 
     def info(self, name: str) -> TensorInfo:
