@@ -114,21 +114,36 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
 
     # Every rank of the tensor-parallel group takes part in its sum as soon as it holds a sharded
     # gradient: a rank whose KV shards are all owned elsewhere may hold no tensor while the others do.
+    # The replicated gradients are summed on each rank alone (every rank holds them whole): where
+    # one rank's are not finite, the sum over the group carries it, so that every rank finds the
+    # same non-finite total and takes the same decision (raise, or scale alike).
+    agreed = None
     if math.isinf(norm_type):
         sharded_dp, replicated_dp = fully_sharded(torch.max, "max")
+        own = local(replicated, torch.max)
         total = torch.maximum(local(sharded, torch.max), sharded_dp)
         if owned and dist.is_initialized():
+            # A replicated gradient that is not finite on one rank only makes the total infinite on all.
+            total = torch.maximum(total, torch.where(torch.isfinite(own), torch.zeros_like(own),
+                                                     torch.full_like(own, math.inf)))
             all_reduce_(total, "max", group)
+            agreed = total.clone()
         total = torch.maximum(total, across(partitioned, torch.max, dp_group, "max"))
-        total = torch.maximum(torch.maximum(total, replicated_dp), local(replicated, torch.max))
+        total = torch.maximum(torch.maximum(total, replicated_dp), own)
     else:
         power_sum = lambda n: n.pow(norm_type).sum()
         sharded_dp, replicated_dp = fully_sharded(power_sum, "sum")
+        own = local(replicated, power_sum)
         total = local(sharded, power_sum) + sharded_dp
         if owned and dist.is_initialized():
+            # A replicated gradient that is not finite on one rank only (nan or inf) reaches every rank's sum.
+            total = total + torch.where(torch.isfinite(own), torch.zeros_like(own), own)
             all_reduce_(total, "sum", group)
+            agreed = total.clone()
         total = total + across(partitioned, power_sum, dp_group, "sum") + replicated_dp
-        total = (total + local(replicated, power_sum)).pow(1.0 / norm_type)
+        total = (total + own).pow(1.0 / norm_type)
+    if agreed is not None:
+        total = torch.where(torch.isfinite(agreed), total, agreed)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is {total.item()}")
     return total

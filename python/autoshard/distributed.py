@@ -6,10 +6,13 @@ process-group registry, the way torch's functional collectives do.
 """
 
 import os
-from typing import Optional, Tuple
+from datetime import timedelta
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
+
+from .stalls import DEFAULT_TIMEOUT, check_timeout
 
 ProcessGroup = dist.ProcessGroup
 
@@ -32,7 +35,8 @@ def _env_int(name: str, default: Optional[int]) -> int:
         raise ValueError(f"init_distributed: environment variable {name} must be an integer, got {value!r}") from None
 
 
-def init_distributed(backend: Optional[str] = None) -> Tuple[int, int]:
+def init_distributed(backend: Optional[str] = None,
+                     timeout: Union[timedelta, float] = DEFAULT_TIMEOUT) -> Tuple[int, int]:
     """Starts torch.distributed from torchrun's environment and returns ``(rank, world_size)``.
 
     Idempotent: when a default process group exists already, returns its rank and size.
@@ -41,7 +45,17 @@ def init_distributed(backend: Optional[str] = None) -> Tuple[int, int]:
     environment (a plain ``python script.py``), starts a one-rank group in this process.
     ``backend`` overrides the choice (any string ``torch.distributed.init_process_group``
     accepts).
+
+    ``timeout`` (a ``datetime.timedelta`` or a number of seconds; default 10 minutes) bounds how
+    long a rank waits in a collective for a peer that does not arrive (a rank stuck, or one
+    that skipped a collective): the waiting ranks then raise instead of hanging for torch's
+    default 30 minutes. Ten minutes is longer than what a healthy rank does while the others
+    wait (a first step under torch.compile, rank 0 writing ``save_pretrained`` or evaluating
+    alone, loading a checkpoint), so it fails only a job that is stuck; raise it if your
+    training loop lets one rank work alone for longer. When a default group exists already,
+    its own timeout stays (the value is still checked).
     """
+    timeout = check_timeout("init_distributed", timeout)
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     standalone = "WORLD_SIZE" not in os.environ
@@ -63,12 +77,13 @@ def init_distributed(backend: Optional[str] = None) -> Tuple[int, int]:
         torch.cuda.set_device(local_rank)
     if standalone:
         # No torchrun: a group of one needs no rendezvous address.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if name not in os.environ:
                 raise ValueError(f"init_distributed: environment variable {name} must be set (torchrun sets it)")
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -1,6 +1,8 @@
 """What a parallelized model checks at each forward, before it computes anything: that no
-data-parallel wrapper spans its tensor-parallel ranks (wrapper_check), and that those ranks
-were given the same inputs (input_check).
+data-parallel wrapper spans its tensor-parallel ranks (wrapper_check), that those ranks are at
+the same forward and were given inputs of the same shapes (always) and values (with
+check_inputs; input_check), and every `check_replicas_every` forwards, that their replicated
+parameters are still equal (replica_check).
 
 ``parallelize`` installs them on a model sharded over more than one rank, as a forward
 pre-hook on the model itself, run before its other hooks. Under torch.compile the hook is
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .input_check import check_same_inputs
+from .replica_check import check_replicas
 from .ddp_guard import install_ddp_guard
 from .wrapper_check import WrapperCheck
 
@@ -75,9 +78,12 @@ def tensor_inputs(args: tuple, kwargs: dict) -> Tuple[List[str], List[torch.Tens
 class ForwardChecks:
     """The checks of one parallelized model over its tensor-parallel `group`."""
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup, check_inputs: bool):
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, check_inputs: bool, check_replicas_every: int):
         self.group = group
         self.check_inputs = check_inputs
+        self.check_replicas_every = check_replicas_every
+        self.model = weakref.ref(model)
+        self.forwards = 0  # forwards run so far: the step named in errors, compared across ranks
         self.wrappers = WrapperCheck(model, dist.get_process_group_ranks(group))
         self.key = next(_keys)
         _registry[self.key] = self
@@ -86,8 +92,12 @@ class ForwardChecks:
         if any(t.is_meta for t in tensors):  # a run on meta has no values to compare
             return
         self.wrappers()
-        if self.check_inputs:
-            check_same_inputs(names, tensors, self.group)
+        forward = self.forwards
+        self.forwards += 1
+        check_same_inputs(names, tensors, self.group, forward, values=self.check_inputs)
+        model = self.model()
+        if self.check_replicas_every and forward % self.check_replicas_every == 0 and model is not None:
+            check_replicas(model, self.group, forward)
 
     def hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         names, tensors = tensor_inputs(args, kwargs)
@@ -100,9 +110,10 @@ class ForwardChecks:
             self.run(names, tensors)
 
 
-def install(model: nn.Module, group: dist.ProcessGroup, check_inputs: bool) -> ForwardChecks:
+def install(model: nn.Module, group: dist.ProcessGroup, check_inputs: bool,
+            check_replicas_every: int = 0) -> ForwardChecks:
     """Installs the checks on `model`, sharded over `group` (of more than one rank)."""
-    checks = ForwardChecks(model, group, check_inputs)
+    checks = ForwardChecks(model, group, check_inputs, check_replicas_every)
     model.register_forward_pre_hook(checks.hook, with_kwargs=True, prepend=True)
     install_ddp_guard(model)
     return checks

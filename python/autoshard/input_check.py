@@ -22,10 +22,12 @@ plan's count of collectives stays that of the model.
 
 import pickle
 import zlib
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from .stalls import RankStallError, named
 
 # Odd multipliers of a 64-bit mix (splitmix64's), written as signed int64.
 _K1 = -7046029254386353131  # 0x9E3779B97F4A7C15
@@ -133,8 +135,9 @@ def _gather_objects(obj, group: dist.ProcessGroup, device: torch.device) -> list
     return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
 
 
-def _describe(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> List[Tuple]:
-    return [(n, list(t.shape), str(t.dtype), tuple(_value_hash(_bits(t)).tolist())) for n, t in zip(names, tensors)]
+def _describe(names: Sequence[str], tensors: Sequence[torch.Tensor], values: bool = True) -> List[Tuple]:
+    return [(n, list(t.shape), str(t.dtype), tuple(_value_hash(_bits(t)).tolist()) if values else None)
+            for n, t in zip(names, tensors)]
 
 
 def _first_difference(described: List[List[Tuple]], ranks: List[int]) -> str:
@@ -156,16 +159,39 @@ def _first_difference(described: List[List[Tuple]], ranks: List[int]) -> str:
     return "their inputs hash differently"
 
 
-def check_same_inputs(names: Sequence[str], tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+def check_same_inputs(names: Sequence[str], tensors: Sequence[torch.Tensor], group: dist.ProcessGroup,
+                      forward: Optional[int] = None, values: bool = True) -> None:
     """Raises ValueError on every rank of `group` if the ranks' tensor inputs differ. A
-    collective: every rank of `group` calls it, in the same forward."""
+    collective: every rank of `group` calls it, in the same forward.
+
+    The inputs' names, shapes and dtypes are always compared (and `forward`, the model's count
+    of forwards, when given): ranks whose shapes differ would otherwise meet in the model's
+    first collective with tensors of different sizes, where gloo aborts the process and NCCL
+    hangs. `values` (parallelize's check_inputs) also compares the inputs' values."""
     device = tensors[0].device if tensors else torch.device("cpu")
     wire = _wire_device(group, device)
-    mine = fingerprint(names, tensors, wire)
-    everyone = _gather(mine, group)
+    if values:
+        mine = fingerprint(names, tensors, wire)
+    else:  # names, shapes and dtypes alone: no pass over the inputs' values
+        mine = torch.tensor([len(tensors), _layout_hash(names, tensors)], dtype=torch.int64, device=wire)
+    mine = torch.cat([torch.tensor([-1 if forward is None else forward], dtype=torch.int64, device=wire), mine])
+    with named("the input check's all-gather", group, forward):
+        everyone = _gather(mine, group)
     if bool((everyone == everyone[0]).all()):
         return
     ranks = dist.get_process_group_ranks(group)
-    difference = _first_difference(_gather_objects(_describe(names, tensors), group, wire), ranks)
+    counts = everyone[:, 0].tolist()
+    if len(set(counts)) > 1:
+        where = ", ".join(f"rank {r} at forward {c}" for r, c in zip(ranks, counts))
+        raise RankStallError(f"autoshard: the tensor-parallel ranks {ranks} are out of step ({where}): a rank "
+                             "skipped a forward of the parallelized model (an exception caught and the step "
+                             "skipped on one rank?) or ran one more; every rank must run every forward")
+    with named("the input check's all-gather of input descriptions", group, forward):
+        described = _gather_objects(_describe(names, tensors, values), group, wire)
+    difference = _first_difference(described, ranks)
+    advice = _ADVICE if values else _ADVICE.replace(
+        "parallelize(..., check_inputs=False) turns this check off",
+        "shapes are compared even with check_inputs=False, since ranks with different shapes would abort or hang "
+        "in the model's first collective")
     raise ValueError(f"autoshard: the tensor-parallel ranks {ranks} were given different inputs in one forward of a "
-                     f"parallelized model ({difference}): {_ADVICE}")
+                     f"parallelized model ({difference}): {advice}")

@@ -32,6 +32,7 @@ from .nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from .nn.rms_norm import ShardedRMSNorm
 from .optimizer_views import install_global_optimizer_hook
 from .partitioned_state import partition_replicated
+from .replica_check import DEFAULT_EVERY
 from .pending_gradients import check_no_pending_gradients
 from .plan import LayerPlan, ShardingPlan
 from .plan.layers import rms_norm_eps, rms_norm_form
@@ -282,7 +283,7 @@ def _shard_experts(model: nn.Module, name: str, sides, group: ProcessGroup, rank
 def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Optional[ProcessGroup] = None,
                 mesh=None, *, example_inputs=None, sequence_parallel: bool = True, loss_parallel: bool = True,
                 partition_optimizer_state: bool = True, check_inputs: bool = True,
-                reduce_dtype: Optional[torch.dtype] = None, fully_shard: bool = False) -> nn.Module:
+                check_replicas_every: int = DEFAULT_EVERY, reduce_dtype: Optional[torch.dtype] = None, fully_shard: bool = False) -> nn.Module:
     """Shards `model` in place over `group` (None: the default tensor-parallel group, or the
     "tp" dimension of `mesh`) following `plan` (None: autoshard.plan(model, example_inputs=...));
     returns it. `example_inputs` (as autoshard.plan takes them: a tuple of positional arguments
@@ -302,7 +303,11 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
 
     Each forward first checks (see forward_checks) that no DDP or FSDP wrapper spans two of
     the tensor-parallel ranks, and, with `check_inputs`, that every tensor-parallel rank was
-    given the same tensor inputs: a rank with a batch of its own would be silently wrong.
+    given the same tensor inputs: a rank with a batch of its own would be silently wrong. The
+    inputs' shapes and the ranks' count of forwards are compared even without it (ranks with
+    different shapes would abort in the first collective). Every `check_replicas_every` forwards
+    (100 by default; 0 turns it off) the parameters the ranks replicate are compared by a
+    fingerprint (see replica_check): a rank that skipped an optimizer step is refused.
 
     `reduce_dtype` is the dtype in which parameter gradients are summed: over "dp" (the
     averaging buckets) and over "tp" (replicated parameters whose gradients are partial sums,
@@ -333,6 +338,10 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
                         f"got {type(partition_optimizer_state).__name__}")
     if not isinstance(check_inputs, bool):
         raise TypeError(f"parallelize: check_inputs must be a bool, got {type(check_inputs).__name__}")
+    if isinstance(check_replicas_every, bool) or not isinstance(check_replicas_every, int) \
+            or check_replicas_every < 0:
+        raise TypeError(f"parallelize: check_replicas_every must be an int >= 0 (0 turns the check off), "
+                        f"got {check_replicas_every!r}")
     if state_of(model) is not None or any(hasattr(m, "shard_specs") for m in model.modules()):
         raise ValueError("parallelize: the model is already parallelized (it holds sharded layers); parallelize "
                          "a freshly built model instead")
@@ -390,7 +399,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         if partitioned:
             torch_optim_check.install()
     if group.size() > 1:
-        state.forward_checks = forward_checks.install(model, group, check_inputs)
+        state.forward_checks = forward_checks.install(model, group, check_inputs, check_replicas_every)
     if fully_shard_over is not None:
         mesh_fully_shard.apply(model, fully_shard_over, reduce_dtype)
     if mesh is not None:
