@@ -19,6 +19,10 @@ BATCH, SEQ, DECODER_SEQ = 2, 7, 5  # 7 tokens: neither 2 nor 3 ranks divide it
 AUDIO_SAMPLES = 1600
 
 
+class NoSuchInputs(LookupError):
+    """The sweep cannot make this kind of inputs for the model (not a failure of the model)."""
+
+
 @dataclass(frozen=True)
 class Variant:
     model_type: str
@@ -91,33 +95,50 @@ def _pixels(config, generator) -> torch.Tensor:
     return torch.randn(BATCH, channels, size, size, generator=generator)
 
 
-# How many sets of example inputs a model may be tried with: its main input alone, then with
-# images beside text (a dual encoder such as CLIP needs both).
+def _video(config, generator) -> torch.Tensor:
+    frames = _first(config, "num_frames") or 2
+    channels, size = _first(config, "num_channels") or 3, _first(config, "image_size") or 32
+    return torch.randn(BATCH, frames, channels, size, size, generator=generator)
+
+
+# How many sets of example inputs a model may be tried with: its main input alone, then the main
+# input in its other layout: text with images beside it (a dual encoder such as CLIP needs both),
+# audio as (batch, 1 channel, samples) (codecs), images as videos (batch, frames, channels, H, W).
 INPUT_KINDS = 2
 
 
 def example_inputs(model: torch.nn.Module, generator: torch.Generator, kind: int = 0) -> Dict[str, torch.Tensor]:
     """Inputs for the model's main input (and with `kind` 1, images beside text); raises
-    LookupError for inputs this sweep cannot make."""
+    NoSuchInputs for inputs this sweep cannot make."""
     config = model.config
     main = getattr(model, "main_input_name", "input_ids")
     if main == "input_ids":
         inputs = {"input_ids": _token_ids(config, (BATCH, SEQ), generator)}
         if kind == 1:
             if "pixel_values" not in inspect.signature(model.forward).parameters:
-                raise LookupError("the model takes no pixel_values beside its input_ids")
+                raise NoSuchInputs("the model takes no pixel_values beside its input_ids")
             inputs["pixel_values"] = _pixels(config, generator)
+    elif kind == 1 and main == "input_values":
+        inputs = {"input_values": torch.randn(BATCH, 1, AUDIO_SAMPLES, generator=generator)}
+    elif kind == 1 and main == "pixel_values":
+        inputs = {"pixel_values": _video(config, generator)}
     elif kind != 0:
-        raise LookupError(f"no other inputs than {main!r}")
+        raise NoSuchInputs(f"no other inputs than {main!r}")
     elif main == "pixel_values":
         inputs = {"pixel_values": _pixels(config, generator)}
+    elif main == "pixel_values_videos":
+        inputs = {"pixel_values_videos": _video(config, generator)}
     elif main == "input_values":
         inputs = {"input_values": torch.randn(BATCH, AUDIO_SAMPLES, generator=generator)}
+    elif main == "past_values":  # a time series: (batch, context, channels)
+        length, channels = _first(config, "context_length") or 32, _first(config, "num_input_channels")
+        shape = (BATCH, length, channels) if channels else (BATCH, length)
+        inputs = {"past_values": torch.randn(*shape, generator=generator)}
     elif main == "input_features":
         bins, frames = _first(config, "num_mel_bins") or 16, 2 * (_first(config, "max_source_positions") or 32)
         inputs = {"input_features": torch.randn(BATCH, bins, frames, generator=generator)}
     else:
-        raise LookupError(f"no example inputs for the main input {main!r}")
+        raise NoSuchInputs(f"no example inputs for the main input {main!r}")
     if getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = _token_ids(config, (BATCH, DECODER_SEQ), generator)
     return inputs

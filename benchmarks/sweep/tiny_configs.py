@@ -10,9 +10,10 @@ count with the stages kept, special token ids kept inside the vocabulary.
 A model that needs more than the generic rules gets a line of `OVERRIDES` (fields only, no code).
 """
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 WIDTH, HEADS, KV_HEADS, FFN, LAYERS, VOCAB = 64, 4, 2, 96, 2, 128
 
@@ -21,7 +22,11 @@ SHRINK: Dict[str, int] = {
     # widths of the residual stream
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_embed_proj_dim",
                      "projection_dim", "text_embed_dim", "vision_embed_dim", "output_hidden_size",
-                     "embedding_size", "hidden_dim_out", "hidden_size_global"), WIDTH),
+                     "embedding_size", "hidden_dim_out", "hidden_size_global",
+                     # widths that must equal another (sub-)config's width (the vision tower's output
+                     # and the text width, a flow head's condition and the backbone, ...)
+                     "text_hidden_size", "audio_hidden_size", "condition_dim",
+                     "adapter_in_dim"), WIDTH),
     # feed-forward widths
     **dict.fromkeys(("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff",
                      "hidden_dim", "ffn_hidden_size", "mlp_dim", "inner_dim"), FFN),
@@ -59,6 +64,23 @@ OVERRIDES: Dict[str, Dict[str, Any]] = {
     # transformers 5.24 builds BLT's cache from the top config, which has no layer count
     # (AttributeError in DynamicCache); the sweep's forward needs no cache.
     "blt": dict(use_cache=False),
+    # head_dim x decoder_attention_heads must be d_model (the generic head_dim follows the encoder)
+    "d_fine": dict(head_dim=WIDTH // HEADS), "deimv2": dict(head_dim=WIDTH // HEADS),
+    # the adaptor (a sub-config with no model_type) is the text width, its feed-forward a quarter of it
+    "fun_asr_nano": dict(adaptor_config=dict(hidden_size=WIDTH, num_attention_heads=HEADS, num_hidden_layers=LAYERS,
+                                             intermediate_size=WIDTH // 4)),
+    # image_size / num_windows must be a multiple of sqrt(num_windows)
+    "lw_detr_vit": dict(num_windows=4, num_windows_side=2),
+    # the vision layers whose features the adapter takes (defaults 24 and 18 of 27)
+    "molmo2_adapter": dict(vision_feature_layer=[-1, -2]),
+    # WavTokenizer has no projections around its quantizer: the codebook is the hidden size
+    "wavtokenizer": dict(codebook_dim=WIDTH),
+    # the vision (audio) tower's output is the text width
+    "granite_docling_vision": dict(out_hidden_size=WIDTH), "muse_spark_audio": dict(out_hidden_size=WIDTH),
+    # d_head must be d_model // n_head
+    "xlnet": dict(d_head=WIDTH // HEADS),
+    # the last stage's channels are the hidden size
+    "efficientloftr": dict(out_features=[16, 16, 32, WIDTH]),
 }
 
 _LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
@@ -75,6 +97,23 @@ def _special_tokens_inside(fields: Dict[str, Any], vocab: int) -> None:
             fields[key] = vocab - 1 - sum(map(ord, key)) % 8
         elif key.endswith("_token_id") and isinstance(value, list):
             fields[key] = [v if not _is_count(v) or v < vocab else vocab - 1 for v in value]
+
+
+def _attends(kind: str) -> bool:
+    return kind.startswith("hybrid") or ("attention" in kind and "linear" not in kind)
+
+
+def _kinds_kept(values: List[str], n: int) -> List[str]:
+    """The first n of a list of layer kinds; where those have no attention layer (a hybrid of
+    linear and full attention cut to two linear layers), with every kind present where n allows."""
+    cut = list(values[:n])
+    if any(_attends(k) for k in cut) or not any(_attends(k) for k in values):
+        return cut
+    missing = [k for k in dict.fromkeys(values) if k not in cut]
+    if len(dict.fromkeys(values)) <= n:
+        for i, kind in enumerate(missing):
+            cut[n - 1 - i] = kind
+    return cut
 
 
 def _first_count(fields: Dict[str, Any], keys) -> int:
@@ -94,7 +133,11 @@ def shrink(fields: Dict[str, Any]) -> Dict[str, Any]:
     heads = _first_count(fields, _HEAD_COUNT_FIELDS)
     for key, value in list(fields.items()):
         # Per-layer lists (layer_types, block sizes, ...) follow the layer count.
-        if isinstance(value, list) and old_layers and len(value) == old_layers and new_layers < old_layers:
+        if isinstance(value, list) and old_layers and new_layers < old_layers and value and all(
+                isinstance(v, str) for v in value) and (len(value) == old_layers or key.endswith("types")):
+            # Kinds of layer (a pattern such as block_types repeats): every kind kept.
+            fields[key] = _kinds_kept(value, new_layers) if len(value) > new_layers else value
+        elif isinstance(value, list) and old_layers and len(value) == old_layers and new_layers < old_layers:
             fields[key] = value[:new_layers]
         elif isinstance(value, dict) and "model_type" in value:
             fields[key] = shrink(value)
@@ -105,11 +148,25 @@ def shrink(fields: Dict[str, Any]) -> Dict[str, Any]:
     for key in ("head_dim", "d_kv", "attention_head_size"):
         if _is_count(fields.get(key)) and heads and width:
             fields[key] = width // heads
+    if "head_dim" in fields and fields["head_dim"] is None and heads and width:
+        # None stands for hidden_size // heads, but some models read it without that fallback.
+        fields["head_dim"] = width // heads
     if old_layers and new_layers < old_layers:
-        # Backbone outputs named by stage follow the stages (the default: the last one).
+        # Layers of a kind every `period` layers from `offset` (Jamba's attention and experts): the
+        # last of the remaining layers is of that kind.
+        for key in [k for k in fields if k.endswith("_layer_period")]:
+            offset = key[:-len("period")] + "offset"
+            if _is_count(fields[key]) and _is_count(fields.get(offset)) and fields[offset] >= new_layers:
+                fields[key], fields[offset] = new_layers, new_layers - 1
+        # Layers counted by part (Dory's input, recurrent and output layers) sum to the layer count.
+        parts = [k for k in ("n_input_layers", "n_recurrent_layers", "n_output_layers") if _is_count(fields.get(k))]
+        if len(parts) == 3 and sum(fields[k] for k in parts) != new_layers:
+            fields.update(n_input_layers=0, n_recurrent_layers=new_layers, n_output_layers=0) if new_layers < 3 else \
+                fields.update(n_input_layers=1, n_recurrent_layers=new_layers - 2, n_output_layers=1)
+        # Backbone outputs named by stage follow the stages: left to the config's defaults
+        # (the stage names from the stages, the last stage's output).
         for key in ("out_features", "out_indices", "stage_names"):
-            if key in fields:
-                fields[key] = None
+            fields.pop(key, None)
         # Settings of single layers by index keep those of the layers that remain.
         if isinstance(fields.get("per_layer_config"), dict):
             fields["per_layer_config"] = {k: v for k, v in fields["per_layer_config"].items()
@@ -122,10 +179,15 @@ def shrink(fields: Dict[str, Any]) -> Dict[str, Any]:
     if head_width and _is_count(fields.get("rotary_dim")) and fields["rotary_dim"] > head_width:
         fields["rotary_dim"] = head_width
     rope = fields.get("rope_parameters")
+    if isinstance(rope, dict) and "mrope_section" not in rope and _declares_mrope(fields.get("model_type")):
+        # The modeling code's default sections (time, height, width) 2:3:3, made for a 128-wide head.
+        rope = {**rope, "mrope_section": [16, 24, 24]}
     if head_width and isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
-        # Multimodal rotary sections share half a head's features.
+        # Multimodal rotary sections share half a head's (rotary) features.
         sections = rope["mrope_section"]
-        half, total = head_width // 2, sum(sections)
+        rotary = fields["qk_rope_head_dim"] if _is_count(fields.get("qk_rope_head_dim")) else head_width
+        rotary = int(rotary * rope.get("partial_rotary_factor", 1.0))
+        half, total = rotary // 2, sum(sections)
         scaled = [max(1, s * half // total) for s in sections]
         scaled[0] += half - sum(scaled)
         fields["rope_parameters"] = {**rope, "mrope_section": scaled}
@@ -140,6 +202,12 @@ def shrink(fields: Dict[str, Any]) -> Dict[str, Any]:
         _special_tokens_inside(fields, fields["vocab_size"])
     fields.update(OVERRIDES.get(fields.get("model_type", ""), {}))
     return fields
+
+
+def _declares_mrope(model_type) -> bool:
+    """Whether the config class keeps multimodal rotary sections in rope_parameters."""
+    cls = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
+    return "mrope_section" in (getattr(cls, "ignore_keys_at_rope_validation", None) or ())
 
 
 def tiny_config(model_type: str) -> PretrainedConfig:
