@@ -55,7 +55,9 @@ def _stalled():
         model(input_ids=ids, labels=ids)  # forward 0, every rank
         dist.barrier()
         if rank == dist.get_world_size() - 1:
-            time.sleep(2 * _TIMEOUT)  # stalled: alive, but not in the collective
+            # Stalled: alive, but not in the collective, until well after the others' timeout and
+            # the 5 s they wait for each other's reports (at exactly that sum, it raced them).
+            time.sleep(4 * _TIMEOUT)
         start = time.perf_counter()
         text = error_text(lambda: model(input_ids=ids, labels=ids), RuntimeError)
         return text, time.perf_counter() - start
