@@ -344,4 +344,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_buckets(self, group: Dict, buckets: Dict[Hashable, Bucket]) -> None:
-        raise NotImplementedError
+        """One parameter group's fused step over its buckets: what each optimizer (AdamW, SGD)
+        defines for itself; the base class has no step of its own."""
+        raise NotImplementedError(f"{type(self).__name__} defines no _step_buckets")
