@@ -21,13 +21,7 @@ from .dry_run import dry_run
 from .input_copies import InputCopyPerCall, SharedInputCopy
 from .model_state import ParallelState, state_of
 from .nn import head_cuts, sequence
-from .nn.einsum import ShardedEinsumDense
-from .nn.embedding import VocabParallelEmbedding
-from .nn.embedding_subclass import shard_embedding_subclass
-from .nn.experts import shard_experts
 from .nn.head_parameters import shard_head_parameter
-from .nn.linear import ColumnParallelLinear, RowParallelLinear
-from .nn.lora import is_lora_linear, shard_lora
 from .nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from .nn.rms_norm import ShardedRMSNorm
 from .optimizer_views import install_global_optimizer_hook
@@ -40,7 +34,6 @@ from .plan.local_attributes import set_attribute
 from .plan_until_it_runs import plan_until_it_runs
 from .replaced_modules import check_no_hooks_lost
 from .state_views import install_state_dict_views
-from .styles import Style
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -100,41 +93,6 @@ def _attention_of(model: nn.Module, layer) -> Optional[nn.MultiheadAttention]:
     return module if isinstance(module, nn.MultiheadAttention) else None
 
 
-def _sharded_layer(layer, module: nn.Module, group: ProcessGroup) -> nn.Module:
-    if layer.kind == "einsum":
-        split = layer.weight_shape[layer.weight_dim()]
-        if layer.units != split:
-            raise ValueError(f"parallelize: einsum layer {layer.module!r} would be split in {layer.units} units, "
-                             f"but ShardedEinsumDense splits letter {layer.letter!r} element by element ({split})")
-        return ShardedEinsumDense.from_einsum_dense(module, layer.letter, group,
-                                                    gather_output=layer.style is Style.COLUMN_GATHER)
-    if layer.style is Style.VOCAB:
-        if type(module).forward is not nn.Embedding.forward:
-            if layer.sequence == "reduce_scatter":
-                # Its forward goes on after the lookup with ops the plan never saw (one call, one
-                # layer): on this rank's tokens only, one that mixes tokens would be wrong.
-                raise ValueError(f"parallelize: the plan cuts the lookup of {layer.module!r} "
-                                 f"({type(module).__name__}, a forward of its own) to this rank's tokens; make the "
-                                 "plan with sequence_parallel=False")
-            return shard_embedding_subclass(module, layer.module, group)
-        return VocabParallelEmbedding.from_embedding(module, group)
-    split = layer.weight_shape[layer.weight_dim()]
-    # A split element by element needs no units; whole heads and fused parts do.
-    units = layer.units if (layer.parts or layer.units != split) else None
-    parts = layer.parts or None
-    if is_lora_linear(module):
-        column = layer.style.is_column
-        return shard_lora(module, layer.style, group, units=layer.units if layer.repeat else units, parts=parts,
-                          **(dict(repeat=layer.repeat or None, whole_parts=layer.whole_parts or None,
-                                  sum_whole_parts=layer.summed_parts) if column else {}))
-    if layer.style.is_column:
-        return ColumnParallelLinear.from_linear(module, group, gather_output=layer.style is Style.COLUMN_GATHER,
-                                                units=layer.units if layer.repeat else units, parts=parts,
-                                                repeat=layer.repeat or None, whole_parts=layer.whole_parts or None,
-                                                sum_whole_parts=layer.summed_parts)
-    return RowParallelLinear.from_linear(module, group, input_is_parallel=True, units=units, parts=parts)
-
-
 def _input_copy(calls, copies, tokens, group_name: str):
     """A column layer's input copy, from the plan's records of its calls: its group's shared
     copy, its gather of the tokens, or None (a copy of its own); one of those per call where
@@ -155,7 +113,7 @@ def _shard_attention(model, plan, layer, attention, group, copies, tokens, calls
     """Splits an nn.MultiheadAttention by heads: its q/k/v projection `layer` (column) and its
     out_proj (the row layer the planner paired with it)."""
     out_layer = plan.layer(layer.module.rpartition(".")[0] + ".out_proj")
-    out_proj = _sharded_layer(out_layer, attention.out_proj, group)
+    out_proj = out_layer.construct.shard(out_layer, attention.out_proj, group)
     if out_layer.sequence == "reduce_scatter":
         out_proj.output_tokens = tokens.reduce_scatter(out_layer)
     shard_multihead_attention(attention, layer.weight_spec(group.rank(), group.size()), out_proj, group,
@@ -207,7 +165,7 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
             continue
         module = model.get_submodule(layer.module)
         originals = {name: getattr(module, name, None) for name in ("weight", "bias")}
-        sharded = _sharded_layer(layer, module, group)
+        sharded = layer.construct.shard(layer, module, group)
         for name, original in originals.items():
             if original is None:
                 continue
@@ -222,7 +180,7 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
             sharded.output_tokens = tokens.reduce_scatter(layer)
         _set_submodule(model, layer.module, sharded)
     for name, sides in experts.items():
-        _shard_experts(model, name, sides, group, rank, world, copies)
+        sides[0].construct.shard_sides(model.get_submodule(name), name, sides, group, copies.get(sides[0].copy_group))
     for norm in plan.norms:
         module = model.get_submodule(norm["module"])
         _set_submodule(model, norm["module"], ShardedRMSNorm.from_norm(
@@ -263,21 +221,6 @@ def _check_same_split(first: LayerPlan, again: LayerPlan) -> None:
     if split(first) != split(again):
         raise ValueError(f"parallelize: layer {first.module!r} is called more than once and the plan splits its calls "
                          f"differently ({split(first)} and {split(again)}); every call must meet the same split")
-
-
-def _shard_experts(model: nn.Module, name: str, sides, group: ProcessGroup, rank: int, world: int, copies) -> None:
-    """An experts module's two sides, a column and a row layer on the FFN axis (see
-    nn/experts.py), or both replicated."""
-    styles = tuple(layer.style for layer in sides)
-    if styles == (Style.REPLICATE, Style.REPLICATE):
-        return
-    if styles != (Style.COLUMN, Style.ROW) or any(layer.sequence for layer in sides):
-        raise ValueError(f"parallelize: experts module {name!r} is planned as {styles}"
-                         f"{' with sequence parallelism' if any(l.sequence for l in sides) else ''}; its 3-D weights "
-                         "can only be split as a column side followed by a row side, or replicated")
-    column, row = sides
-    shard_experts(model.get_submodule(name), column.weight.rpartition(".")[2], column.weight_spec(rank, world),
-                  row.weight.rpartition(".")[2], row.weight_spec(rank, world), group, copies.get(column.copy_group))
 
 
 def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Optional[ProcessGroup] = None,

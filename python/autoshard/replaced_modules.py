@@ -25,15 +25,13 @@ def replaced_modules(model: nn.Module, plan) -> List[str]:
     """The names of the modules `plan` replaces in `model`."""
     names = []
     for layer in plan.layers:
-        if not layer.style.is_split or layer.kind == "experts":
+        if not layer.style.is_split:
             continue
         owner, _, child = layer.module.rpartition(".")
         if child == IN_PROJECTION:
             continue  # the attention itself is changed in place; its out_proj is replaced
-        module = model.get_submodule(layer.module)
-        if isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward:
-            continue  # see nn.embedding_subclass
-        names.append(layer.module)
+        if layer.construct.replaces(model.get_submodule(layer.module)):
+            names.append(layer.module)
     names += [norm["module"] for norm in plan.norms]
     return sorted(set(names))
 

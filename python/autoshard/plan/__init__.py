@@ -60,12 +60,7 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
     layers = []
     for record in data["layers"]:
         info = graph.layers[record["node"]]
-        if info.kind == "linear":
-            shape = [info.in_features, info.out_features] if info.transposed else [info.out_features, info.in_features]
-        elif info.kind in ("einsum", "experts"):
-            shape = list(info.weight_shape)
-        else:
-            shape = [info.num_embeddings, info.embedding_dim]
+        shape = info.construct.weight_shape(info)
         style = Style(record["style"])
         layers.append(LayerPlan(
             module=info.name, kind=info.kind, style=style, weight=names[info.weight_param],

@@ -140,8 +140,9 @@ def capture(model: nn.Module, example_inputs=None, fold_blocks: bool = True) -> 
                     recorder.node("opaque", info.name or "<model>", [recorder.tensor_id(t) for t in received],
                                   [recorder.tensor_id(o) for o in made], {"routing_floating": []}, "call")
             elif recorder.layer_depth == 0 and isinstance(info.input, torch.Tensor) and isinstance(output, torch.Tensor):
-                node = recorder.node(info.kind, info.name or "<model>", [recorder.tensor_id(info.input)],
-                                     [recorder.layer_output(output, info.kind in ("linear", "einsum"))],
+                node = recorder.node(info.construct.planner_kind, info.name or "<model>",
+                                     [recorder.tensor_id(info.input)],
+                                     [recorder.layer_output(output, info.construct.last_axis_features)],
                                      info.planner_fields(info.input, output))
                 layers[node] = info.record_call(info.input, output)
             info.input = None
@@ -151,7 +152,8 @@ def capture(model: nn.Module, example_inputs=None, fold_blocks: bool = True) -> 
         handles.append(module.register_forward_hook(post))
     def record_in_projection(name, module, x, out):
         info = in_projection_layer(name, module, param_index)
-        node = recorder.node(info.kind, info.name, [recorder.tensor_id(x)], [recorder.layer_output(out)],
+        node = recorder.node(info.construct.planner_kind, info.name, [recorder.tensor_id(x)],
+                             [recorder.layer_output(out)],
                              info.planner_fields(x, out))
         layers[node] = info.record_call(x, out)
 

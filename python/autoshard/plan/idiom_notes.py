@@ -32,15 +32,16 @@ _LOSS_OPS = ("log_softmax", "nll_loss", "cross_entropy")
 
 
 def whole_reasons(parameters: Dict[str, dict], graph) -> None:
-    """Marks in the plan's parameter records (`whole_reason`) those of convolutions and of
-    Linear layers the model never calls but whose weight its ops read."""
+    """Marks in the plan's parameter records (`whole_reason`) those of convolutions no construct
+    recognises (autoshard.constructs), and of Linear layers the model never calls but whose
+    weight its ops read."""
     called = {info.name for info in graph.layers.values()}
     read = {t["param"] for node in graph.document["nodes"] for i in node["inputs"]
             for t in [graph.document["tensors"][i]] if "param" in t}
     index = {name: i for i, name in enumerate(graph.param_names)}
     for name, module in graph.shadow.named_modules():
         reason = None
-        if isinstance(module, nn.modules.conv._ConvNd):
+        if isinstance(module, nn.modules.conv._ConvNd) and describe_layer(name, module, {}) is None:
             reason = CONVOLUTION
         elif name not in called and describe_layer(name, module, {}) is not None:
             weight = getattr(module, "weight", None)

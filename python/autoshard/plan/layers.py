@@ -1,4 +1,4 @@
-"""The layer kinds the planner decides about, recognised by what they compute.
+"""What the capture records of a layer, and the probes that tell what a module computes.
 
 A Linear (or Hugging Face's Conv1D, a Linear stored transposed) maps the last axis of its
 input from in_features to out_features; an Embedding looks rows up by index. Whether one is
@@ -14,17 +14,13 @@ import torch
 from torch import nn
 
 from .. import ops
-# The one Conv1D test, shared with ColumnParallelLinear.from_linear, so that the planner never
-# plans a layer that from_linear would refuse.
-from ..nn.conv1d import is_conv1d
 from ..nn.head_parameters import holds_only_head_parameters
-from ..nn.lora import adapter_factors, is_lora_linear
 
 
 @dataclass
 class LayerInfo:
     name: str
-    kind: str  # "linear" or "embedding"
+    kind: str  # its construct's kind (autoshard.constructs): "linear", "embedding", "einsum", ...
     in_features: int = 0
     out_features: int = 0
     transposed: bool = False  # Conv1D: weight is [in, out]
@@ -49,8 +45,12 @@ class LayerInfo:
     # (A's weight, B's weight) as parameter indices, split with it.
     adapters: tuple = ()
 
-    def planner_kind(self) -> str:
-        return "linear" if self.kind == "experts" else self.kind
+    @property
+    def construct(self):
+        """The construct (autoshard.constructs) of this layer's kind."""
+        from ..constructs import construct_of
+
+        return construct_of(self.kind)
 
     def experts_side(self, side: str) -> "LayerInfo":
         """The "in" or "out" layer node of an experts module."""
@@ -64,14 +64,7 @@ class LayerInfo:
 
     def planner_fields(self, inputs: torch.Tensor, output: torch.Tensor) -> Dict[str, object]:
         """The fields of this layer's node in the planner's graph document (csrc/plan/graph.h)."""
-        if self.kind in ("linear", "experts"):
-            return {"in_features": self.in_features, "out_features": self.out_features,
-                    "weight_param": self.weight_param, "bias_param": self.bias_param}
-        if self.kind == "einsum":
-            return {"weight_param": self.weight_param, "bias_param": self.bias_param,
-                    "letters": einsum_letters(self.equation, inputs.dim(), output.dim())}
-        return {"num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim,
-                "weight_param": self.weight_param}
+        return self.construct.planner_fields(self, inputs, output)
 
     def record_call(self, inputs: torch.Tensor, output: torch.Tensor) -> "LayerInfo":
         self.input_shape = tuple(inputs.shape)
@@ -146,44 +139,14 @@ def computes_linear(cls: type, module: Optional[nn.Module] = None) -> bool:
 
 
 def describe_layer(name: str, module: nn.Module, param_index: Dict[int, int]) -> Optional[LayerInfo]:
-    def index(p) -> int:
-        return param_index.get(id(p), -1) if p is not None else -1
+    """The LayerInfo of the construct (autoshard.constructs) that recognises `module`, or None."""
+    from ..constructs import recognise
 
     # A forward set on the instance (in place of its class's) computes what it will: its ops
     # are followed one by one, and the module, never replaced, keeps it.
     if "forward" in vars(module):
         return None
-    # A LoRA adapter on a Linear is one layer with it: split as its base layer is split.
-    if is_lora_linear(module):
-        base = module.base_layer
-        return LayerInfo(name, "linear", base.in_features, base.out_features, False, index(base.weight),
-                         index(base.bias),
-                         adapters=tuple((index(a), index(b)) for a, b in adapter_factors(module).values()))
-    # A Linear subclass with a forward of its own is a layer only where that forward computes
-    # F.linear all the same (FalconLinear); otherwise its ops are followed one by one.
-    if isinstance(module, nn.Linear) and computes_linear(type(module), module):
-        return LayerInfo(name, "linear", module.in_features, module.out_features, False,
-                         index(module.weight), index(module.bias))
-    if is_conv1d(module):
-        return LayerInfo(name, "linear", module.weight.shape[0], module.weight.shape[1], True,
-                         index(module.weight), index(getattr(module, "bias", None)))
-    from ..nn.einsum import EinsumDense
-
-    if isinstance(module, EinsumDense):
-        return LayerInfo(name, "einsum", weight_param=index(module.weight), bias_param=index(module.bias),
-                         equation=module.equation, weight_shape=tuple(module.weight.shape),
-                         bias_axes=module.bias_axes or "")
-    if isinstance(module, nn.Embedding):
-        return LayerInfo(name, "embedding", weight_param=index(module.weight),
-                         num_embeddings=module.num_embeddings, embedding_dim=module.embedding_dim)
-    experts = experts_weights(module)
-    if experts is not None:
-        first, second, parts = experts
-        info = LayerInfo(name, "experts", weight_shape=tuple(getattr(module, first).shape), parts=parts,
-                         experts_params=(index(getattr(module, first)), index(getattr(module, second))))
-        info.weight_param = info.experts_params[0]
-        return info
-    return None
+    return recognise(name, module, param_index)
 
 
 def is_linear_like(module: nn.Module) -> bool:
@@ -195,8 +158,10 @@ def is_linear_like(module: nn.Module) -> bool:
     if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ShardedEinsumDense)) \
             or getattr(type(module), "autoshard_linear_like", False):
         return True
+    from ..constructs import construct_of
+
     info = describe_layer("", module, {})
-    return info is not None and info.kind in ("linear", "einsum")
+    return info is not None and construct_of(info.kind).last_axis_features
 
 
 def in_projection_layer(name: str, module: nn.MultiheadAttention, param_index: Dict[int, int]) -> LayerInfo:

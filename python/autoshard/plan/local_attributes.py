@@ -12,7 +12,6 @@ from ..nn.head_cuts import cut_leaf, local_heads_shape
 from ..nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
-from ..styles import Style
 from .attribute_pairs import widen_by_pairs
 from .layers import is_layer_module
 from .prediction import Prediction, ShapeMismatch, first_difference
@@ -61,22 +60,12 @@ class _LocalModule:
         for layer in plan.layers:
             if not layer.module.startswith(prefix) or not layer.style.is_split or layer.module in done:
                 continue
-            if layer.kind != "linear":
-                self.supported = False  # einsum layers: no local stand-in
-                continue
-            spec = layer.weight_spec(rank, world)
-            out_features, in_features = (layer.weight_shape[::-1] if layer.transposed else layer.weight_shape)
-            if layer.style is Style.COLUMN:
-                out_features = spec.local_size()
-            elif layer.style is Style.ROW:
-                in_features = spec.local_size()
             relative = layer.module[len(prefix):]
             parent, _, child = relative.rpartition(".")
-            # The original layer's dtype: a module that casts its input to its layer's dtype (T5's
-            # feed-forward) must trace the same ops as it did in the capture.
-            original = getattr(self.module.get_submodule(relative), "weight", None)
-            dtype = original.dtype if isinstance(original, torch.Tensor) else None
-            stand_in = nn.Linear(in_features, out_features, bias=False, device="meta", dtype=dtype)
+            stand_in = layer.construct.stand_in(layer, self.module.get_submodule(relative), rank, world)
+            if stand_in is None:
+                self.supported = False  # a construct with no local stand-in (einsum layers)
+                continue
             setattr(self.module.get_submodule(parent) if parent else self.module, child, stand_in)
 
     def _local_attentions(self, plan, prefix: str, rank: int) -> set:

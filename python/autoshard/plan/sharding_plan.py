@@ -4,7 +4,6 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
-from .. import ops
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
 from ..styles import Style
@@ -19,7 +18,7 @@ LOSS_PARALLEL_ALL_REDUCES = 3
 @dataclass
 class LayerPlan:
     module: str
-    kind: str  # "linear", "embedding" or "einsum"
+    kind: str  # its construct's kind (autoshard.constructs): "linear", "embedding", "einsum", ...
     style: Style
     weight: str  # parameter names
     bias: Optional[str]
@@ -55,17 +54,16 @@ class LayerPlan:
     def __post_init__(self):
         self.style = Style(self.style)  # from JSON, a plain word
 
+    @property
+    def construct(self):
+        """The construct (autoshard.constructs) of this layer's kind."""
+        from ..constructs import construct_of
+
+        return construct_of(self.kind)
+
     def weight_dim(self) -> Optional[int]:
         """The weight dimension this layer splits, or None."""
-        if self.kind == "einsum":
-            return None if not self.style.is_split else ops.einsum_weight_axes(self.equation)[0].index(self.letter)
-        if self.kind == "experts":  # [E, out, in]: the FFN axis is out for the column side, in for the row side
-            return {Style.COLUMN: 1, Style.ROW: 2}.get(self.style)
-        if self.style.is_column or self.style is Style.VOCAB:
-            return 1 if self.transposed else 0
-        if self.style is Style.ROW:
-            return 0 if self.transposed else 1
-        return None
+        return self.construct.weight_dim(self)
 
     def weight_spec(self, rank: int, world_size: int) -> Optional[ShardSpec]:
         dim = self.weight_dim()
@@ -76,13 +74,7 @@ class LayerPlan:
                          whole_parts=tuple(self.whole_parts) if self.whole_parts else None)
 
     def bias_spec(self, rank: int, world_size: int) -> Optional[ShardSpec]:
-        # An einsum layer's bias is laid out by its bias_axes; the layer itself records it.
-        if self.bias is None or self.kind == "einsum" or not self.style.is_column:
-            return None
-        full = self.weight_shape[self.weight_dim()]
-        return ShardSpec(0, full, rank, world_size, units=self.units or None,
-                         parts=tuple(self.parts) if self.parts else None, repeat=self.repeat or None,
-                         whole_parts=tuple(self.whole_parts) if self.whole_parts else None)
+        return self.construct.bias_spec(self, rank, world_size)
 
 
 def _listed(names: List[str], shown: int = 4) -> str:
@@ -254,7 +246,7 @@ class ShardingPlan:
             full += count
             local += count if spec is None else count // spec.full_size * spec.local_size()
             if layer.bias is not None and layer.kind != "einsum":
-                bias = layer.weight_shape[1 if layer.transposed else 0]
+                bias = layer.construct.bias_size(layer)
                 bias_spec = layer.bias_spec(rank, self.world_size)
                 full += bias
                 local += bias if bias_spec is None else bias_spec.local_size()

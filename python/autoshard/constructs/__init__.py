@@ -1,0 +1,20 @@
+"""The layer constructs the planner decides about, one class each.
+
+A construct does four jobs, as torch's ParallelStyle is one class per style: it recognises
+its layer among a model's modules (the capture records the call as one node of the planner's
+graph), gives the layout of its weight for a planned style, builds its local stand-in for the
+dry run, and shards the module when parallelize applies the plan. Every module of this package
+is imported here, and each registers its construct: adding a construct is adding one file
+(plus, where the planner needs a new rule, its pass in csrc/plan/).
+"""
+
+import importlib
+import pkgutil
+
+from .base import LayerConstruct, construct_of, constructs, recognise, register
+
+__all__ = ["LayerConstruct", "construct_of", "constructs", "recognise", "register"]
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "base":
+        importlib.import_module(f"{__name__}.{_module.name}")

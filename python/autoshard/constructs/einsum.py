@@ -1,0 +1,48 @@
+"""Einsum layers (nn/einsum.py's EinsumDense): split on one weight letter, an output letter as
+a column layer, a contracted one as a row layer (ShardedEinsumDense)."""
+
+from typing import Dict, Optional
+
+from torch import nn
+
+from .. import ops
+from ..nn.einsum import EinsumDense, ShardedEinsumDense
+from ..styles import Style
+from .base import LayerConstruct, register
+
+
+@register
+class EinsumConstruct(LayerConstruct):
+    kind = "einsum"
+    planner_kind = "einsum"
+    order = 30
+
+    def recognise(self, name: str, module: nn.Module, param_index: Dict[int, int]):
+        from ..plan.layers import LayerInfo
+
+        if not isinstance(module, EinsumDense):
+            return None
+        index = lambda p: param_index.get(id(p), -1) if p is not None else -1
+        return LayerInfo(name, "einsum", weight_param=index(module.weight), bias_param=index(module.bias),
+                         equation=module.equation, weight_shape=tuple(module.weight.shape),
+                         bias_axes=module.bias_axes or "")
+
+    def planner_fields(self, info, inputs, output):
+        from ..plan.layers import einsum_letters
+
+        return {"weight_param": info.weight_param, "bias_param": info.bias_param,
+                "letters": einsum_letters(info.equation, inputs.dim(), output.dim())}
+
+    def weight_dim(self, layer) -> Optional[int]:
+        return ops.einsum_weight_axes(layer.equation)[0].index(layer.letter) if layer.style.is_split else None
+
+    def bias_spec(self, layer, rank: int, world_size: int):
+        return None  # laid out by its bias_axes: ShardedEinsumDense records it
+
+    def shard(self, layer, module: nn.Module, group) -> nn.Module:
+        split = layer.weight_shape[self.weight_dim(layer)]
+        if layer.units != split:
+            raise ValueError(f"parallelize: einsum layer {layer.module!r} would be split in {layer.units} units, "
+                             f"but ShardedEinsumDense splits letter {layer.letter!r} element by element ({split})")
+        return ShardedEinsumDense.from_einsum_dense(module, layer.letter, group,
+                                                    gather_output=layer.style is Style.COLUMN_GATHER)
