@@ -33,9 +33,10 @@ const std::vector<std::pair<std::string, std::string>>& reason_table() {
       {"position_table", "a position or type table (only the token table is split)"},
       {"unsplit", "the planner found no axis to split"},
       {"row_bias", "the bias of a row-parallel layer, added once after the all-reduce"},
-      {"not_a_layer", "not a Linear, Embedding or einsum layer (norms, convolutions, free parameters)"},
+      {"not_a_layer", "not a Linear, Embedding, einsum or convolution layer (norms, free parameters)"},
       {"convolution",
-       "a convolution (a patch stem, a positional or feature convolution): autoshard splits no convolution"},
+       "a convolution autoshard does not split: grouped or depthwise (it reads its input channels group by "
+       "group), or with a forward of its own"},
       {"functional_layer",
        "a Linear the model never calls: its forward applies the weight itself (F.linear(x, layer.weight, bias)), "
        "which autoshard does not split"},
