@@ -1,29 +1,14 @@
-// From the settled pass to a Plan, and the Plan as the JSON document the Python layer reads.
-//
-// The document (version 1), every record with named fields:
-//   {"version": 1,
-//    "layers": [{"node", "style", "region", "units", "copy_group", "parts", "whole_parts", "summed_parts", "letter", "repeat",
-//                "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",
-//                "sequence_note"}],
-//    "regions": [{"id", "units", "localize", "repeat", "coarse_units", "coarse_localize"}],
-//    "comm": [{"phase", "kind", "count", "elements"}],
-//    "partial_gradients": [{"params", "elements"}],
-//    "tensors": [{"tensor", "region", "coarse", "axis", "outer", "size", "sequence", "whole"}],
-//    "sequence_entries": [{"tensor", "module", "leaf", "dim", "region"}],
-//    "sequence_gathers": [{"tensor", "module", "leaf", "dim", "region"}],
-//    "head_entries": [{"tensor", "module", "leaf", "axis", "outer", "size", "region"}],
-//    "head_outputs": [{"tensor", "module", "axis", "outer", "size", "region"}],
-//    "attention_weights": [{"node", "region", "used"}],
-//    "head_params": [{"tensor", "param", "axis", "size", "region"}],
-//    "norms": [{"node", "region", "features"}]}
+// From the settled pass to a Plan; plan_to_json (emit_json.cpp) writes it as the document the
+// Python layer reads.
 #include "plan/emit.h"
 
 #include <algorithm>
 #include <map>
 #include <numeric>
-#include <sstream>
 
 #include <c10/util/Exception.h>
+
+#include "plan/gradient_flow.h"
 
 namespace autoshard::plan {
 namespace {
@@ -59,10 +44,27 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     }
     plan.comm.push_back({phase, kind, 1, elements});
   };
-  // A model input needs no gradient, so the copy of one issues no backward all-reduce.
-  std::vector<bool> produced(graph.tensors.size(), false);
-  for (const Node& node : graph.nodes) {
-    for (int id : node.outputs) produced[id] = true;
+  // A model input needs no gradient, so the copy of one issues no backward all-reduce; nor
+  // does any collective of a tensor backward never reaches (see gradient_flow.h).
+  const GradientFlow flow = gradient_flow(graph);
+  std::vector<int> producer(graph.tensors.size(), -1);
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    for (int id : graph.nodes[n].outputs) producer[id] = static_cast<int>(n);
+  }
+  // A column layer's copy (or gather) of its input runs in backward when the input requires a
+  // gradient and backward reaches one of the column layers reading it (the input itself may
+  // reach an output another way, by a residual).
+  std::vector<bool> copy_read(graph.tensors.size(), false);
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    if (!is_layer(node) || (pass.roles[n] != Style::Column && pass.roles[n] != Style::ColumnGather)) continue;
+    const auto sequence = pass.sequence_roles.find(static_cast<int>(n));
+    const int input = node.inputs.at(0);
+    if (sequence != pass.sequence_roles.end() && sequence->second == SequenceRole::Gather &&
+        pass.gather_entry.count(input)) {
+      continue;  // gathered where a module receives it: counted with the sequence gathers
+    }
+    for (int out : node.outputs) copy_read[input] = copy_read[input] || flow.reaches_output[out];
   }
   for (size_t n = 0; n < graph.nodes.size(); ++n) {
     const Node& node = graph.nodes[n];
@@ -143,12 +145,13 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
         auto [it, fresh] = copy_groups.emplace(input, static_cast<int>(copy_groups.size()));
         d.copy_group = it->second;
         const int64_t in_elements = numel(graph.tensor(input).shape);
+        const bool backward = flow.requires_grad[input] && copy_read[input];
         if (fresh && d.sequence == "gathered") {
           // counted once per gathered tensor, below
         } else if (fresh && seq == SequenceRole::Gather) {
           comm("forward", "all_gather", in_elements);
-          comm("backward", "reduce_scatter", in_elements);
-        } else if (fresh && produced[input]) {
+          if (backward) comm("backward", "reduce_scatter", in_elements);
+        } else if (fresh && producer[input] >= 0 && backward) {
           comm("backward", "all_reduce", in_elements);
         }
         break;
@@ -173,7 +176,29 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
       plan.partial.back().params.push_back(it->first);
       plan.partial.back().elements += elements;
     }
-    for (const PartialBucket& bucket : plan.partial) comm("backward", "all_reduce", bucket.elements);
+    // A bucket of frozen parameters only has nothing to sum.
+    std::map<int64_t, bool> trainable;
+    for (const TensorInfo& t : graph.tensors) {
+      if (t.param >= 0) trainable[t.param] = trainable[t.param] || t.trainable;
+    }
+    for (const PartialBucket& bucket : plan.partial) {
+      const bool any = std::any_of(bucket.params.begin(), bucket.params.end(), [&](int64_t param) {
+        return !trainable.count(param) || trainable.at(param);
+      });
+      if (any) comm("backward", "all_reduce", bucket.elements);
+    }
+  }
+
+  // An experts module's routing weights meet every rank's partial expert outputs in the
+  // combine: once its experts are split, their gradient is a partial sum, all-reduced in
+  // backward (one all-reduce per floating-point routing input).
+  for (const Node& node : graph.nodes) {
+    if (node.routing_floating.empty() || node.inputs.empty()) continue;
+    const int experts = producer[node.inputs[0]];
+    if (experts < 0 || !is_layer(graph.nodes[experts]) || pass.roles[experts] == Style::Replicate) continue;
+    for (size_t i = 0; i < node.routing_floating.size() && i + 1 < node.inputs.size(); ++i) {
+      if (node.routing_floating[i]) comm("backward", "all_reduce", numel(graph.tensor(node.inputs[i + 1]).shape));
+    }
   }
 
   // Entries: cut in forward, their gradient gathered back in backward.
@@ -181,7 +206,7 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     const ModuleEntry& entry = graph.entries.at(index);
     plan.sequence_entries.push_back(
         {tensor, entry.module, entry.leaf, pass.layouts[tensor].factor.axis, pass.find(pass.layouts[tensor].region)});
-    comm("backward", "all_gather", numel(graph.tensor(tensor).shape));
+    if (flow.needs(tensor)) comm("backward", "all_gather", numel(graph.tensor(tensor).shape));
   }
 
   for (const auto& [tensor, index] : pass.gather_entry) {
@@ -189,7 +214,7 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     plan.sequence_gathers.push_back(
         {tensor, entry.module, entry.leaf, pass.layouts[tensor].factor.axis, pass.find(pass.layouts[tensor].region)});
     comm("forward", "all_gather", numel(graph.tensor(tensor).shape));
-    comm("backward", "reduce_scatter", numel(graph.tensor(tensor).shape));
+    if (flow.needs(tensor)) comm("backward", "reduce_scatter", numel(graph.tensor(tensor).shape));
   }
 
   // Head cuts: a slice of a tensor no gradient reaches, no communication.
@@ -208,7 +233,7 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     if (pass.regions[root].conflict || node.kind != Kind::Embedding) continue;
     const AxisFactor& f = pass.node_cut_factor.at(n);
     plan.head_outputs.push_back({node.outputs.at(0), node.label, 0, f.axis, f.outer, f.size, root});
-    comm("backward", "all_gather", numel(graph.tensor(node.outputs.at(0)).shape));
+    if (flow.needs(node.outputs.at(0))) comm("backward", "all_gather", numel(graph.tensor(node.outputs.at(0)).shape));
   }
 
   // Attention weights averaged over split heads: an all-reduce of each rank's sum where read.
@@ -255,146 +280,18 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     layout.size = l.factor.size;
     layout.sequence = l.sequence;
     layout.whole = l.whole;
+    if (layout.coarse && l.repeat_next > 1 &&
+        l.repeat_next == pass.regions[layout.region].units / pass.regions[root].units) {
+      layout.repeat_axis = l.factor.axis + 1;
+    }
     if (l.sequence) {
       layout.coarse = false;
       layout.region = root;
     }
     plan.tensors.push_back(layout);
   }
+  name_region_modules(graph, plan);
   return plan;
-}
-
-namespace {
-
-void write_string(std::ostringstream& out, const std::string& s) {
-  out << '"';
-  for (char c : s) {
-    switch (c) {
-      case '"': out << "\\\""; break;
-      case '\\': out << "\\\\"; break;
-      case '\n': out << "\\n"; break;
-      case '\t': out << "\\t"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out << "\\u00" << "0123456789abcdef"[(c >> 4) & 0xf] << "0123456789abcdef"[c & 0xf];
-        } else {
-          out << c;
-        }
-    }
-  }
-  out << '"';
-}
-
-void write_ints(std::ostringstream& out, const std::vector<int64_t>& values) {
-  out << '[';
-  for (size_t i = 0; i < values.size(); ++i) out << (i ? "," : "") << values[i];
-  out << ']';
-}
-
-}  // namespace
-
-std::string plan_to_json(const Plan& plan) {
-  static const char* styles[] = {"replicate", "column", "column_gather", "row", "vocab"};
-  std::ostringstream out;
-  out << "{\"version\":1,\"layers\":[";
-  for (size_t i = 0; i < plan.layers.size(); ++i) {
-    const LayerDecision& d = plan.layers[i];
-    out << (i ? "," : "") << "{\"node\":" << d.node << ",\"style\":\"" << styles[static_cast<int>(d.style)]
-        << "\",\"region\":" << d.region << ",\"units\":" << d.units << ",\"copy_group\":" << d.copy_group
-        << ",\"parts\":";
-    write_ints(out, d.parts);
-    out << ",\"whole_parts\":";
-    write_ints(out, d.whole_parts);
-    out << ",\"summed_parts\":" << (d.summed_parts ? "true" : "false");
-    out << ",\"letter\":";
-    write_string(out, d.letter ? std::string(1, static_cast<char>(d.letter)) : std::string());
-    out << ",\"repeat\":" << d.repeat << ",\"reason\":";
-    write_string(out, d.reason);
-    out << ",\"note\":";
-    write_string(out, d.note);
-    out << ",\"whole_units\":" << d.whole_units << ",\"sequence\":";
-    write_string(out, d.sequence);
-    out << ",\"sequence_dim\":" << d.sequence_dim << ",\"sequence_region\":" << d.sequence_region
-        << ",\"sequence_note\":";
-    write_string(out, d.sequence_note);
-    out << '}';
-  }
-  out << "],\"regions\":[";
-  for (size_t i = 0; i < plan.regions.size(); ++i) {
-    const RegionSummary& r = plan.regions[i];
-    out << (i ? "," : "") << "{\"id\":" << r.id << ",\"units\":" << r.units << ",\"localize\":";
-    write_ints(out, r.localize);
-    out << ",\"repeat\":" << r.repeat << ",\"coarse_units\":" << r.coarse_units << ",\"coarse_localize\":";
-    write_ints(out, r.coarse_localize);
-    out << '}';
-  }
-  out << "],\"comm\":[";
-  for (size_t i = 0; i < plan.comm.size(); ++i) {
-    const CommCount& c = plan.comm[i];
-    out << (i ? "," : "") << "{\"phase\":\"" << c.phase << "\",\"kind\":\"" << c.kind << "\",\"count\":" << c.count
-        << ",\"elements\":" << c.elements << '}';
-  }
-  out << "],\"partial_gradients\":[";
-  for (size_t i = 0; i < plan.partial.size(); ++i) {
-    out << (i ? "," : "") << "{\"params\":";
-    write_ints(out, plan.partial[i].params);
-    out << ",\"elements\":" << plan.partial[i].elements << '}';
-  }
-  out << "],\"tensors\":[";
-  for (size_t i = 0; i < plan.tensors.size(); ++i) {
-    const TensorLayout& t = plan.tensors[i];
-    out << (i ? "," : "") << "{\"tensor\":" << t.tensor << ",\"region\":" << t.region
-        << ",\"coarse\":" << (t.coarse ? "true" : "false") << ",\"axis\":" << t.axis << ",\"outer\":" << t.outer
-        << ",\"size\":" << t.size << ",\"sequence\":" << (t.sequence ? "true" : "false") << ",\"whole\":" << t.whole
-        << '}';
-  }
-  const auto write_entries = [&out](const char* name, const std::vector<SequenceEntry>& entries) {
-    out << "],\"" << name << "\":[";
-    for (size_t i = 0; i < entries.size(); ++i) {
-      const SequenceEntry& e = entries[i];
-      out << (i ? "," : "") << "{\"tensor\":" << e.tensor << ",\"module\":";
-      write_string(out, e.module);
-      out << ",\"leaf\":" << e.leaf << ",\"dim\":" << e.dim << ",\"region\":" << e.region << '}';
-    }
-  };
-  write_entries("sequence_entries", plan.sequence_entries);
-  write_entries("sequence_gathers", plan.sequence_gathers);
-  out << "],\"head_entries\":[";
-  for (size_t i = 0; i < plan.head_entries.size(); ++i) {
-    const HeadEntry& e = plan.head_entries[i];
-    out << (i ? "," : "") << "{\"tensor\":" << e.tensor << ",\"module\":";
-    write_string(out, e.module);
-    out << ",\"leaf\":" << e.leaf << ",\"axis\":" << e.axis << ",\"outer\":" << e.outer << ",\"size\":" << e.size
-        << ",\"region\":" << e.region << '}';
-  }
-  out << "],\"head_outputs\":[";
-  for (size_t i = 0; i < plan.head_outputs.size(); ++i) {
-    const HeadEntry& e = plan.head_outputs[i];
-    out << (i ? "," : "") << "{\"tensor\":" << e.tensor << ",\"module\":";
-    write_string(out, e.module);
-    out << ",\"axis\":" << e.axis << ",\"outer\":" << e.outer << ",\"size\":" << e.size
-        << ",\"region\":" << e.region << '}';
-  }
-  out << "],\"attention_weights\":[";
-  for (size_t i = 0; i < plan.attention_weights.size(); ++i) {
-    const AttentionWeightsDecision& w = plan.attention_weights[i];
-    out << (i ? "," : "") << "{\"node\":" << w.node << ",\"region\":" << w.region
-        << ",\"used\":" << (w.used ? "true" : "false") << '}';
-  }
-  out << "],\"norms\":[";
-  for (size_t i = 0; i < plan.norms.size(); ++i) {
-    const NormDecision& d = plan.norms[i];
-    out << (i ? "," : "") << "{\"node\":" << d.node << ",\"region\":" << d.region << ",\"features\":" << d.features
-        << '}';
-  }
-  out << "],\"head_params\":[";
-  for (size_t i = 0; i < plan.head_params.size(); ++i) {
-    const HeadParam& p = plan.head_params[i];
-    out << (i ? "," : "") << "{\"tensor\":" << p.tensor << ",\"param\":" << p.param << ",\"axis\":" << p.axis
-        << ",\"size\":" << p.size << ",\"region\":" << p.region << '}';
-  }
-  out << "]}";
-  return out.str();
 }
 
 }  // namespace autoshard::plan

@@ -19,4 +19,8 @@ struct Why {
 Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& why, int64_t world_size,
                const std::map<int, std::string>& sequence_refused = {});
 
+// Names each region's module and, where its layers sit in several attentions, each
+// attention's (region_modules.cpp).
+void name_region_modules(const Graph& graph, Plan& plan);
+
 }  // namespace autoshard::plan

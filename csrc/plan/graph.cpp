@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include "plan/json_reader.h"
+#include "plan/propagation.h"
 
 namespace autoshard::plan {
 namespace {
@@ -42,6 +43,10 @@ int64_t integer_or(const JsonValue& record, const char* name, int64_t fallback, 
   return record.find(name) ? integer(record, name, where) : fallback;
 }
 
+bool boolean_or(const JsonValue& record, const char* name, bool fallback, const std::string& where) {
+  return record.find(name) ? field(record, name, Type::Bool, where).boolean : fallback;
+}
+
 template <typename T>
 std::vector<T> integers(const JsonValue& record, const char* name, const std::string& where) {
   std::vector<T> out;
@@ -66,6 +71,16 @@ Node parse_node(const JsonValue& record, const std::string& where) {
   node.label = field(record, "label", Type::String, where).string;
   node.inputs = integers<int>(record, "inputs", where);
   node.outputs = integers<int>(record, "outputs", where);
+  node.trainable = boolean_or(record, "trainable", true, where);
+  if (const JsonValue* routing = record.find("routing_floating")) {
+    TORCH_CHECK_VALUE(routing->type == Type::Array, "[plan.bad_graph] plan: ", where,
+                      ": field 'routing_floating' must be a list");
+    for (const auto& item : routing->items) {
+      TORCH_CHECK_VALUE(item.type == Type::Bool, "[plan.bad_graph] plan: ", where,
+                        ": field 'routing_floating' must hold true or false");
+      node.routing_floating.push_back(item.boolean);
+    }
+  }
   switch (node.kind) {
     case Kind::Linear:
       node.in_features = integer(record, "in_features", where);
@@ -143,6 +158,8 @@ Graph parse_graph(const std::string& document) {
     const JsonValue* output = record.find("output");
     t.is_output = output != nullptr && output->type == Type::Bool && output->boolean;
     t.known = true;
+    t.floating = boolean_or(record, "floating", true, where);
+    t.trainable = boolean_or(record, "trainable", true, where);
     graph.tensors.push_back(std::move(t));
   }
   const int64_t tensor_count = static_cast<int64_t>(graph.tensors.size());
@@ -184,6 +201,20 @@ Graph parse_graph(const std::string& document) {
       TORCH_CHECK_VALUE(e.tensor >= 0 && e.tensor < tensor_count, "[plan.bad_graph] plan: ", where,
                         " names undeclared tensor ", e.tensor);
       graph.entries.push_back(std::move(e));
+    }
+  }
+  if (const JsonValue* together = root.find("together")) {
+    TORCH_CHECK_VALUE(together->type == Type::Array, "[plan.bad_graph] plan: 'together' must be a list");
+    for (const auto& pair : together->items) {
+      const bool ok = pair.type == Type::Array && pair.items.size() == 2 && pair.items[0].type == Type::Int &&
+                      pair.items[1].type == Type::Int;
+      TORCH_CHECK_VALUE(ok, "[plan.bad_graph] plan: 'together' must hold pairs of layer nodes");
+      const int64_t first = pair.items[0].integer, second = pair.items[1].integer;
+      for (int64_t node : {first, second}) {
+        TORCH_CHECK_VALUE(node >= 0 && node < static_cast<int64_t>(graph.nodes.size()) && is_layer(graph.nodes[node]),
+                          "[plan.bad_graph] plan: 'together' names node ", node, ", which is not a layer");
+      }
+      graph.together.emplace_back(static_cast<int>(first), static_cast<int>(second));
     }
   }
   return graph;

@@ -48,6 +48,8 @@ struct TensorInfo {
   int param = -1;  // index of the parameter this tensor is, or -1
   bool is_output = false;
   bool known = false;
+  bool floating = true;   // floating-point or complex: a gradient can reach it
+  bool trainable = true;  // a parameter: whether it requires a gradient
 };
 
 struct Node {
@@ -72,6 +74,10 @@ struct Node {
   int64_t part = -1;
   bool narrowing = false;            // Pointwise: a cast to a narrower floating-point dtype
   bool average = false;              // AttentionWeights: averaged over the heads
+  bool trainable = true;             // a layer: whether any parameter of its module requires a gradient
+  // An experts module's combine (Opaque, inputs {expert outputs, routing...}): per routing input,
+  // whether it is floating-point. Once the experts are split, its gradient is a partial sum.
+  std::vector<bool> routing_floating;
 };
 
 // A tensor a module received in its first call: its node range and the tensor's position
@@ -92,19 +98,25 @@ struct Graph {
   // Whether the planner may split the token axis between row and column layers.
   bool sequence_parallel = true;
   std::vector<ModuleEntry> entries;
+  // Layers one module computes that split only together, a column layer then a row layer, or
+  // both whole (an nn.MultiheadAttention's q/k/v projection and its out_proj).
+  std::vector<std::pair<int, int>> together;
 
   const TensorInfo& tensor(int id) const { return tensors.at(id); }
 };
 
 // The graph document, version 1 (written by python/autoshard/plan/capture.py):
 //   {"version": 1,
-//    "tensors": [{"shape": [...], "param": index (optional), "output": bool (optional)}, ...],
+//    "tensors": [{"shape": [...], "param": index (optional), "output": bool (optional),
+//                 "floating": bool (optional, true), "trainable": bool (optional, true)}, ...],
 //    "nodes": [{"kind": "linear", "label": "...", "inputs": [ids], "outputs": [ids],
+//               "trainable": bool (optional, true; layers), "routing_floating": [bool, ...] (optional),
 //               and the fields of its kind named in Kind above}, ...],
 //    "forced": [{"node": index, "style": "replicate" | "column_gather"}, ...] (optional),
 //    "sequence_parallel": bool (optional, true),
 //    "entries": [{"tensor": id, "first": node, "end": node, "leaf": index, "module": "..."}, ...]
-//               (optional: ModuleEntry)}
+//               (optional: ModuleEntry),
+//    "together": [[column node, row node], ...] (optional: Graph::together)}
 // A tensor's id is its index in "tensors"; einsum letters are objects
 // {"letter": "d", "role": "output" | "contracted" | "batch", "input_dim": int, "output_dim": int}.
 Graph parse_graph(const std::string& document);

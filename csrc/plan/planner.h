@@ -60,6 +60,11 @@ struct RegionSummary {
   int64_t repeat = 0;
   int64_t coarse_units = 0;
   std::vector<int64_t> coarse_localize;
+  // The smallest module holding the region's layers, whose attributes become local; and, for
+  // a region spanning several attentions (a position bias passed on from the first ties their
+  // heads together), the smallest module holding each one's layers (region_modules.cpp).
+  std::string module;
+  std::vector<std::string> part_modules;
 };
 
 struct CommCount {
@@ -87,6 +92,10 @@ struct TensorLayout {
   int64_t size = 0;
   bool sequence = false;  // split on tokens: `size` tokens split by split_sizes over the ranks
   int64_t whole = 0;      // elements of the axis held whole (a fused output's whole parts); the rest is split
+  // A coarse (KV) tensor broadcast for its query heads (repeat_kv): the axis after the split
+  // one repeats each KV head for the query heads it serves; its local size on a rank is that
+  // rank's query heads per KV head, not the global count. -1: none.
+  int repeat_axis = -1;
 };
 
 // A tensor held whole cut to this rank's tokens where a module receives it (sequence.cpp).

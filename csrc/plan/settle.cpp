@@ -327,6 +327,16 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
                                    : Why{"weight_shared", "replicated: it shares its weight with a layer split differently"});
       }
     }
+    // Layers that split only together: a column layer then a row layer, or both whole.
+    for (const auto& [first, second] : graph.together) {
+      const Style a = pass.roles[first], b = pass.roles[second];
+      if ((a == Style::Column && b == Style::Row) || (a == Style::Replicate && b == Style::Replicate)) continue;
+      const Why unpaired{"attention_unpaired", "replicated: " + graph.nodes[first].label + " and " +
+                                                   graph.nodes[second].label + " split only together, by heads "
+                                                   "(column, then row), which this model's dataflow does not allow"};
+      changed |= force(first, Force::Replicate, unpaired);
+      changed |= force(second, Force::Replicate, unpaired);
+    }
     if (!changed) {
       if (!graph.sequence_parallel || world_size == 1) return emit_plan(graph, pass, why, world_size);
       break;

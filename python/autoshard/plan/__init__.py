@@ -4,7 +4,7 @@ import fnmatch
 import json
 import re
 import warnings
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
@@ -13,7 +13,6 @@ from ..nn.multihead_attention import IN_PROJECTION
 from ..styles import OVERRIDE_STYLES, Style
 from .adapters import add_adapters
 from .capture import CapturedGraph, capture
-from .gradient_flow import drop_gradient_free_collectives
 from .holdings import imbalance_warning, inventory
 from .idiom_notes import explain_idioms, whole_reasons
 from .length_reads import explain_length_reads, split_inputs_gathered_inside, with_length_reads
@@ -30,19 +29,6 @@ def _element_size(model: nn.Module) -> int:
         if p.is_floating_point():
             return p.element_size()
     return 4
-
-
-def _common_module(names) -> str:
-    paths = [n.split(".") for n in names]
-    common = []
-    for parts in zip(*paths):
-        if len(set(parts)) != 1:
-            break
-        common.append(parts[0])
-    # The layers' own names are not their parent module.
-    if len(paths) == 1 or any(len(common) == len(p) for p in paths):
-        common = common[:-1]
-    return ".".join(common)
 
 
 def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: int) -> ShardingPlan:
@@ -76,19 +62,16 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
         layers[-1]._whole_units = record["whole_units"]
     comm = [{"phase": c["phase"], "kind": c["kind"], "count": c["count"], "bytes": c["elements"] * element_size}
             for c in data["comm"]]
-    _add_routing_gradients(comm, data, graph, element_size)
-    drop_gradient_free_collectives(comm, data, graph, element_size)
     partial = [{"params": [names[i] for i in bucket["params"]], "bytes": bucket["elements"] * element_size}
                for bucket in data["partial_gradients"]]
     region_plans = {}
     for record in data["regions"]:
         region = record["id"]
-        members = [layer.module for layer in layers if layer.region == region]
-        region_plans[region] = RegionPlan(units=record["units"], module=_common_module(members),
+        region_plans[region] = RegionPlan(units=record["units"], module=record["module"],
                                           repeat=record["repeat"], coarse_units=record["coarse_units"],
                                           coarse_sizes=record["coarse_localize"])
         region_plans[region]._localize = record["localize"]
-    _attention_copies(region_plans, layers, graph)
+    _attention_copies(region_plans, data["regions"], graph)
     norms = []
     for record in data.get("norms", []):
         node = graph.document["nodes"][record["node"]]
@@ -125,73 +108,24 @@ class _TokenIndexing(Exception):
     """No place to gather the tokens before an op indexing them (see token_selections.py)."""
 
 
-_UNPAIRED = "its nn.MultiheadAttention"
-
-
-def _unpaired_attentions(result: ShardingPlan, graph: CapturedGraph) -> Dict[int, str]:
-    """The projections of each nn.MultiheadAttention that is neither split by heads (its
-    q/k/v projection a column layer, its out_proj the row layer after it) nor whole: node ->
-    why. ParallelMultiheadAttention computes only the first; the module computes the second."""
-    found = {}
+def _split_together(graph: CapturedGraph) -> List[List[int]]:
+    """The planner's "together" pairs (csrc/plan/graph.h): the q/k/v projection and out_proj of
+    each nn.MultiheadAttention, which ParallelMultiheadAttention splits only by heads together."""
     nodes = {info.name: node for node, info in graph.layers.items()}
-    for layer in result.layers:
-        owner, _, child = layer.module.rpartition(".")
-        if child != IN_PROJECTION or owner + ".out_proj" not in nodes:
-            continue
-        out = result.layer(owner + ".out_proj")
-        if (layer.style, out.style) in ((Style.COLUMN, Style.ROW), (Style.REPLICATE, Style.REPLICATE)):
-            continue
-        why = (f"{_UNPAIRED} {owner!r} would have its q/k/v projection {layer.style} and out_proj {out.style}; it is "
-               "split only as a whole (by heads: column, then row)")
-        found.update({nodes[layer.module]: why, nodes[out.module]: why})
-    return found
+    return [[node, nodes[owner + ".out_proj"]] for name, node in nodes.items()
+            for owner, _, child in [name.rpartition(".")] if child == IN_PROJECTION and owner + ".out_proj" in nodes]
 
 
-def _add_routing_gradients(comm, data, graph: CapturedGraph, element_size: int) -> None:
-    """A sharded experts module's routing weights meet every rank's partial expert outputs in
-    the combine: their gradient is partial, summed over the ranks in backward (one all-reduce
-    per floating-point routing input). The planner does not follow the routing; counted here."""
-    split = {record["node"] for record in data["layers"] if Style(record["style"]).is_split}
-    elements = []
-    for node in graph.layer_calls:
-        inner_linear = node - 1  # the experts' "out" node comes right before its combine
-        if inner_linear not in split or graph.layers[inner_linear].side != "out":
-            continue
-        _, inputs, _ = graph.nodes[node]
-        floating = graph.document["nodes"][node]["routing_floating"]
-        elements += [graph.shapes[t] for t, f in zip(inputs[1:], floating) if f]
-    if not elements:
-        return
-    count = 0
-    for shape in elements:
-        count_elements = 1
-        for s in shape:
-            count_elements *= s
-        count += count_elements
-    for c in comm:
-        if c["phase"] == "backward" and c["kind"] == "all_reduce":
-            c["count"] += len(elements)
-            c["bytes"] += count * element_size
-            return
-    comm.append({"phase": "backward", "kind": "all_reduce", "count": len(elements), "bytes": count * element_size})
-
-
-def _attention_copies(region_plans: Dict[int, RegionPlan], layers, graph: CapturedGraph) -> None:
-    """A region spanning several attentions (a position bias passed on from the first ties their
-    heads together) has no one module whose attributes it could make local: each attention gets
-    a copy of the region under an id of its own (negative, named by no layer or tensor), whose
-    module is that attention, for its attributes alone."""
-    for region_id, region in list(region_plans.items()):
+def _attention_copies(region_plans: Dict[int, RegionPlan], records, graph: CapturedGraph) -> None:
+    """A region spanning several attentions (see part_modules in csrc/plan/region_modules.cpp)
+    has no one module the model calls whose attributes it could make local: each attention the
+    model calls gets a copy of the region under an id of its own (negative, named by no layer or
+    tensor), whose module is that attention, for its attributes alone."""
+    for record in records:
+        region = region_plans[record["id"]]
         if region.module in graph.module_nodes:
             continue
-        groups: Dict[str, list] = {}
-        for layer in layers:
-            if layer.region == region_id and layer.style.is_split:
-                groups.setdefault(layer.module.rpartition(".")[0], []).append(layer.module)
-        if len(groups) < 2:
-            continue
-        for members in sorted(groups.values()):
-            module = _common_module(members)
+        for module in record["part_modules"]:
             if module not in graph.module_nodes:
                 continue
             copy = RegionPlan(units=region.units, module=module, repeat=region.repeat,
@@ -249,13 +183,14 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     mismatched: Dict[int, str] = {node: why for node, info in graph.layers.items()
                                   for pattern, why in whole.items() if within(info.name, pattern)}
     from_dry_run = set(mismatched)
+    together = _split_together(graph)
     token_indexing = None  # why sequence parallelism was given up, if it was
     length_reads = []  # (module, tensor): inputs kept whole where a module may read their length
     while True:
         replicated = [{"node": node, "style": Style.REPLICATE.value} for node in mismatched]
         document = torch.ops.autoshard.plan_graph(
             json.dumps({**with_length_reads(graph.document, length_reads), "forced": forced + replicated,
-                        "sequence_parallel": sequence_parallel}),
+                        "sequence_parallel": sequence_parallel, "together": together}),
             world_size)
         try:
             result = _parse(document, graph, world_size, _element_size(model))
@@ -271,10 +206,6 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
         if reads:
             length_reads += reads
             continue
-        unpaired = _unpaired_attentions(result, graph)
-        if unpaired:
-            mismatched.update(unpaired)
-            continue
         if world_size <= 1:
             break
         failures: Dict[int, ShapeMismatch] = {}
@@ -289,9 +220,7 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
         mismatched.update(found)
     for node, why in mismatched.items():
         layer = result.layer(graph.layers[node].name)
-        attention = why.startswith(_UNPAIRED)
-        layer.reason = ("attention_unpaired" if attention else "dry_run_mismatch" if node in from_dry_run
-                        else "shape_mismatch")
+        layer.reason = "dry_run_mismatch" if node in from_dry_run else "shape_mismatch"
         layer.note = "replicated: " + why.removeprefix("plan: ")
     explain_length_reads(result)
     explain_idioms(result, graph)

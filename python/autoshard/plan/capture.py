@@ -51,8 +51,6 @@ class CapturedGraph:
     # Each module called once (the model itself left out): (leaf, tensor id) of the recorded
     # tensors it returned, leaf being the place among the flattened outputs.
     module_exits: Dict[str, List[Tuple[int, int]]] = field(default_factory=dict)
-    # Per tensor id: whether it is floating-point (or complex), so that a gradient can reach it.
-    floating: List[bool] = field(default_factory=list)
 
 
 def capture(model: nn.Module, example_inputs=None, fold_blocks: bool = True) -> CapturedGraph:
@@ -193,8 +191,11 @@ def capture(model: nn.Module, example_inputs=None, fold_blocks: bool = True) -> 
                 "module": name}
                for name, received in module_entries.items() if name and module_nodes[name][1] >= module_nodes[name][0]
                for leaf, tensor in received]
+    document = recorder.document([recorder.tensor_id(o) for o in flat])
+    _record_gradient_facts(document, layers, shadow, [t is None or t.is_floating_point() or t.is_complex()
+                                                       for t in recorder.keep])
     return CapturedGraph(
-        document={**recorder.document([recorder.tensor_id(o) for o in flat]), "entries": entries},
+        document={**document, "entries": entries},
         layers=layers,
         param_names=param_names,
         output_shapes=[tuple(o.shape) for o in flat],
@@ -211,5 +212,26 @@ def capture(model: nn.Module, example_inputs=None, fold_blocks: bool = True) -> 
         inner_nodes=recorder.inner_nodes,
         layer_calls=recorder.layer_calls,
         module_exits={name: left for name, left in module_exits.items() if name and name not in called_again},
-        floating=[t is None or t.is_floating_point() or t.is_complex() for t in recorder.keep],
     )
+
+
+def _record_gradient_facts(document: dict, layers: dict, shadow: nn.Module, floating: List[bool]) -> None:
+    """Writes into the graph document what the planner needs to know which tensors a backward
+    pass reaches (csrc/plan/gradient_flow.h): the tensors that are not floating-point, the
+    parameters that require no gradient, and the layers none of whose module's parameters do
+    (a layer's output needs a gradient when any parameter of its module requires one: a LoRA
+    layer's factors beside a frozen base weight). Only the exceptions are written."""
+    trainable = [p.requires_grad for _, p in shadow.named_parameters(remove_duplicate=True)]
+    for index, record in enumerate(document["tensors"]):
+        if not floating[index]:
+            record["floating"] = False
+        if "param" in record and not trainable[record["param"]]:
+            record["trainable"] = False
+    modules = dict(shadow.named_modules())
+    for index, node in enumerate(document["nodes"]):
+        if node["kind"] not in ("linear", "embedding", "einsum"):
+            continue
+        info = layers.get(index)
+        # The q/k/v projection of an nn.MultiheadAttention is no module of its own: taken as trainable.
+        if info is None or (info.name in modules and not any(p.requires_grad for p in modules[info.name].parameters())):
+            node["trainable"] = False

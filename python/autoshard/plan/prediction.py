@@ -72,32 +72,14 @@ class Prediction:
 
     def repeat_axes(self) -> Dict[int, Tuple[int, int]]:
         """tensor -> (axis, region) for the axis that repeats each shared KV head for its query
-        heads (repeat_kv's expand, or repeat, of a (.., kv, 1, ..) view to (.., kv, n_rep, ..)): its local
-        size is the query heads per KV head on the rank, not the global n_rep."""
-        if self._repeat_axes is not None:
-            return self._repeat_axes
-        axes: Dict[int, Tuple[int, int]] = {}
-        shapes = self.graph.shapes
-        for label, inputs, outputs in self.graph.nodes:
-            if len(inputs) != 1 or len(outputs) != 1:
-                continue
-            source, out = inputs[0], outputs[0]
-            if source in axes and _op(label) in _LAYOUT_COPIES and shapes[source] == shapes[out]:
-                axes[out] = axes[source]
-                continue
-            # A repeat of axes of 1 is recorded as the broadcast it is (capture.record_repeat).
-            if _op(label) not in ("expand", "repeat") or len(shapes[source]) != len(shapes[out]):
-                continue
-            grown = [d for d, (a, b) in enumerate(zip(shapes[source], shapes[out])) if a != b]
-            layout = self.layouts.get(source)
-            if len(grown) != 1 or layout is None or not layout["coarse"] or layout["region"] not in self.plan.regions:
-                continue
-            region = self.plan.regions[layout["region"]]
-            axis = grown[0]
-            if region.repeat and axis == layout["axis"] + 1 and shapes[out][axis] == region.repeat:
-                axes[out] = (axis, layout["region"])
-        self._repeat_axes = axes
-        return axes
+        heads (repeat_kv's expand, or repeat, of a (.., kv, 1, ..) view to (.., kv, n_rep, ..)), as
+        the planner found it (a layout's "repeat_axis"): its local size is the query heads per KV
+        head on the rank, not the global n_rep."""
+        if self._repeat_axes is None:
+            self._repeat_axes = {tensor: (layout["repeat_axis"], layout["region"])
+                                 for tensor, layout in self.layouts.items()
+                                 if layout.get("repeat_axis", -1) >= 0 and layout["region"] in self.plan.regions}
+        return self._repeat_axes
 
     def local_shape(self, tensor: int, rank: int, tokens: bool = True) -> Tuple[int, ...]:
         """The tensor's shape on `rank`; with `tokens` False, as if no token axis were split."""
