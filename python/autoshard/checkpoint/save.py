@@ -29,13 +29,14 @@ import torch.distributed as dist
 
 from . import claim
 from . import manifest as mf
+from . import rng
 from ..model_state import state_of
 from .agreement import Agreement, claimed_message, start_agreement
 from .contents import Held, json_value, model_holdings, optimizer_holdings
 from .group import CheckpointGroup, checkpoint_group
 from .pending import CheckpointSaveError, SaveHandle, track, wait_for_pending_save
 from .snapshot import Snapshot, take_snapshot
-from ..tensor_io import write_safetensors
+from ..tensor_io import full_selection, write_safetensors
 
 
 def _check_arguments(path, model, optimizer, extra, async_save) -> str:
@@ -223,6 +224,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
                     after_commit: Optional[Callable[[], None]] = None) -> SaveHandle:
     """save(), plus ``metrics`` recorded in the manifest and ``after_commit`` run on rank 0 once
     the checkpoint is committed (CheckpointManager's retention)."""
+    generators = rng.capture()  # before anything else can draw from them
     path = _check_arguments(path, model, optimizer, extra, async_save)
     extra = json_value(extra, "extra")  # a copy: the caller may change theirs once save returns
     wait_for_pending_save()
@@ -234,6 +236,8 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
         if optimizer is not None:
             optimizer_held, optimizer_description = optimizer_holdings(optimizer, targets)
             held += optimizer_held
+        held += [Held(rng.key(comm.rank, name), state, full_selection(state.shape))
+                 for name, state in generators.items()]
     except (TypeError, ValueError) as e:
         error = f"rank {comm.rank}: {e}"
     if comm.rank == 0:
