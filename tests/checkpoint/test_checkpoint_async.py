@@ -9,9 +9,11 @@ before returning, on every rank, also once the ranks' agreement is reused from t
 """
 
 import errno
+import gc
 import importlib
 import os
 import threading
+import weakref
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from multirank import run_on_ranks
 
 save_module = importlib.import_module("autoshard.checkpoint.save")
 manifest_module = importlib.import_module("autoshard.checkpoint.manifest")
+snapshot_module = importlib.import_module("autoshard.checkpoint.snapshot")
 
 
 def _train_step(model, optimizer, step: int) -> None:
@@ -178,6 +181,79 @@ def test_a_failed_background_save_leaves_nothing_and_the_next_one_works(tmp_path
         assert after_copy == after_file == after_manifest == ["warm"], (rank, after_copy, after_file, after_manifest)
         assert differences == [], (rank, differences)
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "warm"]
+
+
+def _out_of_memory(where: str, fail_on: int):
+    """Makes rank ``fail_on``'s next asynchronous save run out of memory ``where`` ("copy": after
+    allocating new buffers for three tensors; "write": at its rank file); returns weak
+    references to every host buffer that save used, and the functions to put back."""
+    kept = [weakref.ref(buffer) for buffer, _ in snapshot_module._buffers.values()]
+    originals = snapshot_module._buffer, save_module.write_safetensors
+    if dist.get_rank() != fail_on:
+        return kept, originals
+    if where == "copy":
+        allocated = []
+
+        def buffer(key, like):
+            if len(allocated) == 3:
+                raise MemoryError(f"no host memory left for {key!r}")
+            new = torch.empty(like.shape, dtype=like.dtype)
+            allocated.append(new)
+            kept.append(weakref.ref(new))
+            snapshot_module._buffers[key] = (new, False)
+            return new
+        snapshot_module._buffer = buffer
+    else:
+        def write(file_path, tensors):
+            raise MemoryError(f"no memory left to write {file_path!r}")
+        save_module.write_safetensors = write
+    return kept, originals
+
+
+def _failed_save_releases_its_buffers(directory: str, where: str):
+    model = parallelize_toy(build_toy(0))
+    optimizer = autoshard.optim.AdamW(model.parameters(), lr=1e-2)
+    _train_step(model, optimizer, 0)
+    good = os.path.join(directory, "good")
+    checkpoint.save(good, model, optimizer, async_save=True).wait()
+    expected = _local_state(model, optimizer)
+    kept_after_good = snapshot_module.kept_bytes()
+    _train_step(model, optimizer, 1)
+    gc.collect()
+    gc.disable()  # what is freed must be freed by reference counting, not by a collection
+    try:
+        kept, originals = _out_of_memory(where, fail_on=1)
+        try:
+            handle = checkpoint.save(os.path.join(directory, "failed"), model, optimizer, async_save=True)
+            try:
+                handle.wait()
+                error = None
+            except CheckpointSaveError as e:
+                error = str(e)
+        finally:
+            snapshot_module._buffer, save_module.write_safetensors = originals
+        alive = sum(ref() is not None for ref in kept)
+        kept_after_failure = snapshot_module.kept_bytes()
+    finally:
+        gc.enable()
+    fresh = parallelize_toy(build_toy(3))
+    fresh_optimizer = autoshard.optim.AdamW(fresh.parameters(), lr=1.0)
+    checkpoint.load(good, fresh, fresh_optimizer)
+    differences = _differences(expected, _local_state(fresh, fresh_optimizer))
+    checkpoint.save(os.path.join(directory, "next"), model, optimizer, async_save=True).wait()
+    return error, len(kept), alive, kept_after_good, kept_after_failure, differences
+
+
+@pytest.mark.parametrize("where", ["copy", "write"])
+def test_a_save_that_runs_out_of_memory_releases_its_buffers(tmp_path, where):
+    results = run_on_ranks(_failed_save_releases_its_buffers, 2, str(tmp_path), where, timeout=300)
+    for rank, (error, buffers, alive, kept_after_good, kept_after_failure, differences) in enumerate(results):
+        assert error is not None and "rank 1" in error and "memory" in error, (rank, error)
+        assert buffers > 0 and kept_after_good > 0, (rank, buffers, kept_after_good)
+        # Every rank's save failed, so every rank dropped its buffers: none is referenced any more.
+        assert (alive, kept_after_failure) == (0, 0), (rank, alive, kept_after_failure)
+        assert differences == [], (rank, differences)
+    assert sorted(os.listdir(tmp_path)) == ["good", "next"]
 
 
 def _refusals_after_a_save(directory: str):

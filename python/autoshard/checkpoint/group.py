@@ -7,6 +7,7 @@ the main thread) the first time a checkpoint needs one. Without torch.distribute
 process is a world of one and every collective is the identity.
 """
 
+import atexit
 import pickle
 from typing import Any, Callable, List, Optional
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_gather_uneven, all_reduce_bucket, broadcast_, wait
+from .pending import finish_at_exit
 
 _cached = None  # (the default group it was made for, the checkpoint group)
 
@@ -84,3 +86,23 @@ def checkpoint_group() -> CheckpointGroup:
     if _cached is None or _cached[0] is not default:
         _cached = (default, dist.new_group(backend="gloo"))
     return CheckpointGroup(_cached[1])
+
+
+def _close_at_exit() -> None:
+    """At interpreter exit: the save in flight is finished (its error reported), the writer
+    thread stopped, and the gloo group this module made destroyed, while the process group it
+    belongs to still exists; its threads are then joined here, not during the interpreter's
+    teardown, where they could outlive the objects they use."""
+    global _cached
+    finish_at_exit()
+    made, _cached = _cached, None
+    if made is None or not (dist.is_available() and dist.is_initialized()):
+        return  # the world was destroyed (and our group with it), or none was made
+    if made[0] is dist.distributed_c10d._get_default_group():
+        try:
+            dist.destroy_process_group(made[1])
+        except Exception:
+            pass  # it is gone already: destroying the world destroys its subgroups
+
+
+atexit.register(_close_at_exit)

@@ -8,8 +8,10 @@ import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from . import manifest as mf
+from . import rng
 from ..partitioned_state import piece_of
 from .contents import OPTIMIZER_PREFIX
 from .files import CheckpointFiles
@@ -48,7 +50,7 @@ def _model_reads(model, manifest: mf.Manifest, strict: bool) -> Tuple[Dict[str, 
         _check_shape(repr(name), manifest.tensors[stored], target.selection.shape)
         used.add(stored)
         reads.append((stored, target.tensor.detach(), target.selection))
-    unexpected = [k for k in manifest.tensors if not k.startswith(OPTIMIZER_PREFIX) and k not in used]
+    unexpected = [k for k in manifest.tensors if not k.startswith((OPTIMIZER_PREFIX, rng.PREFIX)) and k not in used]
     if strict and (missing or unexpected):
         raise ValueError(f"load: the model and the checkpoint differ: missing from the checkpoint {missing}, "
                          f"not in the model {unexpected} (strict=False loads the tensors they share)")
@@ -205,17 +207,25 @@ def _load_optimizer_state(optimizer, params, targets: Dict[str, Target], manifes
 
 
 @torch.no_grad()
-def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, strict: bool = True):
+def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, strict: bool = True,
+         restore_rng: bool = True):
     """Loads the committed checkpoint at ``path`` into ``model`` (and ``optimizer``'s state and
     hyperparameters), whatever world size and plan saved it; returns the ``extra`` it was saved
     with. Refuses an unfinished or corrupt checkpoint with an error naming the file. Each rank
-    reads only what it holds; no collective is issued. The model must be materialised."""
+    reads only what it holds; no collective is issued. The model must be materialised.
+
+    With ``restore_rng`` (the default), each rank's random number generators (torch's CPU and
+    CUDA ones, Python's ``random``, numpy's global one) get back the states that same rank had
+    when ``save`` was called, if as many ranks saved the checkpoint as load it; on another world
+    size none is restored, with a warning (see rng.py)."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"load: path must be a str or os.PathLike, got {type(path).__name__}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"load: model must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"load: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    if not isinstance(restore_rng, bool):
+        raise TypeError(f"load: restore_rng must be a bool, got {type(restore_rng).__name__}")
     path = os.path.abspath(os.fspath(path))
     wait_for_pending_save()  # a checkpoint still being written becomes loadable
     manifest = mf.read_manifest(path)
@@ -231,6 +241,11 @@ def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
             for key, selection in _optimizer_reads(optimizer_plan[1], targets, manifest):
                 files.verify(key, selection)
             _check_stored_steps(optimizer_plan[1], manifest, files, os.path.join(path, mf.MANIFEST))
+        restore = lambda: None  # noqa: E731
+        if restore_rng:
+            rank, world_size = _rank_and_world()
+            restore = rng.restorer(manifest.tensors, rank, world_size, manifest.world_size,
+                                   rng.stored_tensor(files, manifest.tensors, mf.dtype_of), path)
         for key, tensor, selection in reads:
             files.fill(key, tensor, selection)
         if optimizer_plan is not None:
@@ -241,4 +256,11 @@ def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
             conform = getattr(optimizer, "conform_loaded_state", None)
             if callable(conform):
                 conform()
+        restore()
     return manifest.extra
+
+
+def _rank_and_world() -> Tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

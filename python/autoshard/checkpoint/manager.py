@@ -196,8 +196,10 @@ class CheckpointManager:
         """Blocks until the save in flight is committed; raises its error."""
         wait_for_pending_save()
 
-    def restore(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None):
-        """Loads the newest checkpoint; returns its ``extra``, or None when there is none."""
+    def restore(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                restore_rng: bool = True):
+        """Loads the newest checkpoint (each rank's generator states too, see ``load``); returns
+        its ``extra``, or None when there is none."""
         wait_for_pending_save()
         path = self.latest()
-        return None if path is None else load(path, model, optimizer)
+        return None if path is None else load(path, model, optimizer, restore_rng=restore_rng)

@@ -5,6 +5,7 @@ freeing the snapshot buffers, so it sits below all of them."""
 
 import concurrent.futures
 import os
+import sys
 import threading
 import traceback
 from typing import Callable, Optional
@@ -92,6 +93,23 @@ def wait_for_pending_save() -> None:
     handle, _in_flight = _in_flight, None
     if handle is not None:
         handle._settle()
+
+
+def finish_at_exit() -> None:
+    """At interpreter exit: finishes the save in flight (the interpreter has joined the writer
+    by then; this only waits if it has not) and reports its error, which no one can wait for
+    any more; then stops the writer thread."""
+    global _executor
+    handle = _in_flight
+    try:
+        wait_for_pending_save()
+    except BaseException as error:
+        path = handle.path if handle is not None else "?"
+        print(f"autoshard: the asynchronous save of {path!r}, still in flight at exit, failed: {error}",
+              file=sys.stderr)
+    if _executor is not None and _executor_pid == os.getpid():
+        _executor.shutdown(wait=True)
+    _executor = None
 
 
 def track(handle: SaveHandle) -> SaveHandle:

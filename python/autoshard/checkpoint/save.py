@@ -29,13 +29,14 @@ import torch.distributed as dist
 
 from . import claim
 from . import manifest as mf
+from . import rng
 from ..model_state import state_of
 from .agreement import Agreement, claimed_message, start_agreement
 from .contents import Held, json_value, model_holdings, optimizer_holdings
 from .group import CheckpointGroup, checkpoint_group
 from .pending import CheckpointSaveError, SaveHandle, track, wait_for_pending_save
-from .snapshot import Snapshot, take_snapshot
-from ..tensor_io import write_safetensors
+from .snapshot import Snapshot, SnapshotError, forget_buffers, take_snapshot
+from ..tensor_io import full_selection, write_safetensors
 
 
 def _check_arguments(path, model, optimizer, extra, async_save) -> str:
@@ -120,7 +121,7 @@ class _ManifestParts:
 class _Job:
     """The part of a save that runs after the snapshot: claim, write, report, commit."""
 
-    def __init__(self, comm: CheckpointGroup, path: str, snapshot: Union[Snapshot, Exception],
+    def __init__(self, comm: CheckpointGroup, path: str, snapshot: Union[Snapshot, str],
                  optimizer_description: Optional[dict],
                  manifest_parts: Optional[_ManifestParts], after_commit: Optional[Callable[[], None]]):
         self.comm = comm
@@ -131,6 +132,7 @@ class _Job:
         self.manifest_parts = manifest_parts  # on rank 0 only
         self.after_commit = after_commit
         self.token: Optional[str] = None  # rank 0's claim on self.partial
+        self.keeps_buffers = False  # the snapshot's buffers are kept for the next save (async)
 
     def _agree(self, error: Optional[str]) -> None:
         """Rank 0's verdict, on every rank."""
@@ -139,6 +141,18 @@ class _Job:
             raise CheckpointSaveError(error)
 
     def run(self) -> None:
+        """Claims, writes, reports and commits; a failure on any rank fails it on every rank,
+        and then this rank drops its kept snapshot buffers."""
+        finished = False
+        try:
+            self._run()
+            finished = True
+        finally:
+            self.snapshot = None  # the host copy is not needed any more
+            if not finished and self.keeps_buffers:
+                forget_buffers()
+
+    def _run(self) -> None:
         rank = self.comm.rank
         error = None
         if rank == 0:
@@ -151,16 +165,17 @@ class _Job:
         self._agree(error)
 
         record, error = None, None
-        try:
-            if isinstance(self.snapshot, Exception):
-                raise RuntimeError(f"copying its tensors failed: {self.snapshot}")
-            tensors = self.snapshot.ready()
-            if tensors:
-                record = write_safetensors(os.path.join(self.partial, mf.rank_file(rank)), tensors)
-        except Exception as e:
-            error = f"rank {rank} could not write {mf.rank_file(rank)!r} in {self.partial!r}: {e}"
-        finally:
-            self.snapshot = None  # the host copy is not needed any more
+        if isinstance(self.snapshot, str):
+            error = f"rank {rank} could not copy its tensors for {self.path!r}: {self.snapshot}"
+        else:
+            try:
+                tensors = self.snapshot.ready()
+                if tensors:
+                    record = write_safetensors(os.path.join(self.partial, mf.rank_file(rank)), tensors)
+            except Exception as e:
+                error = f"rank {rank} could not write {mf.rank_file(rank)!r} in {self.partial!r}: {type(e).__name__}: {e}"
+            tensors = None
+        self.snapshot = None  # the host copy is not needed any more
         reports = self.comm.gather((record, self.optimizer_description, error))
 
         error = None
@@ -223,6 +238,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
                     after_commit: Optional[Callable[[], None]] = None) -> SaveHandle:
     """save(), plus ``metrics`` recorded in the manifest and ``after_commit`` run on rank 0 once
     the checkpoint is committed (CheckpointManager's retention)."""
+    generators = rng.capture()  # before anything else can draw from them
     path = _check_arguments(path, model, optimizer, extra, async_save)
     extra = json_value(extra, "extra")  # a copy: the caller may change theirs once save returns
     wait_for_pending_save()
@@ -234,6 +250,8 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
         if optimizer is not None:
             optimizer_held, optimizer_description = optimizer_holdings(optimizer, targets)
             held += optimizer_held
+        held += [Held(rng.key(comm.rank, name), state, full_selection(state.shape))
+                 for name, state in generators.items()]
     except (TypeError, ValueError) as e:
         error = f"rank {comm.rank}: {e}"
     if comm.rank == 0:
@@ -255,17 +273,21 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
 
     parts = _ManifestParts(comm, model, agreement, aliases, extra, metrics) if comm.rank == 0 else None
     job = _Job(comm, path, snapshot, optimizer_description, parts, after_commit)
+    job.keeps_buffers = async_save
     if not async_save:
         job.run()
         return SaveHandle(path)
     return track(SaveHandle.in_background(path, job.run))
 
 
-def _snapshot(held: List[Held], agreement: Agreement, rank: int, copy: bool):
-    """The snapshot of what this rank writes, or the exception that stopped it (reported by the
-    writer, so that every rank fails the save instead of the others waiting for this one)."""
+def _snapshot(held: List[Held], agreement: Agreement, rank: int, copy: bool) -> Union[Snapshot, str]:
+    """The snapshot of what this rank writes, or the message of the error that stopped it
+    (reported by the writer, so that every rank fails the save instead of the others waiting
+    for this one; a message, not the exception, whose traceback would keep the buffers)."""
     mine = [(h.key, h.tensor) for h in held if agreement.writer[(h.key, repr(h.selection.to_json()["runs"]))] == rank]
     try:
         return take_snapshot(mine, copy=copy)
+    except SnapshotError as e:
+        return str(e)
     except Exception as e:
-        return e
+        return f"{type(e).__name__}: {e}"

@@ -16,6 +16,11 @@ current stream then waits for the copies' event, so the kernels queued after ``s
 block is only reused by the current stream after the copy. Neither wait blocks the host:
 ``save`` returns once the copies are queued, and the writer thread waits for the event.
 Only one save is in flight at a time, so a buffer is never refilled while being written.
+
+A save that fails on a rank (the copy ran out of memory, a file could not be written, another
+rank failed) drops that rank's kept buffers (``forget_buffers``): memory is what a failed save
+most often lacked, and the next save allocates them again. The failure is reported as a
+message, with no traceback: a traceback keeps the frames that held the buffers alive.
 """
 
 from typing import Dict, List, Tuple
@@ -65,8 +70,24 @@ def _copy_from_cuda(device: torch.device, sources: List[torch.Tensor],
     return copied
 
 
+class SnapshotError(RuntimeError):
+    """Copying a rank's tensors failed: the original error's type and message, without the
+    traceback (whose frames held the buffers)."""
+
+
 def take_snapshot(tensors: List[Tuple[str, torch.Tensor]], copy: bool) -> Snapshot:
-    """Host tensors to write, by stored key; ``copy`` makes them independent of the originals."""
+    """Host tensors to write, by stored key; ``copy`` makes them independent of the originals.
+    Raises SnapshotError, having dropped every kept buffer, when the copy fails."""
+    message = None
+    try:
+        return _take_snapshot(tensors, copy)
+    except Exception as e:  # MemoryError, torch.OutOfMemoryError, a RuntimeError from an allocator...
+        message = f"{type(e).__name__}: {e}"
+    forget_buffers()  # outside the except block: the traceback (and the frames holding buffers) is gone
+    raise SnapshotError(message)
+
+
+def _take_snapshot(tensors: List[Tuple[str, torch.Tensor]], copy: bool) -> Snapshot:
     if not copy:
         return Snapshot({key: tensor.to("cpu").contiguous() for key, tensor in tensors}, [])
     out: Dict[str, torch.Tensor] = {}
@@ -88,9 +109,22 @@ def take_snapshot(tensors: List[Tuple[str, torch.Tensor]], copy: bool) -> Snapsh
     return Snapshot(out, events)
 
 
-def release_snapshot_buffers() -> None:
-    """Frees the host buffers kept for asynchronous saves (after waiting for the one in flight)."""
-    wait_for_pending_save()
+def forget_buffers() -> None:
+    """Drops the kept host buffers (once the copies into them, if any, have finished); what
+    still uses one (a save being written) keeps it until it is done with it."""
     for _, copied in _streams.values():
         copied.synchronize()  # a save that failed early may not have waited for its copies
     _buffers.clear()
+
+
+def kept_bytes() -> int:
+    """How many bytes of host buffers are kept for the next asynchronous save."""
+    return sum(buffer.numel() * buffer.element_size() for buffer, _ in _buffers.values())
+
+
+def release_snapshot_buffers() -> None:
+    """Frees the host buffers kept for asynchronous saves (after waiting for the one in flight)."""
+    try:
+        wait_for_pending_save()
+    finally:
+        forget_buffers()
