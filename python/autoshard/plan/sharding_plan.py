@@ -1,14 +1,13 @@
 """ShardingPlan: what the planner decided, per layer and per parameter, and what it costs."""
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from .. import ops
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
 from ..styles import Style
-from . import holdings
+from . import holdings, plan_json
 from .name_ranges import blocks, fold, fold_names
 
 # vocab_parallel_cross_entropy's forward: the rows' maxima, their sums of exponentials and their
@@ -412,28 +411,11 @@ class ShardingPlan:
         return lines
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        """The plan as a versioned JSON document, with the shape prediction and example inputs
+        parallelize's dry run uses (see plan_json)."""
+        return plan_json.dumps(self)
 
     @classmethod
     def from_json(cls, text: str) -> "ShardingPlan":
-        data = json.loads(text)
-        return cls(
-            world_size=data["world_size"],
-            layers=[LayerPlan(**layer) for layer in data["layers"]],
-            regions={int(k): RegionPlan(**v) for k, v in data["regions"].items()},
-            comm=data["comm"],
-            example=data.get("example", {}),
-            overrides=data.get("overrides", {}),
-            partial_gradients=data.get("partial_gradients", []),
-            parameters=data.get("parameters", {}),
-            sequence_entries=data.get("sequence_entries", []),
-            sequence_gathers=data.get("sequence_gathers", []),
-            sequence_exits=data.get("sequence_exits", []),
-            head_entries=data.get("head_entries", []),
-            head_outputs=data.get("head_outputs", []),
-            attention_weights=data.get("attention_weights", []),
-            norms=data.get("norms", []),
-            head_parameters=data.get("head_parameters", []),
-            loss_parallel_head=data.get("loss_parallel_head", ""),
-            adapters=data.get("adapters", []),
-        )
+        """The plan a to_json document holds; from_json(plan.to_json()).to_json() == plan.to_json()."""
+        return plan_json.loads(cls, text)
