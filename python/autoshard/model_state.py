@@ -54,6 +54,28 @@ class ParallelState:
     def model(self) -> Optional[nn.Module]:
         return self._model()
 
+    def collectives(self, phase: str, labels: bool = False) -> Dict[str, int]:
+        """The plan's collectives per step in `phase` ("forward" or "backward"); with `labels`,
+        those of a call with labels, which compute the loss over vocabulary shards where
+        loss parallelism is on (see ShardingPlan.collectives)."""
+        return self.plan.collectives(phase, loss_parallel=labels and self._loss_parallel_head() != "")
+
+    def _loss_parallel_head(self) -> str:
+        decision = self.loss_parallel
+        return decision.head if decision is not None and decision.enabled else ""
+
+    def __str__(self) -> str:
+        """The plan's printout, and what a call with labels communicates under loss parallelism."""
+        text = str(self.plan)
+        head = self._loss_parallel_head()
+        if head:
+            from .plan.sharding_plan import LOSS_PARALLEL_ALL_REDUCES
+
+            text += (f"\ncalled with labels (loss parallelism): {head}'s all_gather of the logits gives way to "
+                     f"all_reduce x{LOSS_PARALLEL_ALL_REDUCES} of a few values per token, so forward is "
+                     f"{self.collectives('forward', labels=True)}")
+        return text
+
     def sharded_modules(self) -> List[nn.Module]:
         model = self.model
         return [] if model is None else [m for m in model.modules() if hasattr(m, "shard_specs")]

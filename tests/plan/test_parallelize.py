@@ -20,7 +20,10 @@ def _check_model(kind: str) -> dict:
     model = build(kind, seed=0)
     ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(1))
     plan = autoshard.plan(model, world_size=world)
+    document = plan.to_json()
     autoshard.parallelize(model, plan)
+    # Nothing is written into the plan: what parallelize decided lives on model.autoshard_state.
+    assert plan.to_json() == document and model.autoshard_state.plan is plan
     forward, backward = forward_backward_as_planned(model, reference, plan, lambda m: m(input_ids=ids).logits,
                                                     rtol=1e-4, atol=1e-4)
 

@@ -174,9 +174,6 @@ class ShardingPlan:
     # nn/head_parameters.py): {"name", "dim", "size" (that dim's full length, the heads its outer
     # factor), "region"}; each rank holds its heads' slice as a local parameter.
     head_parameters: List[Dict[str, object]] = field(default_factory=list)
-    # The output head whose loss parallelize computes over vocabulary shards when the model is
-    # called with labels ("" when it does not): that call keeps the head's logits sharded.
-    loss_parallel_head: str = ""
     # LoRA layers (see plan/adapters.py): {"module", "split" (factor weights split with the base
     # layer), "whole" (held whole on every rank)}, parameter names.
     adapters: List[Dict[str, object]] = field(default_factory=list)
@@ -217,12 +214,16 @@ class ShardingPlan:
         units = self.regions[record["region"]].units
         return ShardSpec(record["dim"], record["size"], rank, self.world_size, units=units)
 
-    def collectives(self, phase: str, labels: bool = False) -> Dict[str, int]:
-        """Collectives per step in `phase` ("forward" or "backward"). With `labels`, those of a call
-        with labels: where loss parallelism is on, the head's gather of its logits gives way to the
-        loss's three all-reduces of a few values per token (its backward needs none)."""
+    def collectives(self, phase: str, loss_parallel: bool = False) -> Dict[str, int]:
+        """Collectives per step in `phase` ("forward" or "backward"). With `loss_parallel`, those of
+        a call with labels whose loss parallelize computes over vocabulary shards (see
+        ParallelState.collectives): the head's gather of its logits gives way to the loss's three
+        all-reduces of a few values per token (its backward needs none)."""
         counts = {c["kind"]: c["count"] for c in self.comm if c["phase"] == phase}
-        if labels and self.loss_parallel_head and phase == "forward":
+        if loss_parallel and phase == "forward":
+            if not counts.get("all_gather"):
+                raise ValueError("ShardingPlan.collectives: loss_parallel=True, but this plan gathers no logits in "
+                                 "forward (no output head is column-parallel): loss parallelism does not apply")
             counts["all_gather"] -= 1
             if not counts["all_gather"]:
                 del counts["all_gather"]
@@ -343,10 +344,6 @@ class ShardingPlan:
         lines.append(f"collectives per step on {shape}:")
         for c in sorted(self.comm, key=lambda c: c["phase"] != "forward"):
             lines.append(f"  {c['phase']:<8} {c['kind']:<14} x{c['count']:<5} {c['bytes'] / 2**20:.3f} MiB")
-        if self.loss_parallel_head:
-            lines.append(f"  called with labels (loss parallelism): {self.loss_parallel_head}'s all_gather of the logits "
-                         f"gives way to all_reduce x{LOSS_PARALLEL_ALL_REDUCES} of a few values per token, so forward "
-                         f"is {self.collectives('forward', labels=True)}")
         b = self.parameter_bytes(0)
         lines.append(f"parameters of planned layers: {b['full'] / 2**20:.2f} MiB unsharded, "
                      f"{b['local'] / 2**20:.2f} MiB on rank 0 (fp32)")
