@@ -5,7 +5,9 @@ the plan, the tensor-parallel group or mesh, the data-parallel group, the partit
 replicated parameters' optimizer state, and the gradient averager. Every parameter of the
 model points back at it (weakly), so that what is given a model (``full_state_dict``,
 ``checkpoint``, ``load_pretrained``) or only parameters (``clip_grad_norm_``, the
-optimizers) finds it there; nothing is kept process-wide. A sharded layer built by hand is
+optimizers) finds it there; nothing is kept process-wide. In particular the model's
+tensor-parallel group (a mesh's "tp" dimension) is ``state.group``: ``parallelize`` leaves the
+process-wide default of ``distributed.default_group`` alone. A sharded layer built by hand is
 its own model: its constructors attach a state of their own, which ``parallelize`` replaces.
 
 The sharded modules describe themselves (``module.shard_specs``, ``module.group``), so the
