@@ -37,6 +37,7 @@ from .pending_gradients import check_no_pending_gradients
 from .plan import LayerPlan, ShardingPlan
 from .plan.layers import rms_norm_eps, rms_norm_form
 from .plan.local_attributes import set_attribute
+from .plan import plan_json
 from .plan_until_it_runs import plan_until_it_runs
 from .replaced_modules import check_no_hooks_lost
 from .state_views import install_state_dict_views
@@ -363,7 +364,8 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     mesh_fully_shard.check_keyword(fully_shard, mesh, tuple(getattr(mesh, "mesh_dim_names", None) or ()))
     group = resolve(group, "parallelize")
     # Before anything that could fail on some ranks only (and leave the others waiting).
-    check_ranks_agree(model, plan.to_json() if isinstance(plan, ShardingPlan) else None, group)
+    check_ranks_agree(model, plan_json.dumps(plan, input_values=False) if isinstance(plan, ShardingPlan) else None,
+                      group)
     if plan is None:
         def checked_dry_run(candidate):
             _check_plan_fits(model, candidate, group.size())

@@ -128,6 +128,27 @@ def _bad_plans():
     return errors, unchanged and untouched
 
 
+def _plans_compared_across_ranks():
+    rank = dist.get_rank()
+    # Example inputs of the same shapes and other values on each rank give the same plan.
+    model = build("llama", seed=0)
+    plan = autoshard.plan(model, world_size=2, example_inputs={"input_ids": torch.full((2, 8), 3 + rank)})
+    autoshard.parallelize(model, plan)
+    # Plans that differ (rank 1 replicates the MLPs) are refused on every rank.
+    other = build("llama", seed=0)
+    plan = autoshard.plan(other, world_size=2, overrides={"*.mlp.*": "replicate"} if rank else None)
+    try:
+        autoshard.parallelize(other, plan)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_ranks_compare_their_plans_but_not_their_example_values():
+    for message in run_on_ranks(_plans_compared_across_ranks, 2):
+        assert message is not None and "the ranks did not build the same model and plan" in message, message
+
+
 def test_bad_plans_leave_the_model_untouched():
     errors, untouched = run_on_ranks(_bad_plans, 2)[0]
     assert untouched

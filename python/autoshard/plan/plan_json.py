@@ -33,12 +33,14 @@ _SCALARS = (type(None), bool, int, float, str)
 _WIDTH = 100
 
 
-def dumps(plan) -> str:
-    """The version-1 document of `plan`."""
+def dumps(plan, input_values: bool = True) -> str:
+    """The version-1 document of `plan`; without `input_values`, with "input_values": null (what
+    the ranks compare before parallelize: ranks planning on example inputs of the same shapes and
+    other values hold the same plan)."""
     prediction = getattr(plan, "_prediction", None)
     document = {"version": VERSION, **asdict(plan),
                 "prediction": None if prediction is None else prediction.to_dict(),
-                "input_values": encode_inputs(getattr(plan, "_input_values", None))}
+                "input_values": encode_inputs(getattr(plan, "_input_values", None)) if input_values else None}
     return _format(document, 0)
 
 
