@@ -191,7 +191,7 @@ def main():
     model.zero_grad(set_to_none=True)
     plan = autoshard.plan(model, world_size=world_size, example_inputs=example)
     autoshard.parallelize(model, plan)
-    say(plan)  # printed once applied: its collectives then count the loss over vocabulary shards
+    say(model.autoshard_state)  # the plan, and the collectives of a call with labels (loss over vocabulary shards)
     say(model.autoshard_state.loss_parallel)
     model.train()
 
@@ -262,8 +262,9 @@ def main():
     say(f"\nloss: {smoothed[0]:.3f} -> {smoothed[-1]:.3f} (smoothed; ln 256 = {math.log(256):.3f})")
     say(f"time: {elapsed:.1f} s for {args.steps} steps, {tokens_per_step * args.steps / elapsed:,.0f} tokens/s "
         f"({elapsed / args.steps * 1000:.0f} ms per step)")
+    state = model.autoshard_state
     say(f"collectives per step: {counter.counts} (planned: "
-        f"forward {plan.collectives('forward', labels=True)}, backward {plan.collectives('backward')})")
+        f"forward {state.collectives('forward', labels=True)}, backward {state.collectives('backward')})")
     per_rank = [None] * world_size
     dist.all_gather_object(per_rank, (saved.bytes, saved.largest))
     say(f"activations saved for backward per step: {unsharded_saved.bytes / 2**20:.2f} MiB unsharded (largest "

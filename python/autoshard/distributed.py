@@ -1,6 +1,14 @@
 """Process groups: starting torch.distributed from torchrun's environment, and the group
 that sharded layers use when they are given none.
 
+A parallelized model keeps its tensor-parallel group (the world, the group given to
+``parallelize``, or its mesh's "tp" dimension) on its ``ParallelState``
+(``model.autoshard_state.group``), and what is given the model or its parameters uses that
+group. ``group=None`` where no model is at hand (a sharded layer built by hand, the
+collectives of ``autoshard.comm``, ``vocab_parallel_cross_entropy``) means the process-wide
+default of this module: the world, unless ``set_default_group`` installed another group.
+``parallelize`` never changes it: with a mesh, pass ``group=model.autoshard_state.group``.
+
 Ops receive groups by name (``group.group_name``), which C++ resolves through torch's
 process-group registry, the way torch's functional collectives do.
 """
@@ -16,8 +24,8 @@ from .stalls import DEFAULT_TIMEOUT, check_timeout
 
 ProcessGroup = dist.ProcessGroup
 
-# The tensor-parallel group used when a layer or collective is given `group=None`; None
-# here means the world. A 2-D mesh installs its `tp` group with set_default_group.
+# The tensor-parallel group used when a layer or collective is given `group=None` and no model
+# is at hand; None here means the world. Only set_default_group changes it.
 _default_group: Optional[ProcessGroup] = None
 
 
@@ -96,8 +104,8 @@ def _require_initialized(function: str) -> None:
 
 
 def default_group() -> ProcessGroup:
-    """The tensor-parallel group used for ``group=None``: the world unless
-    set_default_group installed another."""
+    """The process-wide tensor-parallel group used for ``group=None`` where no model is at hand:
+    the world unless set_default_group installed another."""
     _require_initialized("default_group")
     if _default_group is not None:
         return _default_group
@@ -105,7 +113,9 @@ def default_group() -> ProcessGroup:
 
 
 def set_default_group(group: Optional[ProcessGroup]) -> None:
-    """Makes ``group`` the tensor-parallel group for ``group=None`` (None: the world again)."""
+    """Makes ``group`` the process-wide tensor-parallel group for ``group=None`` where no model
+    is at hand (None: the world again). A parallelized model's own group is
+    ``model.autoshard_state.group``, which this does not change."""
     global _default_group
     if group is not None and not isinstance(group, ProcessGroup):
         raise TypeError(f"set_default_group: group must be a torch.distributed ProcessGroup or None, "

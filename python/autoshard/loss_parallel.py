@@ -272,8 +272,6 @@ def install(model: nn.Module, plan, group, enabled: bool) -> LossParallel:
             model.loss_function = hooks.loss_function
         model.register_forward_pre_hook(hooks.before, with_kwargs=True)
         model.register_forward_hook(hooks.after, with_kwargs=True)
-    # The plan's collectives of a call with labels follow the decision (see ShardingPlan.collectives).
-    plan.loss_parallel_head = decision.head if decision.enabled else ""
     if group.rank() == 0:
         logger.info("autoshard: %s", decision)
     return decision

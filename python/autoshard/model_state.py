@@ -5,7 +5,9 @@ the plan, the tensor-parallel group or mesh, the data-parallel group, the partit
 replicated parameters' optimizer state, and the gradient averager. Every parameter of the
 model points back at it (weakly), so that what is given a model (``full_state_dict``,
 ``checkpoint``, ``load_pretrained``) or only parameters (``clip_grad_norm_``, the
-optimizers) finds it there; nothing is kept process-wide. A sharded layer built by hand is
+optimizers) finds it there; nothing is kept process-wide. In particular the model's
+tensor-parallel group (a mesh's "tp" dimension) is ``state.group``: ``parallelize`` leaves the
+process-wide default of ``distributed.default_group`` alone. A sharded layer built by hand is
 its own model: its constructors attach a state of their own, which ``parallelize`` replaces.
 
 The sharded modules describe themselves (``module.shard_specs``, ``module.group``), so the
@@ -53,6 +55,28 @@ class ParallelState:
     @property
     def model(self) -> Optional[nn.Module]:
         return self._model()
+
+    def collectives(self, phase: str, labels: bool = False) -> Dict[str, int]:
+        """The plan's collectives per step in `phase` ("forward" or "backward"); with `labels`,
+        those of a call with labels, which compute the loss over vocabulary shards where
+        loss parallelism is on (see ShardingPlan.collectives)."""
+        return self.plan.collectives(phase, loss_parallel=labels and self._loss_parallel_head() != "")
+
+    def _loss_parallel_head(self) -> str:
+        decision = self.loss_parallel
+        return decision.head if decision is not None and decision.enabled else ""
+
+    def __str__(self) -> str:
+        """The plan's printout, and what a call with labels communicates under loss parallelism."""
+        text = str(self.plan)
+        head = self._loss_parallel_head()
+        if head:
+            from .plan.sharding_plan import LOSS_PARALLEL_ALL_REDUCES
+
+            text += (f"\ncalled with labels (loss parallelism): {head}'s all_gather of the logits gives way to "
+                     f"all_reduce x{LOSS_PARALLEL_ALL_REDUCES} of a few values per token, so forward is "
+                     f"{self.collectives('forward', labels=True)}")
+        return text
 
     def sharded_modules(self) -> List[nn.Module]:
         model = self.model

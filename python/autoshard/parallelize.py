@@ -16,7 +16,7 @@ from . import forward_checks, mesh_fully_shard, partial_gradients, torch_optim_c
 from . import loss_parallel as loss_parallelism
 from .agreement import check_ranks_agree
 from .data_parallel import GradientAverager
-from .distributed import ProcessGroup, resolve, set_default_group
+from .distributed import ProcessGroup, resolve
 from .dry_run import dry_run
 from .input_copies import InputCopyPerCall, SharedInputCopy
 from .model_state import ParallelState, state_of
@@ -31,6 +31,7 @@ from .pending_gradients import check_no_pending_gradients
 from .plan import LayerPlan, ShardingPlan
 from .plan.layers import rms_norm_eps, rms_norm_form
 from .plan.local_attributes import set_attribute
+from .plan import plan_json
 from .plan_until_it_runs import plan_until_it_runs
 from .replaced_modules import check_no_hooks_lost
 from .state_views import install_state_dict_views
@@ -227,8 +228,9 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
                 mesh=None, *, example_inputs=None, sequence_parallel: bool = True, loss_parallel: bool = True,
                 partition_optimizer_state: bool = True, check_inputs: bool = True,
                 check_replicas_every: int = DEFAULT_EVERY, reduce_dtype: Optional[torch.dtype] = None, fully_shard: bool = False) -> nn.Module:
-    """Shards `model` in place over `group` (None: the default tensor-parallel group, or the
-    "tp" dimension of `mesh`) following `plan` (None: autoshard.plan(model, example_inputs=...));
+    """Shards `model` in place over `group` (None: the "tp" dimension of `mesh`, else the
+    process-wide default group, see distributed.default_group; kept as
+    model.autoshard_state.group) following `plan` (None: autoshard.plan(model, example_inputs=...));
     returns it. `example_inputs` (as autoshard.plan takes them: a tuple of positional arguments
     or a dict of keyword arguments; None makes them for a Hugging Face model) also feed the
     dry run of the plan on a meta copy.
@@ -305,7 +307,8 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     mesh_fully_shard.check_keyword(fully_shard, mesh, tuple(getattr(mesh, "mesh_dim_names", None) or ()))
     group = resolve(group, "parallelize")
     # Before anything that could fail on some ranks only (and leave the others waiting).
-    check_ranks_agree(model, plan.to_json() if isinstance(plan, ShardingPlan) else None, group)
+    check_ranks_agree(model, plan_json.dumps(plan, input_values=False) if isinstance(plan, ShardingPlan) else None,
+                      group)
     if plan is None:
         def checked_dry_run(candidate):
             _check_plan_fits(model, candidate, group.size())
@@ -345,6 +348,4 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         state.forward_checks = forward_checks.install(model, group, check_inputs, check_replicas_every)
     if fully_shard_over is not None:
         mesh_fully_shard.apply(model, fully_shard_over, reduce_dtype)
-    if mesh is not None:
-        set_default_group(group)  # group=None now means this mesh's "tp" group
     return model

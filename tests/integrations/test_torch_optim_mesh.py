@@ -13,7 +13,6 @@ weights are replicated parameters with whole gradients (the ones partitioned).
 import torch
 
 import autoshard
-from autoshard.distributed import set_default_group
 from autoshard.partitioned_state import piece_of
 from gathered import gathered_grads
 from hf_models import build
@@ -32,30 +31,30 @@ def _mesh_model(partition: bool):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = build("llama", seed=0, **EVEN)
     autoshard.parallelize(model, mesh=mesh, sequence_parallel=False, partition_optimizer_state=partition)
+    # The mesh's "tp" group is the model's own; the process-wide default group stays the world.
+    assert model.autoshard_state.group is mesh.get_group("tp")
+    assert autoshard.distributed.default_group() is torch.distributed.group.WORLD
     return model, mesh.get_local_rank("dp")
 
 
 def _refused_with_partitioned_state():
+    model, dp_rank = _mesh_model(partition=True)
+    partitioned = sum(piece_of(p) is not None for p in model.parameters())
+    half = _batch(0).chunk(2)[dp_rank]
+    model(input_ids=half, labels=half).loss.backward()
+    before = autoshard.full_state_dict(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     try:
-        model, dp_rank = _mesh_model(partition=True)
-        partitioned = sum(piece_of(p) is not None for p in model.parameters())
-        half = _batch(0).chunk(2)[dp_rank]
-        model(input_ids=half, labels=half).loss.backward()
-        before = autoshard.full_state_dict(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
-        try:
-            opt.step()
-            refused = "no error"
-        except ValueError as error:
-            refused = str(error)
-        after = autoshard.full_state_dict(model)
-        unchanged = all(torch.equal(before[k], after[k]) for k in before) and not opt.state
-        ours = autoshard.optim.AdamW(model.parameters(), lr=2e-3)
-        ours.step()  # autoshard's own optimizer steps the pieces
-        stepped = any(not torch.equal(before[k], v) for k, v in autoshard.full_state_dict(model).items())
-        return dict(partitioned=partitioned, refused=refused, unchanged=unchanged, stepped=stepped)
-    finally:
-        set_default_group(None)
+        opt.step()
+        refused = "no error"
+    except ValueError as error:
+        refused = str(error)
+    after = autoshard.full_state_dict(model)
+    unchanged = all(torch.equal(before[k], after[k]) for k in before) and not opt.state
+    ours = autoshard.optim.AdamW(model.parameters(), lr=2e-3)
+    ours.step()  # autoshard's own optimizer steps the pieces
+    stepped = any(not torch.equal(before[k], v) for k, v in autoshard.full_state_dict(model).items())
+    return dict(partitioned=partitioned, refused=refused, unchanged=unchanged, stepped=stepped)
 
 
 def test_torch_adamw_over_partitioned_state_is_refused():
@@ -71,31 +70,28 @@ def test_torch_adamw_over_partitioned_state_is_refused():
 
 
 def _torch_adamw_without_partitioning(steps: int = 3):
-    try:
-        model, dp_rank = _mesh_model(partition=False)
-        reference = build("llama", seed=0, **EVEN)
-        opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
-        ref_opt = torch.optim.AdamW(reference.parameters(), lr=2e-3, weight_decay=0.1)
-        worst = dict(grad=0.0, weight=0.0)
-        for step in range(steps):
-            ids = _batch(step)
-            half = ids.chunk(2)[dp_rank]
-            opt.zero_grad()
-            ref_opt.zero_grad()
-            model(input_ids=half, labels=half).loss.backward()
-            reference(input_ids=ids, labels=ids).loss.backward()
-            grads = gathered_grads(model)
-            worst["grad"] = max([worst["grad"]] + [float((grads[n] - p.grad).abs().max())
-                                                   for n, p in reference.named_parameters()])
-            opt.step()
-            ref_opt.step()
-            got, want = autoshard.full_state_dict(model), reference.state_dict()
-            worst["weight"] = max([worst["weight"]] + [float((got[k] - want[k]).abs().max()) for k in want])
-        ids = _batch(steps, rows=2)
-        worst["logits"] = float((model(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max())
-        return worst
-    finally:
-        set_default_group(None)
+    model, dp_rank = _mesh_model(partition=False)
+    reference = build("llama", seed=0, **EVEN)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=2e-3, weight_decay=0.1)
+    worst = dict(grad=0.0, weight=0.0)
+    for step in range(steps):
+        ids = _batch(step)
+        half = ids.chunk(2)[dp_rank]
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        model(input_ids=half, labels=half).loss.backward()
+        reference(input_ids=ids, labels=ids).loss.backward()
+        grads = gathered_grads(model)
+        worst["grad"] = max([worst["grad"]] + [float((grads[n] - p.grad).abs().max())
+                                               for n, p in reference.named_parameters()])
+        opt.step()
+        ref_opt.step()
+        got, want = autoshard.full_state_dict(model), reference.state_dict()
+        worst["weight"] = max([worst["weight"]] + [float((got[k] - want[k]).abs().max()) for k in want])
+    ids = _batch(steps, rows=2)
+    worst["logits"] = float((model(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max())
+    return worst
 
 
 def test_torch_adamw_without_partitioning_is_exact():

@@ -20,7 +20,10 @@ def _check_model(kind: str) -> dict:
     model = build(kind, seed=0)
     ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(1))
     plan = autoshard.plan(model, world_size=world)
+    document = plan.to_json()
     autoshard.parallelize(model, plan)
+    # Nothing is written into the plan: what parallelize decided lives on model.autoshard_state.
+    assert plan.to_json() == document and model.autoshard_state.plan is plan
     forward, backward = forward_backward_as_planned(model, reference, plan, lambda m: m(input_ids=ids).logits,
                                                     rtol=1e-4, atol=1e-4)
 
@@ -123,6 +126,27 @@ def _bad_plans():
     unchanged = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     untouched = all(type(m).__name__ != "ColumnParallelLinear" for m in model.modules())
     return errors, unchanged and untouched
+
+
+def _plans_compared_across_ranks():
+    rank = dist.get_rank()
+    # Example inputs of the same shapes and other values on each rank give the same plan.
+    model = build("llama", seed=0)
+    plan = autoshard.plan(model, world_size=2, example_inputs={"input_ids": torch.full((2, 8), 3 + rank)})
+    autoshard.parallelize(model, plan)
+    # Plans that differ (rank 1 replicates the MLPs) are refused on every rank.
+    other = build("llama", seed=0)
+    plan = autoshard.plan(other, world_size=2, overrides={"*.mlp.*": "replicate"} if rank else None)
+    try:
+        autoshard.parallelize(other, plan)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_ranks_compare_their_plans_but_not_their_example_values():
+    for message in run_on_ranks(_plans_compared_across_ranks, 2):
+        assert message is not None and "the ranks did not build the same model and plan" in message, message
 
 
 def test_bad_plans_leave_the_model_untouched():

@@ -119,6 +119,43 @@ def test_plan_json_round_trip_and_table():
     assert "model.layers.1.self_attn" not in table
 
 
+def test_plan_json_is_versioned_and_keeps_what_the_dry_run_reads():
+    p = plan(build("llama", device="meta"), world_size=3)
+    document = json.loads(p.to_json())
+    assert document["version"] == 1
+    again = ShardingPlan.from_json(p.to_json())
+    # The predicted local shapes of every op on every rank, and the inputs the dry run replays.
+    assert [again._prediction.nodes(r) for r in range(3)] == [p._prediction.nodes(r) for r in range(3)]
+    assert again._prediction.graph.folded == p._prediction.graph.folded == {"model.layers.1": "model.layers.0"}
+    got, want = again._input_values, p._input_values
+    assert got[0] == want[0] and got[1].keys() == want[1].keys()
+    assert all(torch.equal(got[1][k], want[1][k]) and got[1][k].dtype == want[1][k].dtype for k in want[1])
+    # A small model's plan stays small (its prediction is most of it).
+    assert len(p.to_json()) < 64 * 1024
+
+    with pytest.raises(ValueError, match=r"plan document version 2 is not supported; this autoshard reads version 1"):
+        ShardingPlan.from_json(json.dumps({**document, "version": 2}))
+    # Written before versions: read, with a warning that it holds no prediction.
+    old = {k: v for k, v in document.items() if k not in ("version", "prediction", "input_values")}
+    with pytest.warns(UserWarning, match=r"no \"version\".*not every op"):
+        unversioned = ShardingPlan.from_json(json.dumps(old))
+    assert unversioned.layers == p.layers and getattr(unversioned, "_prediction", None) is None
+
+
+def test_plan_json_input_values():
+    from autoshard.plan.plan_json import decode_inputs, encode_inputs
+
+    ids, scale = torch.tensor([[3, 1], [4, 1]]), torch.tensor([0.1, float("inf")], dtype=torch.bfloat16)
+    encoded = json.loads(json.dumps(encode_inputs(((ids, None), {"scale": scale, "n": 2}))))
+    (ids_again, none), kwargs = decode_inputs(encoded)
+    assert torch.equal(ids_again, ids) and ids_again.dtype == torch.int64 and none is None
+    assert torch.equal(kwargs["scale"], scale) and kwargs["scale"].dtype == torch.bfloat16 and kwargs["n"] == 2
+    # Inputs JSON cannot hold, or too many values: none kept (the dry run makes inputs of their shapes).
+    assert encode_inputs(((torch.zeros(2, dtype=torch.complex64),), {})) is None
+    assert encode_inputs(((object(),), {})) is None
+    assert encode_inputs(((torch.zeros(1 << 17),), {})) is None
+
+
 def test_overrides():
     model = build("llama", device="meta")
     p = plan(model, world_size=2, overrides={"*.mlp.*": "replicate"})

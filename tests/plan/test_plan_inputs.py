@@ -195,7 +195,7 @@ def _dry_run_inputs():
     other = torch.randint(1, 50, (3, 5), generator=torch.Generator().manual_seed(2))
     model = autoshard.parallelize(copy.deepcopy(reference), plan, example_inputs=(other,))
     torch.testing.assert_close(model(other), reference(other), rtol=1e-5, atol=1e-6)
-    # A plan read from JSON keeps only shapes: ids are made of an ordinary token, not padding.
+    # A plan read from JSON replays the inputs it was made with (their values are in the document).
     again = autoshard.ShardingPlan.from_json(plan.to_json())
     model = autoshard.parallelize(copy.deepcopy(reference), again)
     torch.testing.assert_close(model(ids), reference(ids), rtol=1e-5, atol=1e-6)

@@ -106,8 +106,9 @@ def _check_model(kind):
         del expected_forward["all_gather"]
     expected_forward["all_reduce"] = expected_forward.get("all_reduce", 0) + 3
     assert forward == expected_forward, (forward, expected_forward)
-    assert plan.loss_parallel_head == decision.head
-    assert plan.collectives("forward", labels=True) == forward, (plan.collectives("forward", labels=True), forward)
+    state = model.autoshard_state
+    assert state.collectives("forward", labels=True) == forward, (state.collectives("forward", labels=True), forward)
+    assert f"called with labels (loss parallelism): {decision.head}'s all_gather" in str(state)
     # Hugging Face's causal-LM loss is computed in float32, whatever the model's dtype.
     tolerance = dict(rtol=1e-10, atol=1e-12) if kind == "bert" else dict(rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(out.loss, want.loss, **tolerance)

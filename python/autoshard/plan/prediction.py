@@ -33,6 +33,9 @@ class Prediction:
                  gathers: Optional[List[dict]] = None, head_entries: Optional[List[dict]] = None,
                  unreturned_weights: Set[int] = frozenset(), exits: Optional[List[dict]] = None):
         self.graph = graph
+        # The planner's records as given, which the plan's JSON document carries (to_dict).
+        self._records = {"tensors": tensors, "sequence_entries": entries or [], "sequence_gathers": gathers or [],
+                         "sequence_exits": exits or [], "head_entries": head_entries or []}
         # Attention weights nothing reads, which the sharded attention does not return: no call.
         self.unreturned_weights = set(unreturned_weights)
         self.layouts = {t["tensor"]: t for t in tensors}
@@ -59,6 +62,36 @@ class Prediction:
         for entry in head_entries or ():
             first = graph.module_nodes[entry["module"]][0]
             self.head_entries.setdefault(first, []).append(entry)
+
+    def to_dict(self) -> dict:
+        """What the dry run's per-op check reads, as plain JSON values: the graph's nodes (op
+        label, input and output tensor ids), every tensor's global shape, each module's first
+        call [first, end), the layers' nodes and calls, the nodes inside layers, the folded
+        blocks, and the planner's layouts and cut/gather records (see ShardingPlan.to_json)."""
+        graph = self.graph
+        return {"nodes": [[label, list(inputs), list(outputs)] for label, inputs, outputs in graph.nodes],
+                "shapes": [list(shape) for shape in graph.shapes],
+                "module_nodes": {name: list(span) for name, span in graph.module_nodes.items()},
+                "layer_nodes": sorted(graph.layers), "layer_calls": sorted(graph.layer_calls),
+                "inner_nodes": sorted(graph.inner_nodes), "folded": dict(graph.folded),
+                **{key: list(records) for key, records in self._records.items()},
+                "tensors": _table(self._records["tensors"]),
+                "unreturned_weights": sorted(self.unreturned_weights)}
+
+    @classmethod
+    def from_dict(cls, data: dict, plan) -> "Prediction":
+        """The prediction to_dict wrote, for `plan`. Its graph holds what the prediction reads,
+        and nothing of the model (no parameters, no module inputs, no values)."""
+        graph = CapturedGraph(document={}, layers=dict.fromkeys(data["layer_nodes"]), param_names=[], output_shapes=[],
+                              shapes=[tuple(shape) for shape in data["shapes"]],
+                              nodes=[(label, tuple(inputs), tuple(outputs)) for label, inputs, outputs in data["nodes"]],
+                              module_nodes={name: tuple(span) for name, span in data["module_nodes"].items()},
+                              folded=dict(data["folded"]), inner_nodes=set(data["inner_nodes"]),
+                              layer_calls=set(data["layer_calls"]))
+        prediction = cls(graph, _records(data["tensors"]), data["sequence_entries"], data["sequence_gathers"],
+                         data["head_entries"], set(data["unreturned_weights"]), data["sequence_exits"])
+        prediction.plan = plan
+        return prediction
 
     def local_size(self, layout: dict, rank: int) -> int:
         region = self.plan.regions[layout["region"]]
@@ -160,6 +193,18 @@ class Prediction:
     def module_nodes(self, module: str, rank: int, tokens: bool = True) -> List[Tuple[str, List[tuple], Optional[int]]]:
         first, end = self.graph.module_nodes.get(module, (0, -1))
         return self.nodes(rank, first, max(end, first), tokens)
+
+
+def _table(records: List[dict]) -> dict:
+    """Records with the same fields as {"fields", "rows"}: the layouts, one short row each."""
+    fields = list(records[0]) if records else []
+    if any(list(record) != fields for record in records):
+        raise ValueError("Prediction: the planner's layout records differ in their fields")
+    return {"fields": fields, "rows": [[record[f] for f in fields] for record in records]}
+
+
+def _records(table: dict) -> List[dict]:
+    return [dict(zip(table["fields"], row)) for row in table["rows"]]
 
 
 _SAME_OP = {"_unsafe_view": "view", "_reshape_alias": "view", "reshape": "view"}

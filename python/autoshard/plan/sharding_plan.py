@@ -1,13 +1,12 @@
 """ShardingPlan: what the planner decided, per layer and per parameter, and what it costs."""
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
 from ..styles import Style
-from . import holdings
+from . import holdings, plan_json
 from .name_ranges import blocks, fold, fold_names
 
 # vocab_parallel_cross_entropy's forward: the rows' maxima, their sums of exponentials and their
@@ -167,9 +166,6 @@ class ShardingPlan:
     # nn/head_parameters.py): {"name", "dim", "size" (that dim's full length, the heads its outer
     # factor), "region"}; each rank holds its heads' slice as a local parameter.
     head_parameters: List[Dict[str, object]] = field(default_factory=list)
-    # The output head whose loss parallelize computes over vocabulary shards when the model is
-    # called with labels ("" when it does not): that call keeps the head's logits sharded.
-    loss_parallel_head: str = ""
     # LoRA layers (see plan/adapters.py): {"module", "split" (factor weights split with the base
     # layer), "whole" (held whole on every rank)}, parameter names.
     adapters: List[Dict[str, object]] = field(default_factory=list)
@@ -210,12 +206,16 @@ class ShardingPlan:
         units = self.regions[record["region"]].units
         return ShardSpec(record["dim"], record["size"], rank, self.world_size, units=units)
 
-    def collectives(self, phase: str, labels: bool = False) -> Dict[str, int]:
-        """Collectives per step in `phase` ("forward" or "backward"). With `labels`, those of a call
-        with labels: where loss parallelism is on, the head's gather of its logits gives way to the
-        loss's three all-reduces of a few values per token (its backward needs none)."""
+    def collectives(self, phase: str, loss_parallel: bool = False) -> Dict[str, int]:
+        """Collectives per step in `phase` ("forward" or "backward"). With `loss_parallel`, those of
+        a call with labels whose loss parallelize computes over vocabulary shards (see
+        ParallelState.collectives): the head's gather of its logits gives way to the loss's three
+        all-reduces of a few values per token (its backward needs none)."""
         counts = {c["kind"]: c["count"] for c in self.comm if c["phase"] == phase}
-        if labels and self.loss_parallel_head and phase == "forward":
+        if loss_parallel and phase == "forward":
+            if not counts.get("all_gather"):
+                raise ValueError("ShardingPlan.collectives: loss_parallel=True, but this plan gathers no logits in "
+                                 "forward (no output head is column-parallel): loss parallelism does not apply")
             counts["all_gather"] -= 1
             if not counts["all_gather"]:
                 del counts["all_gather"]
@@ -336,10 +336,6 @@ class ShardingPlan:
         lines.append(f"collectives per step on {shape}:")
         for c in sorted(self.comm, key=lambda c: c["phase"] != "forward"):
             lines.append(f"  {c['phase']:<8} {c['kind']:<14} x{c['count']:<5} {c['bytes'] / 2**20:.3f} MiB")
-        if self.loss_parallel_head:
-            lines.append(f"  called with labels (loss parallelism): {self.loss_parallel_head}'s all_gather of the logits "
-                         f"gives way to all_reduce x{LOSS_PARALLEL_ALL_REDUCES} of a few values per token, so forward "
-                         f"is {self.collectives('forward', labels=True)}")
         b = self.parameter_bytes(0)
         lines.append(f"parameters of planned layers: {b['full'] / 2**20:.2f} MiB unsharded, "
                      f"{b['local'] / 2**20:.2f} MiB on rank 0 (fp32)")
@@ -404,28 +400,11 @@ class ShardingPlan:
         return lines
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        """The plan as a versioned JSON document, with the shape prediction and example inputs
+        parallelize's dry run uses (see plan_json)."""
+        return plan_json.dumps(self)
 
     @classmethod
     def from_json(cls, text: str) -> "ShardingPlan":
-        data = json.loads(text)
-        return cls(
-            world_size=data["world_size"],
-            layers=[LayerPlan(**layer) for layer in data["layers"]],
-            regions={int(k): RegionPlan(**v) for k, v in data["regions"].items()},
-            comm=data["comm"],
-            example=data.get("example", {}),
-            overrides=data.get("overrides", {}),
-            partial_gradients=data.get("partial_gradients", []),
-            parameters=data.get("parameters", {}),
-            sequence_entries=data.get("sequence_entries", []),
-            sequence_gathers=data.get("sequence_gathers", []),
-            sequence_exits=data.get("sequence_exits", []),
-            head_entries=data.get("head_entries", []),
-            head_outputs=data.get("head_outputs", []),
-            attention_weights=data.get("attention_weights", []),
-            norms=data.get("norms", []),
-            head_parameters=data.get("head_parameters", []),
-            loss_parallel_head=data.get("loss_parallel_head", ""),
-            adapters=data.get("adapters", []),
-        )
+        """The plan a to_json document holds; from_json(plan.to_json()).to_json() == plan.to_json()."""
+        return plan_json.loads(cls, text)
