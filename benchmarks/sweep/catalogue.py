@@ -142,3 +142,20 @@ def example_inputs(model: torch.nn.Module, generator: torch.Generator, kind: int
     if getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = _token_ids(config, (BATCH, DECODER_SEQ), generator)
     return inputs
+
+
+def autoshard_inputs(model: torch.nn.Module, generator: torch.Generator) -> Dict[str, torch.Tensor]:
+    """The inputs autoshard makes itself for plan(model) without example_inputs (their layout:
+    images beside text, image tokens in the ids), with random values in their floating-point
+    tensors, so that the judge runs the model on what the plan traced."""
+    from autoshard.plan.inputs import example_inputs_for
+    from autoshard.plan.meta_inputs import meta_shadow
+
+    shadow = meta_shadow(model, always_copy=True)
+    try:
+        args, kwargs = example_inputs_for(shadow)
+    except RuntimeError:  # no layout of images fits: plan() takes the text alone, and so does the judge
+        args, kwargs = example_inputs_for(shadow, images=False)
+    if args:
+        raise NoSuchInputs("autoshard made positional inputs")
+    return {k: torch.randn(v.shape, generator=generator) if v.is_floating_point() else v for k, v in kwargs.items()}

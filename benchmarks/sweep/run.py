@@ -3,12 +3,15 @@ built from a tiny config, sharded by autoshard at N gloo ranks and judged agains
 unsharded (see sweep_check for the classes).
 
     python benchmarks/sweep/run.py [--jobs 2] [--world-size 2] [--only REGEX] [--fresh] [--retry wrong,crash]
+                                   [--planning auto]
 
 `--jobs` processes each drive their own pool of ranks; each record is appended to
 benchmarks/results/sweep_progress_cpu.jsonl as soon as it is known, so an interrupted sweep
 resumes where it stopped (`--fresh` starts over; `--retry` judges the variants of the given
 classes again, after a fix). At the end the table of totals and every
 architecture's line go to benchmarks/results/sweep_cpu.txt, the records to sweep_cpu.json.
+`--planning auto` plans and judges each model on the inputs autoshard makes itself (no
+example_inputs), its files named sweep_auto_* beside the others.
 """
 
 import argparse
@@ -25,7 +28,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 RESULTS = os.path.join(HERE, "..", "results")
-PROGRESS = os.path.join(RESULTS, "sweep_progress_cpu.jsonl")
+# Planned with the sweep's inputs, or with those autoshard makes itself (--planning auto).
+SWEEP = "sweep_auto" if os.environ.get("AUTOSHARD_SWEEP_PLANNING") == "auto" else "sweep"
+PROGRESS = os.path.join(RESULTS, f"{SWEEP.replace('sweep', 'sweep_progress')}_cpu.jsonl")
 # A tiny model plans, runs and steps in seconds; a hung collective must not stall the sweep.
 TIMEOUT = 240
 
@@ -107,8 +112,14 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="a regex on variant names (model_type:head)")
     parser.add_argument("--fresh", action="store_true", help="forget the progress of an earlier sweep")
     parser.add_argument("--retry", default="", help="classes to judge again, comma-separated (e.g. wrong,crash)")
+    parser.add_argument("--planning", choices=("parallelize", "auto"), default=None,
+                        help="auto: plan and judge on the inputs autoshard makes itself")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "k/jobs": one job's share
     args = parser.parse_args()
+    if args.planning is not None and args.planning != os.environ.get("AUTOSHARD_SWEEP_PLANNING", "parallelize"):
+        # The choice travels to the jobs and their ranks in the environment, read at import.
+        os.environ["AUTOSHARD_SWEEP_PLANNING"] = args.planning
+        os.execv(sys.executable, [sys.executable, __file__] + sys.argv[1:])
     os.makedirs(RESULTS, exist_ok=True)
 
     from catalogue import variants
@@ -142,8 +153,8 @@ def main() -> None:
     from common import save_json, save_text
 
     cpu = torch.device("cpu")
-    save_text("sweep", cpu, text)
-    save_json("sweep", cpu, [{"transformers": transformers.__version__, "world_size": args.world_size,
+    save_text(SWEEP, cpu, text)
+    save_json(SWEEP, cpu, [{"transformers": transformers.__version__, "world_size": args.world_size,
                               "seconds": round(time.monotonic() - start, 1)}] + [records[n] for n in sorted(records)])
     print(text.split("\n\nvariant")[0] if "\n\nvariant" in text else text)
 

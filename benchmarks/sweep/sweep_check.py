@@ -14,6 +14,9 @@ Classes:
 - crash: anything else raised, a rank died or hung;
 - wrong: some output, gradient, norm or state differs: silently wrong;
 - skipped: the model fails unsharded, or the sweep cannot make its inputs.
+
+With PLANNING=auto in the environment (run.py --planning auto) the model is planned and judged
+on the inputs autoshard makes itself (parallelize(model) with no example_inputs), not the sweep's.
 A plan whose predicted collectives differ from those counted is flagged (`prediction`) in
 whichever class it lands.
 """
@@ -36,6 +39,8 @@ for path in (os.path.join(TESTS, "support"), os.path.join(TESTS, "conformance"))
 import catalogue  # noqa: E402
 from conformance_harness import check, norm_agrees  # noqa: E402
 
+# "parallelize": the sweep's own inputs given to parallelize; "auto": autoshard makes them.
+PLANNING = os.environ.get("AUTOSHARD_SWEEP_PLANNING", "parallelize")
 CLASSES = ("exact", "exact_over", "refused", "dry_run_refused", "crash", "wrong", "skipped")
 # The first words of autoshard's own refusals.
 _OWN_ERROR_PREFIXES = ("plan", "parallelize", "autoshard")
@@ -74,7 +79,7 @@ def _runs_unsharded(variant, dtype, kind: int) -> bool:
     it computes below fp64."""
     torch.manual_seed(0)
     model = catalogue.build(variant).to(dtype)
-    inputs = catalogue.example_inputs(model, torch.Generator().manual_seed(1), kind)
+    inputs = _inputs(model, torch.Generator().manual_seed(1), kind)
     inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
     torch.manual_seed(1)
     with torch.no_grad():
@@ -98,6 +103,14 @@ def _runs_unsharded(variant, dtype, kind: int) -> bool:
 
 
 _NoSuchInputs = catalogue.NoSuchInputs
+
+
+def _inputs(model, generator, kind: int):
+    if PLANNING == "auto":
+        if kind != 0:
+            raise _NoSuchInputs("autoshard makes one set of inputs")
+        return catalogue.autoshard_inputs(model, generator)
+    return catalogue.example_inputs(model, generator, kind)
 
 
 def _why_skipped(failures: List[str]) -> str:
@@ -133,9 +146,9 @@ def check_variant(name: str) -> dict:
         return {"class": "skipped", "why": "fails unsharded: " + _why_skipped(failures)}
     # A model that computes part of an fp64 forward in float32 is compared at float32's precision.
     exact_in_fp64 = fp64 and not lower
-    arch = SimpleNamespace(name=name, build=lambda: catalogue.build(variant), fp64=fp64, planning="parallelize",
+    arch = SimpleNamespace(name=name, build=lambda: catalogue.build(variant), fp64=fp64, planning=PLANNING,
                            tolerance=None if exact_in_fp64 else SWEEP_FP32_TOLERANCE,
-                           inputs=lambda generator: catalogue.example_inputs(catalogue.build(variant), generator, kind))
+                           inputs=lambda generator: _inputs(catalogue.build(variant), generator, kind))
     try:
         report = check(arch)
     except Exception as error:

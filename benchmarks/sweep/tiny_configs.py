@@ -200,6 +200,9 @@ def shrink(fields: Dict[str, Any]) -> Dict[str, Any]:
             fields["qk_head_dim"] = rope + (nope or 0)
     if _is_count(fields.get("vocab_size")):
         _special_tokens_inside(fields, fields["vocab_size"])
+    elif isinstance(fields.get("text_config"), dict) and _is_count(fields["text_config"].get("vocab_size")):
+        # A model of text and images: its image and video tokens are ids of its text model.
+        _special_tokens_inside(fields, fields["text_config"]["vocab_size"])
     fields.update(OVERRIDES.get(fields.get("model_type", ""), {}))
     return fields
 

@@ -103,13 +103,140 @@ class Plain(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-def test_plain_module_error_says_how_to_pass_inputs():
-    with pytest.raises(ValueError, match=r"example_inputs is required for a Plain: .*example_inputs=\(tensor, \.\.\.\) "
-                                         r"for positional arguments .* example_inputs=\{\"name\": tensor"):
-        autoshard.plan(Plain(), world_size=2)
+class EmbeddingFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # Registered before the table: the first layer is the one the input reaches.
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.embed = nn.Embedding(50, 16, padding_idx=0)
+
+    def forward(self, ids, mask=None):
+        return self.down(torch.relu(self.up(self.embed(ids))))
+
+
+class ConvFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 12, 3, stride=2)
+        self.up, self.down = nn.Linear(12, 24), nn.Linear(24, 12)
+
+    def forward(self, images):
+        x = torch.relu(self.stem(images)).flatten(2).transpose(1, 2)
+        return self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("model, given", [
+    (Plain, lambda: torch.randn(2, 8, 10)),
+    (EmbeddingFirst, lambda: torch.randint(1, 50, (2, 8))),
+    (ConvFirst, lambda: torch.randn(2, 3, 16, 16)),
+], ids=["linear", "embedding", "conv"])
+def test_plain_module_inputs_from_its_first_layer(model, given):
+    """One input tensor shaped for the first layer the forward's one required argument reaches:
+    the plan equals the plan made with inputs of that shape by hand."""
+    inferred = autoshard.plan(model(), world_size=2)
+    by_hand = autoshard.plan(model(), world_size=2, example_inputs=(given(),))
+    assert inferred.to_json() == by_hand.to_json()
+    assert inferred.layer("down").style == "row"
+    args, kwargs = example_inputs_for(model())
+    assert kwargs == {} and len(args) == 1 and args[0].shape == given().shape and args[0].dtype == given().dtype
+    if model is EmbeddingFirst:
+        assert 0 < int(args[0].min()) and int(args[0].max()) < 50  # in the table, no padding index
+
+
+def test_plain_module_inputs_on_meta():
+    """A model on meta gets its inputs without its weights: nothing is materialised."""
+    with torch.device("meta"):
+        model = EmbeddingFirst()
+    assert autoshard.plan(model, world_size=2).layer("embed").style == "vocab"
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(10, 10)
+
+    def forward(self, x, memory, scale=1.0):
+        return self.proj(x + memory) * scale
+
+
+class Flattened(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(48, 10)
+
+    def forward(self, x):
+        return self.head(x.flatten(1))
+
+
+class NoLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(10, 10))
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+@pytest.mark.parametrize("model, says", [
+    (TwoInputs, r"its forward requires 2 arguments \('x', 'memory'\)"),
+    (Flattened, r"'x' reaches its first layer, head \(Linear\), changed"),
+    (NoLayer, r"its forward requires 'x', and the model has no layer that says the shape"),
+], ids=["two_inputs", "flattened", "no_layer"])
+def test_plain_module_error_names_the_arguments(model, says):
+    with pytest.raises(ValueError, match=f"cannot infer the example inputs of a {model.__name__}: {says}.*"
+                                         r"pass example_inputs=\(tensor, \.\.\.\) for positional arguments .* "
+                                         r"example_inputs=\{\"name\": tensor"):
+        autoshard.plan(model(), world_size=2)
+
+
+def test_plain_module_example_inputs_forms():
     x = torch.randn(2, 10)
     for given in ((x,), [x], x, {"x": x}):  # the forms plan() accepts
+        assert autoshard.plan(TwoInputs(), world_size=2, example_inputs={"x": x, "memory": x}).layer("proj")
         assert autoshard.plan(Plain(), world_size=2, example_inputs=given).layer("down").style == "row"
+
+
+def _llava(**extra):
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    config = LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=48, num_hidden_layers=1, num_attention_heads=6,
+                           intermediate_size=70, image_size=16, patch_size=4, num_channels=3, projection_dim=48),
+        text_config=dict(model_type="llama", hidden_size=48, num_hidden_layers=1, num_attention_heads=6,
+                         num_key_value_heads=2, intermediate_size=70, vocab_size=101),
+        image_token_id=100, projector_hidden_act="gelu", **extra)
+    with torch.device("meta"):
+        return LlavaForConditionalGeneration(config).eval()
+
+
+def test_text_and_image_model_gets_image_tokens():
+    """The image tokens in input_ids are as many as the image features the model places by
+    them (LLaVA checks it): a 16x16 image of 4x4 patches gives 16 features per image."""
+    import warnings
+
+    model = _llava()
+    _, kwargs = example_inputs_for(model)
+    assert kwargs["pixel_values"].shape == (2, 3, 16, 16)
+    assert ((kwargs["input_ids"] == 100).sum(1) == 16).all()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*failed with the images")
+        plan = autoshard.plan(model, world_size=2)
+    # The vision tower is traced and planned with the text.
+    planned = {layer.module for layer in plan.layers}
+    assert any(name.startswith("model.vision_tower.") for name in planned)
+    assert any(name.startswith("model.language_model.") for name in planned)
+    assert "pixel_values (2, 3, 16, 16)" in plan.example["description"]
+
+
+def test_images_that_do_not_fit_leave_the_text():
+    """Images the model refuses (here: a vision tower that wants another size) plan its text alone,
+    with a warning that names the reason."""
+    model = _llava()
+    model.config.vision_config.image_size = 12  # the positions are for 16x16 images
+    with pytest.warns(UserWarning, match="planned on its text alone, so its vision tower is not traced"):
+        plan = autoshard.plan(model, world_size=2)
+    assert not any(layer.module.startswith("model.vision_tower.") for layer in plan.layers)
+    assert plan.example["description"] == "input_ids (2, 8)"
 
 
 def test_encoder_decoder_without_decoder_inputs_names_them():

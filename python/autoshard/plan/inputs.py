@@ -9,8 +9,10 @@ images (CLIP) get `pixel_values` too, and inputs the forward requires (no defaul
 CPU tensors: the planner runs the forward on their meta copies and keeps their values for the
 few reads of input values the forward makes (a padding check).
 
-Other models (a plain nn.Module) need example_inputs from the caller: a tuple of positional
-arguments, one tensor, or a dict of keyword arguments.
+Other models (a plain nn.Module) get one tensor shaped for the first layer their forward's one
+required argument reaches (module_inputs.py); where one tensor is not enough they need
+example_inputs from the caller: a tuple of positional arguments, one tensor, or a dict of
+keyword arguments.
 """
 
 import inspect
@@ -20,12 +22,18 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from .image_inputs import with_images
+
 BATCH = 2
 SEQUENCE = 8
 
 HOW_TO_PASS = ("pass example_inputs=(tensor, ...) for positional arguments (a single tensor also works) or "
                "example_inputs={\"name\": tensor, ...} for keyword arguments; any device, only their shapes, "
                "dtypes and values are used, on meta copies")
+
+
+# The inputs of images that image_inputs.py makes beside text.
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes")
 
 
 class MissingInputs(ValueError):
@@ -138,25 +146,34 @@ def _required(model: nn.Module):
             if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
-def example_inputs_for(model: nn.Module) -> Tuple[tuple, Dict[str, torch.Tensor]]:
-    """(args, kwargs) for one forward of a Hugging Face model, made from its config and class;
-    raises MissingInputs naming what is missing and how to pass it."""
+def images_beside_text(model: nn.Module) -> bool:
+    """Whether autoshard makes images beside the text of this model (a vision config, a forward
+    that reads input_ids first and takes pixel_values)."""
+    config = getattr(model, "config", None)
+    return (getattr(model, "main_input_name", None) == "input_ids" and getattr(config, "vision_config", None) is not None
+            and "pixel_values" in _accepted(model))
+
+
+def example_inputs_for(model: nn.Module, images: bool = True) -> Tuple[tuple, Dict[str, torch.Tensor]]:
+    """(args, kwargs) for one forward of a Hugging Face model, made from its config and class (of
+    another module, inferred from its forward and first layer); raises MissingInputs naming what
+    is missing and how to pass it. With images=False a model of text and images gets its text
+    alone."""
     config = getattr(model, "config", None)
     name = getattr(model, "main_input_name", None)
     if config is None or not isinstance(name, str):
-        raise MissingInputs(
-            f"plan: example_inputs is required for a {type(model).__name__}: autoshard makes them only for "
-            f"Hugging Face models (a config and a main_input_name); {HOW_TO_PASS}")
+        from .module_inputs import example_inputs_for_module
+
+        return example_inputs_for_module(model)
     try:
         kwargs = {name: _main_input(model, config, name)}
         if getattr(config, "is_encoder_decoder", False):
             kwargs["decoder_input_ids"] = _token_ids(config, "max_target_positions", "max_position_embeddings",
                                                      "n_positions")
-        # A model of text and images (CLIP) reads both: its images have a config of their own.
-        if name == "input_ids" and getattr(config, "vision_config", None) is not None and "pixel_values" in _accepted(model):
-            kwargs["pixel_values"] = _pixel_values(config.vision_config)
+        # A model of text and images reads both: its images have a config of their own.
+        beside_text = images_beside_text(model)
         for extra in _required(model):
-            if extra in kwargs:
+            if extra in kwargs or (beside_text and extra in IMAGE_INPUTS):
                 continue
             if extra == "attention_mask":
                 kwargs[extra] = torch.ones(kwargs[name].shape[:2], dtype=torch.long)
@@ -168,6 +185,8 @@ def example_inputs_for(model: nn.Module) -> Tuple[tuple, Dict[str, torch.Tensor]
                 kwargs[extra] = _main_input(model, config, extra)
             else:
                 raise MissingInputs(f"its forward requires {extra!r}, which autoshard does not know how to make")
+        if beside_text and images:
+            kwargs = with_images(model, config, kwargs)
     except MissingInputs as error:
         if str(error).startswith("plan:"):
             raise

@@ -236,6 +236,18 @@ class _IndexingValues(TorchFunctionMode):
                         value = None
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(out.shape):
                     self.values.know(out, value)
+        elif func in (torch.tensor, torch.as_tensor) and _is_meta(out) and self.values.twin(out) is None:
+            # A tensor written out in Python (torch.tensor([2], device=...)) is made on meta out
+            # of the dispatcher's sight: its twin is made from the same data on the CPU.
+            data = _twins(self.values, (args, kwargs))
+            if data is not None:
+                with _disable_current_modes():
+                    try:
+                        value = func(*data[0], **{**data[1], "device": "cpu"})
+                    except Exception:  # noqa: BLE001 - data the twin cannot take stays unknown
+                        value = None
+                if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(out.shape):
+                    self.values.know(out, value)
         return out
 
 

@@ -1,0 +1,201 @@
+"""Images beside text for a Hugging Face model of text and images, made from its vision config.
+
+The images take the layout the model's forward asks for:
+- `pixel_values` (batch, channels, size, size), the size being the vision config's image_size or,
+  where it has none, a few patches (patch_size) of it; with `image_sizes` beside them where the
+  forward takes them (LLaVA-NeXT, Pixtral), and one image per sample (batch, 1, channels, size,
+  size) where it takes a `pixel_attention_mask` (Idefics3);
+- flattened patches with `image_grid_thw` (Qwen2-VL and the models built like it): one image per
+  sample of (1, h, w) patches, h and w twice the spatial merge, each patch of channels x
+  temporal_patch_size x patch_size^2 values.
+
+A model that puts its image features in place of image tokens in `input_ids` checks that their
+counts agree (`get_placeholder_mask`). The count is found by running the forward on meta copies
+up to that check (KnownValues answers the value reads on the way), and the ids are made again
+with that many image tokens (config.image_token_id / image_token_index), each sample's between
+the vision start and end tokens where the config has them.
+"""
+
+import inspect
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from .meta_autocast import meta_autocast
+from .meta_values import KnownValues
+
+
+class _Counted(BaseException):
+    """Raised at the placeholder check with the number of image tokens the features fill."""
+
+    def __init__(self, count: int):
+        super().__init__(count)
+        self.count = count
+
+
+def _get(config, *names):
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def image_token(config) -> Optional[int]:
+    for holder in (config, getattr(config, "text_config", None)):
+        value = _get(holder, "image_token_id", "image_token_index") if holder is not None else None
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _patch(vision) -> int:
+    patch = _get(vision, "patch_size", "spatial_patch_size")
+    if isinstance(patch, (list, tuple)):
+        patch = patch[0]
+    return patch if isinstance(patch, int) and patch > 0 else 16
+
+
+def _merge(vision) -> int:
+    merge = _get(vision, "spatial_merge_size", "merge_kernel_size")
+    if isinstance(merge, (list, tuple)):
+        merge = merge[0]
+    return merge if isinstance(merge, int) and merge > 0 else 1
+
+
+def _image_size(vision) -> int:
+    size = _get(vision, "image_size")
+    if isinstance(size, (list, tuple)):
+        size = size[0]
+    if isinstance(size, int) and size > 0:
+        return size
+    # No image size: a few patches, as many as the spatial merge takes together.
+    return 4 * _patch(vision) * _merge(vision)
+
+
+def _channels(vision) -> int:
+    value = _get(vision, "num_channels", "in_channels", "in_chans")
+    return value if isinstance(value, int) and value > 0 else 3
+
+
+def _any_resolution(config, size: int):
+    """(crops, image size) for an any-resolution model (LLaVA-NeXT): an image of its smallest
+    grid pinpoint, cut into crops of `size` and a crop of the whole."""
+    pinpoints = getattr(config, "image_grid_pinpoints", None)
+    if not isinstance(pinpoints, list) or not pinpoints:
+        return 1, (size, size)
+    height, width = min(pinpoints, key=lambda p: p[0] * p[1])
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    return image_size_to_num_patches((height, width), pinpoints, size), (height, width)
+
+
+def image_layouts(model: nn.Module, config, batch: int) -> List[Dict[str, torch.Tensor]]:
+    """The layouts of image inputs the model's forward may take, the likeliest first."""
+    vision = getattr(config, "vision_config", None) or config
+    accepted = set(inspect.signature(model.forward).parameters)
+    channels = _channels(vision)
+    if "image_grid_thw" in accepted:
+        patch, merge = _patch(vision), _merge(vision)
+        temporal = _get(vision, "temporal_patch_size") or 1
+        side = 2 * merge
+        return [{"pixel_values": torch.zeros(batch * side * side, channels * temporal * patch * patch),
+                 "image_grid_thw": torch.tensor([[1, side, side]] * batch)}]
+    size = _image_size(vision)
+    layouts = [{"pixel_values": torch.zeros(batch, channels, size, size)},
+               {"pixel_values": torch.zeros(batch, 1, channels, size, size)}]
+    if "image_sizes" in accepted:
+        crops, whole = _any_resolution(config, size)
+        layouts = [{"pixel_values": torch.zeros(batch, crops, channels, size, size),
+                    "image_sizes": torch.tensor([list(whole)] * batch)},
+                   {**layouts[0], "image_sizes": torch.tensor([[size, size]] * batch)}] + layouts
+    if "pixel_attention_mask" in accepted:
+        layouts.reverse()  # Idefics3: (batch, images, channels, height, width)
+    return layouts
+
+
+def _count_at_check(model: nn.Module, kwargs: dict) -> Optional[int]:
+    """The number of image tokens the features fill at the model's placeholder check, or None if
+    the forward ends without one. Raises what the forward raises before it."""
+    patched = []
+    for module in model.modules():
+        check = getattr(module, "get_placeholder_mask", None)
+        if check is None or not callable(check) or "get_placeholder_mask" in vars(module):
+            continue
+        signature = inspect.signature(check)
+
+        def counting(*args, check=check, signature=signature, **kw):
+            bound = signature.bind_partial(*args, **kw).arguments
+            features, embeds = bound.get("image_features"), bound.get("inputs_embeds")
+            if features is None or not isinstance(embeds, torch.Tensor):
+                return check(*args, **kw)
+            tensors = features if isinstance(features, (list, tuple)) else [features]
+            raise _Counted(sum(t.numel() for t in tensors) // embeds.shape[-1])
+
+        module.get_placeholder_mask = counting
+        patched.append(module)
+    values = KnownValues()
+    meta = values.to_meta(kwargs)
+    try:
+        with torch.no_grad(), meta_autocast(), values:
+            model(**meta)
+    except _Counted as counted:
+        return counted.count
+    finally:
+        for module in patched:
+            del module.get_placeholder_mask
+    return None
+
+
+def _ids_with_images(ids: torch.Tensor, config, count: int) -> torch.Tensor:
+    """`ids` with `count` image tokens added, shared out over the samples, each sample's between
+    the vision start and end tokens where the config has them."""
+    batch = ids.shape[0]
+    token = image_token(config)
+    start = _get(config, "vision_start_token_id", "image_start_token_id", "boi_token_index")
+    end = _get(config, "vision_end_token_id", "image_end_token_id", "eoi_token_index")
+    rows = []
+    for i in range(batch):
+        mine = count // batch + (1 if i < count % batch else 0)
+        block = ([start] if isinstance(start, int) else []) + [token] * mine + ([end] if isinstance(end, int) else [])
+        rows.append(ids[i, :1].tolist() + block + ids[i, 1:].tolist())
+    length = max(len(r) for r in rows)
+    filler = int(ids[0, -1])
+    return torch.tensor([r + [filler] * (length - len(r)) for r in rows], dtype=ids.dtype)
+
+
+def with_images(model: nn.Module, config, kwargs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """kwargs (input_ids among them) with the model's image inputs, and image tokens in the ids
+    where its forward places the image features by them. The layouts of image_layouts() are
+    tried in turn by running the forward on meta copies up to the placeholder check."""
+    batch = kwargs["input_ids"].shape[0]
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    token = image_token(config)
+    failures = []
+    for images in image_layouts(model, config, batch):
+        images = {k: v.to(dtype) if v.is_floating_point() else v for k, v in images.items()}
+        tried = {**kwargs, **images}
+        if token is None:
+            return tried  # a dual encoder (CLIP): its images need no tokens
+        try:
+            count = _count_at_check(model, tried)
+        except Exception as error:  # noqa: BLE001 - the model's own error, told in ours
+            failures.append(f"{_shapes(images)}: {type(error).__name__}: {str(error)[:300]}")
+            continue
+        if count is None:
+            return tried
+        ids = _ids_with_images(kwargs["input_ids"], config, count)
+        tried["input_ids"] = ids
+        for name, value in (("attention_mask", torch.ones_like(ids)), ("token_type_ids", torch.zeros_like(ids))):
+            if name in tried:
+                tried[name] = value
+        if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+            tried["mm_token_type_ids"] = (ids == token).long()  # 1 where an image token is
+        return tried
+    raise RuntimeError("plan: the forward failed with each layout of images autoshard made ("
+                       + "; ".join(failures) + ")")
+
+
+def _shapes(images: Dict[str, torch.Tensor]) -> str:
+    return ", ".join(f"{k} {tuple(v.shape)}" for k, v in images.items())
