@@ -6,8 +6,10 @@ A parallelized model keeps its tensor-parallel group (the world, the group given
 (``model.autoshard_state.group``), and what is given the model or its parameters uses that
 group. ``group=None`` where no model is at hand (a sharded layer built by hand, the
 collectives of ``autoshard.comm``, ``vocab_parallel_cross_entropy``) means the process-wide
-default of this module: the world, unless ``set_default_group`` installed another group.
-``parallelize`` never changes it: with a mesh, pass ``group=model.autoshard_state.group``.
+default of this module: the world, or the "tp" group of the DeviceMesh last given to
+``parallelize`` (so that such a call in a data x tensor parallel job never spans the
+data-parallel replicas), or a group ``set_default_group`` installed. Passing
+``group=model.autoshard_state.group`` says the same explicitly.
 
 Ops receive groups by name (``group.group_name``), which C++ resolves through torch's
 process-group registry, the way torch's functional collectives do.
@@ -25,7 +27,7 @@ from .stalls import DEFAULT_TIMEOUT, check_timeout
 ProcessGroup = dist.ProcessGroup
 
 # The tensor-parallel group used when a layer or collective is given `group=None` and no model
-# is at hand; None here means the world. Only set_default_group changes it.
+# is at hand; None here means the world. parallelize(mesh=) and set_default_group change it.
 _default_group: Optional[ProcessGroup] = None
 
 

@@ -16,7 +16,7 @@ from . import forward_checks, mesh_fully_shard, partial_gradients, torch_optim_c
 from . import loss_parallel as loss_parallelism
 from .agreement import check_ranks_agree
 from .data_parallel import GradientAverager
-from .distributed import ProcessGroup, resolve
+from .distributed import ProcessGroup, default_group, resolve, set_default_group
 from .dry_run import dry_run
 from .input_copies import InputCopyPerCall, SharedInputCopy
 from .model_state import ParallelState, state_of
@@ -348,4 +348,9 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         state.forward_checks = forward_checks.install(model, group, check_inputs, check_replicas_every)
     if fully_shard_over is not None:
         mesh_fully_shard.apply(model, fully_shard_over, reduce_dtype)
+    if mesh is not None and group is not default_group():
+        # What is given this model uses its state's group; a call with no model at hand (a
+        # loss over vocabulary shards, a collective) and group=None must not span the
+        # data-parallel replicas, where it would compute silently wrong values.
+        set_default_group(group)
     return model

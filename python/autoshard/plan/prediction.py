@@ -196,15 +196,16 @@ class Prediction:
 
 
 def _table(records: List[dict]) -> dict:
-    """Records with the same fields as {"fields", "rows"}: the layouts, one short row each."""
-    fields = list(records[0]) if records else []
-    if any(list(record) != fields for record in records):
-        raise ValueError("Prediction: the planner's layout records differ in their fields")
-    return {"fields": fields, "rows": [[record[f] for f in fields] for record in records]}
+    """The layouts as {"fields", "rows"}, one short row each; a field a record lacks (a layout's
+    "repeat_axis", given only where there is one) is null in its row."""
+    fields: List[str] = []
+    for record in records:
+        fields += [f for f in record if f not in fields]
+    return {"fields": fields, "rows": [[record.get(f) for f in fields] for record in records]}
 
 
 def _records(table: dict) -> List[dict]:
-    return [dict(zip(table["fields"], row)) for row in table["rows"]]
+    return [{f: value for f, value in zip(table["fields"], row) if value is not None} for row in table["rows"]]
 
 
 _SAME_OP = {"_unsafe_view": "view", "_reshape_alias": "view", "reshape": "view"}
