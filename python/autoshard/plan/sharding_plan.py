@@ -6,8 +6,7 @@ from typing import Dict, List, Optional
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
 from ..styles import Style
-from . import holdings, plan_json
-from .name_ranges import blocks, fold, fold_names
+from . import holdings, plan_json, printout
 
 # vocab_parallel_cross_entropy's forward: the rows' maxima, their sums of exponentials and their
 # target logits (csrc/loss/cross_entropy_common.cpp).
@@ -74,13 +73,6 @@ class LayerPlan:
 
     def bias_spec(self, rank: int, world_size: int) -> Optional[ShardSpec]:
         return self.construct.bias_spec(self, rank, world_size)
-
-
-def _listed(names: List[str], shown: int = 4) -> str:
-    names = fold_names(names)
-    if len(names) <= shown:
-        return ", ".join(names) if names else "-"
-    return f"{', '.join(names[:shown])} and {len(names) - shown} more"
 
 
 @dataclass
@@ -280,124 +272,12 @@ class ShardingPlan:
         if type(rank) is not int or not 0 <= rank < self.world_size:
             raise ValueError(f"ShardingPlan: rank must be an int in [0, {self.world_size}), got {rank!r}")
 
-    # ---- presentation
-
     def __str__(self) -> str:
-        header = ["layer", "style", "units", "shard sizes (per rank)", "note"]
-        rows = []
-        for layer in self.layers:
-            spec0 = layer.weight_spec(0, self.world_size)
-            if spec0 is None:
-                sizes = "-"
-            else:
-                sizes = "/".join(str(layer.weight_spec(r, self.world_size).local_size()) for r in range(self.world_size))
-                sizes += f" of {spec0.full_size}" + (f" in parts {tuple(layer.parts)}" if layer.parts else "")
-                if layer.repeat:
-                    sizes += f" (KV heads shared, {layer.repeat} units each)"
-                if layer.whole_parts:
-                    sizes += f" (parts {', '.join(str(i + 1) for i in layer.whole_parts)} whole on every rank)"
-            units = str(layer.units) if layer.units else "-"
-            rows.append((layer.module, (layer.style, units, sizes, layer.note)))
-        # Identical blocks print once, their index as a range (model.layers.0-31.mlp.up_proj).
-        rows = [[name, *cells] for name, _, cells in fold(rows)]
-        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-        lines = [f"ShardingPlan for {self.world_size} ranks"]
-        lines += self._summary_lines([r[0] for r in rows])
-        lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
-        lines.append("  ".join("-" * w for w in widths))
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        attributes = []
-        for region_id, region in sorted(self.regions.items()):
-            if region.attributes:
-                local = {k: "/".join(str(region.local_attribute(k, r, self.world_size)) for r in range(self.world_size))
-                         for k in region.attributes}
-                attributes.append((region.module, f"local attributes {local}"))
-        lines += [f"  {module}: {text}" for module, _, text in fold(attributes)]
-        if self.head_entries:
-            lines.append(f"  bias over the heads cut to each rank's heads on entering "
-                         f"{_listed([e['module'] for e in self.head_entries])}")
-        if self.head_outputs:
-            lines.append(f"  output cut to each rank's heads as it leaves "
-                         f"{_listed([e['module'] for e in self.head_outputs])} (its gradient gathered back)")
-        for module, _, used in fold([(returned["module"], returned["used"]) for returned in self.attention_weights]):
-            lines.append(f"  {module}: attention weights averaged over every head (one all-reduce of each "
-                         "rank's sum in forward)" if used else
-                         f"  {module}: attention weights not returned (None): the model never reads them")
-        if self.norms:
-            lines.append(f"  norms split with their layer's features (one all-reduce in forward and one in backward "
-                         f"each): {_listed([n['module'] for n in self.norms])}")
-        if self.head_parameters:
-            lines.append(f"  parameters split with their heads: {_listed([r['name'] for r in self.head_parameters])}")
-        lines += self._sequence_lines()
-        for bucket in self.partial_gradients:
-            lines.append(f"  partial gradients summed over the ranks in backward (one all-reduce, "
-                         f"{bucket['bytes'] / 2**20:.3f} MiB): {', '.join(fold_names(bucket['params']))}")
-        shape = self.example.get("description", "the example inputs")
-        lines.append(f"collectives per step on {shape}:")
-        for c in sorted(self.comm, key=lambda c: c["phase"] != "forward"):
-            lines.append(f"  {c['phase']:<8} {c['kind']:<14} x{c['count']:<5} {c['bytes'] / 2**20:.3f} MiB")
-        b = self.parameter_bytes(0)
-        lines.append(f"parameters of planned layers: {b['full'] / 2**20:.2f} MiB unsharded, "
-                     f"{b['local'] / 2**20:.2f} MiB on rank 0 (fp32)")
-        lines += holdings.summary_lines(self)
-        return "\n".join(lines)
-
-    def _summary_lines(self, folded_layers: List[str]) -> List[str]:
-        """The printout's first lines: what a rank holds, what a step communicates, what stays
-        whole and why, and which blocks are shown once."""
-        lines = []
-        if self.parameters:
-            total = sum(holdings._numel(r["shape"]) for r in self.parameters.values())
-            lines.append(f"  parameters: {total:,}; the fullest rank holds {holdings.held_fraction(self):.1%} "
-                         f"(an even split is {1 / self.world_size:.1%})")
-        for phase in ("forward", "backward"):
-            counts = self.collectives(phase)
-            said = ", ".join(f"{kind} x{count}" for kind, count in counts.items()) or "none"
-            lines.append(f"  collectives per step, {phase}: {said}")
-        whole = holdings.largest_reasons(self) if self.parameters else []
-        if whole:
-            lines.append("  held whole on every rank: " + "; ".join(whole))
-        shown_once = blocks(folded_layers)
-        if shown_once:
-            lines.append(f"  identical blocks shown once: {_listed(shown_once, shown=6)}")
-        return lines
+        return printout.text(self)
 
     def sequence_regions(self) -> Dict[int, Dict[str, List[str]]]:
         """Each sequence region's modules by role: {"reduce_scatter": [...], "gather": [...], "entry": [...]}."""
-        regions: Dict[int, Dict[str, List[str]]] = {}
-        empty = lambda: {"reduce_scatter": [], "gather": [], "gathered": [], "entry": []}
-        for layer in self.layers:
-            if layer.sequence:
-                regions.setdefault(layer.sequence_region, empty())[layer.sequence].append(layer.module)
-        for entry in self.sequence_entries:
-            regions.setdefault(entry["region"], empty())["entry"].append(entry["module"])
-        for entry in self.sequence_gathers:
-            regions.setdefault(entry["region"], empty())["gather"].append(entry["module"])
-        for entry in self.sequence_exits:
-            regions.setdefault(entry["region"], empty())["gather"].append(f"the output of {entry['module']}")
-        for roles in regions.values():
-            roles.pop("gathered", None)
-        return regions
-
-    def _sequence_lines(self) -> List[str]:
-        lines = []
-        for region, roles in sorted(self.sequence_regions().items()):
-            cut = f"; cut on entering {_listed(roles['entry'])}" if roles["entry"] else ""
-            lines.append(f"  sequence parallel (tokens split over the ranks): after {_listed(roles['reduce_scatter'])}"
-                         f"{cut}; gathered before {_listed(roles['gather'])}")
-        # A note that names its own layer's modules folds with the layer: the name becomes a mark.
-        mark = "\0"
-        folded = fold([(layer.module, layer.sequence_note.replace(layer.module, mark))
-                       for layer in self.layers if layer.sequence_note])
-        refused: Dict[str, List[str]] = {}
-        for module, _, note in folded:
-            if mark in note:
-                lines.append(f"  tokens held whole after {module}: {note.replace(mark, module)}")
-            else:
-                refused.setdefault(note, []).append(module)
-        for note, modules in refused.items():
-            lines.append(f"  tokens held whole after {_listed(modules)}: {note}")
-        return lines
+        return printout.sequence_regions(self)
 
     def to_json(self) -> str:
         """The plan as a versioned JSON document, with the shape prediction and example inputs
