@@ -22,7 +22,6 @@ from .input_copies import InputCopyPerCall, SharedInputCopy
 from .model_state import ParallelState, state_of
 from .nn import head_cuts, sequence
 from .nn.head_parameters import shard_head_parameter
-from .nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from .nn.rms_norm import ShardedRMSNorm
 from .optimizer_views import install_global_optimizer_hook
 from .partitioned_state import partition_replicated
@@ -51,13 +50,10 @@ def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> N
     params = dict(model.named_parameters(remove_duplicate=False))
     for layer in plan.layers:
         try:
-            attention = _attention_of(model, layer)
-            module = attention if attention is not None else model.get_submodule(layer.module)
+            module = layer.construct.module_of(model, layer)
         except AttributeError:
             raise ValueError(f"parallelize: the plan names layer {layer.module!r}, which the model lacks") from None
-        weight_name = ("in_proj_weight" if attention is not None
-                       else layer.weight.rpartition(".")[2] if layer.kind == "experts" else "weight")
-        weight = getattr(module, weight_name, None)
+        weight = layer.construct.weight_of(module, layer)
         if not isinstance(weight, torch.Tensor) or list(weight.shape) != list(layer.weight_shape):
             got = None if weight is None else list(weight.shape)
             raise ValueError(f"parallelize: layer {layer.module!r} has weight shape {got}, "
@@ -85,15 +81,6 @@ def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> N
     check_no_hooks_lost(model, plan)
 
 
-def _attention_of(model: nn.Module, layer) -> Optional[nn.MultiheadAttention]:
-    """The nn.MultiheadAttention whose q/k/v projection `layer` is (`<attention>.in_proj`), or None."""
-    owner, _, child = layer.module.rpartition(".")
-    if child != IN_PROJECTION:
-        return None
-    module = model.get_submodule(owner) if owner else model
-    return module if isinstance(module, nn.MultiheadAttention) else None
-
-
 def _input_copy(calls, copies, tokens, group_name: str):
     """A column layer's input copy, from the plan's records of its calls: its group's shared
     copy, its gather of the tokens, or None (a copy of its own); one of those per call where
@@ -108,20 +95,6 @@ def _input_copy(calls, copies, tokens, group_name: str):
     if len({layer.copy_group for layer in calls}) > 1:
         return InputCopyPerCall(group_name, [of(layer) for layer in calls])
     return of(calls[0])
-
-
-def _shard_attention(model, plan, layer, attention, group, copies, tokens, calls) -> None:
-    """Splits an nn.MultiheadAttention by heads: its q/k/v projection `layer` (column) and its
-    out_proj (the row layer the planner paired with it)."""
-    out_layer = plan.layer(layer.module.rpartition(".")[0] + ".out_proj")
-    out_proj = out_layer.construct.shard(out_layer, attention.out_proj, group)
-    if out_layer.sequence == "reduce_scatter":
-        out_proj.output_tokens = tokens.reduce_scatter(out_layer)
-    shard_multihead_attention(attention, layer.weight_spec(group.rank(), group.size()), out_proj, group,
-                              plan.returned_weights(layer.module.rpartition(".")[0]))
-    input_copy = _input_copy(calls[layer.module], copies, tokens, group.group_name)
-    if input_copy is not None:
-        attention.in_proj.input_copy = input_copy
 
 
 def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
@@ -144,8 +117,8 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
             if param is not None:
                 registrations.setdefault(id(param), []).append((owner, attr))
     replaced: Dict[int, nn.Parameter] = {}
-    attentions = {layer.module: _attention_of(model, layer) for layer in plan.layers if layer.style.is_split}
-    attentions = {name: module for name, module in attentions.items() if module is not None}
+    # An nn.MultiheadAttention is split by heads as one: its projection's plan shards its out_proj too.
+    attentions = {layer.module for layer in plan.layers if layer.kind == "attention" and layer.style.is_split}
     inside_attention = {name.rpartition(".")[0] + ".out_proj" for name in attentions}
     experts: Dict[str, list] = {}
     first_calls: Dict[str, LayerPlan] = {}
@@ -162,7 +135,10 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
         if not layer.style.is_split or layer.module in inside_attention:
             continue
         if layer.module in attentions:
-            _shard_attention(model, plan, layer, attentions[layer.module], group, copies, tokens, calls)
+            attention = layer.construct.shard_attention(model, plan, layer, group, tokens)
+            input_copy = _input_copy(calls[layer.module], copies, tokens, group.group_name)
+            if input_copy is not None:
+                attention.in_proj.input_copy = input_copy
             continue
         module = model.get_submodule(layer.module)
         originals = {name: getattr(module, name, None) for name in ("weight", "bias")}

@@ -55,6 +55,14 @@ class LayerConstruct:
         """The number of elements of the layer's bias (the output features)."""
         return layer.weight_shape[1 if layer.transposed else 0]
 
+    def module_of(self, model: nn.Module, layer) -> nn.Module:
+        """The module a LayerPlan of this construct names in `model` (AttributeError if none)."""
+        return model.get_submodule(layer.module)
+
+    def weight_of(self, module: nn.Module, layer):
+        """The weight parameter of `module` that `layer` plans, or None."""
+        return getattr(module, "weight", None)
+
     def stand_in(self, layer, module: nn.Module, rank: int, world_size: int) -> Optional[nn.Module]:
         """A meta module computing the shapes the sharded layer computes on `rank`, with no
         collective (the dry run's choice of local attributes traces it); None where there is none."""

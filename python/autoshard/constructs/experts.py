@@ -40,6 +40,9 @@ class ExpertsConstruct(LayerConstruct):
     def replaces(self, module: nn.Module) -> bool:
         return False
 
+    def weight_of(self, module: nn.Module, layer):
+        return getattr(module, layer.weight.rpartition(".")[2], None)  # this side's 3-D weight
+
     def shard_sides(self, module: nn.Module, name: str, sides, group, input_copy) -> None:
         """Splits the experts module `module` by its two planned sides (column, then row), or
         leaves it whole where both are replicated."""

@@ -165,14 +165,11 @@ def is_linear_like(module: nn.Module) -> bool:
 
 
 def in_projection_layer(name: str, module: nn.MultiheadAttention, param_index: Dict[int, int]) -> LayerInfo:
-    """The q/k/v projection of an nn.MultiheadAttention named `name` (its in_proj_weight,
-    [q | k | v] by rows), as the layer `name + ".in_proj"` (see nn.multihead_attention)."""
-    from ..nn.multihead_attention import IN_PROJECTION
+    """The q/k/v projection of an nn.MultiheadAttention named `name` as the layer
+    `name + ".in_proj"` (see constructs/attention.py)."""
+    from ..constructs import construct_of
 
-    index = lambda p: param_index.get(id(p), -1) if p is not None else -1
-    prefix = name + "." if name else ""
-    return LayerInfo(prefix + IN_PROJECTION, "linear", module.embed_dim, 3 * module.embed_dim, False,
-                     index(module.in_proj_weight), index(module.in_proj_bias))
+    return construct_of("attention").projection(name, module, param_index)
 
 
 def layer_at(root: nn.Module, relative: str, name: str, param_index: Dict[int, int]) -> Optional[LayerInfo]:

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from ..nn.head_cuts import cut_leaf, local_heads_shape
-from ..nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
 from .attribute_pairs import widen_by_pairs
@@ -72,22 +71,13 @@ class _LocalModule:
         """Makes each split nn.MultiheadAttention inside the module the ParallelMultiheadAttention
         of `rank`, with no collective; returns the names of the layers it stands for."""
         done = set()
-        layers = {layer.module: layer for layer in plan.layers}
         for layer in plan.layers:
-            owner_name, _, child = layer.module.rpartition(".")
-            if child != IN_PROJECTION or not layer.style.is_split or not (layer.module.startswith(prefix)):
+            if layer.kind != "attention" or not layer.style.is_split or not layer.module.startswith(prefix):
                 continue
+            owner_name = layer.module.rpartition(".")[0]
             relative = owner_name[len(prefix):] if owner_name != prefix[:-1] else ""
-            owner = self.module.get_submodule(relative) if relative else self.module
-            if not isinstance(owner, nn.MultiheadAttention):
-                continue
-            out_layer = layers[owner_name + ".out_proj"]
-            out_spec = out_layer.weight_spec(rank, plan.world_size)
-            out_proj = nn.Linear(out_spec.local_size(), owner.embed_dim, bias=owner.out_proj.bias is not None,
-                                 device="meta", dtype=owner.out_proj.weight.dtype)
-            shard_multihead_attention(owner, layer.weight_spec(rank, plan.world_size), out_proj, None,
-                                      plan.returned_weights(owner_name))
-            done.update((layer.module, out_layer.module))
+            layer.construct.stand_in_attention(self.module, relative, plan, layer, rank)
+            done.update((layer.module, owner_name + ".out_proj"))
         return done
 
     def trace(self, args, kwargs, attributes: Dict[str, int]):

@@ -51,6 +51,9 @@ class LayerPlan:
 
     def __post_init__(self):
         self.style = Style(self.style)  # from JSON, a plain word
+        if self.kind == "linear" and self.weight.endswith("in_proj_weight") and \
+                self.module.rpartition(".")[2] == "in_proj":
+            self.kind = "attention"  # an nn.MultiheadAttention's projection, in a document that named it linear
 
     @property
     def construct(self):

@@ -1,0 +1,85 @@
+"""torch.nn.MultiheadAttention split by heads (nn/multihead_attention.py).
+
+Its q/k/v projection is no module of its own: the capture records the call's projection as the
+layer `<attention>.in_proj` (its in_proj_weight, [q | k | v] by rows), and its out_proj as the
+Linear it is. The planner splits the two only together (csrc/plan/settle.cpp, "together"): the
+projection a column layer over whole heads, out_proj the row layer after it, and the module,
+changed in place, becomes a ParallelMultiheadAttention computing this rank's heads.
+"""
+
+from typing import Dict, Optional
+
+from torch import nn
+
+from ..nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
+from .base import LayerConstruct, construct_of, register
+from .linear import LinearConstruct
+
+
+def owner_name(layer_name: str) -> Optional[str]:
+    """The attention a layer named `<attention>.in_proj` projects for, or None."""
+    owner, _, child = layer_name.rpartition(".")
+    return owner if child == IN_PROJECTION else None
+
+
+@register
+class MultiheadAttentionConstruct(LayerConstruct):
+    kind = "attention"
+    order = 0
+
+    def projection(self, name: str, module: nn.MultiheadAttention, param_index: Dict[int, int]):
+        """The LayerInfo of the q/k/v projection of the attention `module` named `name`."""
+        from ..plan.layers import LayerInfo
+
+        index = lambda p: param_index.get(id(p), -1) if p is not None else -1
+        prefix = name + "." if name else ""
+        return LayerInfo(prefix + IN_PROJECTION, self.kind, module.embed_dim, 3 * module.embed_dim, False,
+                         index(module.in_proj_weight), index(module.in_proj_bias))
+
+    def weight_shape(self, info):
+        return [info.out_features, info.in_features]
+
+    weight_dim = LinearConstruct.weight_dim
+
+    def owner(self, model: nn.Module, layer) -> Optional[nn.MultiheadAttention]:
+        """The nn.MultiheadAttention whose projection `layer` is, or None."""
+        name = owner_name(layer.module)
+        if name is None:
+            return None
+        module = model.get_submodule(name) if name else model
+        return module if isinstance(module, nn.MultiheadAttention) else None
+
+    def module_of(self, model: nn.Module, layer) -> nn.Module:
+        owner = self.owner(model, layer)
+        if owner is None:
+            raise AttributeError(f"{layer.module!r} is not the projection of an nn.MultiheadAttention")
+        return owner
+
+    def weight_of(self, module: nn.Module, layer):
+        return getattr(module, "in_proj_weight", None)
+
+    def shard_attention(self, model: nn.Module, plan, layer, group, tokens) -> nn.MultiheadAttention:
+        """Splits the attention by heads in place: its projection as `layer` plans, its out_proj
+        as the row layer the planner paired with it."""
+        name = owner_name(layer.module)
+        attention = self.owner(model, layer)
+        out_layer = plan.layer(name + ".out_proj")
+        out_proj = construct_of(out_layer.kind).shard(out_layer, attention.out_proj, group)
+        if out_layer.sequence == "reduce_scatter":
+            out_proj.output_tokens = tokens.reduce_scatter(out_layer)
+        return shard_multihead_attention(attention, layer.weight_spec(group.rank(), group.size()), out_proj, group,
+                                         plan.returned_weights(name))
+
+    def stand_in_attention(self, root: nn.Module, relative: str, plan, layer, rank: int) -> None:
+        """Makes the attention at `relative` in `root` (a meta copy) the ParallelMultiheadAttention
+        of `rank`, with no collective."""
+        owner = root.get_submodule(relative) if relative else root
+        out_layer = plan.layer(owner_name(layer.module) + ".out_proj")
+        out_spec = out_layer.weight_spec(rank, plan.world_size)
+        out_proj = nn.Linear(out_spec.local_size(), owner.embed_dim, bias=owner.out_proj.bias is not None,
+                             device="meta", dtype=owner.out_proj.weight.dtype)
+        shard_multihead_attention(owner, layer.weight_spec(rank, plan.world_size), out_proj, None,
+                                  plan.returned_weights(owner_name(layer.module)))
+
+    def replaces(self, module: nn.Module) -> bool:
+        return False  # changed in place (its out_proj is replaced, a layer of its own)
