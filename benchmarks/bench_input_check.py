@@ -39,7 +39,7 @@ def _rank_main(rank: int, world: int, args) -> dict:
     import torch.distributed as dist
 
     from autoshard.forward_checks import tensor_inputs
-    from autoshard.model_state import state_of
+    from autoshard.parallel_state import state_of
 
     contenders = {"check on": _model(args, True), "check off": _model(args, False)}
     ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))

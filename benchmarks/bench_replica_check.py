@@ -37,7 +37,7 @@ def _model(args, every: int):
 def _rank_main(rank: int, world: int, args) -> dict:
     import torch.distributed as dist
 
-    from autoshard.model_state import state_of
+    from autoshard.parallel_state import state_of
     from autoshard.replica_check import check_replicas, replicated_parameters
 
     contenders = {"fingerprint every step": _model(args, 1), "fingerprint off": _model(args, 0)}

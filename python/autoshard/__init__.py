@@ -11,7 +11,7 @@ from .parallelize import parallelize
 from .plan import ShardingPlan, plan
 from .pretrained import load_pretrained
 from .split import array_split, shard, split_sizes
-from .state import full_state_dict
+from .unsharded import full_state_dict
 
 __all__ = [
     "CommCounter",

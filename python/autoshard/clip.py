@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from .comm import all_reduce_
-from .model_state import shards_of
+from .parallel_state import shards_of
 from .fully_sharded import fsdp_group_of, is_dtensor, local_tensor, whole_over_data_parallel
-from .partitioned_state import piece_of
+from .optimizer_partition import piece_of
 
 
 def _one_group(groups, what: str):

@@ -6,7 +6,7 @@ accumulated, so communication overlaps the rest of backward. At the end of backw
 bucket is waited for and the averages written back into the gradients.
 
 A bucket of tensor-parallel shards is all-reduced. A bucket of parameters whose optimizer
-state is partitioned (see partitioned_state) is reduce-scattered: each rank receives the
+state is partitioned (see optimizer_partition) is reduce-scattered: each rank receives the
 average of only the piece it steps.
 
 With a `reduce_dtype`, each bucket is summed and averaged in that dtype and the average
@@ -18,7 +18,7 @@ from typing import Collection, Dict, Iterable, List, Optional
 import torch
 
 from .comm import all_reduce_bucket, wait
-from .partitioned_state import DEFAULT_BUCKET_BYTES, ReduceScatterBucket
+from .optimizer_partition import DEFAULT_BUCKET_BYTES, ReduceScatterBucket
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GradientAverager"]
 
@@ -47,7 +47,7 @@ class AllReduceBucket:
 
 class GradientAverager:
     """Averages the gradients of `parameters` over `group` during backward; those whose ids
-    are in `partitioned` (registered with partitioned_state) are reduce-scattered instead."""
+    are in `partitioned` (registered with optimizer_partition) are reduce-scattered instead."""
 
     def __init__(self, parameters: Iterable[torch.nn.Parameter], group, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  partitioned: Collection[int] = (), reduce_dtype: Optional[torch.dtype] = None):

@@ -24,7 +24,7 @@ from typing import Iterable, List, Optional, Set, Tuple
 from torch import nn
 
 from .data_parallel_wrappers import DDP, already_averaged, ranks_of, refusal, spans_tensor_parallel, wrapper_types
-from .model_state import ParallelState, state_of
+from .parallel_state import ParallelState, state_of
 
 
 def partial_gradient_names(model: nn.Module, state: ParallelState) -> List[str]:

@@ -19,7 +19,7 @@ from .plan.layers import is_layer_module
 from .plan.meta_autocast import meta_autocast
 from .plan.meta_values import KnownValues
 from .plan.prediction import FoldedBlockMismatch, ShapeMismatch, check_model_trace
-from .state import has_state_dict_hooks
+from .unsharded import has_state_dict_hooks
 
 
 def _example_inputs(model: nn.Module, plan: ShardingPlan, example_inputs, values: KnownValues):

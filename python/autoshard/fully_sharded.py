@@ -30,7 +30,7 @@ from torch import nn
 
 from . import ops
 from .data_parallel_wrappers import already_averaged
-from .model_state import ParallelState
+from .parallel_state import ParallelState
 
 __all__ = ["adopt", "fsdp_group_of", "is_dtensor", "local_tensor", "whole_over_data_parallel"]
 

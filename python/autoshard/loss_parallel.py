@@ -281,7 +281,7 @@ def gather_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """Whole logits from the logits ``model(..., labels=...)`` returned beside its loss, which are
     this rank's vocabulary shard when loss parallelism is on (one all-gather, differentiable).
     Whole logits (the model called without labels, or loss parallelism off) are returned as they are."""
-    from .model_state import state_of
+    from .parallel_state import state_of
 
     state = state_of(model)
     decision: Optional[LossParallel] = getattr(state, "loss_parallel", None) if state is not None else None

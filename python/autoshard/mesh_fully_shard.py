@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .fully_sharded import adopt
-from .model_state import state_of
+from .parallel_state import state_of
 
 
 def _blocks(model: nn.Module) -> List[nn.Module]:

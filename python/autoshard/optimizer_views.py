@@ -15,7 +15,7 @@ from typing import Dict, Hashable, Tuple
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .model_state import shards_of
+from .parallel_state import shards_of
 from .nn.spec import ShardSpec
 from .state_views import ShardView, fully_sharded_entry, local_of
 

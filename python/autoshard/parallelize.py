@@ -14,17 +14,17 @@ from torch import nn
 
 from . import forward_checks, mesh_fully_shard, partial_gradients, torch_optim_check
 from . import loss_parallel as loss_parallelism
-from .agreement import check_ranks_agree
+from .rank_agreement import check_ranks_agree
 from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, default_group, resolve, set_default_group
 from .dry_run import dry_run
 from .input_copies import InputCopyPerCall, SharedInputCopy
-from .model_state import ParallelState, state_of
+from .parallel_state import ParallelState, state_of
 from .nn import head_cuts, sequence
 from .nn.head_parameters import shard_head_parameter
 from .nn.rms_norm import ShardedRMSNorm
 from .optimizer_views import install_global_optimizer_hook
-from .partitioned_state import partition_replicated
+from .optimizer_partition import partition_replicated
 from .replica_check import DEFAULT_EVERY
 from .pending_gradients import check_no_pending_gradients
 from .plan import LayerPlan, ShardingPlan
@@ -214,7 +214,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     With a ("dp", "tp") DeviceMesh, each data-parallel replica is tensor-parallel over its
     "tp" group, and gradients are averaged over "dp" in buckets started during backward.
     With more than one dp replica and `partition_optimizer_state`, the parameters that tp
-    replicates have their optimizer state partitioned over "dp" (see partitioned_state):
+    replicates have their optimizer state partitioned over "dp" (see optimizer_partition):
     their gradients are reduce-scattered, autoshard.optim steps each rank's piece, and the
     pieces are all-gathered after the step. torch.optim's optimizers know nothing of pieces:
     a step of one over such parameters raises; use them with partition_optimizer_state=False.

@@ -22,7 +22,7 @@ from torch import nn
 
 from .fully_sharded import local_tensor
 from .input_check import _bits, _gather, _value_hash, _wire_device
-from .model_state import state_of
+from .parallel_state import state_of
 from .stalls import named
 
 # Forwards between two checks: a copy left behind is found within this many steps, for about

@@ -13,7 +13,7 @@ norm and the scaling of each rank's local part; any other call is torch's own.
 import torch
 
 from .clip import global_grad_norm, scale_grads_
-from .model_state import live_states, parameter_state
+from .parallel_state import live_states, parameter_state
 
 _ORIGINAL = {}
 

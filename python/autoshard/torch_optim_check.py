@@ -1,5 +1,5 @@
 """Refuses a torch.optim optimizer that steps parameters whose optimizer state autoshard
-partitions over the data-parallel replicas (partitioned_state).
+partitions over the data-parallel replicas (optimizer_partition).
 
 Such a parameter's gradient holds, after backward, the average of this rank's piece only
 (zeros elsewhere), and only autoshard's optimizers know to step that piece and all-gather
@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .model_state import parameter_state
-from .partitioned_state import piece_of
+from .parallel_state import parameter_state
+from .optimizer_partition import piece_of
 
 _handle = None
 _epoch = 0  # how many times install() was called: a checked optimizer is checked again after it

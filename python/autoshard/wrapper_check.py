@@ -28,7 +28,7 @@ from .data_parallel_wrappers import DDP, FULLY_SHARD, describe, fsdp_refusal, fu
     spans_tensor_parallel
 from .ddp_guard import check_over_data_parallel
 from .fully_sharded import adopt
-from .model_state import state_of
+from .parallel_state import state_of
 
 _CALL_CODE = nn.Module._call_impl.__code__
 _STACK_DEPTH = 64  # frames above the check searched for modules being called

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 import autoshard
-from autoshard.model_state import state_of
+from autoshard.parallel_state import state_of
 from autoshard.plan.holdings import held_fraction, replicated
 from gathered import nonzero_counts
 

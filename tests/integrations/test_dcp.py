@@ -132,8 +132,8 @@ def _save_trained(optimizer_kind, path):
     model = _parallel("llama", seed=1)
     opt = _optimizer(optimizer_kind, model)
     _train_step(model, opt, 0)
-    model_state, optim_state = get_state_dict(model, opt)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    parallel_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": parallel_state, "optim": optim_state}, checkpoint_id=path)
     _train_step(model, opt, 1)  # the step the resumed run must repeat
     return autoshard.full_state_dict(model)
 
@@ -143,8 +143,8 @@ def _resume(optimizer_kind, path):
 
     model = _parallel("llama", seed=2)
     opt = _optimizer(optimizer_kind, model)
-    model_state, optim_state = get_state_dict(model, opt)
-    state = {"model": model_state, "optim": optim_state}
+    parallel_state, optim_state = get_state_dict(model, opt)
+    state = {"model": parallel_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     _train_step(model, opt, 1)

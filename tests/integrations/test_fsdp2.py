@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard.distributed import set_default_group
-from autoshard.model_state import state_of
-from autoshard.state import gather_full
+from autoshard.parallel_state import state_of
+from autoshard.unsharded import gather_full
 from hf_models import build
 from multirank import run_on_ranks
 

@@ -145,7 +145,7 @@ def _ddp_over_data_parallel(steps: int = 3):
         worst_weight = max(float((got[k] - want[k]).abs().max()) for k in want)
         ids = _batch(steps, rows=2)
         logits = (model(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max()
-        partial = autoshard.model_state.state_of(model).partial_gradients
+        partial = autoshard.parallel_state.state_of(model).partial_gradients
         return dict(grad=worst_grad, weight=worst_weight, logits=float(logits),
                     partial=len(partial.buckets) if partial else 0)
     finally:

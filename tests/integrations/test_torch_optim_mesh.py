@@ -13,7 +13,7 @@ weights are replicated parameters with whole gradients (the ones partitioned).
 import torch
 
 import autoshard
-from autoshard.partitioned_state import piece_of
+from autoshard.optimizer_partition import piece_of
 from gathered import gathered_grads
 from hf_models import build
 from multirank import run_on_ranks

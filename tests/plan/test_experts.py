@@ -227,7 +227,7 @@ def _own_experts_on_ranks(normalized: bool = False):
     with autoshard.CommCounter() as backward:
         out.pow(2).sum().backward()
     reference(x).pow(2).sum().backward()
-    shards = autoshard.model_state.state_of(model).shards()
+    shards = autoshard.parallel_state.state_of(model).shards()
     grads = {}
     for name, p in model.named_parameters():
         want = reference.get_parameter(name).grad
@@ -235,7 +235,7 @@ def _own_experts_on_ranks(normalized: bool = False):
             spec = shards[id(p)][0]
             want = torch.cat([want.narrow(spec.dim, s, n) for s, n in spec.local_ranges()], spec.dim)
         grads[name] = (p.grad, want)
-    plan = autoshard.model_state.state_of(model).plan
+    plan = autoshard.parallel_state.state_of(model).plan
     return {"out": (out.detach(), reference(x).detach()), "grads": grads,
             "comm": ({k: v for k, v in forward.counts.items() if v}, plan.collectives("forward"),
                      {k: v for k, v in backward.counts.items() if v}, plan.collectives("backward"))}

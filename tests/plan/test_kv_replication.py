@@ -138,7 +138,7 @@ def _save_trained(path, q_heads, kv_heads):
     moments = {}
     for name, p in model.named_parameters():
         if name.endswith("k_proj.weight"):
-            moments[name] = autoshard.state.gather_full(opt.state[p]["exp_avg"], model.get_submodule(
+            moments[name] = autoshard.unsharded.gather_full(opt.state[p]["exp_avg"], model.get_submodule(
                 name.rsplit(".", 1)[0]).shard_specs["weight"], None)
     return {k: v.clone() for k, v in full.items()}, moments
 

@@ -5,7 +5,7 @@ holds (its selection).
 Optimizer state is stored under ``optimizer/<parameter name>/<state key>``, in one of three
 layouts: "param", a tensor shaped like its parameter (AdamW's moments, SGD's momentum),
 sharded with it and sharing its selection; "flat", the piece a data-parallel replica keeps
-of a parameter whose state is partitioned (partitioned_state), stored as part of the
+of a parameter whose state is partitioned (optimizer_partition), stored as part of the
 flattened global tensor; "whole", any other tensor (AdamW's ``step``), the same on every rank.
 Non-tensor values go into the manifest as JSON.
 """
@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ..partitioned_state import piece_of
+from ..optimizer_partition import piece_of
 from ..tensor_io import Selection, full_selection, json_input
 from .manifest import MAX_VALUE_DEPTH
 from .targets import Target, model_targets

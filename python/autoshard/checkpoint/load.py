@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from . import manifest as mf
 from . import rng
-from ..partitioned_state import piece_of
+from ..optimizer_partition import piece_of
 from .contents import OPTIMIZER_PREFIX
 from .files import CheckpointFiles
 from .hyperparameters import check_hyperparameters, check_state, step_problem

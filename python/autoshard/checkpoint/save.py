@@ -9,11 +9,11 @@ and fsyncs the parent. A save that fails removes its ``.partial`` on every failu
 that dies half way leaves at most a ``.partial``, which nothing loads; an existing ``<path>``
 is never touched.
 
-Each piece is written once, by one of its holders (agreement.py). The ranks must share the
+Each piece is written once, by one of its holders (save_agreement.py). The ranks must share the
 file system that holds ``path``.
 
 Before ``save`` returns, only what must be: the arguments are checked, the ranks agree that the
-save may start (agreement.py: one small collective in steady state, so a bad path, an existing
+save may start (save_agreement.py: one small collective in steady state, so a bad path, an existing
 ``path`` or a rank's error is raised by ``save`` on every rank), and the tensors are copied
 (snapshot.py); everything that reads only those copies and autoshard's own state (the claim,
 the manifest, the files, the commit) runs in the background writer. What the caller may change
@@ -30,8 +30,8 @@ import torch.distributed as dist
 from . import claim
 from . import manifest as mf
 from . import rng
-from ..model_state import state_of
-from .agreement import Agreement, claimed_message, start_agreement
+from ..parallel_state import state_of
+from .save_agreement import Agreement, claimed_message, start_agreement
 from .contents import Held, json_value, model_holdings, optimizer_holdings
 from .group import CheckpointGroup, checkpoint_group
 from .pending import CheckpointSaveError, SaveHandle, track, wait_for_pending_save

@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import ops
 from ..distributed import resolve
-from ..model_state import attach_layer_state
+from ..parallel_state import attach_layer_state
 from ..nn.spec import ShardSpec
 from ..styles import Style
 from .base import LayerConstruct, register

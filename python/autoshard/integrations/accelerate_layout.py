@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..clip import clip_grad_norm_
-from ..model_state import state_of
+from ..parallel_state import state_of
 
 _NAME = "autoshard.integrations.Trainer"
 

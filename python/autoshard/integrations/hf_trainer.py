@@ -44,8 +44,8 @@ from typing import Optional
 import torch
 import transformers
 
-from ..model_state import state_of
-from ..state import full_state_dict
+from ..parallel_state import state_of
+from ..unsharded import full_state_dict
 from ..state_views import unwrap_shard_views
 from .accelerate_layout import Layout, adapt, layout_of
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from .. import comm, ops
 from ..distributed import resolve
-from ..model_state import attach_layer_state
+from ..parallel_state import attach_layer_state
 from ..styles import Style
 from .spec import ShardSpec
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from .. import comm, ops
 from ..distributed import resolve
-from ..model_state import attach_layer_state
+from ..parallel_state import attach_layer_state
 from .spec import ShardSpec
 
 

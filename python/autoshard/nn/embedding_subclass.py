@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import comm, ops
 from ..distributed import ProcessGroup
-from ..model_state import attach_layer_state
+from ..parallel_state import attach_layer_state
 from .embedding import VocabParallelEmbedding
 
 _EMBEDDING = inspect.signature(F.embedding)

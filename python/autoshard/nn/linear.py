@@ -22,7 +22,7 @@ from torch import nn
 from .. import ops
 from ..distributed import ProcessGroup, resolve
 from .conv1d import is_conv1d
-from ..model_state import attach_layer_state
+from ..parallel_state import attach_layer_state
 from .spec import ShardSpec
 
 

@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import ops
 from ..distributed import ProcessGroup, resolve
-from ..model_state import attach_layer_state
+from ..parallel_state import attach_layer_state
 from .spec import ShardSpec
 
 _SIGNATURE = inspect.signature(F.multi_head_attention_forward)

@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import comm
 from ..distributed import resolve
-from ..model_state import attach_layer_state
+from ..parallel_state import attach_layer_state
 from .spec import ShardSpec
 
 FORMS = ("input_dtype", "scale_then_cast", "cast_then_scale")

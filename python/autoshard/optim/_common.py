@@ -3,7 +3,7 @@ fused call per (param group, dtype, ...) after checking all of them, so that a b
 parameter raises before any parameter or state has changed.
 
 All parameters of one optimizer live on one device. A parameter whose state is partitioned
-across data-parallel replicas (partitioned_state) is stepped through its owned piece: the
+across data-parallel replicas (optimizer_partition) is stepped through its owned piece: the
 piece of the parameter, the same piece of its gradient, and state tensors of that piece's
 shape; after the step, every replica's pieces are all-gathered."""
 
@@ -14,7 +14,7 @@ import torch
 
 from ..fully_sharded import local_tensor
 from ..optimizer_views import local_state_dict
-from ..partitioned_state import all_gather_pieces, piece_of
+from ..optimizer_partition import all_gather_pieces, piece_of
 
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _HALF = (torch.float16, torch.bfloat16)

@@ -14,7 +14,7 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from ..model_state import keep_state_across_swap
+from ..parallel_state import keep_state_across_swap
 
 _FLAG = "_is_hf_initialized"
 

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Set
 import torch
 
 from .comm import all_gather_uneven, reduce_scatter_uneven, wait
-from .model_state import ParallelState, parameter_state
+from .parallel_state import ParallelState, parameter_state
 from .split import split_sizes
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20

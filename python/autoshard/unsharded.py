@@ -53,7 +53,7 @@ def has_state_dict_hooks(model: nn.Module) -> bool:
 def unsharded_view(model: nn.Module, whole: Dict[int, torch.Tensor]):
     """While inside: each sharded parameter (by id in `whole`) holds its whole tensor, and the
     attributes the plan made local hold their global values again."""
-    from .model_state import state_of
+    from .parallel_state import state_of
     from .plan.local_attributes import set_attribute
 
     params = {id(p): p for p in model.parameters()}
@@ -84,7 +84,7 @@ def _hooked_state_dict(model: nn.Module, sharded) -> Dict[str, torch.Tensor]:
             whole[id(param)] = gather_full(param, spec, group)
     with unsharded_view(model, whole):
         state = model.state_dict()
-    from .model_state import state_of
+    from .parallel_state import state_of
 
     expected = getattr(state_of(model), "unsharded_state_shapes", None)
     got = {k: list(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
