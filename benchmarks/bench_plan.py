@@ -55,8 +55,8 @@ def meta_forward(model, ids, repeats: int):
 
 
 def sharded_fraction(plan) -> float:
-    total = sum(_numel(record["shape"]) for record in plan.parameters.values())
-    return sum(_numel(plan.parameters[name]["shape"]) for name in plan.param_specs(0)) / total
+    total = sum(_numel(record.shape) for record in plan.parameters.values())
+    return sum(_numel(plan.parameters[name].shape) for name in plan.param_specs(0)) / total
 
 
 def _numel(shape) -> int:

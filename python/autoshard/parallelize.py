@@ -64,20 +64,20 @@ def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> N
             raise ValueError(f"parallelize: the plan names parameter {layer.weight!r}, which the model lacks")
     for norm in plan.norms:
         try:
-            module = model.get_submodule(norm["module"])
+            module = model.get_submodule(norm.module)
         except AttributeError:
-            raise ValueError(f"parallelize: the plan names norm {norm['module']!r}, which the model lacks") from None
+            raise ValueError(f"parallelize: the plan names norm {norm.module!r}, which the model lacks") from None
         weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or list(weight.shape) != [norm["features"]] \
+        if not isinstance(weight, torch.Tensor) or list(weight.shape) != [norm.features] \
                 or rms_norm_form(module) is None:
-            raise ValueError(f"parallelize: norm {norm['module']!r} is not an RMS norm over {norm['features']} "
+            raise ValueError(f"parallelize: norm {norm.module!r} is not an RMS norm over {norm.features} "
                              "features with a weight, as the plan expects")
     for record in plan.head_parameters:
-        param = params.get(record["name"])
-        if param is None or param.dim() <= record["dim"] or param.shape[record["dim"]] != record["size"]:
+        param = params.get(record.name)
+        if param is None or param.dim() <= record.dim or param.shape[record.dim] != record.size:
             got = None if param is None else list(param.shape)
-            raise ValueError(f"parallelize: the plan splits parameter {record['name']!r} with its heads "
-                             f"({record['size']} on dim {record['dim']}); the model's has shape {got}")
+            raise ValueError(f"parallelize: the plan splits parameter {record.name!r} with its heads "
+                             f"({record.size} on dim {record.dim}); the model's has shape {got}")
     check_no_hooks_lost(model, plan)
 
 
@@ -159,33 +159,33 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
     for name, sides in experts.items():
         sides[0].construct.shard_sides(model.get_submodule(name), name, sides, group, copies.get(sides[0].copy_group))
     for norm in plan.norms:
-        module = model.get_submodule(norm["module"])
-        _set_submodule(model, norm["module"], ShardedRMSNorm.from_norm(
+        module = model.get_submodule(norm.module)
+        _set_submodule(model, norm.module, ShardedRMSNorm.from_norm(
             module, plan.norm_spec(norm, rank), rms_norm_eps(module), rms_norm_form(module), group))
     for key, new in replaced.items():
         for owner, attr in registrations.get(key, []):
             if not hasattr(owner, "shard_specs"):
                 owner._parameters[attr] = new
     for record in plan.head_parameters:
-        owner_name, _, attr = record["name"].rpartition(".")
+        owner_name, _, attr = record.name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
         original = owner._parameters[attr]
         local = shard_head_parameter(owner, attr, plan.head_parameter_spec(record, rank), group)
         for other, other_attr in registrations.get(id(original), []):
             other._parameters[other_attr] = local
     for entry in plan.sequence_entries:
-        model.get_submodule(entry["module"]).register_forward_pre_hook(tokens.entry_hook(entry), with_kwargs=True)
+        model.get_submodule(entry.module).register_forward_pre_hook(tokens.entry_hook(entry), with_kwargs=True)
     for entry in plan.sequence_gathers:
-        model.get_submodule(entry["module"]).register_forward_pre_hook(tokens.entry_hook(entry, gather=True),
+        model.get_submodule(entry.module).register_forward_pre_hook(tokens.entry_hook(entry, gather=True),
                                                                        with_kwargs=True)
     for entry in plan.sequence_exits:
-        model.get_submodule(entry["module"]).register_forward_hook(tokens.exit_hook(entry))
+        model.get_submodule(entry.module).register_forward_hook(tokens.exit_hook(entry))
     for entry in plan.head_entries:
-        model.get_submodule(entry["module"]).register_forward_pre_hook(
-            head_cuts.entry_hook(entry, plan.regions[entry["region"]].units, group.group_name), with_kwargs=True)
+        model.get_submodule(entry.module).register_forward_pre_hook(
+            head_cuts.entry_hook(entry, plan.regions[entry.region].units, group.group_name), with_kwargs=True)
     for entry in plan.head_outputs:
-        model.get_submodule(entry["module"]).register_forward_hook(
-            head_cuts.output_hook(entry, plan.regions[entry["region"]].units, group.group_name))
+        model.get_submodule(entry.module).register_forward_hook(
+            head_cuts.output_hook(entry, plan.regions[entry.region].units, group.group_name))
     for region in plan.regions.values():
         owner = model.get_submodule(region.module)
         for attr in region.attributes:

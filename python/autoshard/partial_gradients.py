@@ -125,11 +125,11 @@ def install(model: torch.nn.Module, buckets: List[Dict[str, object]], group_name
     if not buckets:
         return None
     params = dict(model.named_parameters(remove_duplicate=False))
-    missing = [name for bucket in buckets for name in bucket["params"] if name not in params]
+    missing = [name for bucket in buckets for name in bucket.params if name not in params]
     if missing:
         raise ValueError(f"parallelize: the plan sums the partial gradients of {missing}, which the model lacks")
-    trainable = [[params[name] for name in bucket["params"] if params[name].requires_grad] for bucket in buckets]
+    trainable = [[params[name] for name in bucket.params if params[name].requires_grad] for bucket in buckets]
     reducer = PartialGradientReducer(trainable, group_name, dp_group, reduce_dtype)
     # By name too: fully_shard replaces the parameters, and its own keep the names (fully_sharded).
-    reducer.names = [name for bucket in buckets for name in bucket["params"] if params[name].requires_grad]
+    reducer.names = [name for bucket in buckets for name in bucket.params if params[name].requires_grad]
     return reducer

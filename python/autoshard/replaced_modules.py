@@ -32,7 +32,7 @@ def replaced_modules(model: nn.Module, plan) -> List[str]:
             continue  # the attention itself is changed in place; its out_proj is replaced
         if layer.construct.replaces(model.get_submodule(layer.module)):
             names.append(layer.module)
-    names += [norm["module"] for norm in plan.norms]
+    names += [norm.module for norm in plan.norms]
     return sorted(set(names))
 
 

@@ -63,9 +63,9 @@ def _check_split(model) -> None:
         assert tuple(getattr(attention, attr).shape) == (heads * 8,)
         assert names[f"deberta.encoder.layer.0.attention.self.{attr}"] is getattr(attention, attr)
     plan = model.autoshard_state.plan
-    assert {r["name"].rpartition(".")[2] for r in plan.head_parameters} == set(HEAD_PARAMETERS)
+    assert {r.name.rpartition(".")[2] for r in plan.head_parameters} == set(HEAD_PARAMETERS)
     # A local parameter: no gradient of it is summed over the ranks.
-    assert not any(name.endswith(HEAD_PARAMETERS) for bucket in plan.partial_gradients for name in bucket["params"])
+    assert not any(name.endswith(HEAD_PARAMETERS) for bucket in plan.partial_gradients for name in bucket.params)
 
 
 def _load_pretrained(path: str) -> None:

@@ -196,8 +196,8 @@ def _refused(make, plan_kwargs=None, tamper=None):
 
 def _one_more_all_reduce(plan):
     for c in plan.comm:
-        if c["phase"] == "forward" and c["kind"] == "all_reduce":
-            c["count"] += 1
+        if c.phase == "forward" and c.kind == "all_reduce":
+            c.count += 1
 
 
 def _without_whole_table_lookups():

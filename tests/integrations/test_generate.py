@@ -57,7 +57,7 @@ def _check(name: str) -> dict:
             assert tokens.shape == (2, PROMPT + 8)
             torch.testing.assert_close(scores, want_scores, rtol=1e-5, atol=1e-5)
     return {"roles": sorted({layer.sequence for layer in plan.layers if layer.sequence}),
-            "exits": [entry["module"] for entry in plan.sequence_exits], "plan": str(plan)}
+            "exits": [entry.module for entry in plan.sequence_exits], "plan": str(plan)}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -105,7 +105,7 @@ class _LastTokens(nn.Module):
 def test_indexing_of_tokens_no_module_returns_gives_up_sequence_parallelism():
     ids = torch.zeros(2, 6, dtype=torch.long)
     returned = autoshard.plan(_LastTokens(squash=False), world_size=2, example_inputs=(ids,))
-    assert [e["module"] for e in returned.sequence_exits] == ["blocks.1"], str(returned)
+    assert [e.module for e in returned.sequence_exits] == ["blocks.1"], str(returned)
     assert returned.layer("head").sequence == "gathered", str(returned)
     squashed = autoshard.plan(_LastTokens(squash=True), world_size=2, example_inputs=(ids,))
     assert not any(layer.sequence for layer in squashed.layers) and not squashed.sequence_exits, str(squashed)

@@ -81,17 +81,17 @@ def _check_plan(plan, kind: str, world: int) -> None:
     for rank in range(world):
         if plain.held_fraction(rank) <= 1 / world + 0.1:
             assert plan.held_fraction(rank) <= 1 / world + 0.1, (rank, str(plan))
-    records = {r["module"]: r for r in plan.adapters}
+    records = {r.module: r for r in plan.adapters}
     assert len(records) == 2 * len(TARGETS)
-    summed = {name for bucket in plan.partial_gradients for name in bucket["params"]}
+    summed = {name for bucket in plan.partial_gradients for name in bucket.params}
     for module, record in records.items():
         factors = [f"{module}.lora_A.default.weight", f"{module}.lora_B.default.weight"]
         style = styles[module.removeprefix(PREFIX)]
         if style == "replicate":
-            assert record["split"] == [] and record["whole"] == factors, record
+            assert record.split == [] and record.whole == factors, record
             continue
         split, whole = factors[::-1] if style == "column" else factors
-        assert record["split"] == [split] and record["whole"] == [whole], record
+        assert record.split == [split] and record.whole == [whole], record
         assert whole in summed, (whole, plan.partial_gradients)
 
 
@@ -269,5 +269,5 @@ def test_plan_of_split_adapters_round_trips_through_json():
         specs = plan.param_specs(rank)
         # B of a column layer is split as its base weight's rows, A of a row layer as its columns.
         for record in plan.adapters:
-            base = plan.layer(record["module"]).weight
-            assert [specs[name] for name in record["split"]] == [specs[base]], record
+            base = plan.layer(record.module).weight
+            assert [specs[name] for name in record.split] == [specs[base]], record

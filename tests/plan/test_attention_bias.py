@@ -66,10 +66,10 @@ ATTENTIONS = {"bloom": "transformer.h.{}.self_attention", "mpt": "transformer.bl
 @pytest.mark.parametrize("name", sorted(ATTENTIONS))
 def test_bias_is_cut_at_every_attention(name):
     plan, _ = _held(name, MODELS[name])
-    assert [entry["module"] for entry in plan.head_entries] == [ATTENTIONS[name].format(i) for i in range(2)]
+    assert [entry.module for entry in plan.head_entries] == [ATTENTIONS[name].format(i) for i in range(2)]
     for entry in plan.head_entries:  # in the attention's own region
-        layers = [layer for layer in plan.layers if layer.module.startswith(entry["module"] + ".")]
-        assert layers and all(layer.region == entry["region"] and layer.style != "replicate" for layer in layers)
+        layers = [layer for layer in plan.layers if layer.module.startswith(entry.module + ".")]
+        assert layers and all(layer.region == entry.region and layer.style != "replicate" for layer in layers)
 
 
 def test_multi_query_kv_projection_is_held_by_every_rank():
@@ -83,7 +83,7 @@ def test_multi_query_kv_projection_is_held_by_every_rank():
 
 def test_relative_position_bias_is_cut_as_it_leaves_its_embedding():
     plan, _ = _held("t5", MODELS["t5"])
-    assert sorted(entry["module"] for entry in plan.head_outputs) == [
+    assert sorted(entry.module for entry in plan.head_outputs) == [
         f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias" for stack in ("decoder", "encoder")]
     for name in ("encoder.block.1.layer.0.SelfAttention.q", "decoder.block.1.layer.1.EncDecAttention.o"):
         assert plan.layer(name).style != "replicate"

@@ -17,6 +17,7 @@ from torch import nn
 import autoshard
 from autoshard import checkpoint
 from autoshard.nn.multihead_attention import ReturnedWeights, shard_multihead_attention
+from autoshard.plan.records import ReturnedAttentionWeights
 from autoshard.nn.spec import ShardSpec
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conformance"))
@@ -75,7 +76,7 @@ def test_multihead_attention_with_weights_never_read_is_split_and_returns_none()
     for block in range(2):
         styles = [plan.layer(f"blocks.{block}.attn.{p}").style for p in ("in_proj", "out_proj")]
         assert styles == ["column", "row"], styles
-    assert plan.attention_weights == [{"module": f"blocks.{b}.attn", "used": False} for b in range(2)]
+    assert plan.attention_weights == [ReturnedAttentionWeights(f"blocks.{b}.attn", used=False) for b in range(2)]
     assert plan.returned_weights("blocks.0.attn") == "none"
     assert plan.collectives("forward") == unread.collectives("forward")
     assert "blocks.0-1.attn: attention weights not returned (None): the model never reads them" in str(plan)
@@ -89,12 +90,12 @@ def test_multihead_attention_whose_averaged_weights_are_read_plans_one_all_reduc
     plan = _plan(conformance_models.multihead_decoder(read_weights=True), world_size, example_inputs=IDS)
     unread = _plan(conformance_models.multihead_decoder(need_weights=True), world_size, example_inputs=IDS)
     assert [plan.layer(f"blocks.{b}.attn.in_proj").style for b in range(2)] == ["column", "column"]
-    assert plan.attention_weights == [{"module": f"blocks.{b}.attn", "used": True} for b in range(2)]
+    assert plan.attention_weights == [ReturnedAttentionWeights(f"blocks.{b}.attn", used=True) for b in range(2)]
     forward, backward = plan.collectives("forward"), plan.collectives("backward")
     assert forward["all_reduce"] == unread.collectives("forward")["all_reduce"] + 2
     assert backward == unread.collectives("backward")
     averaged = 2 * 7 * 7 * 4  # (batch, tokens, tokens) fp32 per attention
-    bytes_of = lambda p: next(c["bytes"] for c in p.comm if c["phase"] == "forward" and c["kind"] == "all_reduce")
+    bytes_of = lambda p: next(c.bytes for c in p.comm if c.phase == "forward" and c.kind == "all_reduce")
     assert bytes_of(plan) - bytes_of(unread) == 2 * averaged
     assert "blocks.0-1.attn: attention weights averaged over every head (one all-reduce" in str(plan)
     assert plan.held_fraction(0) <= 1 / world_size + 0.1

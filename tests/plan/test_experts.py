@@ -76,8 +76,8 @@ def test_mixtral_8x7b_plans_on_meta_under_default_settings():
     assert next(model.parameters()).dtype == torch.float32
     assert model.config._experts_implementation == "grouped_mm"  # the default, left as it is
     plan = autoshard.plan(model, world_size=8)
-    total = sum(_numel(r["shape"]) for r in plan.parameters.values())
-    sharded = sum(_numel(plan.parameters[n]["shape"]) for n in plan.param_specs(0))
+    total = sum(_numel(r.shape) for r in plan.parameters.values())
+    sharded = sum(_numel(plan.parameters[n].shape) for n in plan.param_specs(0))
     assert total > 46e9
     assert sharded / total >= 0.95, sharded / total
     assert plan.held_fraction(0) <= 1 / 8 + 0.01

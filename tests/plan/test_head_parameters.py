@@ -238,7 +238,7 @@ def test_plan_names_the_split_parameters_and_their_pieces():
     plan = _plan(Tiny(), 4)
     assert plan.layer("attn.q").style == "column" and plan.layer("attn.out").style == "row"
     (record,) = plan.head_parameters
-    assert record["name"] == "attn.head_scale" and record["dim"] == 0 and record["size"] == 6
+    assert record.name == "attn.head_scale" and record.dim == 0 and record.size == 6
     # 6 heads over 4 ranks: 2, 2, 1, 1 (numpy's array_split), as the projections split them.
     assert [plan.param_specs(r)["attn.head_scale"].local_size() for r in range(4)] == [2, 2, 1, 1]
     assert plan.held_parameters(3)["attn.head_scale"] == 1

@@ -58,7 +58,7 @@ def test_plan_splits_query_heads_and_replicates_kv_heads(q_heads, kv_heads, worl
     backward = p.collectives("backward")["all_reduce"]
     forward = p.collectives("forward")["all_reduce"]
     assert backward == forward + 2 * layers, (forward, backward)
-    kv_bytes = [c["bytes"] for c in p.comm if c["phase"] == "backward"][0]
+    kv_bytes = [c.bytes for c in p.comm if c.phase == "backward"][0]
     assert kv_bytes >= 2 * layers * k.weight_shape[0] * k.weight_shape[1] * 4
     assert "KV heads shared" in str(p)
 

@@ -42,7 +42,7 @@ def _check(name: str) -> dict:
     got = autoshard.full_state_dict(model)
     for pname, value in reference.state_dict().items():
         torch.testing.assert_close(got[pname], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{pname} after a step: {m}")
-    return {"plan": str(plan), "partial": [p for g in plan.partial_gradients for p in g["params"]],
+    return {"plan": str(plan), "partial": [p for g in plan.partial_gradients for p in g.params],
             "styles": {layer.module: layer.style for layer in plan.layers}}
 
 

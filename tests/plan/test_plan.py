@@ -187,8 +187,17 @@ def test_own_model_with_example_inputs():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match="example_inputs is required"):
-        plan(MLP(), world_size=2)
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(4, 4)
+
+        def forward(self, x, y):
+            return self.up(x) + y
+
+    # One input tensor is inferred from the first layer (tests/plan/test_plan_inputs.py); two are not.
+    with pytest.raises(ValueError, match=r"requires 2 arguments \('x', 'y'\).*pass example_inputs"):
+        plan(TwoInputs(), world_size=2)
     with pytest.raises(ValueError, match="world_size must be a positive int"):
         plan(MLP(), world_size=0, example_inputs=(torch.randn(2, 10),))
     with pytest.raises(ValueError, match="world_size=50 is larger than every dimension"):

@@ -52,10 +52,10 @@ def _held_on_rank(name: str) -> dict:
     autoshard.parallelize(model, plan)
     # named_parameters() lists a tied parameter once, under its first name.
     real = {n: p.numel() for n, p in model.named_parameters()}
-    classes = {record["module_class"] for record in plan.parameters.values()}
+    classes = {record.module_class for record in plan.parameters.values()}
     return {"said": said, "real": real, "fraction": plan.held_fraction(rank),
             "by_class": {c: plan.held_fraction(rank, c) for c in classes},
-            "class_of": {n: r["module_class"] for n, r in plan.parameters.items()}}
+            "class_of": {n: r.module_class for n, r in plan.parameters.items()}}
 
 
 def _check_all():
@@ -123,11 +123,11 @@ def test_held_fraction_bad_input():
 
 class MostlyWhole(nn.Module):
     """A wide layer whose output goes through a LayerNorm over its features (kept whole), and a
-    convolution: only the small output layer can be split."""
+    depthwise convolution: only the small output layer can be split."""
 
     def __init__(self):
         super().__init__()
-        self.conv = nn.Conv1d(16, 16, 5, padding=2)
+        self.conv = nn.Conv1d(16, 16, 5, padding=2, groups=16)
         self.wide = nn.Linear(16, 256)
         self.norm = nn.LayerNorm(256)
         self.out = nn.Linear(256, 4)
@@ -147,7 +147,7 @@ def test_warns_once_when_a_rank_would_hold_most_of_the_model():
     assert plan.held_fraction(0) > 0.6
     assert f"{plan.held_fraction(0):.0%}" in message and "an even split is 50%" in message
     assert "wide (" in message and "its output reaches an op that needs the whole axis" in message
-    assert "conv (" in message and "a convolution" in message and "autoshard splits no convolution" in message
+    assert "conv (" in message and "a convolution autoshard does not split: grouped or depthwise" in message
     assert plan.layer("wide").style == "replicate" and plan.layer("out").style != "replicate"
 
 

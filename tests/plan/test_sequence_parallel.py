@@ -47,13 +47,13 @@ def _check(kind: str, seq: int) -> dict:
         want = ref.grad if spec is None else spec.take(ref.grad)
         torch.testing.assert_close(params[name].grad, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"grad of {name}: {m}")
     _, tensor_forward, tensor_backward = _run(tensor, ids, weights)
-    partial = sum(bucket["bytes"] for bucket in plan.partial_gradients)
+    partial = sum(bucket.bytes for bucket in plan.partial_gradients)
     tensor_plan = state_of(tensor).plan
-    tensor_partial = sum(bucket["bytes"] for bucket in tensor_plan.partial_gradients)
+    tensor_partial = sum(bucket.bytes for bucket in tensor_plan.partial_gradients)
     return {
         "plan": str(plan),
         "sequence": [(layer.module, layer.sequence) for layer in plan.layers if layer.sequence],
-        "exits": [entry["module"] for entry in plan.sequence_exits],
+        "exits": [entry.module for entry in plan.sequence_exits],
         "forward": (dict(forward.counts), dict(forward.bytes)),
         "backward": (dict(backward.counts), dict(backward.bytes)),
         "tensor_forward": (dict(tensor_forward.counts), dict(tensor_forward.bytes)),

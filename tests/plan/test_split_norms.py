@@ -240,7 +240,7 @@ def _olmo2(seed=0, device="cpu"):
 @pytest.mark.parametrize("world", [2, 3])
 def test_olmo2_plan_splits_attention_with_its_norms(world):
     p = autoshard.plan(_olmo2().to("meta"), world_size=world)
-    assert [n["module"] for n in p.norms] == [f"model.layers.{i}.self_attn.{k}_norm" for i in (0, 1) for k in "qk"]
+    assert [n.module for n in p.norms] == [f"model.layers.{i}.self_attn.{k}_norm" for i in (0, 1) for k in "qk"]
     assert p.layer("model.layers.0.self_attn.q_proj").style == "column"
     assert "norms split with their layer's features" in str(p)
     spec = p.param_specs(0)["model.layers.0.self_attn.k_norm.weight"]

@@ -27,22 +27,22 @@ def _grouped_shape(shape: List[int], axis: int, size: int, units: int) -> Tuple[
     return shape[:axis] + [outer, units, size // units] + shape[axis + 1:], outer
 
 
-def local_heads_shape(shape, entry: dict, units: int, rank: int, world_size: int) -> Tuple[int, ...]:
+def local_heads_shape(shape, entry, units: int, rank: int, world_size: int) -> Tuple[int, ...]:
     """The shape of the tensor of `entry` (global shape `shape`) once cut on `rank`."""
     shape = list(shape)
-    axis, size = entry["axis"], entry["size"]
+    axis, size = entry.axis, entry.size
     shape[axis] = shape[axis] // size * (size // units) * split_sizes(units, world_size)[rank]
     return tuple(shape)
 
 
-def cut_steps(shape, entry: dict, units: int, rank: int, world_size: int) -> List[Tuple[str, Tuple[int, ...]]]:
+def cut_steps(shape, entry, units: int, rank: int, world_size: int) -> List[Tuple[str, Tuple[int, ...]]]:
     """(op, output shape) of each op the cut runs, as the dry run traces them."""
     local = local_heads_shape(shape, entry, units, rank, world_size)
-    if entry["outer"] == 1 and entry["size"] == units:
+    if entry.outer == 1 and entry.size == units:
         return [("autoshard.scatter_to_parallel.default", local)]
-    grouped, _ = _grouped_shape(list(shape), entry["axis"], entry["size"], units)
+    grouped, _ = _grouped_shape(list(shape), entry.axis, entry.size, units)
     piece = list(grouped)
-    piece[entry["axis"] + 1] = split_sizes(units, world_size)[rank]
+    piece[entry.axis + 1] = split_sizes(units, world_size)[rank]
     return [("aten.view.default", tuple(grouped)), ("autoshard.scatter_to_parallel.default", tuple(piece)),
             ("aten.view.default", local)]
 
@@ -50,9 +50,9 @@ def cut_steps(shape, entry: dict, units: int, rank: int, world_size: int) -> Lis
 class SliceHeads:
     """Cuts a tensor held whole to this rank's heads on the plan's axis."""
 
-    def __init__(self, entry: dict, units: int, group_name: str):
-        self.axis, self.size, self.units = entry["axis"], entry["size"], units
-        self.module = entry["module"]
+    def __init__(self, entry, units: int, group_name: str):
+        self.axis, self.size, self.units = entry.axis, entry.size, units
+        self.module = entry.module
         self.group_name = group_name
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,17 +77,17 @@ def cut_leaf(args, kwargs, leaf: int, cut, module: str):
                                                   f"to this rank's heads (input {leaf})")
 
 
-def entry_hook(entry: dict, units: int, group_name: str):
-    """A forward pre-hook cutting the module's input leaf `entry["leaf"]` to this rank's heads."""
+def entry_hook(entry, units: int, group_name: str):
+    """A forward pre-hook cutting the module's input leaf `entry.leaf` to this rank's heads."""
     step = SliceHeads(entry, units, group_name)
 
     def hook(module, args, kwargs):
-        return cut_leaf(args, kwargs, entry["leaf"], step, entry["module"])
+        return cut_leaf(args, kwargs, entry.leaf, step, entry.module)
 
     return hook
 
 
-def output_hook(entry: dict, units: int, group_name: str):
+def output_hook(entry, units: int, group_name: str):
     """A forward hook cutting the module's output to this rank's heads."""
     step = SliceHeads(entry, units, group_name)
 

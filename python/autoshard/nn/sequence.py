@@ -96,30 +96,30 @@ class PlanSteps:
     each column layers' copy group that gathers tokens to its GatherTokens."""
 
     def entry_hook(self, entry: dict, gather: bool = False):
-        """A forward pre-hook cutting the module's input leaf `entry["leaf"]` to this rank's
+        """A forward pre-hook cutting the module's input leaf `entry.leaf` to this rank's
         tokens, or with `gather` gathering every rank's tokens of it."""
-        shards = self.shards.setdefault(entry["region"], SequenceShards(self._group_name, entry["region"]))
-        step = (GatherTokens if gather else SliceTokens)(shards, entry["dim"])
-        leaf = entry["leaf"]
+        shards = self.shards.setdefault(entry.region, SequenceShards(self._group_name, entry.region))
+        step = (GatherTokens if gather else SliceTokens)(shards, entry.dim)
+        leaf = entry.leaf
 
         def hook(module, args, kwargs):
             return replace_input(args, kwargs, leaf, step,
-                                 f"sequence parallelism: {entry['module']!r} was called without the tensor the plan "
+                                 f"sequence parallelism: {entry.module!r} was called without the tensor the plan "
                                  f"cuts to this rank's tokens (input {leaf})")
 
         return hook
 
     def exit_hook(self, entry: dict):
         """A forward hook gathering every rank's tokens of the module's output leaf
-        `entry["leaf"]`, for column layers reading them through ops that index the tokens."""
-        shards = self.shards.setdefault(entry["region"], SequenceShards(self._group_name, entry["region"]))
-        step = GatherTokens(shards, entry["dim"])
-        leaf = entry["leaf"]
+        `entry.leaf`, for column layers reading them through ops that index the tokens."""
+        shards = self.shards.setdefault(entry.region, SequenceShards(self._group_name, entry.region))
+        step = GatherTokens(shards, entry.dim)
+        leaf = entry.leaf
 
         def hook(module, args, output):
             leaves, spec = tree_flatten(output)
             if leaf >= len(leaves) or not isinstance(leaves[leaf], torch.Tensor):
-                raise RuntimeError(f"sequence parallelism: {entry['module']!r} returned no tensor where the plan "
+                raise RuntimeError(f"sequence parallelism: {entry.module!r} returned no tensor where the plan "
                                    f"gathers its tokens (output {leaf})")
             leaves[leaf] = step(leaves[leaf])
             return tree_unflatten(leaves, spec)

@@ -18,6 +18,8 @@ from .idiom_notes import explain_idioms, whole_reasons
 from .length_reads import explain_length_reads, split_inputs_gathered_inside, with_length_reads
 from .local_attributes import localize_attributes
 from .prediction import Prediction, ShapeMismatch
+from .records import (Collective, HeadCut, HeadParameter, PartialGradientBucket, ReturnedAttentionWeights, SplitNorm,
+                      TokenCut)
 from .sharding_plan import LayerPlan, RegionPlan, ShardingPlan
 from .token_selections import gather_before_token_indexing
 
@@ -60,9 +62,8 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
             sequence_region=record["sequence_region"], sequence_note=named(record["sequence_note"]),
         ))
         layers[-1]._whole_units = record["whole_units"]
-    comm = [{"phase": c["phase"], "kind": c["kind"], "count": c["count"], "bytes": c["elements"] * element_size}
-            for c in data["comm"]]
-    partial = [{"params": [names[i] for i in bucket["params"]], "bytes": bucket["elements"] * element_size}
+    comm = [Collective(c["phase"], c["kind"], c["count"], c["elements"] * element_size) for c in data["comm"]]
+    partial = [PartialGradientBucket([names[i] for i in bucket["params"]], bucket["elements"] * element_size)
                for bucket in data["partial_gradients"]]
     region_plans = {}
     for record in data["regions"]:
@@ -75,25 +76,22 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
     norms = []
     for record in data.get("norms", []):
         node = graph.document["nodes"][record["node"]]
-        norms.append({"module": node["label"], "weight": names[node["weight_param"]], "features": record["features"],
-                      "units": region_plans[record["region"]].units, "region": record["region"]})
+        norms.append(SplitNorm(node["label"], names[node["weight_param"]], record["features"],
+                               region_plans[record["region"]].units, record["region"]))
+    token_cut = lambda e: TokenCut(e["module"], e["leaf"], e["dim"], e["region"])
+    head_cut = lambda e: HeadCut(e["module"], e["axis"], e["outer"], e["size"], e["region"], e.get("leaf", 0))
     result = ShardingPlan(world_size=world_size, layers=layers, regions=region_plans, comm=comm,
                           partial_gradients=partial,
-                          sequence_entries=[{k: e[k] for k in ("module", "leaf", "dim", "region")}
-                                            for e in data["sequence_entries"]],
-                          sequence_gathers=[{k: e[k] for k in ("module", "leaf", "dim", "region")}
-                                            for e in data["sequence_gathers"]],
-                          sequence_exits=[{k: e[k] for k in ("module", "leaf", "dim", "region")}
-                                          for e in data["sequence_exits"]],
-                          head_entries=[{k: e[k] for k in ("module", "leaf", "axis", "outer", "size", "region")}
-                                        for e in data.get("head_entries", [])],
-                          head_outputs=[{k: e[k] for k in ("module", "axis", "outer", "size", "region")}
-                                        for e in data.get("head_outputs", [])],
-                          attention_weights=[{"module": graph.nodes[w["node"]][0], "used": w["used"]}
+                          sequence_entries=[token_cut(e) for e in data["sequence_entries"]],
+                          sequence_gathers=[token_cut(e) for e in data["sequence_gathers"]],
+                          sequence_exits=[token_cut(e) for e in data["sequence_exits"]],
+                          head_entries=[head_cut(e) for e in data.get("head_entries", [])],
+                          head_outputs=[head_cut(e) for e in data.get("head_outputs", [])],
+                          attention_weights=[ReturnedAttentionWeights(graph.nodes[w["node"]][0], w["used"])
                                              for w in data.get("attention_weights", [])],
                           norms=norms,
-                          head_parameters=[{"name": names[p["param"]], "dim": p["axis"], "size": p["size"],
-                                            "region": p["region"]} for p in data.get("head_params", [])],
+                          head_parameters=[HeadParameter(names[p["param"]], p["axis"], p["size"], p["region"])
+                                           for p in data.get("head_params", [])],
                           example={"description": graph.description, "inputs": graph.example_inputs,
                                    "output_shapes": [list(s) for s in graph.output_shapes]})
     result._prediction = Prediction(graph, data["tensors"], data["sequence_entries"], data["sequence_gathers"],

@@ -17,10 +17,11 @@ collectives), by the same reducer as the planner's partial gradients. Like the p
 counts take every parameter as trained.
 """
 
-from typing import Dict, List
+from typing import List
 
 from ..styles import Style
 from .capture import CapturedGraph
+from .records import AdapterFactors, Collective, PartialGradientBucket
 
 # As the planner's partial-gradient buckets (csrc/plan/emit.cpp): at most 100 MiB of fp32.
 BUCKET_ELEMENTS = 25 << 20
@@ -39,21 +40,21 @@ def add_adapters(result, graph: CapturedGraph, element_size: int) -> None:
     partial gradients of the whole ones (where the layer is split) to its buckets and collectives."""
     names = graph.param_names
     params = dict(graph.shadow.named_parameters(remove_duplicate=False))
-    records: List[Dict[str, object]] = []
+    records: List[AdapterFactors] = []
     partial: List[str] = []
     for info in graph.layers.values():
         if not info.adapters:
             continue
         layer = result.layer(info.name)
         split_side = 1 if layer.style.is_column else 0 if layer.style is Style.ROW else None
-        record = {"module": info.name, "split": [], "whole": []}
+        record = AdapterFactors(info.name)
         for factors in info.adapters:
             for side, index in enumerate(factors):
                 name = names[index]
                 if side == split_side:
-                    record["split"].append(name)
+                    record.split.append(name)
                 else:
-                    record["whole"].append(name)
+                    record.whole.append(name)
                     if split_side is not None and params[name].requires_grad:
                         partial.append(name)
             # B split like KV heads held by several ranks, or with parts held whole, sums its
@@ -67,25 +68,25 @@ def add_adapters(result, graph: CapturedGraph, element_size: int) -> None:
     if result.world_size <= 1 or not partial:
         return
     # In the order backward produces them: the reverse of the forward's.
-    buckets: List[Dict[str, object]] = []
+    buckets: List[PartialGradientBucket] = []
     elements: List[int] = []
     for name in reversed(partial):
         count = _numel(params[name].shape)
         if not buckets or elements[-1] + count > BUCKET_ELEMENTS:
-            buckets.append({"params": [], "bytes": 0})
+            buckets.append(PartialGradientBucket([], 0))
             elements.append(0)
-        buckets[-1]["params"].append(name)
+        buckets[-1].params.append(name)
         elements[-1] += count
     for bucket, count in zip(buckets, elements):
-        bucket["bytes"] = count * element_size
-        _count(result.comm, "backward", "all_reduce", bucket["bytes"])
+        bucket.bytes = count * element_size
+        _count(result.comm, "backward", "all_reduce", bucket.bytes)
     result.partial_gradients = list(result.partial_gradients) + buckets
 
 
-def _count(comm: List[Dict[str, object]], phase: str, kind: str, nbytes: int) -> None:
+def _count(comm: List[Collective], phase: str, kind: str, nbytes: int) -> None:
     for c in comm:
-        if c["phase"] == phase and c["kind"] == kind:
-            c["count"] += 1
-            c["bytes"] += nbytes
+        if c.phase == phase and c.kind == kind:
+            c.count += 1
+            c.bytes += nbytes
             return
-    comm.append({"phase": phase, "kind": kind, "count": 1, "bytes": nbytes})
+    comm.append(Collective(phase, kind, 1, nbytes))

@@ -20,6 +20,7 @@ from .. import _library
 from ..nn.lora import is_lora_linear
 from ..split import split_sizes
 from .name_ranges import fold
+from .records import ParameterRecord
 
 # Why a parameter stays whole, in words, by reason code: the planner's table (csrc/plan/reasons.cpp),
 # which also words the codes given outside the planner (parameters of no layer, layers held whole
@@ -31,8 +32,8 @@ REASONS: Dict[str, str] = json.loads(torch.ops.autoshard.plan_reasons())
 _PLAIN_LAYERS = ("Linear", "Conv1D", "EinsumDense")
 
 
-def inventory(model: nn.Module) -> Dict[str, Dict[str, object]]:
-    """name -> {"shape", "module", "module_class"} for every parameter, tied ones once."""
+def inventory(model: nn.Module) -> Dict[str, ParameterRecord]:
+    """name -> its ParameterRecord for every parameter, tied ones once."""
     modules = dict(model.named_modules())
     found = {}
     for name, param in model.named_parameters(remove_duplicate=True):
@@ -45,7 +46,7 @@ def inventory(model: nn.Module) -> Dict[str, Dict[str, object]]:
             parent = modules[owner_name.rpartition(".")[0]]
             if parent is not model:
                 group = type(parent).__name__
-        found[name] = {"shape": list(param.shape), "module": owner_name, "module_class": group}
+        found[name] = ParameterRecord(list(param.shape), owner_name, group)
     return found
 
 
@@ -72,7 +73,7 @@ def local_counts(plan, rank: int) -> Dict[str, int]:
     specs = plan.param_specs(rank)
     counts = {}
     for name, record in plan.parameters.items():
-        full = _numel(record["shape"])
+        full = _numel(record.shape)
         spec = specs.get(name)
         counts[name] = full if spec is None else full // spec.full_size * spec.local_size()
     for layer in plan.layers:
@@ -108,8 +109,8 @@ def replicated(plan) -> List[Replicated]:
             reasons.setdefault(layer.bias, ("row_bias", ""))
     for record in plan.adapters:
         # A replicated LoRA layer's factors stay whole for the layer's reason.
-        code, note = reasons.get(plan.layer(record["module"]).weight, ("adapter_factor", ""))
-        for name in record["whole"]:
+        code, note = reasons.get(plan.layer(record.module).weight, ("adapter_factor", ""))
+        for name in record.whole:
             reasons.setdefault(name, (code, note))
     split = set(plan.param_specs(0)) | {l.bias for l in plan.layers if l.kind == "einsum" and l.style.is_split
                                         and l.bias is not None and l.letter in l.bias_axes}
@@ -117,10 +118,10 @@ def replicated(plan) -> List[Replicated]:
     for name, record in plan.parameters.items():
         if name in split:
             continue
-        code, note = reasons.get(name, (record.get("whole_reason", "not_a_layer"), ""))
-        key = (code, record["module"])
+        code, note = reasons.get(name, (record.whole_reason or "not_a_layer", ""))
+        key = (code, record.module)
         if key not in found:
-            found[key] = Replicated(code, record["module"], record["module_class"], 0, note)
+            found[key] = Replicated(code, record.module, record.module_class, 0, note)
         found[key].params += counts[name]
     return sorted(found.values(), key=lambda r: -r.params)
 
@@ -132,13 +133,13 @@ def summary_lines(plan) -> List[str]:
     world = plan.world_size
     ranks = list(range(world)) if world <= 8 else [0, world - 1]
     per_rank = [local_counts(plan, r) for r in ranks]
-    total = sum(_numel(r["shape"]) for r in plan.parameters.values())
+    total = sum(_numel(r.shape) for r in plan.parameters.values())
     classes: Dict[str, List[str]] = {}
     for name, record in plan.parameters.items():
-        classes.setdefault(record["module_class"], []).append(name)
+        classes.setdefault(record.module_class, []).append(name)
     rows = [("all", total, [sum(c.values()) / total if total else 1.0 for c in per_rank])]
-    for cls, names in sorted(classes.items(), key=lambda kv: -sum(_numel(plan.parameters[n]["shape"]) for n in kv[1])):
-        full = sum(_numel(plan.parameters[n]["shape"]) for n in names)
+    for cls, names in sorted(classes.items(), key=lambda kv: -sum(_numel(plan.parameters[n].shape) for n in kv[1])):
+        full = sum(_numel(plan.parameters[n].shape) for n in names)
         rows.append((cls, full, [sum(c[n] for n in names) / full if full else 1.0 for c in per_rank]))
     width = max(len(r[0]) for r in rows)
     lines = ["parameters held per rank (fraction of each class's parameters; tied parameters counted once):"]
@@ -165,7 +166,7 @@ def summary_lines(plan) -> List[str]:
 def largest_reasons(plan, shown: int = 2) -> List[str]:
     """The reasons that keep the most parameters whole, largest first, each with its share of the
     model (the printout's summary)."""
-    total = sum(_numel(r["shape"]) for r in plan.parameters.values())
+    total = sum(_numel(r.shape) for r in plan.parameters.values())
     by_reason: Dict[str, int] = {}
     for item in replicated(plan):
         by_reason[item.reason] = by_reason.get(item.reason, 0) + item.params
@@ -178,7 +179,7 @@ def largest_reasons(plan, shown: int = 2) -> List[str]:
 
 def held_fraction(plan) -> float:
     """The largest fraction of the model's parameters any rank holds (1.0 when not recorded)."""
-    total = sum(_numel(r["shape"]) for r in plan.parameters.values())
+    total = sum(_numel(r.shape) for r in plan.parameters.values())
     if not total:
         return 1.0
     return max(sum(local_counts(plan, r).values()) / total for r in range(plan.world_size))
@@ -188,7 +189,7 @@ def imbalance_warning(plan) -> str:
     """A warning's text when some rank holds more than 1/N + 10% of the parameters, else ""."""
     if plan.world_size <= 1 or not plan.parameters:
         return ""
-    total = sum(_numel(r["shape"]) for r in plan.parameters.values())
+    total = sum(_numel(r.shape) for r in plan.parameters.values())
     if not total:
         return ""
     fractions = [sum(local_counts(plan, r).values()) / total for r in range(plan.world_size)]

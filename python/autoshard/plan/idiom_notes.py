@@ -52,7 +52,7 @@ def whole_reasons(parameters: Dict[str, dict], graph) -> None:
             continue
         for param, _ in module.named_parameters(prefix=name):
             if param in parameters:
-                parameters[param]["whole_reason"] = reason
+                parameters[param].whole_reason = reason
 
 
 def _readers(graph) -> Dict[int, List[int]]:

@@ -34,8 +34,8 @@ class _LocalModule:
                     set_attribute(owner, attr, region.local_attribute(attr, rank, world))
         # Parameters split with their heads, at this rank's shape.
         for record in plan.head_parameters:
-            if record["name"].startswith(prefix):
-                owner_name, _, attr = record["name"][len(prefix):].rpartition(".")
+            if record.name.startswith(prefix):
+                owner_name, _, attr = record.name[len(prefix):].rpartition(".")
                 owner = self.module.get_submodule(owner_name) if owner_name else self.module
                 full = owner._parameters[attr]
                 local_shape = plan.head_parameter_spec(record, rank).local_shape(full.shape)
@@ -43,16 +43,16 @@ class _LocalModule:
                                                        requires_grad=full.requires_grad)
         # Embeddings whose output the plan cuts to this rank's heads: cut here too, to its shape.
         for entry in plan.head_outputs:
-            if entry["module"].startswith(prefix):
-                units = plan.regions[entry["region"]].units
+            if entry.module.startswith(prefix):
+                units = plan.regions[entry.region].units
                 cut = lambda mod, a, out, entry=entry, units=units: torch.empty(
                     local_heads_shape(out.shape, entry, units, rank, world), dtype=out.dtype, device="meta")
-                self.module.get_submodule(entry["module"][len(prefix):]).register_forward_hook(cut)
+                self.module.get_submodule(entry.module[len(prefix):]).register_forward_hook(cut)
         self.supported = True
         # Norms split with their layer's features: their weight at this rank's size.
         for norm in plan.norms:
-            if norm["module"].startswith(prefix):
-                owner = self.module.get_submodule(norm["module"][len(prefix):])
+            if norm.module.startswith(prefix):
+                owner = self.module.get_submodule(norm.module[len(prefix):])
                 local = plan.norm_spec(norm, rank).local_size()
                 owner.weight = nn.Parameter(torch.empty(local, device="meta", dtype=owner.weight.dtype))
         done = self._local_attentions(plan, prefix, rank)
@@ -329,12 +329,12 @@ def _cut_heads(plan, prediction: Prediction, name: str, args, kwargs, rank: int)
                                                          dtype=x.dtype, device="meta")
         args, kwargs = cut_leaf(args, kwargs, entry["leaf"], local, name)
     for entry in plan.head_entries:
-        if entry["module"] != name:
+        if entry.module != name:
             continue
-        units = plan.regions[entry["region"]].units
+        units = plan.regions[entry.region].units
         local = lambda x, entry=entry, units=units: torch.empty(
             local_heads_shape(x.shape, entry, units, rank, plan.world_size), dtype=x.dtype, device="meta")
-        args, kwargs = cut_leaf(args, kwargs, entry["leaf"], local, name)
+        args, kwargs = cut_leaf(args, kwargs, entry.leaf, local, name)
     return args, kwargs
 
 

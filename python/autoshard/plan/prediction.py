@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 
 from ..nn.head_cuts import cut_steps
+from .records import HeadCut
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
 from .capture import CapturedGraph
@@ -158,7 +159,7 @@ class Prediction:
             # inputs gets them already cut (tokens False).
             for entry in self.head_entries.get(index, ()) if tokens or index != first else ():
                 units = self.plan.regions[entry["region"]].units
-                for op, shape in cut_steps(self.graph.shapes[entry["tensor"]], entry, units, rank,
+                for op, shape in cut_steps(self.graph.shapes[entry["tensor"]], _head_cut(entry), units, rank,
                                            self.plan.world_size):
                     rows.append((op, [shape], None))
             if index in self.graph.inner_nodes or index in self.unreturned_weights:
@@ -193,6 +194,11 @@ class Prediction:
     def module_nodes(self, module: str, rank: int, tokens: bool = True) -> List[Tuple[str, List[tuple], Optional[int]]]:
         first, end = self.graph.module_nodes.get(module, (0, -1))
         return self.nodes(rank, first, max(end, first), tokens)
+
+
+def _head_cut(entry: dict) -> HeadCut:
+    """The planner's head entry record (with its tensor) as the plan's typed record."""
+    return HeadCut(entry["module"], entry["axis"], entry["outer"], entry["size"], entry["region"], entry["leaf"])
 
 
 def _table(records: List[dict]) -> dict:

@@ -48,27 +48,27 @@ def text(plan) -> str:
     lines += [f"  {module}: {text}" for module, _, text in fold(attributes)]
     if plan.head_entries:
         lines.append(f"  bias over the heads cut to each rank's heads on entering "
-                     f"{_listed([e['module'] for e in plan.head_entries])}")
+                     f"{_listed([e.module for e in plan.head_entries])}")
     if plan.head_outputs:
         lines.append(f"  output cut to each rank's heads as it leaves "
-                     f"{_listed([e['module'] for e in plan.head_outputs])} (its gradient gathered back)")
-    for module, _, used in fold([(returned["module"], returned["used"]) for returned in plan.attention_weights]):
+                     f"{_listed([e.module for e in plan.head_outputs])} (its gradient gathered back)")
+    for module, _, used in fold([(returned.module, returned.used) for returned in plan.attention_weights]):
         lines.append(f"  {module}: attention weights averaged over every head (one all-reduce of each "
                      "rank's sum in forward)" if used else
                      f"  {module}: attention weights not returned (None): the model never reads them")
     if plan.norms:
         lines.append(f"  norms split with their layer's features (one all-reduce in forward and one in backward "
-                     f"each): {_listed([n['module'] for n in plan.norms])}")
+                     f"each): {_listed([n.module for n in plan.norms])}")
     if plan.head_parameters:
-        lines.append(f"  parameters split with their heads: {_listed([r['name'] for r in plan.head_parameters])}")
+        lines.append(f"  parameters split with their heads: {_listed([r.name for r in plan.head_parameters])}")
     lines += _sequence_lines(plan)
     for bucket in plan.partial_gradients:
         lines.append(f"  partial gradients summed over the ranks in backward (one all-reduce, "
-                     f"{bucket['bytes'] / 2**20:.3f} MiB): {', '.join(fold_names(bucket['params']))}")
+                     f"{bucket.bytes / 2**20:.3f} MiB): {', '.join(fold_names(bucket.params))}")
     shape = plan.example.get("description", "the example inputs")
     lines.append(f"collectives per step on {shape}:")
-    for c in sorted(plan.comm, key=lambda c: c["phase"] != "forward"):
-        lines.append(f"  {c['phase']:<8} {c['kind']:<14} x{c['count']:<5} {c['bytes'] / 2**20:.3f} MiB")
+    for c in sorted(plan.comm, key=lambda c: c.phase != "forward"):
+        lines.append(f"  {c.phase:<8} {c.kind:<14} x{c.count:<5} {c.bytes / 2**20:.3f} MiB")
     b = plan.parameter_bytes(0)
     lines.append(f"parameters of planned layers: {b['full'] / 2**20:.2f} MiB unsharded, "
                  f"{b['local'] / 2**20:.2f} MiB on rank 0 (fp32)")
@@ -80,7 +80,7 @@ def _summary_lines(plan, folded_layers: List[str]) -> List[str]:
     whole and why, and which blocks are shown once."""
     lines = []
     if plan.parameters:
-        total = sum(holdings._numel(r["shape"]) for r in plan.parameters.values())
+        total = sum(holdings._numel(r.shape) for r in plan.parameters.values())
         lines.append(f"  parameters: {total:,}; the fullest rank holds {holdings.held_fraction(plan):.1%} "
                      f"(an even split is {1 / plan.world_size:.1%})")
     for phase in ("forward", "backward"):
@@ -103,11 +103,11 @@ def sequence_regions(plan) -> Dict[int, Dict[str, List[str]]]:
         if layer.sequence:
             regions.setdefault(layer.sequence_region, empty())[layer.sequence].append(layer.module)
     for entry in plan.sequence_entries:
-        regions.setdefault(entry["region"], empty())["entry"].append(entry["module"])
+        regions.setdefault(entry.region, empty())["entry"].append(entry.module)
     for entry in plan.sequence_gathers:
-        regions.setdefault(entry["region"], empty())["gather"].append(entry["module"])
+        regions.setdefault(entry.region, empty())["gather"].append(entry.module)
     for entry in plan.sequence_exits:
-        regions.setdefault(entry["region"], empty())["gather"].append(f"the output of {entry['module']}")
+        regions.setdefault(entry.region, empty())["gather"].append(f"the output of {entry.module}")
     for roles in regions.values():
         roles.pop("gathered", None)
     return regions

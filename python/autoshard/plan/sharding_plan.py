@@ -7,6 +7,8 @@ from ..nn.spec import ShardSpec
 from ..split import split_sizes
 from ..styles import Style
 from . import holdings, plan_json, printout
+from .records import (AdapterFactors, Collective, HeadCut, HeadParameter, ParameterRecord, PartialGradientBucket,
+                      ReturnedAttentionWeights, SplitNorm, TokenCut)
 
 # vocab_parallel_cross_entropy's forward: the rows' maxima, their sums of exponentials and their
 # target logits (csrc/loss/cross_entropy_common.cpp).
@@ -123,47 +125,41 @@ class ShardingPlan:
     world_size: int
     layers: List[LayerPlan]
     regions: Dict[int, RegionPlan]
-    comm: List[Dict[str, object]]  # {"phase", "kind", "count", "bytes"} per step at the example shapes
+    comm: List[Collective]  # per step at the example shapes
     example: Dict[str, object] = field(default_factory=dict)  # what the comm figures were measured on
     overrides: Dict[str, str] = field(default_factory=dict)
     # Replicated parameters read inside a sharded region get a partial gradient on each rank,
-    # summed over the group in backward: one all-reduce per bucket {"params": names, "bytes"}.
-    partial_gradients: List[Dict[str, object]] = field(default_factory=list)
-    # Every parameter of the model, tied ones once: {"shape", "module", "module_class"} by name
-    # (see holdings): what each rank holds is counted from these and the shard specs.
-    parameters: Dict[str, Dict[str, object]] = field(default_factory=dict)
+    # summed over the group in backward: one all-reduce per bucket.
+    partial_gradients: List[PartialGradientBucket] = field(default_factory=list)
+    # Every parameter of the model, tied ones once, by name (see holdings): what each rank holds
+    # is counted from these and the shard specs.
+    parameters: Dict[str, ParameterRecord] = field(default_factory=dict)
     # Tensors held whole cut to this rank's tokens where a module receives them (sequence
-    # parallelism): {"module", "leaf" (its position among the call's flattened inputs), "dim", "region"}.
-    sequence_entries: List[Dict[str, object]] = field(default_factory=list)
+    # parallelism).
+    sequence_entries: List[TokenCut] = field(default_factory=list)
     # Tensors whose tokens are gathered where a module receives them, for the column layers
     # inside it ("gathered"): an attention reading its input's length sees every token.
-    sequence_gathers: List[Dict[str, object]] = field(default_factory=list)
+    sequence_gathers: List[TokenCut] = field(default_factory=list)
     # Tensors whose tokens are gathered where a module returns them, for the column layers that
     # read them through ops indexing the token axis ("gathered"; see plan/token_selections.py).
-    sequence_exits: List[Dict[str, object]] = field(default_factory=list)
+    sequence_exits: List[TokenCut] = field(default_factory=list)
     # Tensors held whole cut to this rank's heads where a module receives them (an ALiBi bias
-    # passed to each attention): {"module", "leaf", "axis", "outer", "size", "region"}; see
-    # nn/head_cuts.py.
-    head_entries: List[Dict[str, object]] = field(default_factory=list)
+    # passed to each attention); see nn/head_cuts.py.
+    head_entries: List[HeadCut] = field(default_factory=list)
     # Replicated embeddings whose output is cut to this rank's heads as it leaves them (T5's
-    # relative position bias, whose embedding dim is the heads): {"module", "axis", "outer",
-    # "size", "region"}; their gradient is gathered back whole in backward.
-    head_outputs: List[Dict[str, object]] = field(default_factory=list)
-    # The attention weights each nn.MultiheadAttention split by heads returns with need_weights:
-    # {"module", "used"}. Used (the model reads them), they are averaged over every head with one
-    # all-reduce in forward; never read, the sharded module returns None in their place.
-    attention_weights: List[Dict[str, object]] = field(default_factory=list)
-    # RMS norms over a layer's output features split by heads (OLMo 2's q_norm and k_norm):
-    # {"module", "weight" (its parameter name), "features" (global), "units", "region"}; each
+    # relative position bias, whose embedding dim is the heads); their gradient is gathered back
+    # whole in backward.
+    head_outputs: List[HeadCut] = field(default_factory=list)
+    # The attention weights each nn.MultiheadAttention split by heads returns with need_weights.
+    attention_weights: List[ReturnedAttentionWeights] = field(default_factory=list)
+    # RMS norms over a layer's output features split by heads (OLMo 2's q_norm and k_norm); each
     # becomes nn.rms_norm.ShardedRMSNorm (one all-reduce in forward and one in backward).
-    norms: List[Dict[str, object]] = field(default_factory=list)
+    norms: List[SplitNorm] = field(default_factory=list)
     # Parameters over the heads split with them (a per-head scale, a bias of all_head_size; see
-    # nn/head_parameters.py): {"name", "dim", "size" (that dim's full length, the heads its outer
-    # factor), "region"}; each rank holds its heads' slice as a local parameter.
-    head_parameters: List[Dict[str, object]] = field(default_factory=list)
-    # LoRA layers (see plan/adapters.py): {"module", "split" (factor weights split with the base
-    # layer), "whole" (held whole on every rank)}, parameter names.
-    adapters: List[Dict[str, object]] = field(default_factory=list)
+    # nn/head_parameters.py); each rank holds its heads' slice as a local parameter.
+    head_parameters: List[HeadParameter] = field(default_factory=list)
+    # LoRA layers (see plan/adapters.py).
+    adapters: List[AdapterFactors] = field(default_factory=list)
 
     # ---- queries
 
@@ -182,31 +178,31 @@ class ShardingPlan:
                 if name is not None and spec is not None:
                     specs[name] = spec
         for norm in self.norms:
-            specs[norm["weight"]] = self.norm_spec(norm, rank)
+            specs[norm.weight] = self.norm_spec(norm, rank)
         for record in self.head_parameters:
-            specs[record["name"]] = self.head_parameter_spec(record, rank)
+            specs[record.name] = self.head_parameter_spec(record, rank)
         for record in self.adapters:
             # A split LoRA factor shares its base weight's split axis (B's rows, A's columns).
-            if record["split"]:
-                spec = self.layer(record["module"]).weight_spec(rank, self.world_size)
-                specs.update({name: spec for name in record["split"]})
+            if record.split:
+                spec = self.layer(record.module).weight_spec(rank, self.world_size)
+                specs.update({name: spec for name in record.split})
         return specs
 
-    def norm_spec(self, norm: Dict[str, object], rank: int) -> ShardSpec:
+    def norm_spec(self, norm: SplitNorm, rank: int) -> ShardSpec:
         """The ShardSpec of a split norm's weight on `rank` (split like its layer's features)."""
-        return ShardSpec(0, norm["features"], rank, self.world_size, units=norm["units"] or None)
+        return ShardSpec(0, norm.features, rank, self.world_size, units=norm.units or None)
 
-    def head_parameter_spec(self, record: Dict[str, object], rank: int) -> ShardSpec:
+    def head_parameter_spec(self, record: HeadParameter, rank: int) -> ShardSpec:
         """The ShardSpec on `rank` of a parameter split with its heads (a head_parameters record)."""
-        units = self.regions[record["region"]].units
-        return ShardSpec(record["dim"], record["size"], rank, self.world_size, units=units)
+        units = self.regions[record.region].units
+        return ShardSpec(record.dim, record.size, rank, self.world_size, units=units)
 
     def collectives(self, phase: str, loss_parallel: bool = False) -> Dict[str, int]:
         """Collectives per step in `phase` ("forward" or "backward"). With `loss_parallel`, those of
         a call with labels whose loss parallelize computes over vocabulary shards (see
         ParallelState.collectives): the head's gather of its logits gives way to the loss's three
         all-reduces of a few values per token (its backward needs none)."""
-        counts = {c["kind"]: c["count"] for c in self.comm if c["phase"] == phase}
+        counts = {c.kind: c.count for c in self.comm if c.phase == phase}
         if loss_parallel and phase == "forward":
             if not counts.get("all_gather"):
                 raise ValueError("ShardingPlan.collectives: loss_parallel=True, but this plan gathers no logits in "
@@ -220,10 +216,10 @@ class ShardingPlan:
     def returned_weights(self, attention: str) -> str:
         """What the nn.MultiheadAttention named `attention`, split by heads, returns as its
         weights with need_weights: "none" where the plan found them never read, else
-        "all_reduce" (averaged over every head, exact; see nn.multihead_attention.ReturnedWeights)."""
+        "all_reduce" (averaged over every head, exact; see nn.multihead_attention.ReturnedAttentionWeights)."""
         for returned in self.attention_weights:
-            if returned["module"] == attention:
-                return "all_reduce" if returned["used"] else "none"
+            if returned.module == attention:
+                return "all_reduce" if returned.used else "none"
         return "all_reduce"
 
     def parameter_bytes(self, rank: int, element_size: int = 4) -> Dict[str, int]:
@@ -256,11 +252,11 @@ class ShardingPlan:
         """The fraction of the model's parameters (or of one module class's, e.g. "LlamaAttention")
         that `rank` holds: 1/world_size for a model split evenly, 1.0 for one kept whole."""
         held = self.held_parameters(rank)
-        names = [n for n, r in self.parameters.items() if module_class is None or r["module_class"] == module_class]
+        names = [n for n, r in self.parameters.items() if module_class is None or r.module_class == module_class]
         if not names:
             raise ValueError(f"ShardingPlan.held_fraction: no parameters of module class {module_class!r} "
-                             f"(classes: {sorted({r['module_class'] for r in self.parameters.values()})})")
-        full = sum(holdings._numel(self.parameters[n]["shape"]) for n in names)
+                             f"(classes: {sorted({r.module_class for r in self.parameters.values()})})")
+        full = sum(holdings._numel(self.parameters[n].shape) for n in names)
         return sum(held[n] for n in names) / full if full else 1.0
 
     def replicated(self) -> List["holdings.Replicated"]:

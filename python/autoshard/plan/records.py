@@ -1,0 +1,113 @@
+"""The typed records a ShardingPlan holds beside its layers and regions: what the planner
+decided for constructs that are no layer of their own, its collectives, and the model's
+parameters. Each is a plain dataclass, written to JSON by asdict and read back by from_dict."""
+
+from dataclasses import dataclass, field, fields
+from typing import List
+
+
+@dataclass
+class Collective:
+    """One kind of collective in one phase of a step, at the example inputs' shapes."""
+
+    phase: str  # "forward" or "backward"
+    kind: str  # "all_reduce", "all_gather", "reduce_scatter"
+    count: int
+    bytes: int
+
+
+@dataclass
+class PartialGradientBucket:
+    """Replicated parameters read inside a sharded region: their gradients, partial on each rank,
+    summed over the group in backward by one all-reduce per bucket."""
+
+    params: List[str]
+    bytes: int
+
+
+@dataclass
+class TokenCut:
+    """Sequence parallelism where a module receives (or returns) a tensor: the tensor at `leaf`
+    among the call's flattened inputs, its tokens on axis `dim`, cut to this rank's tokens or
+    gathered (see nn/sequence.py)."""
+
+    module: str
+    leaf: int
+    dim: int
+    region: int
+
+
+@dataclass
+class HeadCut:
+    """A tensor held whole cut to this rank's heads: where a module receives it (its input at
+    `leaf`: an ALiBi bias passed to each attention) or as an embedding's output leaves it (T5's
+    relative position bias); the heads are the outer factor of axis `axis` ({outer, size})."""
+
+    module: str
+    axis: int
+    outer: int
+    size: int
+    region: int
+    leaf: int = 0
+
+
+@dataclass
+class ReturnedAttentionWeights:
+    """The attention weights an nn.MultiheadAttention split by heads returns with need_weights:
+    averaged over every head by one all-reduce where the model reads them (`used`), else None."""
+
+    module: str
+    used: bool
+
+
+@dataclass
+class SplitNorm:
+    """An RMS norm over a layer's output features split by heads (OLMo 2's q_norm): its weight
+    `weight` of `features` global elements, split in the region's `units`."""
+
+    module: str
+    weight: str
+    features: int
+    units: int
+    region: int
+
+
+@dataclass
+class HeadParameter:
+    """A parameter over the heads split with them: dim `dim` of global length `size`."""
+
+    name: str
+    dim: int
+    size: int
+    region: int
+
+
+@dataclass
+class AdapterFactors:
+    """A LoRA layer's factor weights: those split with the base layer, and those held whole."""
+
+    module: str
+    split: List[str] = field(default_factory=list)
+    whole: List[str] = field(default_factory=list)
+
+
+@dataclass
+class ParameterRecord:
+    """One parameter of the model (tied ones once): its shape, the module counted as holding it,
+    that module's class, and why it stays whole where no layer says (see plan/idiom_notes.py)."""
+
+    shape: List[int]
+    module: str
+    module_class: str
+    whole_reason: str = ""
+
+
+def from_dict(cls, data: dict):
+    """A record of class `cls` from its JSON object (fields it does not know are refused)."""
+    if isinstance(data, cls):
+        return data
+    known = {f.name for f in fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {sorted(unknown)} in a plan record")
+    return cls(**data)
