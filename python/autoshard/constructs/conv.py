@@ -60,7 +60,11 @@ class ShardedConv(nn.Module):
         self._rank, self._world = self.group.rank(), self.group.size()
         self.transposed = bool(conv.transposed)
         self.spatial = len(conv.kernel_size)
+        # The source's own attributes, global as a ColumnParallelLinear's in/out features are:
+        # a model may read them (Whisper checks its input's length against its strides).
         self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
+        for attr in ("kernel_size", "stride", "padding", "dilation", "groups", "padding_mode", "output_padding"):
+            setattr(self, attr, getattr(conv, attr))
         column = self.style.is_column
         dim = (1 if self.transposed else 0) if column else (0 if self.transposed else 1)
         full = conv.weight.shape[dim]
