@@ -142,3 +142,22 @@ def test_optimizer_and_master_weights():
         plan.memory(optimizer="adam")
     with pytest.raises(ValueError, match="example_inputs or batch/seq"):
         plan.memory({"input_ids": torch.ones(1, 4, dtype=torch.long)}, batch=2)
+
+
+def test_cli_prints_memory_per_rank_and_at_the_largest_world_size(capsys):
+    from autoshard.__main__ import main
+
+    assert main(["plan", "--model-type", "llama", "--world-size", "2", "--set", "num_hidden_layers=2",
+                 "--set", "hidden_size=48", "--set", "intermediate_size=70", "--set", "num_attention_heads=6",
+                 "--set", "num_key_value_heads=3", "--set", "vocab_size=101",
+                 "--batch", "3", "--seq", "40", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per rank at world size 2, inputs input_ids (3, 40), labels (3, 40), optimizer adamw, " \
+           "dtype bfloat16" in out
+    # 6 heads: every split layer stays split up to 6 ranks.
+    assert "at 6 ranks, the largest world size" in out
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = capsys.readouterr().out
+    for option in ("--batch", "--seq", "--optimizer", "--dtype", "--master-weights", "--no-memory"):
+        assert option in help_text
