@@ -27,7 +27,7 @@ the process's own (CUDA context, libraries).
 import contextlib
 import itertools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -108,7 +108,6 @@ class MemoryPrediction:
     optimizer: Optional[str]
     master_weights: Optional[bool]
     dtype: Optional[torch.dtype]
-    notes: List[str] = field(default_factory=list)
 
     def __getitem__(self, rank: int) -> RankMemory:
         return self.ranks[rank]
@@ -121,25 +120,31 @@ class MemoryPrediction:
         return "\n".join(table(self))
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f}"
+_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def _unit(largest: int) -> Tuple[str, int]:
+    """The unit the table shows: the largest in which the largest figure is at least 10."""
+    return next(((name, size) for name, size in _UNITS if largest >= 10 * size), _UNITS[-1])
 
 
 def table(prediction: MemoryPrediction, ranks: Optional[Iterable[int]] = None) -> List[str]:
     """The prediction as text lines: one row per rank (all up to 8 ranks, else the largest)."""
     if ranks is None:
         ranks = range(prediction.world_size) if prediction.world_size <= 8 else [prediction.largest().rank]
+    ranks = list(ranks)
+    unit, size = _unit(max(prediction.ranks[r].peak for r in ranks))
+    show = lambda n: f"{n / size:,.1f}"
     dtype = "model's" if prediction.dtype is None else str(prediction.dtype).replace("torch.", "")
     lines = [f"memory per rank at world size {prediction.world_size}, inputs {prediction.inputs}, "
-             f"optimizer {prediction.optimizer}, dtype {dtype} (MiB; peak = parameters + gradients + optimizer "
+             f"optimizer {prediction.optimizer}, dtype {dtype} ({unit}; peak = parameters + gradients + optimizer "
              f"+ saved activations + transient):",
              f"  {'rank':>5} {'params':>10} {'grads':>10} {'optimizer':>10} {'saved':>10} {'transient':>10} "
              f"{'peak':>10}"]
     for rank in ranks:
         r = prediction.ranks[rank]
-        lines.append(f"  {r.rank:>5} {_mib(r.parameters):>10} {_mib(r.gradients):>10} {_mib(r.optimizer):>10} "
-                     f"{_mib(r.activations):>10} {_mib(r.transient):>10} {_mib(r.peak):>10}")
-    lines += [f"  note: {note}" for note in prediction.notes]
+        lines.append(f"  {r.rank:>5} {show(r.parameters):>10} {show(r.gradients):>10} {show(r.optimizer):>10} "
+                     f"{show(r.activations):>10} {show(r.transient):>10} {show(r.peak):>10}")
     return lines
 
 
