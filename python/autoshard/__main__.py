@@ -1,5 +1,7 @@
-"""Command line: ``python -m autoshard plan --model-type llama --world-size 4 [--config cfg.json]``
-prints the sharding plan and its cost for a Hugging Face architecture built on meta."""
+"""Command line: ``python -m autoshard plan --model-type llama --world-size 4 [--config cfg.json]
+[--batch B --seq S]`` prints the sharding plan and its cost for a Hugging Face architecture built
+on meta, and the memory each rank needs for one training step (see plan/memory_prediction.py), at
+that world size and at the largest one the model splits over."""
 
 import argparse
 import json
@@ -43,7 +45,37 @@ def _plan_command(args) -> int:
         print(f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters), "
               f"built on meta in {built - start:.2f} s, planned in {planned - built:.2f} s")
         print(result)
+        if not args.no_memory:
+            _print_memory(model, result, args)
     return 0
+
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
+
+def _print_memory(model, result, args) -> None:
+    import torch
+
+    from .plan import plan
+    from .plan.memory_prediction import largest_world_size, table
+
+    options = dict(batch=args.batch, seq=args.seq, optimizer=None if args.optimizer == "none" else args.optimizer,
+                   master_weights={"auto": None, "on": True, "off": False}[args.master_weights],
+                   dtype=None if args.dtype is None else getattr(torch, _DTYPES[args.dtype]))
+    start = time.perf_counter()
+    prediction = result.memory(**options)
+    print()
+    print("\n".join(table(prediction)))
+    largest, largest_plan = largest_world_size(lambda n: plan(model, world_size=n), args.world_size)
+    if largest_plan is not None:
+        at_largest = largest_plan.memory(**options)
+        print(f"at {largest} ranks, the largest world size at which every layer split here stays split, "
+              f"the rank with the highest peak:")
+        print("\n".join(table(at_largest, ranks=[at_largest.largest().rank])[1:]))
+    else:
+        print(f"{args.world_size} ranks is the largest world size at which every layer split here stays split")
+    print(f"(predicted on meta in {time.perf_counter() - start:.2f} s)")
 
 
 def main(argv=None) -> int:
@@ -54,10 +86,26 @@ def main(argv=None) -> int:
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--config", help="a JSON file of config values (e.g. a checkpoint's config.json)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="one config value, e.g. num_hidden_layers=4")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (no memory prediction)")
+    memory = p.add_argument_group(
+        "memory per rank", "bytes of parameters, gradients, optimizer state, activations saved for backward and the "
+        "peak of one training step (their sum plus the largest transient), per rank, at --world-size and at the "
+        "largest world size the model splits over")
+    memory.add_argument("--batch", type=int, help="batch size (default: the plan's example inputs, 2)")
+    memory.add_argument("--seq", type=int, help="sequence length in tokens (default: the plan's example inputs)")
+    memory.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw",
+                        help="optimizer state counted: AdamW (2 moments), SGD with momentum (1), none")
+    memory.add_argument("--dtype", choices=sorted(_DTYPES), help="parameter dtype (default: the config's)")
+    memory.add_argument("--master-weights", choices=("auto", "on", "off"), default="auto",
+                        help="fp32 master weights as autoshard.optim keeps them (auto: for bf16/fp16 parameters)")
+    memory.add_argument("--no-memory", action="store_true", help="print the plan alone")
     args = parser.parse_args(argv)
     if args.world_size <= 0:
         parser.error(f"--world-size must be a positive integer, got {args.world_size}")
+    for name in ("batch", "seq"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            parser.error(f"--{name} must be a positive integer, got {value}")
     return _plan_command(args)
 
 

@@ -264,6 +264,20 @@ class ShardingPlan:
         (a key of autoshard.plan.holdings.REASONS)."""
         return holdings.replicated(self)
 
+    def memory(self, example_inputs=None, *, batch=None, seq=None, optimizer="adamw", master_weights=None,
+               dtype=None, model=None, loss_parallel=True):
+        """Predicted bytes per rank of one training step under this plan: parameters, gradients,
+        optimizer state ("adamw", "sgd" with momentum, or None; fp32 master weights as
+        autoshard.optim keeps them), activations saved for backward, and the peak. `batch` and
+        `seq` rescale the plan's example inputs (a Hugging Face model's batch and token dims);
+        `dtype` casts the parameters first; `model` is the model the plan was made for, needed
+        only for a plan read from JSON. Returns a memory_prediction.MemoryPrediction (see that
+        module for what is counted and the model of the peak)."""
+        from .memory_prediction import predict
+
+        return predict(self, example_inputs, batch=batch, seq=seq, optimizer=optimizer, master_weights=master_weights,
+                       dtype=dtype, model=model, loss_parallel=loss_parallel)
+
     def _check_rank(self, rank: int) -> None:
         if not self.parameters:
             raise ValueError("ShardingPlan: this plan records no parameters (it was made before autoshard counted "
