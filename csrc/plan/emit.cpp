@@ -291,6 +291,7 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     plan.tensors.push_back(layout);
   }
   name_region_modules(graph, plan);
+  plan_adapters(graph, plan, world_size, kBucketElements);
   return plan;
 }
 

@@ -23,4 +23,8 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
 // attention's (region_modules.cpp).
 void name_region_modules(const Graph& graph, Plan& plan);
 
+// The LoRA factors of the planned layers: split with their base layer or whole; the whole ones
+// of a split layer get a partial gradient, summed in buckets after the plan's own (adapters.cpp).
+void plan_adapters(const Graph& graph, Plan& plan, int64_t world_size, int64_t bucket_elements);
+
 }  // namespace autoshard::plan

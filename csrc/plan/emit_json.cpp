@@ -17,7 +17,8 @@
 //    "head_outputs": [{"tensor", "module", "axis", "outer", "size", "region"}],
 //    "attention_weights": [{"node", "region", "used"}],
 //    "head_params": [{"tensor", "param", "axis", "size", "region"}],
-//    "norms": [{"node", "region", "features"}]}
+//    "norms": [{"node", "region", "features"}],
+//    "adapters": [{"node", "split", "whole"}]}
 #include <sstream>
 
 #include "plan/planner.h"
@@ -161,6 +162,15 @@ std::string plan_to_json(const Plan& plan) {
     const HeadParam& p = plan.head_params[i];
     out << (i ? "," : "") << "{\"tensor\":" << p.tensor << ",\"param\":" << p.param << ",\"axis\":" << p.axis
         << ",\"size\":" << p.size << ",\"region\":" << p.region << '}';
+  }
+  out << "],\"adapters\":[";
+  for (size_t i = 0; i < plan.adapters.size(); ++i) {
+    const AdapterDecision& a = plan.adapters[i];
+    out << (i ? "," : "") << "{\"node\":" << a.node << ",\"split\":";
+    write_ints(out, a.split);
+    out << ",\"whole\":";
+    write_ints(out, a.whole);
+    out << '}';
   }
   out << "]}";
   return out.str();

@@ -87,6 +87,22 @@ Node parse_node(const JsonValue& record, const std::string& where) {
       node.out_features = integer(record, "out_features", where);
       node.weight_param = integer(record, "weight_param", where);
       node.bias_param = integer_or(record, "bias_param", -1, where);
+      if (const JsonValue* adapters = record.find("adapters")) {
+        TORCH_CHECK_VALUE(adapters->type == Type::Array, "[plan.bad_graph] plan: ", where, ": 'adapters' must be a list");
+        for (const auto& item : adapters->items) {
+          const std::string at = where + " adapter";
+          AdapterFactors f;
+          f.a = integer(item, "a", at);
+          f.b = integer(item, "b", at);
+          f.a_shape = integers<int64_t>(item, "a_shape", at);
+          f.b_shape = integers<int64_t>(item, "b_shape", at);
+          TORCH_CHECK_VALUE(f.a_shape.size() == 2 && f.b_shape.size() == 2, "[plan.bad_graph] plan: ", at,
+                            ": factors must be 2-D");
+          f.a_trainable = boolean_or(item, "a_trainable", true, at);
+          f.b_trainable = boolean_or(item, "b_trainable", true, at);
+          node.adapters.push_back(std::move(f));
+        }
+      }
       break;
     case Kind::Embedding:
       node.num_embeddings = integer(record, "num_embeddings", where);

@@ -43,6 +43,14 @@ struct EinsumLetter {
   int64_t output_dim = -1;
 };
 
+// A LoRA adapter's factors beside a Linear layer: A ([rank, in]) and B ([out, rank]) as
+// parameter indices, with their shapes and whether they are trained.
+struct AdapterFactors {
+  int64_t a = -1, b = -1;
+  std::vector<int64_t> a_shape, b_shape;
+  bool a_trainable = true, b_trainable = true;
+};
+
 struct TensorInfo {
   std::vector<int64_t> shape;
   int param = -1;  // index of the parameter this tensor is, or -1
@@ -62,6 +70,7 @@ struct Node {
   int64_t num_embeddings = 0, embedding_dim = 0;  // Embedding
   int64_t weight_param = -1, bias_param = -1;     // every layer kind (an Embedding has no bias)
   std::vector<EinsumLetter> letters;              // Einsum
+  std::vector<AdapterFactors> adapters;           // Linear: its LoRA adapters (split with it)
   // Ops.
   std::vector<int64_t> permutation;  // Permute
   std::vector<int64_t> axes;         // Reduce
@@ -111,6 +120,7 @@ struct Graph {
 //                 "floating": bool (optional, true), "trainable": bool (optional, true)}, ...],
 //    "nodes": [{"kind": "linear", "label": "...", "inputs": [ids], "outputs": [ids],
 //               "trainable": bool (optional, true; layers), "routing_floating": [bool, ...] (optional),
+//               "adapters": [{"a", "b", "a_shape", "b_shape", "a_trainable", "b_trainable"}] (optional; linear),
 //               and the fields of its kind named in Kind above}, ...],
 //    "forced": [{"node": index, "style": "replicate" | "column_gather"}, ...] (optional),
 //    "sequence_parallel": bool (optional, true),

@@ -149,6 +149,13 @@ struct HeadParam {
   int region = -1;
 };
 
+// A LoRA layer's factors: those split with its base layer (B's rows for a column layer, A's
+// columns for a row layer) and those held whole, parameter indices (adapters.cpp).
+struct AdapterDecision {
+  int node = -1;
+  std::vector<int64_t> split, whole;
+};
+
 struct Plan {
   std::vector<LayerDecision> layers;
   std::vector<RegionSummary> regions;
@@ -164,6 +171,7 @@ struct Plan {
   std::vector<AttentionWeightsDecision> attention_weights;
   std::vector<NormDecision> norms;
   std::vector<HeadParam> head_params;
+  std::vector<AdapterDecision> adapters;
 };
 
 Plan make_plan(const Graph& graph, int64_t world_size);

@@ -76,7 +76,7 @@ def test_document_is_versioned_with_named_records():
     assert doc["version"] == 1
     assert set(doc) == {"version", "layers", "regions", "comm", "partial_gradients", "tensors", "sequence_entries",
                         "sequence_gathers", "head_entries", "head_outputs", "attention_weights",
-                        "head_params", "norms"}
+                        "head_params", "norms", "adapters"}
     assert set(doc["layers"][0]) == {"node", "style", "region", "units", "copy_group", "parts", "whole_parts",
                                      "summed_parts", "letter", "repeat",
                                      "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",
@@ -724,3 +724,99 @@ def test_embedding_over_the_heads_has_its_output_cut():
     assert [(e["module"], e["axis"], e["size"]) for e in doc["head_outputs"]] == [("embedding0", 2, 3)]
     # The cut's backward gathers the table's gradient whole: one all-gather, no partial sum.
     assert comm(doc, "backward").get("all_gather") == 1 and doc["partial_gradients"] == []
+
+
+# ---- rules the planner took over: layers split together, gradient flow, routing, adapters, regions
+
+
+def _mlp(g, out_shape=(2, 8)):
+    x = g.tensor(2, 8)
+    up, h = g.linear(x, 8, 16, weight=0, out_shape=(2, 16))
+    act = g.tensor(2, 16)
+    g.node("pointwise", [h], [act])
+    down, y = g.linear(act, 16, 8, weight=1, out_shape=out_shape, output=True)
+    return x, up, down, y
+
+
+def test_layers_split_together_are_forced_whole_together():
+    g = G()
+    _, up, down, _ = _mlp(g)
+    assert styles(g.plan(2)) == ["column", "row"]
+    # A row layer that must pair with an unrelated first layer: both whole, with the reason.
+    g2 = G()
+    x = g2.tensor(2, 8)
+    a, ya = g2.linear(x, 8, 8, weight=0, out_shape=(2, 8))
+    b, yb = g2.linear(ya, 8, 8, weight=1, out_shape=(2, 8), output=True)
+    c, yc = g2.linear(x, 8, 8, weight=2, out_shape=(2, 8), output=True)
+    doc = json.loads(torch.ops.autoshard.plan_graph(
+        json.dumps({**json.loads(g2.document()), "together": [[c, b]]}), 2))
+    by_node = {layer["node"]: layer for layer in doc["layers"]}
+    assert by_node[c]["style"] == by_node[b]["style"] == "replicate"
+    assert by_node[b]["reason"] == "attention_unpaired" and "split only together" in by_node[b]["note"]
+
+
+def test_frozen_layers_and_dropped_outputs_issue_no_backward_collectives():
+    g = G()
+    x, up, down, y = _mlp(g)
+    trained = comm(g.plan(2), "backward")
+    # The input copy of the first column layer: the model input needs no gradient.
+    assert trained == {}
+    # A layer after a trained one: its input copy all-reduces in backward...
+    g = G()
+    x = g.tensor(2, 8)
+    first, h = g.linear(x, 8, 8, weight=0, out_shape=(2, 8))
+    second, h2 = g.linear(h, 8, 16, weight=1, out_shape=(2, 16))
+    act = g.tensor(2, 16)
+    g.node("pointwise", [h2], [act])
+    g.linear(act, 16, 8, weight=2, out_shape=(2, 8), output=True)
+    doc = json.loads(g.document(sequence_parallel=False))
+    assert comm(json.loads(torch.ops.autoshard.plan_graph(json.dumps(doc), 2)), "backward") == {"all_reduce": 1}
+    # ... unless nothing before it is trained (frozen layers, recorded as such) ...
+    frozen = dict(doc, nodes=[dict(n, trainable=False) if i in (first, second) else n
+                              for i, n in enumerate(doc["nodes"])])
+    assert comm(json.loads(torch.ops.autoshard.plan_graph(json.dumps(frozen), 2)), "backward") == {}
+    # ... or its output reaches no model output (backward never reaches it).
+    dropped = dict(doc, tensors=[{k: v for k, v in t.items() if k != "output"} for t in doc["tensors"]])
+    dropped["tensors"][h]["output"] = True
+    assert comm(json.loads(torch.ops.autoshard.plan_graph(json.dumps(dropped), 2)), "backward") == {}
+
+
+def test_experts_routing_weights_get_one_backward_all_reduce_each():
+    g = G()
+    x = g.tensor(4, 8)
+    _, h = g.linear(x, 8, 16, weight=0, out_shape=(4, 16))
+    act = g.tensor(4, 16)
+    g.node("pointwise", [h], [act])
+    _, down = g.linear(act, 16, 8, weight=1, out_shape=(4, 8))
+    routing, indices, out = g.tensor(4, 2), g.tensor(4, 2), g.tensor(4, 8, output=True)
+    g.node("opaque", [down, routing, indices], [out], routing_floating=[True, False])
+    doc = g.plan(2)
+    assert styles(doc) == ["column", "row"]
+    assert comm(doc, "backward") == {"all_reduce": 1} and comm(doc, "forward") == {"all_reduce": 1}
+    assert comm(g.plan(1), "backward") == {}
+
+
+def test_lora_factors_split_with_their_base_layer():
+    g = G()
+    x, up, down, _ = _mlp(g)
+    doc = json.loads(g.document())
+    doc["nodes"][up]["adapters"] = [{"a": 2, "b": 3, "a_shape": [4, 8], "b_shape": [16, 4]}]
+    doc["nodes"][down]["adapters"] = [{"a": 4, "b": 5, "a_shape": [4, 16], "b_shape": [8, 4], "b_trainable": False}]
+    plan = json.loads(torch.ops.autoshard.plan_graph(json.dumps(doc), 2))
+    assert [(a["node"], a["split"], a["whole"]) for a in plan["adapters"]] == [(up, [3], [2]), (down, [4], [5])]
+    # A of the column layer is whole and trained: its partial gradient summed (B of the row layer is frozen).
+    assert [bucket["params"] for bucket in plan["partial_gradients"]] == [[2]]
+    assert comm(plan, "backward") == {"all_reduce": 1}
+
+
+def test_region_modules_are_the_smallest_module_holding_their_layers():
+    g = G()
+    x = g.tensor(2, 8)
+    _, h = g.linear(x, 8, 16, weight=0, out_shape=(2, 16))
+    g.nodes[-1]["label"] = "blocks.0.mlp.up"
+    act = g.tensor(2, 16)
+    g.node("pointwise", [h], [act])
+    g.linear(act, 16, 8, weight=1, out_shape=(2, 8), output=True)
+    g.nodes[-1]["label"] = "blocks.0.mlp.down"
+    (region,) = g.plan(2)["regions"]
+    assert region["module"] == "blocks.0.mlp" and region["part_modules"] == []

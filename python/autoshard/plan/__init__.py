@@ -11,14 +11,13 @@ from torch import nn
 
 from ..nn.multihead_attention import IN_PROJECTION
 from ..styles import OVERRIDE_STYLES, Style
-from .adapters import add_adapters
 from .capture import CapturedGraph, capture
 from .holdings import imbalance_warning, inventory
 from .idiom_notes import explain_idioms, whole_reasons
 from .length_reads import explain_length_reads, split_inputs_gathered_inside, with_length_reads
 from .local_attributes import localize_attributes
 from .prediction import Prediction, ShapeMismatch
-from .records import (Collective, HeadCut, HeadParameter, PartialGradientBucket, ReturnedAttentionWeights, SplitNorm,
+from .records import (AdapterFactors, Collective, HeadCut, HeadParameter, PartialGradientBucket, ReturnedAttentionWeights, SplitNorm,
                       TokenCut)
 from .sharding_plan import LayerPlan, RegionPlan, ShardingPlan
 from .token_selections import gather_before_token_indexing
@@ -34,7 +33,7 @@ def _element_size(model: nn.Module) -> int:
 
 
 def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: int) -> ShardingPlan:
-    """The planner's JSON document (csrc/plan/emit.cpp) as a ShardingPlan."""
+    """The planner's JSON document (csrc/plan/emit_json.cpp) as a ShardingPlan."""
     data = json.loads(document)
     if data.get("version") != 1:
         raise RuntimeError(f"plan: the planner answered with document version {data.get('version')!r}, "
@@ -92,6 +91,8 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                           norms=norms,
                           head_parameters=[HeadParameter(names[p["param"]], p["axis"], p["size"], p["region"])
                                            for p in data.get("head_params", [])],
+                          adapters=[AdapterFactors(graph.layers[a["node"]].name, [names[i] for i in a["split"]],
+                                                   [names[i] for i in a["whole"]]) for a in data.get("adapters", [])],
                           example={"description": graph.description, "inputs": graph.example_inputs,
                                    "output_shapes": [list(s) for s in graph.output_shapes]})
     result._prediction = Prediction(graph, data["tensors"], data["sequence_entries"], data["sequence_gathers"],
@@ -233,7 +234,6 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     graph.values = None
     result._input_values = graph.input_values  # the dry run in parallelize() replays these
     result.overrides = dict(overrides or {})
-    add_adapters(result, graph, _element_size(model))
     result.parameters = inventory(graph.shadow)
     whole_reasons(result.parameters, graph)
     _warn_if_mostly_whole(result)

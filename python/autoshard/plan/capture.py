@@ -208,6 +208,7 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
     document = recorder.document([recorder.tensor_id(o) for o in flat])
     _record_gradient_facts(document, layers, shadow, [t is None or t.is_floating_point() or t.is_complex()
                                                        for t in recorder.keep])
+    _record_adapters(document, layers, shadow)
     return CapturedGraph(
         document={**document, "entries": entries},
         layers=layers,
@@ -249,3 +250,15 @@ def _record_gradient_facts(document: dict, layers: dict, shadow: nn.Module, floa
         # The q/k/v projection of an nn.MultiheadAttention is no module of its own: taken as trainable.
         if info is None or (info.name in modules and not any(p.requires_grad for p in modules[info.name].parameters())):
             node["trainable"] = False
+
+
+def _record_adapters(document: dict, layers: dict, shadow: nn.Module) -> None:
+    """Writes each LoRA layer's factors into its node of the graph document (parameter indices,
+    shapes, whether trained): the planner splits them with the layer (csrc/plan/adapters.cpp)."""
+    params = [p for _, p in shadow.named_parameters(remove_duplicate=True)]
+    for node, info in layers.items():
+        if info.adapters:
+            document["nodes"][node]["adapters"] = [
+                {"a": a, "b": b, "a_shape": list(params[a].shape), "b_shape": list(params[b].shape),
+                 "a_trainable": params[a].requires_grad, "b_trainable": params[b].requires_grad}
+                for a, b in info.adapters]

@@ -48,8 +48,8 @@ _names = itertools.count()
 # ---- the plan's records, read in one place each
 
 
-def _parameter_records(plan) -> Dict[str, Dict[str, object]]:
-    """Parameter name -> its record ({"shape", ...}) for every parameter, tied ones once."""
+def _parameter_records(plan) -> Dict[str, object]:
+    """Parameter name -> its ParameterRecord for every parameter, tied ones once."""
     return plan.parameters
 
 

@@ -158,7 +158,7 @@ class ShardingPlan:
     # Parameters over the heads split with them (a per-head scale, a bias of all_head_size; see
     # nn/head_parameters.py); each rank holds its heads' slice as a local parameter.
     head_parameters: List[HeadParameter] = field(default_factory=list)
-    # LoRA layers (see plan/adapters.py).
+    # LoRA layers (see csrc/plan/adapters.cpp).
     adapters: List[AdapterFactors] = field(default_factory=list)
 
     # ---- queries

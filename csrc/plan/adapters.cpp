@@ -1,0 +1,78 @@
+// LoRA adapters (python/autoshard/nn/lora.py): the planner sees a LoRA layer as the Linear it
+// wraps and decides its style; the style carries over to the factor that shares the base
+// layer's split axis.
+//   column (output features split): B ([out, rank]) split like the base weight's rows; A whole,
+//     its gradient partial (it meets only this rank's rows of B);
+//   row (input features split): A ([rank, in]) split like the base weight's columns; B whole,
+//     its gradient partial (it meets only this rank's partial A output);
+//   replicate: both whole.
+// The partial gradients of trained whole factors are summed over the group in backward, in
+// buckets of their own after the plan's, one all-reduce each. A B split like KV heads held by
+// several ranks, or with parts held whole, sums its gradient as its base layer does.
+#include <c10/util/Exception.h>
+
+#include "plan/emit.h"
+
+namespace autoshard::plan {
+namespace {
+
+void count(Plan& plan, const char* phase, const char* kind, int64_t elements) {
+  for (CommCount& c : plan.comm) {
+    if (c.phase == phase && c.kind == kind) {
+      c.count += 1;
+      c.elements += elements;
+      return;
+    }
+  }
+  plan.comm.push_back({phase, kind, 1, elements});
+}
+
+}  // namespace
+
+void plan_adapters(const Graph& graph, Plan& plan, int64_t world_size, int64_t bucket_elements) {
+  std::vector<std::pair<int64_t, int64_t>> partial;  // (parameter, elements), in forward order
+  for (const LayerDecision& layer : plan.layers) {
+    const Node& node = graph.nodes.at(layer.node);
+    if (node.adapters.empty()) continue;
+    const bool column = layer.style == Style::Column || layer.style == Style::ColumnGather;
+    const bool split = column || layer.style == Style::Row;
+    AdapterDecision decision;
+    decision.node = layer.node;
+    for (const AdapterFactors& f : node.adapters) {
+      for (int side = 0; side < 2; ++side) {
+        const bool b = side == 1;
+        const int64_t param = b ? f.b : f.a;
+        if (split && b == column) {
+          decision.split.push_back(param);
+          continue;
+        }
+        decision.whole.push_back(param);
+        const auto& shape = b ? f.b_shape : f.a_shape;
+        if (split && (b ? f.b_trainable : f.a_trainable)) partial.emplace_back(param, shape[0] * shape[1]);
+      }
+      if (column && f.b_trainable && (layer.repeat || layer.summed_parts) && world_size > 1) {
+        int64_t rows = f.b_shape[0];
+        if (!layer.repeat) {
+          rows = 0;
+          for (int64_t i : layer.whole_parts) rows += layer.parts.at(i);
+        }
+        count(plan, "backward", "all_reduce", rows * f.b_shape[1]);
+      }
+    }
+    plan.adapters.push_back(std::move(decision));
+  }
+  if (world_size <= 1 || partial.empty()) return;
+  // In the order backward produces them: the reverse of the forward's.
+  std::vector<PartialBucket> buckets;
+  for (auto it = partial.rbegin(); it != partial.rend(); ++it) {
+    if (buckets.empty() || buckets.back().elements + it->second > bucket_elements) buckets.emplace_back();
+    buckets.back().params.push_back(it->first);
+    buckets.back().elements += it->second;
+  }
+  for (PartialBucket& bucket : buckets) {
+    count(plan, "backward", "all_reduce", bucket.elements);
+    plan.partial.push_back(std::move(bucket));
+  }
+}
+
+}  // namespace autoshard::plan
