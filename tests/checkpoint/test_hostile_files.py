@@ -182,6 +182,37 @@ def test_9_a_manifest_over_the_limit_is_refused_unread(saved):
     _refused_by_load(crafted, [str(crafted / "manifest.json"), "100000001 bytes", "100000000"])
 
 
+def test_9_a_95_mb_manifest_of_tiny_lists_is_refused_before_parsing(saved):
+    # Before: json.loads built 31.6 million lists (28.4 s, 3.0 GB peak RSS for this 95 MB file);
+    # now the values are counted in a byte scan and the file refused (0.9 s, 0.5 GB peak RSS,
+    # most of it the file's bytes and one copy; see docs/checkpoints.md).
+    crafted = shutil.copytree(saved / "good", saved / "crafted")
+    with open(crafted / "manifest.json") as f:
+        text = f.read()
+    lists = "[" + ",".join(["[]"] * 31_600_000) + "]"
+    _rewrite_manifest(crafted, text=text.replace('"extra":null', f'"extra":{lists}'))
+    del lists
+    assert os.path.getsize(crafted / "manifest.json") > 94_000_000
+    message = _refused_by_load(crafted, [str(crafted / "manifest.json"), "63200", "lists, objects and elements",
+                                         "more than the 4000000", "MAX_JSON_VALUES"])
+    assert "the document holds" in message, message
+
+
+def test_9_a_document_over_the_value_limit_is_refused_and_one_under_it_parses():
+    from autoshard.tensor_io import json_input
+
+    assert json_input.loads(b'{"a": "[[[,,,{{{", "b": [[], {}, [1, 2]]}', 8, max_values=9) == {"a": "[[[,,,{{{", "b": [[], {}, [1, 2]]}
+    assert json_input.value_count(b'{"a": "[[[,,,{{{", "b": [[], {}, [1, 2]]}') == 9
+    with pytest.raises(json_input.JSONRefusal, match="holds 16 lists, objects and elements, more than the 15"):
+        json_input.loads(b'[[], [], [], [], [], [], [], []]', 8, max_values=15)
+
+
+def test_9_save_refuses_an_extra_of_more_values_than_a_manifest_may_hold(tmp_path):
+    with pytest.raises(ValueError, match="extra holds 4000000 lists, dicts and elements, more than the 2000000"):
+        checkpoint.save(tmp_path / "ckpt", build_toy(0), extra=[[]] * 2_000_000)  # 1 + 2,000,000 lists and 1,999,999 commas
+    assert not os.path.exists(tmp_path / "ckpt")
+
+
 # --- 10. coverage of many pieces ------------------------------------------------------------------
 
 def _grid_manifest(path, side: int, edit=None) -> str:

@@ -52,6 +52,11 @@ def json_value(value: Any, where: str) -> Any:
     if text is None or json_input.too_deep(text.encode(), MAX_VALUE_DEPTH):
         raise ValueError(f"save: {where} nests lists and dicts more than {MAX_VALUE_DEPTH} levels deep, "
                          "more than a checkpoint's manifest may hold")
+    count = json_input.value_count(text.encode())
+    if count > json_input.MAX_JSON_VALUES // 2:
+        raise ValueError(f"save: {where} holds {count} lists, dicts and elements, more than the "
+                         f"{json_input.MAX_JSON_VALUES // 2} a checkpoint's manifest may hold in it (half of "
+                         f"autoshard.tensor_io.json_input.MAX_JSON_VALUES, {json_input.MAX_JSON_VALUES})")
     return json.loads(text) if isinstance(value, (list, dict)) else value
 
 

@@ -13,6 +13,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Tuple
 import torch
 
 from ..fully_sharded import local_tensor
+from ..nonfinite import agreements_for
 from ..optimizer_views import local_state_dict
 from ..optimizer_partition import all_gather_pieces, piece_of
 
@@ -309,6 +310,17 @@ class FusedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults: Dict) -> None:
         self._check_hyperparameters(defaults, None)
         super().__init__(params, defaults)
+        # Hooks that agree, at the end of each backward, on which replicated gradients are not
+        # finite on which tensor-parallel rank (nonfinite.py), installed before the first backward.
+        agreements_for(self._all_params())
+
+    def _all_params(self) -> List[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for agreement in agreements_for(self._all_params()):
+            agreement.forget()
 
     def add_param_group(self, param_group: Dict) -> None:
         if isinstance(param_group, dict):
@@ -338,6 +350,11 @@ class FusedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         plan, partitioned = gather_buckets(self._name, self.param_groups, self.state, self._check_hyperparameters,
                                            self._state_rule)
+        # A replicated gradient that is not finite on some tensor-parallel ranks only: every rank
+        # raises alike, before anything is stepped (the ranks agreed on it in backward).
+        stepped = [p for _, buckets in plan for bucket in buckets.values() for p in bucket.keys]
+        for agreement in agreements_for(self._all_params()):
+            agreement.check(stepped)
         for group, buckets in plan:
             self._step_buckets(group, buckets)
         finish_step(partitioned)
