@@ -14,20 +14,6 @@
 #include "plan/emit.h"
 
 namespace autoshard::plan {
-namespace {
-
-void count(Plan& plan, const char* phase, const char* kind, int64_t elements) {
-  for (CommCount& c : plan.comm) {
-    if (c.phase == phase && c.kind == kind) {
-      c.count += 1;
-      c.elements += elements;
-      return;
-    }
-  }
-  plan.comm.push_back({phase, kind, 1, elements});
-}
-
-}  // namespace
 
 void plan_adapters(const Graph& graph, Plan& plan, int64_t world_size, int64_t bucket_elements) {
   std::vector<std::pair<int64_t, int64_t>> partial;  // (parameter, elements), in forward order
@@ -56,7 +42,7 @@ void plan_adapters(const Graph& graph, Plan& plan, int64_t world_size, int64_t b
           rows = 0;
           for (int64_t i : layer.whole_parts) rows += layer.parts.at(i);
         }
-        count(plan, "backward", "all_reduce", rows * f.b_shape[1]);
+        count_collective(plan, "backward", "all_reduce", rows * f.b_shape[1]);
       }
     }
     plan.adapters.push_back(std::move(decision));
@@ -70,7 +56,7 @@ void plan_adapters(const Graph& graph, Plan& plan, int64_t world_size, int64_t b
     buckets.back().elements += it->second;
   }
   for (PartialBucket& bucket : buckets) {
-    count(plan, "backward", "all_reduce", bucket.elements);
+    count_collective(plan, "backward", "all_reduce", bucket.elements);
     plan.partial.push_back(std::move(bucket));
   }
 }

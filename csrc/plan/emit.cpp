@@ -28,6 +28,17 @@ void sort_unique(std::vector<int64_t>& v) {
 
 }  // namespace
 
+void count_collective(Plan& plan, const char* phase, const char* kind, int64_t elements) {
+  for (CommCount& c : plan.comm) {
+    if (c.phase == phase && c.kind == kind) {
+      c.count += 1;
+      c.elements += elements;
+      return;
+    }
+  }
+  plan.comm.push_back({phase, kind, 1, elements});
+}
+
 Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& why, int64_t world_size,
                const std::map<int, std::string>& sequence_refused) {
   Plan plan;
@@ -35,14 +46,7 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
   std::map<int, RegionSummary> regions;
   auto comm = [&](const char* phase, const char* kind, int64_t elements) {
     if (world_size == 1) return;  // a group of one rank communicates nothing
-    for (CommCount& c : plan.comm) {
-      if (c.phase == phase && c.kind == kind) {
-        c.count += 1;
-        c.elements += elements;
-        return;
-      }
-    }
-    plan.comm.push_back({phase, kind, 1, elements});
+    count_collective(plan, phase, kind, elements);
   };
   // A model input needs no gradient, so the copy of one issues no backward all-reduce; nor
   // does any collective of a tensor backward never reaches (see gradient_flow.h).

@@ -19,6 +19,9 @@ struct Why {
 Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& why, int64_t world_size,
                const std::map<int, std::string>& sequence_refused = {});
 
+// One more collective of `kind` in `phase`, of `elements` elements, in the plan's counts.
+void count_collective(Plan& plan, const char* phase, const char* kind, int64_t elements);
+
 // Names each region's module and, where its layers sit in several attentions, each
 // attention's (region_modules.cpp).
 void name_region_modules(const Graph& graph, Plan& plan);

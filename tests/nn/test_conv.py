@@ -10,7 +10,7 @@ from torch import nn
 
 import autoshard
 from autoshard.constructs.conv import ShardedConv
-from gathered import forward_backward_as_planned
+from gathered import forward_backward_as_planned, sgd_step_as_unsharded
 from multirank import run_on_ranks
 
 
@@ -113,12 +113,7 @@ def _equal_unsharded(name: str) -> dict:
     plan = autoshard.plan(model, world_size=world, example_inputs=(x,))
     autoshard.parallelize(model, plan)
     forward, backward = forward_backward_as_planned(model, reference, plan, lambda m: m(x), rtol=1e-5, atol=1e-6)
-    for m in (model, reference):
-        torch.optim.SGD(m.parameters(), lr=0.1).step()
-    got, want = autoshard.full_state_dict(model), reference.state_dict()
-    assert got.keys() == want.keys()
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    sgd_step_as_unsharded(model, reference, rtol=1e-5, atol=1e-6)
     sharded = {n: (type(m).__name__, m.style.value, m.shard_specs["weight"].local_size())
                for n, m in model.named_modules() if isinstance(m, ShardedConv)}
     return {"styles": {layer.module: layer.style.value for layer in plan.layers}, "sharded": sharded,

@@ -60,3 +60,18 @@ def forward_backward_as_planned(model, reference, plan, run, rtol: float, atol: 
     assert nonzero_counts(backward) == plan.collectives("backward"), (nonzero_counts(backward),
                                                                         plan.collectives("backward"), str(plan))
     return nonzero_counts(forward), nonzero_counts(backward)
+
+
+def sgd_step_as_unsharded(model, reference, rtol: float, atol: float) -> None:
+    """One SGD step (lr 0.1) on both, from the gradients they hold; then the parallelized
+    model's full state dict must equal the unsharded one's, name by name."""
+    import torch
+
+    import autoshard
+
+    for m in (model, reference):
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    got, want = autoshard.full_state_dict(model), reference.state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
