@@ -152,7 +152,7 @@ def check(arch) -> Report:
             autoshard.parallelize(model, plan)
         elif arch.planning == "parallelize":
             autoshard.parallelize(model, example_inputs=inputs)
-        else:  # "auto": the plan's inputs made from the model's config
+        else:  # "auto": the plan's inputs made from the model (its config, or its first layer)
             autoshard.parallelize(model)
         plan = state_of(model).plan
     except Exception as error:  # plan and parallelize raise alike on every rank, before any collective
