@@ -15,6 +15,7 @@ from transformers import (AutoConfig, AutoModel, AutoModelForSeq2SeqLM, AutoMode
 from transformers.utils import logging
 
 import autoshard
+from autoshard.plan import plan_json
 from autoshard.plan.inputs import example_inputs_for
 from autoshard.plan.meta_values import KnownValues
 from hf_models import build
@@ -135,8 +136,10 @@ def test_plain_module_inputs_from_its_first_layer(model, given):
     the plan equals the plan made with inputs of that shape by hand."""
     inferred = autoshard.plan(model(), world_size=2)
     by_hand = autoshard.plan(model(), world_size=2, example_inputs=(given(),))
-    assert inferred.to_json() == by_hand.to_json()
-    assert inferred.layer("down").style == "row"
+    # The same plan, up to the example inputs' values the document keeps for the dry run.
+    assert plan_json.dumps(inferred, input_values=False) == plan_json.dumps(by_hand, input_values=False)
+    # A column and row pair (the stem convolution and `up` where a convolution comes first).
+    assert {layer.style for layer in inferred.layers} >= {"column", "row"}, str(inferred)
     args, kwargs = example_inputs_for(model())
     assert kwargs == {} and len(args) == 1 and args[0].shape == given().shape and args[0].dtype == given().dtype
     if model is EmbeddingFirst:
