@@ -1,0 +1,53 @@
+"""A job under ``torchrun --max-restarts=1`` whose rank is killed with an asynchronous save in
+flight resumes from the newest committed checkpoint, within a time bound, and ends bitwise
+equal to the uninterrupted run (dropout on: each rank's generators are restored)."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import torch
+
+from local_ranks import torchrun_command
+
+SUPPORT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
+SCRIPT = os.path.join(SUPPORT_DIR, "restart_training.py")
+STEPS, EVERY, KILL_AT = 8, 2, 6
+BOUND_S = 600  # per torchrun: generous for a loaded machine, far below a hang (torch's 30-minute timeout)
+
+
+def _run(directory, out, kill_at: int, max_restarts: int) -> str:
+    os.makedirs(directory)
+    os.makedirs(out)
+    command = torchrun_command(SCRIPT, directory, STEPS, EVERY, kill_at, os.path.join(out, "killed"), out,
+                               max_restarts=max_restarts)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    started = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=BOUND_S, env=env)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log
+    print(f"torchrun took {time.monotonic() - started:.1f} s")
+    return log
+
+
+def _parameters(out) -> list:
+    return [torch.load(os.path.join(out, f"rank-{r}.pt")) for r in range(2)]
+
+
+def test_a_rank_killed_during_an_async_save_restarts_and_ends_bitwise_equal(tmp_path):
+    _run(tmp_path / "plain", tmp_path / "plain-out", kill_at=0, max_restarts=0)
+    log = _run(tmp_path / "killed", tmp_path / "killed-out", kill_at=KILL_AT, max_restarts=1)
+    assert "killing itself with a save of step-6 in flight" in log, log
+    # The restarted group resumed from a committed checkpoint (step-4, or step-6 if its save
+    # committed before the kill), not from the start.
+    resumed = {int(rank): int(step) for rank, step in re.findall(r"rank (\d): attempt 1 starts at step (\d+)", log)}
+    assert sorted(resumed) == [0, 1] and len(set(resumed.values())) == 1, log
+    assert resumed[0] in (4, 6), log
+    expected, got = _parameters(tmp_path / "plain-out"), _parameters(tmp_path / "killed-out")
+    for rank in range(2):
+        assert expected[rank].keys() == got[rank].keys()
+        differ = [name for name in expected[rank] if not torch.equal(expected[rank][name], got[rank][name])]
+        assert differ == [], f"rank {rank}: {differ}"
+    assert sorted(os.listdir(tmp_path / "killed")) == ["step-6", "step-8"]  # max_to_keep=2; no .partial left
