@@ -9,8 +9,10 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
-from local_ranks import torchrun_command
+from autoshard import distributed
+from local_ranks import free_port, torchrun_command
 
 SUPPORT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
 SCRIPT = os.path.join(SUPPORT_DIR, "restart_training.py")
@@ -51,3 +53,19 @@ def test_a_rank_killed_during_an_async_save_restarts_and_ends_bitwise_equal(tmp_
         differ = [name for name in expected[rank] if not torch.equal(expected[rank][name], got[rank][name])]
         assert differ == [], f"rank {rank}: {differ}"
     assert sorted(os.listdir(tmp_path / "killed")) == ["step-6", "step-8"]  # max_to_keep=2; no .partial left
+
+
+def test_each_attempt_of_a_torchrun_gets_its_own_keys_in_the_agents_store(monkeypatch):
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert distributed._restart_store(distributed.DEFAULT_TIMEOUT) is None  # env:// as usual
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    for attempt in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        distributed._restart_store(distributed.DEFAULT_TIMEOUT).set("rank_0", f"address of attempt {attempt}")
+    # The dead attempt's key is still in the shared store; the new attempt's is another key.
+    assert server.get("autoshard/attempt-0/rank_0") == b"address of attempt 0"
+    assert server.get("autoshard/attempt-1/rank_0") == b"address of attempt 1"
