@@ -92,9 +92,33 @@ def init_distributed(backend: Optional[str] = None,
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if name not in os.environ:
                 raise ValueError(f"init_distributed: environment variable {name} must be set (torchrun sets it)")
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                timeout=timeout)
+        store = _restart_store(timeout)
+        if store is None:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _restart_store(timeout: timedelta) -> Optional[dist.Store]:
+    """Under torchrun with a rendezvous that shares its agent's TCPStore with the workers (the
+    c10d rendezvous, ``--standalone`` included, unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1),
+    a store whose keys belong to this attempt only; None elsewhere (``env://`` as usual).
+
+    That store outlives the workers, and torch gives the workers it restarts
+    (``--max-restarts``) no prefix of their own, so a restarted group read the keys the dead
+    attempt left there: gloo's connect then went to the dead ranks' addresses and failed
+    ("Connection refused"). The prefix is ``TORCHELASTIC_RESTART_COUNT``, the same for all
+    ranks of one torchrun; agents on several nodes can count restarts differently, so a
+    multi-node job that restarts should set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun
+    (each attempt then gets a fresh store)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    attempt = _env_int("TORCHELASTIC_RESTART_COUNT", None)
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", None), is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"autoshard/attempt-{attempt}", shared)
 
 
 def _require_initialized(function: str) -> None:

@@ -23,10 +23,11 @@ def rank_env(port: int, rank: int, world: int) -> Dict[str, str]:
     return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world)}
 
 
-def torchrun_command(script, *args, ranks: int = 2) -> List[str]:
-    """The command that runs `script` with `args` under torchrun on `ranks` local processes."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(script),
-            *map(str, args)]
+def torchrun_command(script, *args, ranks: int = 2, max_restarts: int = 0) -> List[str]:
+    """The command that runs `script` with `args` under torchrun on `ranks` local processes,
+    restarting the group at most `max_restarts` times when a rank fails."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+            f"--max-restarts={max_restarts}", str(script), *map(str, args)]
 
 
 def run_under_torchrun(script, *args, cwd=None, timeout: float = 600) -> str:

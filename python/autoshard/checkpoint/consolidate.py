@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 import torch
 
 from . import manifest as mf
+from . import rank_extra as per_rank
 from . import rng
 from .contents import OPTIMIZER_PREFIX
 from .files import CheckpointFiles
@@ -105,7 +106,7 @@ def consolidate(path, out_dir, max_shard_size=None) -> List[str]:
     limit = _parse_size(max_shard_size)
     path, out_dir = os.path.abspath(os.fspath(path)), os.path.abspath(os.fspath(out_dir))
     manifest = mf.read_manifest(path, "consolidate")
-    names = [k for k in manifest.tensors if not k.startswith((OPTIMIZER_PREFIX, rng.PREFIX))]
+    names = [k for k in manifest.tensors if not k.startswith((OPTIMIZER_PREFIX, rng.PREFIX, per_rank.PREFIX))]
     groups = _group_files(names, manifest.tensors, limit)
     if len(groups) == 1:
         file_names = [SINGLE_FILE]

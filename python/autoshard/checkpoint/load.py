@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import manifest as mf
+from . import rank_extra as per_rank
 from . import rng
 from ..optimizer_partition import piece_of
 from .contents import OPTIMIZER_PREFIX
@@ -50,7 +51,8 @@ def _model_reads(model, manifest: mf.Manifest, strict: bool) -> Tuple[Dict[str, 
         _check_shape(repr(name), manifest.tensors[stored], target.selection.shape)
         used.add(stored)
         reads.append((stored, target.tensor.detach(), target.selection))
-    unexpected = [k for k in manifest.tensors if not k.startswith((OPTIMIZER_PREFIX, rng.PREFIX)) and k not in used]
+    unexpected = [k for k in manifest.tensors
+                  if not k.startswith((OPTIMIZER_PREFIX, rng.PREFIX, per_rank.PREFIX)) and k not in used]
     if strict and (missing or unexpected):
         raise ValueError(f"load: the model and the checkpoint differ: missing from the checkpoint {missing}, "
                          f"not in the model {unexpected} (strict=False loads the tensors they share)")
@@ -208,10 +210,12 @@ def _load_optimizer_state(optimizer, params, targets: Dict[str, Target], manifes
 
 @torch.no_grad()
 def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, strict: bool = True,
-         restore_rng: bool = True):
+         restore_rng: bool = True, return_rank_extra: bool = False):
     """Loads the committed checkpoint at ``path`` into ``model`` (and ``optimizer``'s state and
     hyperparameters), whatever world size and plan saved it; returns the ``extra`` it was saved
-    with. Refuses an unfinished or corrupt checkpoint with an error naming the file. Each rank
+    with, or with ``return_rank_extra`` the pair ``(extra, this rank's rank_extra)`` (None
+    where this rank saved none; a checkpoint whose ranks saved one, loaded by another number
+    of ranks, is refused before anything is changed). Refuses an unfinished or corrupt checkpoint with an error naming the file. Each rank
     reads only what it holds; no collective is issued. The model must be materialised.
 
     With ``restore_rng`` (the default), each rank's random number generators (torch's CPU and
@@ -226,6 +230,8 @@ def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
         raise TypeError(f"load: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     if not isinstance(restore_rng, bool):
         raise TypeError(f"load: restore_rng must be a bool, got {type(restore_rng).__name__}")
+    if not isinstance(return_rank_extra, bool):
+        raise TypeError(f"load: return_rank_extra must be a bool, got {type(return_rank_extra).__name__}")
     path = os.path.abspath(os.fspath(path))
     wait_for_pending_save()  # a checkpoint still being written becomes loadable
     manifest = mf.read_manifest(path)
@@ -242,10 +248,13 @@ def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
                 files.verify(key, selection)
             _check_stored_steps(optimizer_plan[1], manifest, files, os.path.join(path, mf.MANIFEST))
         restore = lambda: None  # noqa: E731
+        rank, world_size = _rank_and_world()
+        read_stored = rng.stored_tensor(files, manifest.tensors, mf.dtype_of)
+        own_extra = None
+        if return_rank_extra:
+            own_extra = per_rank.read(manifest.tensors, rank, world_size, manifest.world_size, read_stored, path)
         if restore_rng:
-            rank, world_size = _rank_and_world()
-            restore = rng.restorer(manifest.tensors, rank, world_size, manifest.world_size,
-                                   rng.stored_tensor(files, manifest.tensors, mf.dtype_of), path)
+            restore = rng.restorer(manifest.tensors, rank, world_size, manifest.world_size, read_stored, path)
         for key, tensor, selection in reads:
             files.fill(key, tensor, selection)
         if optimizer_plan is not None:
@@ -257,7 +266,7 @@ def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
             if callable(conform):
                 conform()
         restore()
-    return manifest.extra
+    return (manifest.extra, own_extra) if return_rank_extra else manifest.extra
 
 
 def _rank_and_world() -> Tuple[int, int]:

@@ -106,9 +106,11 @@ class CheckpointManager:
         return None if step is None else self.path_for(step)
 
     def save(self, step: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-             metrics: Optional[Dict[str, float]] = None, extra=None, async_save: bool = False) -> Optional[SaveHandle]:
+             metrics: Optional[Dict[str, float]] = None, extra=None, async_save: bool = False,
+             rank_extra=None) -> Optional[SaveHandle]:
         """Saves ``step-<step>`` if ``step`` is a multiple of ``save_every`` (else returns None);
-        ``metrics`` (name -> number) are recorded for ``keep_best``."""
+        ``metrics`` (name -> number) are recorded for ``keep_best``; ``extra`` and ``rank_extra``
+        as ``checkpoint.save`` stores them."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"CheckpointManager.save: step must be an int >= 0, got {step!r}")
         if metrics is not None:
@@ -122,7 +124,7 @@ class CheckpointManager:
         if step % self.save_every:
             return None
         return save_checkpoint(self.path_for(step), model, optimizer, extra, async_save, metrics=metrics,
-                               after_commit=self._retain)
+                               after_commit=self._retain, rank_extra=rank_extra)
 
     def _report(self, key: str, message: str) -> None:
         if key not in self._reported:
@@ -197,9 +199,12 @@ class CheckpointManager:
         wait_for_pending_save()
 
     def restore(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                restore_rng: bool = True):
+                restore_rng: bool = True, return_rank_extra: bool = False):
         """Loads the newest checkpoint (each rank's generator states too, see ``load``); returns
-        its ``extra``, or None when there is none."""
+        its ``extra``, or None when there is none (with ``return_rank_extra``: the pair
+        ``(extra, this rank's rank_extra)``, ``(None, None)`` when there is none)."""
         wait_for_pending_save()
         path = self.latest()
-        return None if path is None else load(path, model, optimizer, restore_rng=restore_rng)
+        if path is None:
+            return (None, None) if return_rank_extra else None
+        return load(path, model, optimizer, restore_rng=restore_rng, return_rank_extra=return_rank_extra)

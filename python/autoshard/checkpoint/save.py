@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from . import claim
 from . import manifest as mf
+from . import rank_extra as per_rank
 from . import rng
 from ..parallel_state import state_of
 from .save_agreement import Agreement, claimed_message, start_agreement
@@ -223,19 +224,23 @@ class _Job:
 
 
 def save(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, extra=None,
-         async_save: bool = False) -> SaveHandle:
+         async_save: bool = False, rank_extra=None) -> SaveHandle:
     """Saves the model (and optimizer state, and JSON-able ``extra``) as a sharded checkpoint at
     ``path``, a directory that must not exist yet. Every rank calls it.
+
+    ``extra`` is rank 0's (one value for the whole job, in the manifest); ``rank_extra`` is a
+    JSON-able value of each rank's own (None: none), stored in that rank's file and returned to
+    the same rank by ``load(..., return_rank_extra=True)`` at the same world size.
 
     With ``async_save``, the tensors are copied to host memory and written by a background
     thread; the returned handle's ``wait()`` blocks until the checkpoint is committed, and an
     error in the background is raised there or by the next save. One save is in flight at a
     time: a new save first waits for the previous one."""
-    return save_checkpoint(path, model, optimizer, extra, async_save)
+    return save_checkpoint(path, model, optimizer, extra, async_save, rank_extra=rank_extra)
 
 
 def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, metrics=None,
-                    after_commit: Optional[Callable[[], None]] = None) -> SaveHandle:
+                    after_commit: Optional[Callable[[], None]] = None, rank_extra=None) -> SaveHandle:
     """save(), plus ``metrics`` recorded in the manifest and ``after_commit`` run on rank 0 once
     the checkpoint is committed (CheckpointManager's retention)."""
     generators = rng.capture()  # before anything else can draw from them
@@ -252,6 +257,9 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
             held += optimizer_held
         held += [Held(rng.key(comm.rank, name), state, full_selection(state.shape))
                  for name, state in generators.items()]
+        if rank_extra is not None:
+            own = per_rank.encode(rank_extra)  # a copy: the caller may change theirs once save returns
+            held.append(Held(per_rank.key(comm.rank), own, full_selection(own.shape)))
     except (TypeError, ValueError) as e:
         error = f"rank {comm.rank}: {e}"
     if comm.rank == 0:
