@@ -31,8 +31,8 @@ Two phases, each in its own fresh gloo rank processes (one thread each):
   added" that peak less the resident size before the build: the configuration's own memory (the
   whole model is built on every rank and sharded, as torch's tutorials do; transformers loads it
   from the checkpoint), without the interpreter and libraries every configuration shares. The
-  second step is counted: bytes saved for backward (autoshard.SavedTensorCounter, each storage once, parameters left out) and
-  collectives, as the c10d ops that torch's profiler records on the rank (c10d::allreduce_,
+  second step is counted: bytes saved for backward (autoshard.SavedTensorCounter, each storage
+  once, parameters left out) and collectives, as the c10d ops that torch's profiler records on the rank (c10d::allreduce_,
   c10d::_allgather_base_, ...; barriers left out): torch.distributed's calls, torch's
   functional collectives (DTensor) and autoshard's comm ops all issue them. autoshard's own
   CommCounter figures are in the JSON beside them (its comm ops alone: the calls its checks make
