@@ -40,7 +40,7 @@ class LayerConstruct:
 
     def weight_dim(self, layer) -> Optional[int]:
         """The weight dimension a LayerPlan of this construct splits, or None (held whole)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} (kind {self.kind!r}) must define weight_dim")
 
     def bias_spec(self, layer, rank: int, world_size: int) -> Optional[ShardSpec]:
         """The bias's ShardSpec on `rank`: split with the output features of a column layer,
@@ -70,7 +70,7 @@ class LayerConstruct:
 
     def shard(self, layer, module: nn.Module, group) -> nn.Module:
         """The sharded module that replaces `module` under the planned `layer`."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} (kind {self.kind!r}) must define shard")
 
     def replaces(self, module: nn.Module) -> bool:
         """Whether shard() gives a new module (which has none of the old one's hooks) rather than
