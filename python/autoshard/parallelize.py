@@ -20,25 +20,19 @@ from .distributed import ProcessGroup, default_group, resolve, set_default_group
 from .dry_run import dry_run
 from .input_copies import InputCopyPerCall, SharedInputCopy
 from .parallel_state import ParallelState, state_of
-from .nn import head_cuts, sequence
-from .nn.head_parameters import shard_head_parameter
-from .nn.rms_norm import ShardedRMSNorm
+from .constructs import Surgery, record_constructs
+from .constructs.base import set_submodule
+from .nn import sequence
 from .optimizer_views import install_global_optimizer_hook
 from .optimizer_partition import partition_replicated
 from .replica_check import DEFAULT_EVERY
 from .pending_gradients import check_no_pending_gradients
 from .plan import LayerPlan, ShardingPlan
-from .plan.layers import rms_norm_eps, rms_norm_form
 from .plan.local_attributes import set_attribute
 from .plan import plan_json
 from .plan_until_it_runs import plan_until_it_runs
 from .replaced_modules import check_no_hooks_lost
 from .state_views import install_state_dict_views
-
-
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
 def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> None:
@@ -62,22 +56,8 @@ def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> N
             raise ValueError(f"parallelize: layer {layer.module!r} is already sharded")
         if layer.weight not in params:
             raise ValueError(f"parallelize: the plan names parameter {layer.weight!r}, which the model lacks")
-    for norm in plan.norms:
-        try:
-            module = model.get_submodule(norm.module)
-        except AttributeError:
-            raise ValueError(f"parallelize: the plan names norm {norm.module!r}, which the model lacks") from None
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or list(weight.shape) != [norm.features] \
-                or rms_norm_form(module) is None:
-            raise ValueError(f"parallelize: norm {norm.module!r} is not an RMS norm over {norm.features} "
-                             "features with a weight, as the plan expects")
-    for record in plan.head_parameters:
-        param = params.get(record.name)
-        if param is None or param.dim() <= record.dim or param.shape[record.dim] != record.size:
-            got = None if param is None else list(param.shape)
-            raise ValueError(f"parallelize: the plan splits parameter {record.name!r} with its heads "
-                             f"({record.size} on dim {record.dim}); the model's has shape {got}")
+    for construct in record_constructs():
+        construct.check(model, plan, params)
     check_no_hooks_lost(model, plan)
 
 
@@ -155,37 +135,16 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
             sharded.input_copy = input_copy
         if layer.sequence == "reduce_scatter":
             sharded.output_tokens = tokens.reduce_scatter(layer)
-        _set_submodule(model, layer.module, sharded)
+        set_submodule(model, layer.module, sharded)
     for name, sides in experts.items():
         sides[0].construct.shard_sides(model.get_submodule(name), name, sides, group, copies.get(sides[0].copy_group))
-    for norm in plan.norms:
-        module = model.get_submodule(norm.module)
-        _set_submodule(model, norm.module, ShardedRMSNorm.from_norm(
-            module, plan.norm_spec(norm, rank), rms_norm_eps(module), rms_norm_form(module), group))
     for key, new in replaced.items():
         for owner, attr in registrations.get(key, []):
             if not hasattr(owner, "shard_specs"):
                 owner._parameters[attr] = new
-    for record in plan.head_parameters:
-        owner_name, _, attr = record.name.rpartition(".")
-        owner = model.get_submodule(owner_name) if owner_name else model
-        original = owner._parameters[attr]
-        local = shard_head_parameter(owner, attr, plan.head_parameter_spec(record, rank), group)
-        for other, other_attr in registrations.get(id(original), []):
-            other._parameters[other_attr] = local
-    for entry in plan.sequence_entries:
-        model.get_submodule(entry.module).register_forward_pre_hook(tokens.entry_hook(entry), with_kwargs=True)
-    for entry in plan.sequence_gathers:
-        model.get_submodule(entry.module).register_forward_pre_hook(tokens.entry_hook(entry, gather=True),
-                                                                       with_kwargs=True)
-    for entry in plan.sequence_exits:
-        model.get_submodule(entry.module).register_forward_hook(tokens.exit_hook(entry))
-    for entry in plan.head_entries:
-        model.get_submodule(entry.module).register_forward_pre_hook(
-            head_cuts.entry_hook(entry, plan.regions[entry.region].units, group.group_name), with_kwargs=True)
-    for entry in plan.head_outputs:
-        model.get_submodule(entry.module).register_forward_hook(
-            head_cuts.output_hook(entry, plan.regions[entry.region].units, group.group_name))
+    surgery = Surgery(group, rank, world, tokens, registrations)
+    for construct in record_constructs():
+        construct.apply(model, plan, surgery)
     for region in plan.regions.values():
         owner = model.get_submodule(region.module)
         for attr in region.attributes:

@@ -13,6 +13,7 @@ from typing import List
 
 from torch import nn
 
+from .constructs import record_constructs
 from .nn.multihead_attention import IN_PROJECTION
 from .styles import Style
 
@@ -32,7 +33,8 @@ def replaced_modules(model: nn.Module, plan) -> List[str]:
             continue  # the attention itself is changed in place; its out_proj is replaced
         if layer.construct.replaces(model.get_submodule(layer.module)):
             names.append(layer.module)
-    names += [norm.module for norm in plan.norms]
+    for construct in record_constructs():
+        names += construct.replaced(plan)
     return sorted(set(names))
 
 

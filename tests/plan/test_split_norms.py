@@ -13,7 +13,7 @@ from torch import nn
 import autoshard
 from autoshard import checkpoint
 from autoshard.nn.rms_norm import ShardedRMSNorm
-from autoshard.plan.layers import rms_norm_form
+from autoshard.constructs.split_norm import rms_norm_form
 from autoshard.plan.sharding_plan import ShardingPlan
 from multirank import run_on_ranks
 from test_planner_graphs import G, comm, styles

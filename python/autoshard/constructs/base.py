@@ -6,7 +6,8 @@ capture's LayerInfo and in the plan's LayerPlan; `planner_kind` is the node kind
 reads (csrc/plan/graph.h: "linear", "embedding" or "einsum").
 """
 
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -109,3 +110,87 @@ def recognise(name: str, module: nn.Module, param_index: Dict[int, int]):
         if info is not None:
             return info
     return None
+
+
+@dataclass
+class Surgery:
+    """What applying a plan's records to a model needs beyond the plan: the group, this
+    rank, the plan's sequence steps (nn/sequence.PlanSteps, shared with the layers that cut and
+    gather tokens) and every place each parameter is registered (id -> [(owner, attr)]), so
+    that a parameter tied elsewhere is replaced everywhere at once."""
+
+    group: object
+    rank: int
+    world_size: int
+    tokens: object
+    registrations: Dict[int, List[Tuple[nn.Module, str]]]
+
+
+class RecordConstruct:
+    """A construct that is no layer of its own: records the planner emits beside the layers'
+    styles (csrc/plan/emit.cpp), held in the ShardingPlan fields named by `fields`.
+
+    It does the jobs a LayerConstruct does, for its records: it recognises its modules where
+    the capture must (a split RMS norm), gives the layout of the parameters it splits, changes
+    a meta copy of a region's module to one rank's local shapes for the dry run, and applies
+    its records to the model, each checked against the model before anything changes."""
+
+    kind: str = ""
+    fields: Tuple[str, ...] = ()
+    # Application order (lower first), after every layer is sharded.
+    order: int = 100
+
+    def records(self, plan) -> list:
+        """This construct's records in `plan`."""
+        return [record for field in self.fields for record in getattr(plan, field)]
+
+    def specs(self, plan, rank: int) -> Dict[str, ShardSpec]:
+        """The ShardSpec on `rank` of each parameter it splits, by parameter name."""
+        return {}
+
+    def replaced(self, plan) -> List[str]:
+        """The modules it replaces by new ones (whose hooks would be lost)."""
+        return []
+
+    def check(self, model: nn.Module, plan, params: Dict[str, nn.Parameter]) -> None:
+        """Raises ValueError naming the record the model does not fit; changes nothing."""
+
+    def stand_in(self, copy: nn.Module, prefix: str, plan, rank: int) -> None:
+        """Changes `copy`, a meta copy of the module named `prefix` without its dot, to what
+        applying its records inside that module gives on `rank`, with no collective."""
+
+    def cut_inputs(self, plan, module: str, args, kwargs, rank: int):
+        """The recorded inputs of `module` as it receives them on `rank` (for the dry run)."""
+        return args, kwargs
+
+    def apply(self, model: nn.Module, plan, surgery: Surgery) -> None:
+        """Applies every record of it in `plan` to `model`."""
+        raise NotImplementedError(f"{type(self).__name__} (kind {self.kind!r}) must define apply")
+
+
+_RECORDS: Dict[str, RecordConstruct] = {}
+
+
+def register_records(cls):
+    """Class decorator: makes `cls` the construct of its records' kind."""
+    if not cls.kind or cls.kind in _RECORDS or cls.kind in _BY_KIND:
+        raise ValueError(f"register_records: construct kind {cls.kind!r} is empty or taken")
+    _RECORDS[cls.kind] = cls()
+    return cls
+
+
+def record_constructs() -> List[RecordConstruct]:
+    """Every record construct, in application order."""
+    return sorted(_RECORDS.values(), key=lambda c: (c.order, c.kind))
+
+
+def named_owner(root: nn.Module, dotted: str) -> Tuple[nn.Module, str]:
+    """(module, attribute) for a dotted parameter name under `root`."""
+    owner, _, attr = dotted.rpartition(".")
+    return (root.get_submodule(owner) if owner else root), attr
+
+
+def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    """Puts `module` in `root` under the dotted `name`."""
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)

@@ -5,8 +5,6 @@ input from in_features to out_features; an Embedding looks rows up by index. Whe
 split by rows or columns is decided by the planner from the dataflow, never from its name.
 """
 
-import copy
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -227,77 +225,3 @@ def einsum_letters(equation: str, input_ndim: int, output_ndim: int) -> List[Dic
              "input_dim": -1 if in_dim is None else in_dim % input_ndim,
              "output_dim": -1 if out_dim is None else out_dim % output_ndim}
             for letter, role, in_dim, out_dim in zip(letters, roles, input_dims, output_dims)]
-
-
-# Norm class -> how its RMS norm meets its input's dtype: "input_dtype" (it computes in that
-# dtype), or it computes in float32 and casts back, "scale_then_cast" (the weight scales the
-# float32 result, then cast back, as OLMo 2) or "cast_then_scale" (cast back, then scaled, as
-# Llama); None where the class computes no such norm.
-_RMS_NORM_FORMS: Dict[tuple, Optional[str]] = {}
-RMS_NORM_FORMS = ("input_dtype", "scale_then_cast", "cast_then_scale")
-
-
-def rms_norm_eps(module: nn.Module) -> Optional[float]:
-    """The epsilon of an RMS norm module (`variance_epsilon` or `eps`), or None."""
-    for attr in ("variance_epsilon", "eps"):
-        value = getattr(module, attr, None)
-        if isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool)):
-            return float(value)
-    return None
-
-
-def _norm_probe(module: nn.Module, weight: torch.Tensor) -> nn.Module:
-    """A shallow copy of `module` holding `weight` (on the CPU) in place of its own."""
-    probe = copy.copy(module)
-    probe._parameters = dict(module._parameters)
-    probe._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
-    probe._forward_hooks, probe._forward_pre_hooks = OrderedDict(), OrderedDict()
-    if isinstance(getattr(module, "normalized_shape", None), tuple):  # nn.RMSNorm passes it to F.rms_norm
-        probe.normalized_shape = tuple(weight.shape)
-    return probe
-
-
-def rms_norm_form(module: nn.Module) -> Optional[str]:
-    """Whether `module` computes x * rsqrt(mean(x ** 2, -1) + eps) * weight over its input's last
-    axis, with a 1-D weight as its only parameter and no submodules: checked once per class (and
-    plain attributes) on a small float64 input with its own eps: exactly ("input_dtype"), or to
-    float32's precision, then on a bfloat16 input for where it casts back, which must match one
-    of the float32 RMS_NORM_FORMS bit for bit. None for any other module."""
-    weight = module._parameters.get("weight") if isinstance(module, nn.Module) else None
-    eps = rms_norm_eps(module) if weight is not None else None
-    if (eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or len(module._parameters) != 1
-            or len(module._modules) or len(module._buffers)):
-        return None
-    # Per class and plain attributes (eps, and any flag a class reads in its forward).
-    cls = (type(module), tuple(sorted((k, v) for k, v in vars(module).items()
-                                      if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None))))))
-    if cls in _RMS_NORM_FORMS:
-        return _RMS_NORM_FORMS[cls]
-    form = None
-    generator = torch.Generator().manual_seed(0)
-    # Outside any mode a capture or a dry run has on: this is a check, not the model's call.
-    with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
-        try:
-            w = torch.randn(5, generator=generator, dtype=torch.float64)
-            x = torch.randn(2, 3, 5, generator=generator, dtype=torch.float64)
-            got = type(module).forward(_norm_probe(module, w), x)
-            want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-            same = isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
-            if same and bool(torch.allclose(got, want, rtol=1e-12, atol=1e-14)):
-                form = "input_dtype"
-            # Else to fp32's precision: most norms compute in fp32 whatever their input.
-            elif same and bool(torch.allclose(got, want, rtol=1e-5, atol=1e-6)):
-                w16 = torch.randn(5, generator=generator).to(torch.bfloat16)
-                x16 = torch.randn(2, 3, 5, generator=generator).to(torch.bfloat16)
-                got = type(module).forward(_norm_probe(module, w16), x16)
-                x32 = x16.to(torch.float32)
-                normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-                for name, value in zip(RMS_NORM_FORMS[1:], ((w16 * normalized).to(torch.bfloat16),
-                                                        w16 * normalized.to(torch.bfloat16))):
-                    if got.dtype == value.dtype and torch.equal(got, value):
-                        form = name
-                        break
-        except Exception:  # noqa: BLE001 - a forward that fails on the probe is no such norm
-            form = None
-    _RMS_NORM_FORMS[cls] = form
-    return form

@@ -8,7 +8,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..nn.head_cuts import cut_leaf, local_heads_shape
+from ..constructs import record_constructs
+from ..nn.head_cuts import cut_leaf
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
 from .attribute_pairs import widen_by_pairs
@@ -32,29 +33,11 @@ class _LocalModule:
                 owner = self.module.get_submodule(region.module[len(prefix):])
                 for attr in region.attributes:
                     set_attribute(owner, attr, region.local_attribute(attr, rank, world))
-        # Parameters split with their heads, at this rank's shape.
-        for record in plan.head_parameters:
-            if record.name.startswith(prefix):
-                owner_name, _, attr = record.name[len(prefix):].rpartition(".")
-                owner = self.module.get_submodule(owner_name) if owner_name else self.module
-                full = owner._parameters[attr]
-                local_shape = plan.head_parameter_spec(record, rank).local_shape(full.shape)
-                owner._parameters[attr] = nn.Parameter(torch.empty(local_shape, dtype=full.dtype, device="meta"),
-                                                       requires_grad=full.requires_grad)
-        # Embeddings whose output the plan cuts to this rank's heads: cut here too, to its shape.
-        for entry in plan.head_outputs:
-            if entry.module.startswith(prefix):
-                units = plan.regions[entry.region].units
-                cut = lambda mod, a, out, entry=entry, units=units: torch.empty(
-                    local_heads_shape(out.shape, entry, units, rank, world), dtype=out.dtype, device="meta")
-                self.module.get_submodule(entry.module[len(prefix):]).register_forward_hook(cut)
+        # Split norms, parameters split with their heads, embeddings whose output is cut to the
+        # heads: as this rank holds them.
+        for construct in record_constructs():
+            construct.stand_in(self.module, prefix, plan, rank)
         self.supported = True
-        # Norms split with their layer's features: their weight at this rank's size.
-        for norm in plan.norms:
-            if norm.module.startswith(prefix):
-                owner = self.module.get_submodule(norm.module[len(prefix):])
-                local = plan.norm_spec(norm, rank).local_size()
-                owner.weight = nn.Parameter(torch.empty(local, device="meta", dtype=owner.weight.dtype))
         done = self._local_attentions(plan, prefix, rank)
         for layer in plan.layers:
             if not layer.module.startswith(prefix) or not layer.style.is_split or layer.module in done:
@@ -328,13 +311,8 @@ def _cut_heads(plan, prediction: Prediction, name: str, args, kwargs, rank: int)
         local = lambda x, t=entry["tensor"]: torch.empty(prediction.local_shape(t, rank, tokens=False),
                                                          dtype=x.dtype, device="meta")
         args, kwargs = cut_leaf(args, kwargs, entry["leaf"], local, name)
-    for entry in plan.head_entries:
-        if entry.module != name:
-            continue
-        units = plan.regions[entry.region].units
-        local = lambda x, entry=entry, units=units: torch.empty(
-            local_heads_shape(x.shape, entry, units, rank, plan.world_size), dtype=x.dtype, device="meta")
-        args, kwargs = cut_leaf(args, kwargs, entry.leaf, local, name)
+    for construct in record_constructs():
+        args, kwargs = construct.cut_inputs(plan, name, args, kwargs, rank)
     return args, kwargs
 
 

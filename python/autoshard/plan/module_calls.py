@@ -14,7 +14,7 @@ from ..nn.multihead_attention import (
     multihead_attention,
     unsupported,
 )
-from .layers import rms_norm_form
+from ..constructs.split_norm import rms_norm_form
 from .recorder import Recorder
 
 

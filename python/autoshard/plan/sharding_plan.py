@@ -177,25 +177,16 @@ class ShardingPlan:
                                (layer.bias, layer.bias_spec(rank, self.world_size))):
                 if name is not None and spec is not None:
                     specs[name] = spec
-        for norm in self.norms:
-            specs[norm.weight] = self.norm_spec(norm, rank)
-        for record in self.head_parameters:
-            specs[record.name] = self.head_parameter_spec(record, rank)
+        from ..constructs import record_constructs
+
+        for construct in record_constructs():
+            specs.update(construct.specs(self, rank))
         for record in self.adapters:
             # A split LoRA factor shares its base weight's split axis (B's rows, A's columns).
             if record.split:
                 spec = self.layer(record.module).weight_spec(rank, self.world_size)
                 specs.update({name: spec for name in record.split})
         return specs
-
-    def norm_spec(self, norm: SplitNorm, rank: int) -> ShardSpec:
-        """The ShardSpec of a split norm's weight on `rank` (split like its layer's features)."""
-        return ShardSpec(0, norm.features, rank, self.world_size, units=norm.units or None)
-
-    def head_parameter_spec(self, record: HeadParameter, rank: int) -> ShardSpec:
-        """The ShardSpec on `rank` of a parameter split with its heads (a head_parameters record)."""
-        units = self.regions[record.region].units
-        return ShardSpec(record.dim, record.size, rank, self.world_size, units=units)
 
     def collectives(self, phase: str, loss_parallel: bool = False) -> Dict[str, int]:
         """Collectives per step in `phase` ("forward" or "backward"). With `loss_parallel`, those of

@@ -1,0 +1,142 @@
+"""Split RMS norms: an RMS norm over a layer's output features that are split by heads (OLMo
+2's q_norm and k_norm over q_proj's and k_proj's outputs). The capture records a call of one on
+a layer's output as one "norm" node (plan/module_calls.py), the planner splits it with the
+layer's features (csrc/plan/norms.cpp), and each becomes nn.rms_norm.ShardedRMSNorm: one
+all-reduce of the squares' sums in forward, one in backward.
+
+A module is such a norm by what it computes, not by its name: rms_norm_form probes its class.
+"""
+
+import copy
+from collections import OrderedDict
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from ..nn.rms_norm import ShardedRMSNorm
+from ..nn.spec import ShardSpec
+from .base import RecordConstruct, register_records, set_submodule
+
+
+# Norm class -> how its RMS norm meets its input's dtype: "input_dtype" (it computes in that
+# dtype), or it computes in float32 and casts back, "scale_then_cast" (the weight scales the
+# float32 result, then cast back, as OLMo 2) or "cast_then_scale" (cast back, then scaled, as
+# Llama); None where the class computes no such norm.
+_RMS_NORM_FORMS: Dict[tuple, Optional[str]] = {}
+RMS_NORM_FORMS = ("input_dtype", "scale_then_cast", "cast_then_scale")
+
+
+def rms_norm_eps(module: nn.Module) -> Optional[float]:
+    """The epsilon of an RMS norm module (`variance_epsilon` or `eps`), or None."""
+    for attr in ("variance_epsilon", "eps"):
+        value = getattr(module, attr, None)
+        if isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool)):
+            return float(value)
+    return None
+
+
+def _norm_probe(module: nn.Module, weight: torch.Tensor) -> nn.Module:
+    """A shallow copy of `module` holding `weight` (on the CPU) in place of its own."""
+    probe = copy.copy(module)
+    probe._parameters = dict(module._parameters)
+    probe._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
+    probe._forward_hooks, probe._forward_pre_hooks = OrderedDict(), OrderedDict()
+    if isinstance(getattr(module, "normalized_shape", None), tuple):  # nn.RMSNorm passes it to F.rms_norm
+        probe.normalized_shape = tuple(weight.shape)
+    return probe
+
+
+def rms_norm_form(module: nn.Module) -> Optional[str]:
+    """Whether `module` computes x * rsqrt(mean(x ** 2, -1) + eps) * weight over its input's last
+    axis, with a 1-D weight as its only parameter and no submodules: checked once per class (and
+    plain attributes) on a small float64 input with its own eps: exactly ("input_dtype"), or to
+    float32's precision, then on a bfloat16 input for where it casts back, which must match one
+    of the float32 RMS_NORM_FORMS bit for bit. None for any other module."""
+    weight = module._parameters.get("weight") if isinstance(module, nn.Module) else None
+    eps = rms_norm_eps(module) if weight is not None else None
+    if (eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or len(module._parameters) != 1
+            or len(module._modules) or len(module._buffers)):
+        return None
+    # Per class and plain attributes (eps, and any flag a class reads in its forward).
+    cls = (type(module), tuple(sorted((k, v) for k, v in vars(module).items()
+                                      if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None))))))
+    if cls in _RMS_NORM_FORMS:
+        return _RMS_NORM_FORMS[cls]
+    form = None
+    generator = torch.Generator().manual_seed(0)
+    # Outside any mode a capture or a dry run has on: this is a check, not the model's call.
+    with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
+        try:
+            w = torch.randn(5, generator=generator, dtype=torch.float64)
+            x = torch.randn(2, 3, 5, generator=generator, dtype=torch.float64)
+            got = type(module).forward(_norm_probe(module, w), x)
+            want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+            same = isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
+            if same and bool(torch.allclose(got, want, rtol=1e-12, atol=1e-14)):
+                form = "input_dtype"
+            # Else to fp32's precision: most norms compute in fp32 whatever their input.
+            elif same and bool(torch.allclose(got, want, rtol=1e-5, atol=1e-6)):
+                w16 = torch.randn(5, generator=generator).to(torch.bfloat16)
+                x16 = torch.randn(2, 3, 5, generator=generator).to(torch.bfloat16)
+                got = type(module).forward(_norm_probe(module, w16), x16)
+                x32 = x16.to(torch.float32)
+                normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+                for name, value in zip(RMS_NORM_FORMS[1:], ((w16 * normalized).to(torch.bfloat16),
+                                                        w16 * normalized.to(torch.bfloat16))):
+                    if got.dtype == value.dtype and torch.equal(got, value):
+                        form = name
+                        break
+        except Exception:  # noqa: BLE001 - a forward that fails on the probe is no such norm
+            form = None
+    _RMS_NORM_FORMS[cls] = form
+    return form
+
+
+@register_records
+class SplitNorm(RecordConstruct):
+    kind = "split_norm"
+    fields = ("norms",)
+    order = 10
+
+    @staticmethod
+    def recognise(module: nn.Module) -> Optional[str]:
+        """The module's RMS norm form (rms_norm_form), or None where it is no RMS norm."""
+        return rms_norm_form(module)
+
+    @staticmethod
+    def spec(plan, norm, rank: int) -> ShardSpec:
+        """The ShardSpec of a split norm's weight on `rank` (split like its layer's features)."""
+        return ShardSpec(0, norm.features, rank, plan.world_size, units=norm.units or None)
+
+    def specs(self, plan, rank: int) -> Dict[str, ShardSpec]:
+        return {norm.weight: self.spec(plan, norm, rank) for norm in plan.norms}
+
+    def replaced(self, plan) -> List[str]:
+        return [norm.module for norm in plan.norms]
+
+    def check(self, model, plan, params) -> None:
+        for norm in plan.norms:
+            try:
+                module = model.get_submodule(norm.module)
+            except AttributeError:
+                raise ValueError(f"parallelize: the plan names norm {norm.module!r}, which the model lacks") from None
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, torch.Tensor) or list(weight.shape) != [norm.features] \
+                    or rms_norm_form(module) is None:
+                raise ValueError(f"parallelize: norm {norm.module!r} is not an RMS norm over {norm.features} "
+                                 "features with a weight, as the plan expects")
+
+    def stand_in(self, copy_: nn.Module, prefix: str, plan, rank: int) -> None:
+        for norm in plan.norms:
+            if norm.module.startswith(prefix):
+                owner = copy_.get_submodule(norm.module[len(prefix):])
+                local = self.spec(plan, norm, rank).local_size()
+                owner.weight = nn.Parameter(torch.empty(local, device="meta", dtype=owner.weight.dtype))
+
+    def apply(self, model, plan, surgery) -> None:
+        for norm in plan.norms:
+            module = model.get_submodule(norm.module)
+            set_submodule(model, norm.module, ShardedRMSNorm.from_norm(
+                module, self.spec(plan, norm, surgery.rank), rms_norm_eps(module), rms_norm_form(module),
+                surgery.group))
