@@ -61,6 +61,7 @@ conformance: build
 # Writes benchmarks/results/sweep_cpu.txt and .json. Under 2 hours on 2 cores.
 sweep: build
 	$(PY) benchmarks/sweep/run.py --jobs 2 $(if $(FRESH),--fresh)
+	$(PY) benchmarks/sweep/coverage_doc.py
 
 # ruff over the Python sources (rules in pyproject.toml); needs only the environment, not the build.
 lint: $(VENV)/.deps

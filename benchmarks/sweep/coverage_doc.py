@@ -1,0 +1,112 @@
+"""Writes the sweep's results into docs/coverage.md, between two marker lines, from
+benchmarks/results/sweep_cpu.json: the classes' totals (all variants and causal LMs), the
+exact variants a rank holds more of, by the reason for the largest part held whole, and every
+refused or skipped architecture by its reason. The docs never hold a figure the sweep did not
+produce; tests/toolchain/test_coverage_doc.py checks that the committed page matches the
+committed results.
+
+    python benchmarks/sweep/coverage_doc.py           # rewrite the section in docs/coverage.md
+    python benchmarks/sweep/coverage_doc.py --check   # exit 1 where the page differs
+"""
+
+import argparse
+import collections
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results" / "sweep_cpu.json"
+PAGE = ROOT / "docs" / "coverage.md"
+BEGIN = "<!-- sweep results: written by benchmarks/sweep/coverage_doc.py from benchmarks/results/sweep_cpu.json -->"
+END = "<!-- end of sweep results -->"
+
+_CLASSES = (("exact", "exact, every rank within 1/N + 0.1 of the parameters"),
+            ("exact_over", "exact, a rank holds more than 1/N + 0.1"),
+            ("refused", "refused with an error naming why"),
+            ("dry_run_refused", "refused by the dry run"),
+            ("crash", "crashed"),
+            ("wrong", "silently wrong"),
+            ("skipped", "skipped (fails unsharded, or inputs the sweep cannot make)"))
+
+
+def _architectures(names: List[str]) -> str:
+    """`model_type` names, each once, heads folded: "bert (base, causal)"."""
+    heads: Dict[str, List[str]] = collections.defaultdict(list)
+    for name in sorted(names):
+        model_type, _, head = name.partition(":")
+        heads[model_type].append(head)
+    return ", ".join(f"{m} ({', '.join(h)})" if len(h) > 1 else f"{m} ({h[0]})" for m, h in heads.items())
+
+
+def _reason(text: str) -> str:
+    """A refusal's or a skip's reason without what varies between architectures (sizes, names
+    in quotes, the dtype it was tried in), short enough for a table row."""
+    text = text.replace("fails unsharded: torch.float32: ", "fails unsharded: ").replace("\n", " ")
+    text = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", text)
+    text = re.sub(r"\d+", "N", text)
+    return text[:110].rstrip() + ("…" if len(text) > 110 else "")
+
+
+def section(data: dict) -> str:
+    """The markdown of the sweep's results."""
+    header, rows = data["rows"][0], data["rows"][1:]
+    counts = collections.Counter(r["class"] for r in rows)
+    causal = collections.Counter(r["class"] for r in rows if r["name"].endswith(":causal"))
+    ran = sum(n for c, n in counts.items() if c != "skipped")
+    ran_causal = sum(n for c, n in causal.items() if c != "skipped")
+    share = lambda n, d: f"{100 * n / d:.0f}%" if d else "-"
+    lines = [BEGIN, "",
+             f"On transformers {header['transformers']} at {header['world_size']} gloo ranks ({data['torch']}, "
+             f"{data['date']}): {len(rows)} variants, {ran} of them run unsharded from a tiny config; "
+             f"**{counts['exact']} of {ran} ({share(counts['exact'], ran)}) are exact and within 1/N + 0.1 per rank**, "
+             f"{causal['exact']} of {ran_causal} causal LMs ({share(causal['exact'], ran_causal)}).", "",
+             "| result | variants | causal LMs |", "| --- | --- | --- |"]
+    lines += [f"| {words} | {counts[c]} | {causal[c]} |" for c, words in _CLASSES]
+    mismatched = sum(1 for r in rows if r.get("prediction"))
+    lines += [f"| collectives counted differ from the plan's | {mismatched} | |", ""]
+    over = collections.defaultdict(list)
+    for r in rows:
+        if r["class"] == "exact_over":
+            over[r.get("largest_whole") or "-"].append(r["name"])
+    lines += ["Exact, with a rank holding more than 1/N + 0.1, by the reason for the largest part held whole "
+              "(the plan's reason codes, [plan.md](plan.md)):", "",
+              "| reason | variants | architectures |", "| --- | --- | --- |"]
+    for reason, names in sorted(over.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        lines.append(f"| `{reason}` | {len(names)} | {_architectures(names)} |")
+    for cls, title in (("refused", "Refused"), ("skipped", "Skipped")):
+        grouped = collections.defaultdict(list)
+        for r in rows:
+            if r["class"] == cls:
+                grouped[_reason(r.get("why") or "")].append(r["name"])
+        if not grouped:
+            continue
+        lines += ["", f"{title}, by reason:", "", "| reason | variants | architectures |", "| --- | --- | --- |"]
+        for reason, names in sorted(grouped.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+            lines.append(f"| {reason.replace('|', '/')} | {len(names)} | {_architectures(names)} |")
+    return "\n".join(lines + ["", END])
+
+
+def rewritten(page: str, block: str) -> str:
+    """`page` with its section between the markers replaced by `block`."""
+    if BEGIN not in page or END not in page:
+        raise SystemExit(f"coverage_doc: {PAGE} has no section between {BEGIN!r} and {END!r}")
+    start, end = page.index(BEGIN), page.index(END) + len(END)
+    return page[:start] + block + page[end:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 where docs/coverage.md differs")
+    args = parser.parse_args()
+    page = PAGE.read_text()
+    new = rewritten(page, section(json.loads(RESULTS.read_text())))
+    if args.check:
+        sys.exit(0 if new == page else 1)
+    PAGE.write_text(new)
+
+
+if __name__ == "__main__":
+    main()
