@@ -1,7 +1,9 @@
 """The automatic plan, offline (no process group): styles, whole heads, and the collectives
 it predicts, on Hugging Face models built on the meta device."""
 
+import copy
 import json
+import pickle
 import re
 
 import pytest
@@ -140,6 +142,25 @@ def test_plan_json_is_versioned_and_keeps_what_the_dry_run_reads():
     with pytest.warns(UserWarning, match=r"no \"version\".*not every op"):
         unversioned = ShardingPlan.from_json(json.dumps(old))
     assert unversioned.layers == p.layers and getattr(unversioned, "_prediction", None) is None
+
+
+def test_a_built_plan_cannot_be_changed():
+    p = plan(build("llama", device="meta"), world_size=2)
+    for built in (p, ShardingPlan.from_json(p.to_json())):
+        layer = built.layers[0]
+        parts = [(built, "world_size", 3), (layer, "style", Style.REPLICATE), (layer, "sequence", "reduce_scatter"),
+                 (next(iter(built.regions.values())), "units", 1), (built.comm[0], "count", 9),
+                 (next(iter(built.parameters.values())), "whole_reason", "x")]
+        for part, attr, value in parts:
+            before = getattr(part, attr)
+            with pytest.raises(AttributeError, match="cannot be changed once it is built"):
+                setattr(part, attr, value)
+            assert getattr(part, attr) == before
+        for change in (lambda: built.layers.append(layer), lambda: built.comm.pop(), lambda: built.norms.clear()):
+            with pytest.raises(AttributeError, match="cannot be changed once it is built"):
+                change()
+        assert copy.deepcopy(built).to_json() == built.to_json() == pickle.loads(pickle.dumps(built)).to_json()
+        assert built.to_json() == p.to_json()
 
 
 def test_plan_json_input_values():

@@ -236,6 +236,7 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     result.overrides = dict(overrides or {})
     result.parameters = inventory(graph.shadow)
     whole_reasons(result.parameters, graph)
+    result._seal()
     _warn_if_mostly_whole(result)
     return result
 

@@ -26,11 +26,6 @@ from . import records
 
 VERSION = 1
 # The plan's lists of typed records, by field (see records.py).
-_RECORDS = {"comm": records.Collective, "partial_gradients": records.PartialGradientBucket,
-            "sequence_entries": records.TokenCut, "sequence_gathers": records.TokenCut,
-            "sequence_exits": records.TokenCut, "head_entries": records.HeadCut, "head_outputs": records.HeadCut,
-            "attention_weights": records.ReturnedAttentionWeights, "norms": records.SplitNorm,
-            "head_parameters": records.HeadParameter, "adapters": records.AdapterFactors}
 # The example inputs are kept up to this many elements in all (a batch of ids and its mask).
 INPUT_ELEMENT_LIMIT = 1 << 16
 _DTYPES = {str(d).replace("torch.", ""): d for d in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
@@ -73,7 +68,7 @@ def loads(cls, text: str):
     fields = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
     fields["layers"] = [LayerPlan(**layer) for layer in data["layers"]]
     fields["regions"] = {int(k): RegionPlan(**v) for k, v in data["regions"].items()}
-    for name, record in _RECORDS.items():
+    for name, record in records.PLAN_FIELDS.items():
         if name in fields:
             fields[name] = [records.from_dict(record, item) for item in fields[name]]
     if "parameters" in fields:
@@ -83,6 +78,7 @@ def loads(cls, text: str):
         plan._prediction = Prediction.from_dict(data["prediction"], plan)
     if data.get("input_values") is not None:
         plan._input_values = decode_inputs(data["input_values"])
+    plan._seal()
     return plan
 
 

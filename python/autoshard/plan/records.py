@@ -5,9 +5,11 @@ parameters. Each is a plain dataclass, written to JSON by asdict and read back b
 from dataclasses import dataclass, field, fields
 from typing import List
 
+from .sealed import Sealed
+
 
 @dataclass
-class Collective:
+class Collective(Sealed):
     """One kind of collective in one phase of a step, at the example inputs' shapes."""
 
     phase: str  # "forward" or "backward"
@@ -17,7 +19,7 @@ class Collective:
 
 
 @dataclass
-class PartialGradientBucket:
+class PartialGradientBucket(Sealed):
     """Replicated parameters read inside a sharded region: their gradients, partial on each rank,
     summed over the group in backward by one all-reduce per bucket."""
 
@@ -26,7 +28,7 @@ class PartialGradientBucket:
 
 
 @dataclass
-class TokenCut:
+class TokenCut(Sealed):
     """Sequence parallelism where a module receives (or returns) a tensor: the tensor at `leaf`
     among the call's flattened inputs, its tokens on axis `dim`, cut to this rank's tokens or
     gathered (see nn/sequence.py)."""
@@ -38,7 +40,7 @@ class TokenCut:
 
 
 @dataclass
-class HeadCut:
+class HeadCut(Sealed):
     """A tensor held whole cut to this rank's heads: where a module receives it (its input at
     `leaf`: an ALiBi bias passed to each attention) or as an embedding's output leaves it (T5's
     relative position bias); the heads are the outer factor of axis `axis` ({outer, size})."""
@@ -52,7 +54,7 @@ class HeadCut:
 
 
 @dataclass
-class ReturnedAttentionWeights:
+class ReturnedAttentionWeights(Sealed):
     """The attention weights an nn.MultiheadAttention split by heads returns with need_weights:
     averaged over every head by one all-reduce where the model reads them (`used`), else None."""
 
@@ -61,7 +63,7 @@ class ReturnedAttentionWeights:
 
 
 @dataclass
-class SplitNorm:
+class SplitNorm(Sealed):
     """An RMS norm over a layer's output features split by heads (OLMo 2's q_norm): its weight
     `weight` of `features` global elements, split in the region's `units`."""
 
@@ -73,7 +75,7 @@ class SplitNorm:
 
 
 @dataclass
-class HeadParameter:
+class HeadParameter(Sealed):
     """A parameter over the heads split with them: dim `dim` of global length `size`."""
 
     name: str
@@ -83,7 +85,7 @@ class HeadParameter:
 
 
 @dataclass
-class AdapterFactors:
+class AdapterFactors(Sealed):
     """A LoRA layer's factor weights: those split with the base layer, and those held whole."""
 
     module: str
@@ -92,7 +94,7 @@ class AdapterFactors:
 
 
 @dataclass
-class ParameterRecord:
+class ParameterRecord(Sealed):
     """One parameter of the model (tied ones once): its shape, the module counted as holding it,
     that module's class, and why it stays whole where no layer says (see plan/idiom_notes.py)."""
 
@@ -111,3 +113,10 @@ def from_dict(cls, data: dict):
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown field(s) {sorted(unknown)} in a plan record")
     return cls(**data)
+
+
+# The ShardingPlan fields holding lists of these records, with the record type of each.
+PLAN_FIELDS = {"comm": Collective, "partial_gradients": PartialGradientBucket, "sequence_entries": TokenCut,
+               "sequence_gathers": TokenCut, "sequence_exits": TokenCut, "head_entries": HeadCut,
+               "head_outputs": HeadCut, "attention_weights": ReturnedAttentionWeights, "norms": SplitNorm,
+               "head_parameters": HeadParameter, "adapters": AdapterFactors}

@@ -7,7 +7,8 @@ from ..nn.spec import ShardSpec
 from ..split import split_sizes
 from ..styles import Style
 from . import holdings, plan_json, printout
-from .records import (AdapterFactors, Collective, HeadCut, HeadParameter, ParameterRecord, PartialGradientBucket,
+from .sealed import Sealed, SealedList
+from .records import (PLAN_FIELDS, AdapterFactors, Collective, HeadCut, HeadParameter, ParameterRecord, PartialGradientBucket,
                       ReturnedAttentionWeights, SplitNorm, TokenCut)
 
 # vocab_parallel_cross_entropy's forward: the rows' maxima, their sums of exponentials and their
@@ -16,7 +17,7 @@ LOSS_PARALLEL_ALL_REDUCES = 3
 
 
 @dataclass
-class LayerPlan:
+class LayerPlan(Sealed):
     module: str
     kind: str  # its construct's kind (autoshard.constructs): "linear", "embedding", "einsum", ...
     style: Style
@@ -81,7 +82,7 @@ class LayerPlan:
 
 
 @dataclass
-class RegionPlan:
+class RegionPlan(Sealed):
     units: int
     module: str  # the smallest module holding all of the region's layers
     # Integer attributes of that module that hold a global size the sharded model must see
@@ -121,7 +122,7 @@ class RegionPlan:
 
 
 @dataclass
-class ShardingPlan:
+class ShardingPlan(Sealed):
     world_size: int
     layers: List[LayerPlan]
     regions: Dict[int, RegionPlan]
@@ -160,6 +161,16 @@ class ShardingPlan:
     head_parameters: List[HeadParameter] = field(default_factory=list)
     # LoRA layers (see csrc/plan/adapters.cpp).
     adapters: List[AdapterFactors] = field(default_factory=list)
+
+    def _seal(self) -> None:
+        """Seals the plan and every part of it (plan/sealed.py), its lists too."""
+        for name, value in vars(self).items():
+            if isinstance(value, list):
+                object.__setattr__(self, name, SealedList(value))
+        for part in (*self.layers, *self.regions.values(), *self.parameters.values(),
+                     *(record for f in PLAN_FIELDS for record in getattr(self, f))):
+            part._seal()
+        super()._seal()
 
     # ---- queries
 
