@@ -33,6 +33,7 @@ from .plan import plan_json
 from .plan_until_it_runs import plan_until_it_runs
 from .replaced_modules import check_no_hooks_lost
 from .state_views import install_state_dict_views
+from .styles import TokenRole
 
 
 def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> None:
@@ -68,7 +69,7 @@ def _input_copy(calls, copies, tokens, group_name: str):
     def of(layer):
         if layer.copy_group in copies:
             return copies[layer.copy_group]
-        if layer.sequence in ("gather", "gathered"):
+        if layer.sequence.gathers:
             return tokens.gathers[layer.copy_group]
         return None
 
@@ -133,7 +134,7 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
         input_copy = _input_copy(calls[layer.module], copies, tokens, group.group_name) if layer.module in calls else None
         if input_copy is not None:
             sharded.input_copy = input_copy
-        if layer.sequence == "reduce_scatter":
+        if layer.sequence is TokenRole.REDUCE_SCATTER:
             sharded.output_tokens = tokens.reduce_scatter(layer)
         set_submodule(model, layer.module, sharded)
     for name, sides in experts.items():

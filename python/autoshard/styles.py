@@ -30,5 +30,25 @@ class Style(str, Enum):
         return self is not Style.REPLICATE
 
 
+class TokenRole(str, Enum):
+    """What a layer does with the tokens under sequence parallelism (csrc/plan/sequence.cpp)."""
+
+    NONE = ""  # nothing: its input and output hold every token
+    REDUCE_SCATTER = "reduce_scatter"  # a row layer: its output's tokens split over the ranks, in place of its all-reduce
+    GATHER = "gather"  # a column layer: gathers its input's tokens in place of copying it
+    GATHERED = "gathered"  # a column layer reading tokens a module gathered before it (see plan.sequence_gathers)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def gathers(self) -> bool:
+        """Reads every token through a gather (its own or a module's)."""
+        return self in (TokenRole.GATHER, TokenRole.GATHERED)
+
+
 # The styles a user may force on a layer (plan(..., overrides=)).
 OVERRIDE_STYLES = (Style.REPLICATE, Style.COLUMN_GATHER)

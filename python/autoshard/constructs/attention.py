@@ -14,6 +14,7 @@ from torch import nn
 from ..nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from .base import LayerConstruct, construct_of, register
 from .linear import LinearConstruct
+from ..styles import TokenRole
 
 
 def owner_name(layer_name: str) -> Optional[str]:
@@ -65,7 +66,7 @@ class MultiheadAttentionConstruct(LayerConstruct):
         attention = self.owner(model, layer)
         out_layer = plan.layer(name + ".out_proj")
         out_proj = construct_of(out_layer.kind).shard(out_layer, attention.out_proj, group)
-        if out_layer.sequence == "reduce_scatter":
+        if out_layer.sequence is TokenRole.REDUCE_SCATTER:
             out_proj.output_tokens = tokens.reduce_scatter(out_layer)
         return shard_multihead_attention(attention, layer.weight_spec(group.rank(), group.size()), out_proj, group,
                                          plan.returned_weights(name))

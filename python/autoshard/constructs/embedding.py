@@ -7,7 +7,7 @@ from torch import nn
 
 from ..nn.embedding import VocabParallelEmbedding
 from ..nn.embedding_subclass import shard_embedding_subclass
-from ..styles import Style
+from ..styles import Style, TokenRole
 from .base import LayerConstruct, register
 
 
@@ -42,7 +42,7 @@ class EmbeddingConstruct(LayerConstruct):
 
     def shard(self, layer, module: nn.Module, group) -> nn.Module:
         if _own_forward(module):
-            if layer.sequence == "reduce_scatter":
+            if layer.sequence is TokenRole.REDUCE_SCATTER:
                 # Its forward goes on after the lookup with ops the plan never saw (one call, one
                 # layer): on this rank's tokens only, one that mixes tokens would be wrong.
                 raise ValueError(f"parallelize: the plan cuts the lookup of {layer.module!r} "

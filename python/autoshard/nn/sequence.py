@@ -25,6 +25,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import ops
+from ..styles import TokenRole
 
 
 def replace_input(args, kwargs, leaf: int, replace, missing: str):
@@ -131,9 +132,9 @@ class PlanSteps:
         self.gathers = {}
         self._group_name = group_name
         for layer in plan.layers:
-            if layer.sequence == "gather" and layer.copy_group not in self.gathers:
+            if layer.sequence is TokenRole.GATHER and layer.copy_group not in self.gathers:
                 self.gathers[layer.copy_group] = GatherTokens(self._region(layer, group_name), layer.sequence_dim)
-            elif layer.sequence == "gathered":
+            elif layer.sequence is TokenRole.GATHERED:
                 self.gathers[layer.copy_group] = _already_gathered
 
     def _region(self, layer, group_name: str) -> SequenceShards:

@@ -5,7 +5,7 @@ from typing import Dict, List, Optional
 
 from ..nn.spec import ShardSpec
 from ..split import split_sizes
-from ..styles import Style
+from ..styles import Style, TokenRole
 from . import holdings, plan_json, printout
 from .sealed import Sealed, SealedList
 from .records import (PLAN_FIELDS, AdapterFactors, Collective, HeadCut, HeadParameter, ParameterRecord, PartialGradientBucket,
@@ -47,13 +47,14 @@ class LayerPlan(Sealed):
     # tokens are split over the ranks in place of its all-reduce), "gather" (this column layer
     # gathers its input's tokens in place of copying it), or "". sequence_dim is that token axis, and
     # sequence_note says why a layer that could split tokens does not.
-    sequence: str = ""
+    sequence: TokenRole = TokenRole.NONE
     sequence_dim: int = -1
     sequence_region: int = -1
     sequence_note: str = ""
 
     def __post_init__(self):
         self.style = Style(self.style)  # from JSON, a plain word
+        self.sequence = TokenRole(self.sequence)
         if self.kind == "linear" and self.weight.endswith("in_proj_weight") and \
                 self.module.rpartition(".")[2] == "in_proj":
             self.kind = "attention"  # an nn.MultiheadAttention's projection, in a document that named it linear
