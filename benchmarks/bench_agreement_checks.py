@@ -1,0 +1,115 @@
+"""What the ranks' agreement checks cost per training step, each alone and together, against a
+step with none, in one run: a small Hugging Face Llama on 2 gloo ranks.
+
+    python benchmarks/bench_agreement_checks.py [--batch 4 --seq 128 --hidden 64 --layers 2 --repeats 30
+                                                 --sequence-parallel off]
+
+The checks (docs/with-other-tools.md and the README's guarantees):
+- input check (parallelize's check_inputs, on by default): each forward's input shapes and a
+  fingerprint of their values, one all-gather before the first collective;
+- replica fingerprint (check_replicas_every, default 100): two hashes per replicated parameter,
+  one all-gather, every N forwards; timed at every forward (the worst case) and at the default;
+- non-finite agreement (always on with autoshard's optimizers): at the end of each backward, the
+  non-finite element counts of the replicated gradients no backward collective sums, one
+  all-reduce of 2 integers per parameter (autoshard/nonfinite.py). It has no switch: "off"
+  removes its gradient hooks after the optimizer installed them, as nothing a user calls does.
+
+A step is zero_grad, forward with labels, backward and autoshard.optim.AdamW's step. The models
+(same seed, same batch) take turns, one step each after a barrier, so that a busy machine slows
+all alike; each rank keeps the median of --repeats steps after warm-up and the table shows the
+slower rank's, divided by the step with no check. Prints a table and writes
+benchmarks/results/bench_agreement_checks_cpu.json and .txt.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from common import run_on_gloo_ranks, save_json, save_text, table_text
+
+# name -> (check_inputs, check_replicas_every, non-finite agreement)
+CONFIGURATIONS = {
+    "no check": (False, 0, False),
+    "input check": (True, 0, False),
+    "replica fingerprint every forward": (False, 1, False),
+    "replica fingerprint every 100 (default)": (False, 100, False),
+    "non-finite agreement": (False, 0, True),
+    "defaults (all three)": (True, 100, True),
+}
+
+
+def _model(args, check_inputs: bool, every: int, nonfinite: bool):
+    import autoshard
+    from autoshard.nonfinite import agreements_for
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                         max_position_embeddings=max(args.seq, 128))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    autoshard.parallelize(model, check_inputs=check_inputs, check_replicas_every=every,
+                          sequence_parallel=args.sequence_parallel == "on")
+    opt = autoshard.optim.AdamW(model.parameters(), lr=1e-3)
+    agreements = agreements_for(list(model.parameters()))
+    if not nonfinite:
+        for agreement in agreements:
+            agreement.remove()
+    return model, opt, sum(len(a.params) for a in agreements)
+
+
+def _rank_main(rank: int, world: int, args) -> dict:
+    import torch.distributed as dist
+
+    contenders = {name: _model(args, *flags) for name, flags in CONFIGURATIONS.items()}
+    ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+
+    def step(model, opt):
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+    times = {name: [] for name in contenders}
+    for i in range(args.warmup + args.repeats):
+        for name, (model, opt, _) in contenders.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step(model, opt)
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    result = {name: statistics.median(t) for name, t in times.items()}
+    result["checked parameters"] = contenders["defaults (all three)"][2]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    # Off by default: with sequence parallelism every norm's gradient is summed in backward
+    # already, and the non-finite agreement has nothing to count.
+    parser.add_argument("--sequence-parallel", choices=("on", "off"), default="off")
+    args = parser.parse_args()
+    per_rank = run_on_gloo_ranks(_rank_main, 2, args)
+    none = max(r["no check"] for r in per_rank)
+    rows = [{"configuration": name, "ms per step": max(r[name] for r in per_rank) * 1e3,
+             "/ no check": max(r[name] for r in per_rank) / none} for name in CONFIGURATIONS]
+    setup = (f"2 gloo ranks (1 thread each), HF Llama hidden {args.hidden}, {args.layers} layers, 4 heads / 2 KV, "
+             f"vocab 256, sequence parallelism {args.sequence_parallel}; {per_rank[0]['checked parameters']} replicated parameters under the non-finite agreement; "
+             f"batch {args.batch} x {args.seq} tokens; median of {args.repeats} training steps, configurations in turns")
+    text = setup + "\n" + table_text(rows, ["configuration", "ms per step", "/ no check"])
+    print(text)
+    for row in rows:
+        row["setup"] = setup
+    print("saved", save_json("bench_agreement_checks", torch.device("cpu"), rows),
+          save_text("bench_agreement_checks", torch.device("cpu"), text))
+
+
+if __name__ == "__main__":
+    main()
