@@ -18,24 +18,7 @@ from typing import Dict, List, Optional
 import torch
 
 from . import comm, ops
-
-
-class _Bucket:
-    def __init__(self, params: List[torch.nn.Parameter]) -> None:
-        self.params = params
-        self.contributions: Dict[int, torch.Tensor] = {}
-        # Each gradient as it was before this pass (None: there was none), to which the sum is
-        # added: own + (sum - own) would round differently on each rank, and replicated
-        # parameters would drift apart.
-        self.before: Dict[int, Optional[torch.Tensor]] = {}
-        self.arrived = set()
-        self.done = False
-
-    def reset(self) -> None:
-        self.contributions.clear()
-        self.before.clear()
-        self.arrived.clear()
-        self.done = False
+from .collective_buckets import CollectiveBucket
 
 
 class PartialGradientReducer:
@@ -47,71 +30,84 @@ class PartialGradientReducer:
         self.group_name = group_name
         self.dp_group = dp_group
         self.reduce_dtype = reduce_dtype  # None: the gradients' own
-        self.buckets = [_Bucket(list(params)) for params in buckets if params]
+        self.buckets = [CollectiveBucket(list(params)) for params in buckets if params]
+        # What each bucket has seen of this backward pass, by parameter index: what the pass
+        # adds to each gradient, the gradient as it was before the pass (None: there was none;
+        # the sum is added to it, as own + (sum - own) would round differently on each rank and
+        # replicated parameters would drift apart), which gradients are in, and whether the
+        # bucket was summed.
+        self._contributions: List[Dict[int, torch.Tensor]] = [{} for _ in self.buckets]
+        self._before: List[Dict[int, Optional[torch.Tensor]]] = [{} for _ in self.buckets]
+        self._arrived = [set() for _ in self.buckets]
+        self._done = [False] * len(self.buckets)
         self.names: List[str] = []  # the parameters' names in the model, when install() knows them
         self.handles = []
         self._finish_queued = False
-        for bucket in self.buckets:
+        for b, bucket in enumerate(self.buckets):
             for index, p in enumerate(bucket.params):
-                self.handles.append(p.register_hook(self._record(bucket, index, p)))
-                self.handles.append(p.register_post_accumulate_grad_hook(self._arrived(bucket, index)))
+                self.handles.append(p.register_hook(self._record(b, index, p)))
+                self.handles.append(p.register_post_accumulate_grad_hook(self._arrived_hook(b, index)))
 
-    @staticmethod
-    def _record(bucket: _Bucket, index: int, param: torch.nn.Parameter):
+    def _record(self, b: int, index: int, param: torch.nn.Parameter):
         def hook(grad: torch.Tensor) -> None:
             # What this pass adds to the gradient, before it is accumulated.
-            bucket.contributions[index] = grad.detach()
-            if index not in bucket.before:
-                bucket.before[index] = None if param.grad is None else param.grad.detach().clone()
+            self._contributions[b][index] = grad.detach()
+            if index not in self._before[b]:
+                self._before[b][index] = None if param.grad is None else param.grad.detach().clone()
 
         return hook
 
-    def _arrived(self, bucket: _Bucket, index: int):
+    def _arrived_hook(self, b: int, index: int):
         def hook(param: torch.nn.Parameter) -> None:
             if not self._finish_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
                 self._finish_queued = True
-            bucket.arrived.add(index)
-            if len(bucket.arrived) == len(bucket.params) and not bucket.done:
-                self._reduce(bucket)
+            self._arrived[b].add(index)
+            if len(self._arrived[b]) == len(self.buckets[b].params) and not self._done[b]:
+                self._reduce(b)
 
         return hook
 
-    def _reduce(self, bucket: _Bucket) -> None:
-        parts = []
-        for index, p in enumerate(bucket.params):
-            got = bucket.contributions.get(index)
-            parts.append((got if got is not None else torch.zeros_like(p)).reshape(-1))
+    def _sum_over_groups(self, pieces: List[torch.Tensor]) -> torch.Tensor:
+        """The collective of these buckets: the sum over the tensor-parallel group (a C++ op,
+        by group name), then over "dp"."""
+        flat = torch.cat(pieces)
+        if self.reduce_dtype is not None:
+            flat = flat.to(self.reduce_dtype)
+        total = ops.reduce_from_parallel(flat, self.group_name)
+        if self.dp_group is not None:
+            total = total + 0  # a tensor of our own for the in-place collective
+            comm.all_reduce_(total, "sum", self.dp_group)
+        return total
+
+    def _reduce(self, b: int) -> None:
+        bucket, contributions, before = self.buckets[b], self._contributions[b], self._before[b]
+        added = [contributions.get(index) for index in range(len(bucket.params))]
+        added = [got if got is not None else torch.zeros_like(p) for got, p in zip(added, bucket.params)]
         with torch.no_grad():
-            flat = torch.cat(parts)
-            if self.reduce_dtype is not None:
-                flat = flat.to(self.reduce_dtype)
-            total = ops.reduce_from_parallel(flat, self.group_name)
-            if self.dp_group is not None:
-                total = total + 0  # a tensor of our own for the in-place collective
-                comm.all_reduce_(total, "sum", self.dp_group)
-                total.div_(self.dp_group.size())
-            offset = 0
-            for index, p in enumerate(bucket.params):
-                n = p.numel()
-                piece = total[offset:offset + n].view_as(p).to(p.dtype)
+            bucket.launch(self._sum_over_groups, added)
+            total = bucket.result(divide_by=None if self.dp_group is None else self.dp_group.size())
+            for index, (p, piece) in enumerate(zip(bucket.params, bucket.split(total))):
+                piece = piece.to(p.dtype)
                 # A parameter with no gradient in this pass kept the one it had.
-                before = bucket.before[index] if index in bucket.before else p.grad
-                summed = piece if before is None else before + piece
+                held = before[index] if index in before else p.grad
+                summed = piece if held is None else held + piece
                 if p.grad is None:
                     p.grad = summed.clone() if summed is piece else summed
                 else:
                     p.grad.copy_(summed)
-                offset += n
-        bucket.done = True
+        self._done[b] = True
 
     def _finish(self) -> None:
         # A bucket some of whose parameters got no gradient in this pass (on every rank alike)
         # is summed with zeros for them.
-        for bucket in self.buckets:
-            if bucket.arrived and not bucket.done:
-                self._reduce(bucket)
-            bucket.reset()
+        for b in range(len(self.buckets)):
+            if self._arrived[b] and not self._done[b]:
+                self._reduce(b)
+            self._contributions[b].clear()
+            self._before[b].clear()
+            self._arrived[b].clear()
+            self._done[b] = False
         self._finish_queued = False
 
     def remove(self) -> None:

@@ -147,8 +147,8 @@ def check_one_device(optimizer: str, param_groups: List[Dict], param_group: Dict
                 _raise_for_devices(optimizer, first, (param_name(group_index, param_index), p.device))
 
 
-class Bucket:
-    """Parameters that step together in one fused call, with their gradients and states.
+class FusedCall:
+    """Parameters that step together in one fused op, with their gradients and states.
     `params` are the tensors stepped: a parameter, or the owned piece of a partitioned one;
     `keys` the parameters themselves, which key the optimizer state."""
 
@@ -163,22 +163,21 @@ class Bucket:
 
 # (group, group_index) -> None, raising for bad settings
 GroupCheck = Callable[[Dict, int], None]
-# (group, param state or None, param dtype) -> (state tensors it must have, what else splits buckets)
+# (group, param state or None, param dtype) -> (state tensors it must have, what else splits fused calls)
 StateRule = Callable[[Dict, Optional[Dict], torch.dtype], Tuple[Tuple[str, ...], Hashable]]
 
 
-def gather_buckets(
+def gather_fused_calls(
     optimizer: str, param_groups: List[Dict], state: Dict, check_group: GroupCheck, state_rule: StateRule
-) -> Tuple[List[Tuple[Dict, Dict[Hashable, Bucket]]], List[torch.Tensor]]:
-    """For every group, its parameters with gradients sorted into buckets of one dtype (and
-    whatever else state_rule says must match), each becoming one fused call; and the
-    partitioned parameters among them, for finish_step. Checks every group, gradient and
-    state first; changes nothing."""
+) -> Tuple[List[Tuple[Dict, Dict[Hashable, FusedCall]]], List[torch.Tensor]]:
+    """For every group, its parameters with gradients sorted into fused calls of one dtype (and
+    whatever else state_rule says must match); and the partitioned parameters among them, for
+    finish_step. Checks every group, gradient and state first; changes nothing."""
     plan, partitioned = [], []
     first = None
     for group_index, group in enumerate(param_groups):
         check_group(group, group_index)
-        buckets: Dict[Hashable, Bucket] = {}
+        calls: Dict[Hashable, FusedCall] = {}
         for param_index, p in enumerate(group["params"]):
             grad = p.grad
             if grad is None:
@@ -201,16 +200,16 @@ def gather_buckets(
                         and value.shape == target.shape):
                     _raise_for_state(optimizer, target, param_name(group_index, param_index), key, value,
                                      piece is not None, expected)
-            bucket = buckets.get((dtype, extra))
-            if bucket is None:
-                bucket = buckets[(dtype, extra)] = Bucket()
-            bucket.keys.append(p)
-            bucket.params.append(target)
-            bucket.grads.append(grad if piece is None else piece.of(grad))
-            bucket.states.append(param_state)
+            call = calls.get((dtype, extra))
+            if call is None:
+                call = calls[(dtype, extra)] = FusedCall()
+            call.keys.append(p)
+            call.params.append(target)
+            call.grads.append(grad if piece is None else piece.of(grad))
+            call.states.append(param_state)
             if piece is not None:
                 partitioned.append(p)
-        plan.append((group, buckets))
+        plan.append((group, calls))
     return plan, partitioned
 
 
@@ -297,13 +296,13 @@ def as_real(tensors: List[torch.Tensor], dtype: torch.dtype) -> List[torch.Tenso
 
 class FusedOptimizer(torch.optim.Optimizer):
     """What AdamW and SGD share as optimizers: checking the defaults and each param group as it
-    joins, loading a state dict, and a step that gathers and checks every bucket before stepping
-    any.
+    joins, loading a state dict, and a step that gathers and checks every fused call before
+    making any.
 
     A subclass sets `_name` (for messages), `_check_hyperparameters(values, group_index,
     defaults)` (the settings present in `values`; `defaults` fill in what a group does not set)
-    and `_state_rule` (see StateRule, as staticmethods), and steps one group's buckets in
-    `_step_buckets(group, buckets)`."""
+    and `_state_rule` (see StateRule, as staticmethods), and steps one group's fused calls in
+    `_step_fused_calls(group, calls)`."""
 
     _name: str
 
@@ -348,19 +347,19 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        plan, partitioned = gather_buckets(self._name, self.param_groups, self.state, self._check_hyperparameters,
-                                           self._state_rule)
+        plan, partitioned = gather_fused_calls(self._name, self.param_groups, self.state,
+                                               self._check_hyperparameters, self._state_rule)
         # A replicated gradient that is not finite on some tensor-parallel ranks only: every rank
         # raises alike, before anything is stepped (the ranks agreed on it in backward).
-        stepped = [p for _, buckets in plan for bucket in buckets.values() for p in bucket.keys]
+        stepped = [p for _, calls in plan for call in calls.values() for p in call.keys]
         for agreement in agreements_for(self._all_params()):
             agreement.check(stepped)
-        for group, buckets in plan:
-            self._step_buckets(group, buckets)
+        for group, calls in plan:
+            self._step_fused_calls(group, calls)
         finish_step(partitioned)
         return loss
 
-    def _step_buckets(self, group: Dict, buckets: Dict[Hashable, Bucket]) -> None:
-        """One parameter group's fused step over its buckets: what each optimizer (AdamW, SGD)
+    def _step_fused_calls(self, group: Dict, calls: Dict[Hashable, FusedCall]) -> None:
+        """One parameter group's step, one fused op per call: what each optimizer (AdamW, SGD)
         defines for itself; the base class has no step of its own."""
-        raise NotImplementedError(f"{type(self).__name__} defines no _step_buckets")
+        raise NotImplementedError(f"{type(self).__name__} defines no _step_fused_calls")

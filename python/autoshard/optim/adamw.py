@@ -101,13 +101,13 @@ class AdamW(FusedOptimizer):
                         weight_decay=weight_decay, maximize=maximize, master_weights=master_weights)
         super().__init__(params, defaults)
 
-    def _step_buckets(self, group: Dict, buckets: Dict) -> None:
-        """One AdamW step for each bucket of `group`: one fused op per (dtype, step count)."""
+    def _step_fused_calls(self, group: Dict, calls: Dict) -> None:
+        """One AdamW step for each fused call of `group`: one op per (dtype, step count)."""
         beta1, beta2 = (float(b) for b in group["betas"])
-        for (dtype, step), bucket in buckets.items():
+        for (dtype, step), call in calls.items():
             master = uses_master(group, dtype)
             exp_avgs, exp_avg_sqs, masters, steps = [], [], [], []
-            for key, p, state in zip(bucket.keys, bucket.params, bucket.states):
+            for key, p, state in zip(call.keys, call.params, call.states):
                 if not state:
                     state = self.state[key]
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -128,10 +128,10 @@ class AdamW(FusedOptimizer):
             hyperparameters = (float(group["lr"]), beta1, beta2, float(group["weight_decay"]),
                                float(group["eps"]), step, bool(group["maximize"]))
             if master:
-                ops.fused_adamw_master_(*map(local_tensors, (bucket.params, bucket.grads, masters, exp_avgs,
-                                                              exp_avg_sqs)),
+                ops.fused_adamw_master_(*map(local_tensors, (call.params, call.grads, masters, exp_avgs,
+                                                            exp_avg_sqs)),
                                         *hyperparameters)
             else:
                 ops.fused_adamw_(*(as_real(local_tensors(tensors), dtype)
-                                   for tensors in (bucket.params, bucket.grads, exp_avgs, exp_avg_sqs)),
+                                   for tensors in (call.params, call.grads, exp_avgs, exp_avg_sqs)),
                                  *hyperparameters)

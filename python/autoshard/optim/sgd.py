@@ -85,13 +85,13 @@ class SGD(FusedOptimizer):
                         nesterov=nesterov, maximize=maximize, master_weights=master_weights)
         super().__init__(params, defaults)
 
-    def _step_buckets(self, group: Dict, buckets: Dict) -> None:
-        """One SGD step for each bucket of `group`: one fused op per (dtype, has buffers)."""
+    def _step_fused_calls(self, group: Dict, calls: Dict) -> None:
+        """One SGD step for each fused call of `group`: one op per (dtype, has buffers)."""
         momentum = float(group["momentum"])
-        for (dtype, has_buffers), bucket in buckets.items():
+        for (dtype, has_buffers), call in calls.items():
             master = uses_master(group, dtype)
             buffers, masters = [], []
-            for key, p in zip(bucket.keys, bucket.params):
+            for key, p in zip(call.keys, call.params):
                 if not (master or momentum != 0):
                     continue  # plain SGD without momentum keeps no state
                 state = self.state[key]
@@ -108,9 +108,9 @@ class SGD(FusedOptimizer):
                                float(group["weight_decay"]), bool(group["nesterov"]), bool(group["maximize"]),
                                not has_buffers)
             if master:
-                ops.fused_sgd_master_(*map(local_tensors, (bucket.params, bucket.grads, masters, buffers)),
+                ops.fused_sgd_master_(*map(local_tensors, (call.params, call.grads, masters, buffers)),
                                       *hyperparameters)
             else:
                 ops.fused_sgd_(*(as_real(local_tensors(tensors), dtype)
-                                 for tensors in (bucket.params, bucket.grads, buffers)),
+                                 for tensors in (call.params, call.grads, buffers)),
                                *hyperparameters)
