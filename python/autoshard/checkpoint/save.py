@@ -35,8 +35,8 @@ from ..integrations.hf_conventions import config_json
 from ..parallel_state import state_of
 from .save_agreement import Agreement, claimed_message, start_agreement
 from .contents import Held, json_value, model_holdings, optimizer_holdings
-from .group import CheckpointGroup, checkpoint_group
-from .pending import CheckpointSaveError, SaveHandle, track, wait_for_pending_save
+from .group import CheckpointGroup
+from .pending import WRITER, CheckpointSaveError, SaveHandle, wait_for_pending_save
 from .snapshot import Snapshot, SnapshotError, forget_buffers, take_snapshot
 from ..tensor_io import full_selection, write_safetensors
 
@@ -242,7 +242,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
     path = _check_arguments(path, model, optimizer, extra, async_save)
     extra = json_value(extra, "extra")  # a copy: the caller may change theirs once save returns
     wait_for_pending_save()
-    comm = checkpoint_group()
+    comm = WRITER.world_group.current()
 
     error, held, aliases, optimizer_description = None, [], {}, None
     try:
@@ -280,7 +280,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
     if not async_save:
         job.run()
         return SaveHandle(path)
-    return track(SaveHandle.in_background(path, job.run))
+    return WRITER.track(SaveHandle.in_background(path, job.run))
 
 
 def _snapshot(held: List[Held], agreement: Agreement, rank: int, copy: bool) -> Union[Snapshot, str]:
