@@ -58,7 +58,8 @@ def _print_memory(model, result, args) -> None:
     import torch
 
     from .plan import plan
-    from .plan.memory_prediction import largest_world_size, table
+    from .plan.largest_world import largest_world_size
+    from .plan.memory_prediction import table
 
     options = dict(batch=args.batch, seq=args.seq, optimizer=None if args.optimizer == "none" else args.optimizer,
                    master_weights={"auto": None, "on": True, "off": False}[args.master_weights],

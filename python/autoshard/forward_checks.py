@@ -21,13 +21,14 @@ import torch.distributed as dist
 from torch import nn
 
 from .input_check import check_same_inputs
+from .integrations.hf_conventions import CACHE_INPUTS
 from .replica_check import check_replicas
 from .ddp_guard import install_ddp_guard
 from .wrapper_check import WrapperCheck
 
 # Inputs that hold the model's own state from an earlier call (each rank's shard of the
 # attention keys and values), not data: left out of the comparison.
-MODEL_STATE_INPUTS = frozenset({"past_key_values", "past_key_value", "layer_past"})
+MODEL_STATE_INPUTS = CACHE_INPUTS
 
 _registry: "weakref.WeakValueDictionary[int, ForwardChecks]" = weakref.WeakValueDictionary()
 _keys = itertools.count()

@@ -35,27 +35,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
+from .integrations import hf_conventions as hf
 from .nn.functional import vocab_parallel_cross_entropy
 from .nn.linear import ColumnParallelLinear
 from .styles import Style
 
 logger = logging.getLogger("autoshard")
-
-# BERT's and RoBERTa's masked-LM forward (its body's statements, as ast.unparse writes them):
-# every line that mentions labels, and the lines that make the loss torch's cross-entropy of the
-# returned logits. A forward with any other use of labels is not taken over.
-_INLINE_LABEL_LINES = {
-    "if labels is not None:",
-    "labels = labels.to(prediction_scores.device)",
-    "masked_lm_loss = loss_fct(prediction_scores.view(-1, self.config.vocab_size), labels.view(-1))",
-}
-_INLINE_REQUIRED_LINES = (
-    ("prediction_scores = self.cls(sequence_output)", "prediction_scores = self.lm_head(sequence_output)"),
-    "loss_fct = CrossEntropyLoss()",
-    "masked_lm_loss = loss_fct(prediction_scores.view(-1, self.config.vocab_size), labels.view(-1))",
-    "return MaskedLMOutput(loss=masked_lm_loss, logits=prediction_scores,",
-)
-
 
 @dataclass
 class LossParallel:
@@ -93,35 +78,32 @@ def _forward_lines(model: nn.Module):
 
 def _loss_mode(model: nn.Module):
     """("loss_function", hf function) / ("labels", None), or (None, why not)."""
-    try:
-        from transformers import PreTrainedModel
-        from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
-    except ImportError:
+    losses = hf.vocabulary_losses()
+    if losses is None:
         return None, "transformers is not installed"
-    if not isinstance(model, PreTrainedModel):
+    if not hf.is_pretrained_model(model):
         return None, f"{type(model).__name__} is not a Hugging Face model whose loss autoshard knows"
     lines = _forward_lines(model)
     if lines is None:
         return None, f"the source of {type(model).__name__}.forward cannot be read"
-    if any("self.loss_function(" in line for line in lines):
-        if type(model).loss_function is not PreTrainedModel.loss_function or "_loss_function" in vars(model):
+    if any(hf.LOSS_FUNCTION_CALL in line for line in lines):
+        if hf.has_own_loss_function(model):
             return None, f"{type(model).__name__} has a loss_function of its own"
         function = model.loss_function
-        if function is ForCausalLMLoss or function is ForMaskedLMLoss:
+        if any(function is loss for loss in losses):
             return "loss_function", function
         return None, f"{type(model).__name__}'s loss_function is {getattr(function, '__name__', function)}"
     uses = {line for line in lines if "labels" in line}
     required = all(any(line.startswith(want) for line in lines for want in ((w,) if isinstance(w, str) else w))
-                   for w in _INLINE_REQUIRED_LINES)
-    if uses and uses <= _INLINE_LABEL_LINES and required:
+                   for w in hf.MASKED_LM_LOSS_LINES)
+    if uses and uses <= hf.MASKED_LM_LABEL_LINES and required:
         return "labels", None
     return None, f"{type(model).__name__}.forward computes its loss in a way autoshard does not recognise"
 
 
 def _head(model: nn.Module, plan):
     """(name, module) of the output head, or (None, why not)."""
-    getter = getattr(model, "get_output_embeddings", None)
-    head = getter() if callable(getter) else None
+    head = hf.output_embeddings(model)
     if head is None:
         return None, "the model has no output head (get_output_embeddings() is None)"
     names = [name for name, module in model.named_modules() if module is head]
@@ -241,10 +223,8 @@ class _Hooks:
                                f"the head has {self.decision.vocab_size}; use loss_parallel=False")
         self._check_shard(logits)
         self.loss_logits = logits
-        from transformers.loss.loss_utils import ForCausalLMLoss
-
         logits = logits.float()  # Hugging Face computes the loss in float32
-        if self.hf_loss is ForCausalLMLoss:
+        if hf.is_causal_lm_loss(self.hf_loss):
             if shift_labels is None:
                 labels = F.pad(labels, (0, 1), value=ignore_index)
                 shift_labels = labels[..., 1:].contiguous()

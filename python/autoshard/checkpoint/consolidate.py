@@ -20,13 +20,12 @@ from . import rank_extra as per_rank
 from . import rng
 from .contents import OPTIMIZER_PREFIX
 from .files import CheckpointFiles
+from ..integrations.hf_conventions import CONFIG_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE, safetensors_shard_file
 from ..tensor_io import SafetensorsWriter, Selection, tensor_bytes
 
 _ROW_BLOCK_BYTES = 64 << 20
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def _parse_size(value) -> Optional[int]:
@@ -109,15 +108,15 @@ def consolidate(path, out_dir, max_shard_size=None) -> List[str]:
     names = [k for k in manifest.tensors if not k.startswith((OPTIMIZER_PREFIX, rng.PREFIX, per_rank.PREFIX))]
     groups = _group_files(names, manifest.tensors, limit)
     if len(groups) == 1:
-        file_names = [SINGLE_FILE]
+        file_names = [SAFETENSORS_FILE]
     else:
-        file_names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        file_names = [safetensors_shard_file(i + 1, len(groups)) for i in range(len(groups))]
     outputs = [os.path.join(out_dir, n) for n in file_names]
     if len(groups) > 1:
-        outputs.append(os.path.join(out_dir, INDEX_FILE))
+        outputs.append(os.path.join(out_dir, SAFETENSORS_INDEX_FILE))
     if manifest.model_config is not None:
-        outputs.append(os.path.join(out_dir, "config.json"))
-    clashes = [p for p in outputs + [os.path.join(out_dir, SINGLE_FILE), os.path.join(out_dir, INDEX_FILE)]
+        outputs.append(os.path.join(out_dir, CONFIG_FILE))
+    clashes = [p for p in outputs + [os.path.join(out_dir, SAFETENSORS_FILE), os.path.join(out_dir, SAFETENSORS_INDEX_FILE)]
                if os.path.exists(p)]
     if clashes:
         raise FileExistsError(f"consolidate: {clashes[0]!r} already exists; choose an empty out_dir")
@@ -129,9 +128,9 @@ def consolidate(path, out_dir, max_shard_size=None) -> List[str]:
     if len(groups) > 1:
         index = {"metadata": {"total_size": sum(_nbytes(manifest.tensors[n]) for n in names)},
                  "weight_map": {n: f for f, group in zip(file_names, groups) for n in group}}
-        with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+        with open(os.path.join(out_dir, SAFETENSORS_INDEX_FILE), "w") as f:
             json.dump(index, f, indent=2)
     if manifest.model_config is not None:
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
+        with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
             f.write(manifest.model_config)
     return outputs

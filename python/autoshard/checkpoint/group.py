@@ -3,11 +3,11 @@
 Saving finishes in a background thread, and a collective issued from another thread on the
 training group could interleave with the training step's own collectives. Checkpoints
 therefore use a gloo group of their own over the whole world, created collectively (from
-the main thread) the first time a checkpoint needs one. Without torch.distributed, the
+the main thread) the first time a checkpoint needs one, and held by the background writer
+(pending.BackgroundWriter) whose thread is the reason for it. Without torch.distributed, the
 process is a world of one and every collective is the identity.
 """
 
-import atexit
 import pickle
 from typing import Any, Callable, List, Optional
 
@@ -15,9 +15,6 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_gather_uneven, all_reduce_bucket, broadcast_, wait
-from .pending import finish_at_exit
-
-_cached = None  # (the default group it was made for, the checkpoint group)
 
 
 def _encode(obj: Any) -> torch.Tensor:
@@ -77,32 +74,34 @@ class CheckpointGroup:
         self.broadcast(None)
 
 
-def checkpoint_group() -> CheckpointGroup:
-    """The checkpoint group of the current world (a collective call the first time)."""
-    global _cached
-    if not (dist.is_available() and dist.is_initialized()):
-        return CheckpointGroup(None)
-    default = dist.distributed_c10d._get_default_group()
-    if _cached is None or _cached[0] is not default:
-        _cached = (default, dist.new_group(backend="gloo"))
-    return CheckpointGroup(_cached[1])
+class WorldCheckpointGroup:
+    """The checkpoint group of the current world: made the first time a checkpoint needs it,
+    made again once the world is destroyed and started anew (the old group went with the old
+    world), destroyed by ``close``."""
 
+    def __init__(self):
+        self._made_for: Optional[dist.ProcessGroup] = None  # the default group it was made for
+        self._group: Optional[dist.ProcessGroup] = None
 
-def _close_at_exit() -> None:
-    """At interpreter exit: the save in flight is finished (its error reported), the writer
-    thread stopped, and the gloo group this module made destroyed, while the process group it
-    belongs to still exists; its threads are then joined here, not during the interpreter's
-    teardown, where they could outlive the objects they use."""
-    global _cached
-    finish_at_exit()
-    made, _cached = _cached, None
-    if made is None or not (dist.is_available() and dist.is_initialized()):
-        return  # the world was destroyed (and our group with it), or none was made
-    if made[0] is dist.distributed_c10d._get_default_group():
-        try:
-            dist.destroy_process_group(made[1])
-        except Exception:
-            pass  # it is gone already: destroying the world destroys its subgroups
+    def current(self) -> CheckpointGroup:
+        """The checkpoint group of the current world (a collective call the first time)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return CheckpointGroup(None)
+        default = dist.distributed_c10d._get_default_group()
+        if self._group is None or self._made_for is not default:
+            self._made_for, self._group = default, dist.new_group(backend="gloo")
+        return CheckpointGroup(self._group)
 
-
-atexit.register(_close_at_exit)
+    def close(self) -> None:
+        """Destroys the group while the world it belongs to still exists, so that its threads are
+        joined now, not during the interpreter's teardown, where they could outlive the objects
+        they use."""
+        made_for, group = self._made_for, self._group
+        self._made_for = self._group = None
+        if group is None or not (dist.is_available() and dist.is_initialized()):
+            return  # the world was destroyed (and our group with it), or none was made
+        if made_for is dist.distributed_c10d._get_default_group():
+            try:
+                dist.destroy_process_group(group)
+            except Exception:
+                pass  # it is gone already: destroying the world destroys its subgroups

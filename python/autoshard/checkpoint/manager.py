@@ -12,9 +12,8 @@ import torch
 
 from . import claim
 from . import manifest as mf
-from .group import checkpoint_group
 from .load import load
-from .pending import SaveHandle, wait_for_pending_save
+from .pending import WRITER, SaveHandle, wait_for_pending_save
 from .save import save_checkpoint
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -64,7 +63,7 @@ class CheckpointManager:
         self.stale_after = stale_after
         self._reported: Set[str] = set()
         wait_for_pending_save()
-        comm = checkpoint_group()
+        comm = WRITER.world_group.current()
         error = None
         if comm.rank == 0:
             try:

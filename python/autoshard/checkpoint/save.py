@@ -31,11 +31,12 @@ from . import claim
 from . import manifest as mf
 from . import rank_extra as per_rank
 from . import rng
+from ..integrations.hf_conventions import config_json
 from ..parallel_state import state_of
 from .save_agreement import Agreement, claimed_message, start_agreement
 from .contents import Held, json_value, model_holdings, optimizer_holdings
-from .group import CheckpointGroup, checkpoint_group
-from .pending import CheckpointSaveError, SaveHandle, track, wait_for_pending_save
+from .group import CheckpointGroup
+from .pending import WRITER, CheckpointSaveError, SaveHandle, wait_for_pending_save
 from .snapshot import Snapshot, SnapshotError, forget_buffers, take_snapshot
 from ..tensor_io import full_selection, write_safetensors
 
@@ -90,12 +91,6 @@ def _versions() -> Dict[str, str]:
     return {"autoshard": getattr(autoshard, "__version__", "unknown"), "torch": torch.__version__}
 
 
-def _model_config(model: torch.nn.Module) -> Optional[str]:
-    config = getattr(model, "config", None)
-    to_json = getattr(config, "to_json_string", None)
-    return to_json() if callable(to_json) else None
-
-
 class _ManifestParts:
     """What rank 0 builds the manifest from, taken before ``save`` returns; the manifest itself
     (the plan's JSON above all) is built by the background writer."""
@@ -109,7 +104,7 @@ class _ManifestParts:
         self.plan = _plan(model)
         self.extra = extra  # a copy (json_value)
         self.metrics = metrics
-        self.model_config = _model_config(model)
+        self.model_config = config_json(model)
 
     def build(self, optimizer_descriptions: List[Optional[dict]]) -> mf.Manifest:
         return mf.Manifest(
@@ -247,7 +242,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
     path = _check_arguments(path, model, optimizer, extra, async_save)
     extra = json_value(extra, "extra")  # a copy: the caller may change theirs once save returns
     wait_for_pending_save()
-    comm = checkpoint_group()
+    comm = WRITER.world_group.current()
 
     error, held, aliases, optimizer_description = None, [], {}, None
     try:
@@ -285,7 +280,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
     if not async_save:
         job.run()
         return SaveHandle(path)
-    return track(SaveHandle.in_background(path, job.run))
+    return WRITER.track(SaveHandle.in_background(path, job.run))
 
 
 def _snapshot(held: List[Held], agreement: Agreement, rank: int, copy: bool) -> Union[Snapshot, str]:

@@ -16,7 +16,7 @@ its tensors (by the last agreement, when its own pieces have not changed).
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
@@ -24,7 +24,7 @@ from . import manifest as mf
 from .claim import describe_owner
 from .contents import Held
 from .group import CheckpointGroup
-from .pending import CheckpointSaveError
+from .pending import WRITER, CheckpointSaveError
 
 _ERROR, _EXISTS, _CLAIMED = 1, 2, 4  # summary flags
 
@@ -33,11 +33,6 @@ _ERROR, _EXISTS, _CLAIMED = 1, 2, 4  # summary flags
 class Agreement:
     writer: Dict[tuple, int]  # (key, repr(runs)) -> the rank that writes that piece
     records: Dict[str, mf.TensorRecord]  # the manifest's tensors (never changed once made)
-
-
-# (agreement id, the agreement, this rank's pieces digest then): the last one reached, reused
-# while every rank's pieces stay the same.
-_last: Optional[Tuple[bytes, Agreement, bytes]] = None
 
 
 def describe(held: List[Held]) -> List[tuple]:
@@ -101,16 +96,16 @@ class PendingAgreement:
         self.comm, self.path, self.error = comm, path, error
         self.described = describe(held)
         self.pieces = hashlib.blake2b(repr(self.described).encode(), digest_size=16).digest()
-        self.guess = _last[1] if _last is not None and _last[2] == self.pieces else None
+        last = WRITER.last_agreement
+        self.guess = last[1] if last is not None and last[2] == self.pieces else None
         flags = (_ERROR if error is not None else 0) | (_EXISTS if exists else 0) | (_CLAIMED if claimed else 0)
-        last_id = _last[0] if _last is not None else bytes(16)
+        last_id = last[0] if last is not None else bytes(16)
         path_digest = hashlib.blake2b(path.encode(), digest_size=8).digest()
         self._gathered = comm.start_all_gather_ints(_ints(self.pieces) + _ints(path_digest) + _ints(last_id) + [flags])
 
     def finish(self) -> Agreement:
         """The agreement for this save, on every rank; raises on every rank what stops it
         (``error`` is this rank's; ``exists`` and ``claimed`` count on rank 0 only)."""
-        global _last
         comm, path = self.comm, self.path
         summaries = self._gathered()
         same_path = len({s[2] for s in summaries}) == 1
@@ -123,13 +118,14 @@ class PendingAgreement:
             raise FileExistsError(f"save: {path!r} already exists; a checkpoint is never overwritten, "
                                   "choose a new path or delete the old one first")
         agreement_id = hashlib.blake2b(repr([s[:2] for s in summaries]).encode(), digest_size=16).digest()
-        if _last is not None and all(s[3:5] == _ints(agreement_id) for s in summaries):
-            return _last[1]
-        _last = None
+        last = WRITER.last_agreement
+        if last is not None and all(s[3:5] == _ints(agreement_id) for s in summaries):
+            return last[1]
+        WRITER.last_agreement = None
         everyone = _exchange(comm, path, self.described, self.error)
         writer = assign_writers(everyone)
         agreement = Agreement(writer, tensor_records(everyone, writer))  # on every rank: a mismatch raises on all
-        _last = (agreement_id, agreement, self.pieces)
+        WRITER.last_agreement = (agreement_id, agreement, self.pieces)
         return agreement
 
 

@@ -7,7 +7,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from ..nn.conv1d import is_conv1d
+from ..integrations.hf_conventions import is_conv1d
 from ..nn.linear import ColumnParallelLinear, RowParallelLinear
 from ..nn.lora import adapter_factors, is_lora_linear, shard_lora
 from ..styles import Style

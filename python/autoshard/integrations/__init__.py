@@ -1,9 +1,19 @@
 """autoshard with the training tools people already use.
 
 ``from autoshard.integrations import Trainer``: transformers.Trainer for a parallelized model
-under torchrun (hf_trainer). Importing this package imports transformers and accelerate.
+under torchrun (hf_trainer); reading Trainer or AutoshardTrainerMixin from this package imports
+transformers and accelerate. hf_conventions holds what autoshard relies on of transformers'
+models, configs and checkpoints, and imports neither, so that the rest of autoshard can read it.
 """
 
-from .hf_trainer import AutoshardTrainerMixin, Trainer
-
 __all__ = ["AutoshardTrainerMixin", "Trainer"]
+
+
+def __getattr__(name: str):
+    # The Trainer is imported on first use: the package itself must stay importable without
+    # transformers, since the rest of autoshard reads hf_conventions from it.
+    if name in __all__:
+        from . import hf_trainer
+
+        return getattr(hf_trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import ops
 from ..distributed import ProcessGroup, resolve
-from .conv1d import is_conv1d
+from ..integrations.hf_conventions import is_conv1d
 from ..parallel_state import attach_layer_state
 from .spec import ShardSpec
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .. import _library
+from ..integrations.hf_conventions import CONV1D_CLASS_NAME
 from ..nn.lora import is_lora_linear
 from ..split import split_sizes
 from .name_ranges import fold
@@ -29,7 +30,7 @@ _library.load()
 REASONS: Dict[str, str] = json.loads(torch.ops.autoshard.plan_reasons())
 
 # Layer classes that count with the module holding them.
-_PLAIN_LAYERS = ("Linear", "Conv1D", "EinsumDense")
+_PLAIN_LAYERS = ("Linear", CONV1D_CLASS_NAME, "EinsumDense")
 
 
 def inventory(model: nn.Module) -> Dict[str, ParameterRecord]:

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+from ..integrations import hf_conventions as hf
 from .meta_autocast import meta_autocast
 from .meta_values import KnownValues
 
@@ -44,28 +45,28 @@ def _get(config, *names):
 
 def image_token(config) -> Optional[int]:
     for holder in (config, getattr(config, "text_config", None)):
-        value = _get(holder, "image_token_id", "image_token_index") if holder is not None else None
+        value = _get(holder, *hf.IMAGE_TOKEN) if holder is not None else None
         if isinstance(value, int):
             return value
     return None
 
 
 def _patch(vision) -> int:
-    patch = _get(vision, "patch_size", "spatial_patch_size")
+    patch = _get(vision, *hf.PATCH_SIZE)
     if isinstance(patch, (list, tuple)):
         patch = patch[0]
     return patch if isinstance(patch, int) and patch > 0 else 16
 
 
 def _merge(vision) -> int:
-    merge = _get(vision, "spatial_merge_size", "merge_kernel_size")
+    merge = _get(vision, *hf.SPATIAL_MERGE)
     if isinstance(merge, (list, tuple)):
         merge = merge[0]
     return merge if isinstance(merge, int) and merge > 0 else 1
 
 
 def _image_size(vision) -> int:
-    size = _get(vision, "image_size")
+    size = _get(vision, hf.IMAGE_SIZE)
     if isinstance(size, (list, tuple)):
         size = size[0]
     if isinstance(size, int) and size > 0:
@@ -75,20 +76,18 @@ def _image_size(vision) -> int:
 
 
 def _channels(vision) -> int:
-    value = _get(vision, "num_channels", "in_channels", "in_chans")
+    value = _get(vision, *hf.IMAGE_CHANNELS)
     return value if isinstance(value, int) and value > 0 else 3
 
 
 def _any_resolution(config, size: int):
     """(crops, image size) for an any-resolution model (LLaVA-NeXT): an image of its smallest
     grid pinpoint, cut into crops of `size` and a crop of the whole."""
-    pinpoints = getattr(config, "image_grid_pinpoints", None)
+    pinpoints = getattr(config, hf.IMAGE_GRID_PINPOINTS, None)
     if not isinstance(pinpoints, list) or not pinpoints:
         return 1, (size, size)
     height, width = min(pinpoints, key=lambda p: p[0] * p[1])
-    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
-
-    return image_size_to_num_patches((height, width), pinpoints, size), (height, width)
+    return hf.any_resolution_crops((height, width), pinpoints, size), (height, width)
 
 
 def image_layouts(model: nn.Module, config, batch: int) -> List[Dict[str, torch.Tensor]]:
@@ -98,7 +97,7 @@ def image_layouts(model: nn.Module, config, batch: int) -> List[Dict[str, torch.
     channels = _channels(vision)
     if "image_grid_thw" in accepted:
         patch, merge = _patch(vision), _merge(vision)
-        temporal = _get(vision, "temporal_patch_size") or 1
+        temporal = _get(vision, hf.TEMPORAL_PATCH_SIZE) or 1
         side = 2 * merge
         return [{"pixel_values": torch.zeros(batch * side * side, channels * temporal * patch * patch),
                  "image_grid_thw": torch.tensor([[1, side, side]] * batch)}]
@@ -120,8 +119,8 @@ def _count_at_check(model: nn.Module, kwargs: dict) -> Optional[int]:
     the forward ends without one. Raises what the forward raises before it."""
     patched = []
     for module in model.modules():
-        check = getattr(module, "get_placeholder_mask", None)
-        if check is None or not callable(check) or "get_placeholder_mask" in vars(module):
+        check = getattr(module, hf.PLACEHOLDER_CHECK, None)
+        if check is None or not callable(check) or hf.PLACEHOLDER_CHECK in vars(module):
             continue
         signature = inspect.signature(check)
 
@@ -133,7 +132,7 @@ def _count_at_check(model: nn.Module, kwargs: dict) -> Optional[int]:
             tensors = features if isinstance(features, (list, tuple)) else [features]
             raise _Counted(sum(t.numel() for t in tensors) // embeds.shape[-1])
 
-        module.get_placeholder_mask = counting
+        setattr(module, hf.PLACEHOLDER_CHECK, counting)
         patched.append(module)
     values = KnownValues()
     meta = values.to_meta(kwargs)
@@ -144,7 +143,7 @@ def _count_at_check(model: nn.Module, kwargs: dict) -> Optional[int]:
         return counted.count
     finally:
         for module in patched:
-            del module.get_placeholder_mask
+            delattr(module, hf.PLACEHOLDER_CHECK)
     return None
 
 
@@ -153,8 +152,8 @@ def _ids_with_images(ids: torch.Tensor, config, count: int) -> torch.Tensor:
     the vision start and end tokens where the config has them."""
     batch = ids.shape[0]
     token = image_token(config)
-    start = _get(config, "vision_start_token_id", "image_start_token_id", "boi_token_index")
-    end = _get(config, "vision_end_token_id", "image_end_token_id", "eoi_token_index")
+    start = _get(config, *hf.VISION_START_TOKEN)
+    end = _get(config, *hf.VISION_END_TOKEN)
     rows = []
     for i in range(batch):
         mine = count // batch + (1 if i < count % batch else 0)

@@ -22,6 +22,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from ..integrations import hf_conventions as hf
 from .image_inputs import with_images
 
 BATCH = 2
@@ -32,18 +33,13 @@ HOW_TO_PASS = ("pass example_inputs=(tensor, ...) for positional arguments (a si
                "dtypes and values are used, on meta copies")
 
 
-# The inputs of images that image_inputs.py makes beside text.
-IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes")
-
-
 class MissingInputs(ValueError):
     """autoshard cannot make the example inputs a model's forward needs."""
 
 
 def _config_value(config, *names, default=None):
     """The first of `names` the config (or its nested text / vision / audio config) holds."""
-    for holder in (config, getattr(config, "text_config", None), getattr(config, "vision_config", None),
-                   getattr(config, "audio_config", None), getattr(config, "encoder", None)):
+    for holder in (config, *(getattr(config, nested, None) for nested in hf.NESTED_CONFIGS)):
         if holder is None:
             continue
         for name in names:
@@ -56,8 +52,7 @@ def _config_value(config, *names, default=None):
 def ordinary_token(config) -> int:
     """A token id that is no special token (so that a padding check finds no padding)."""
     special = set()
-    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
-                 "cls_token_id", "unk_token_id", "mask_token_id"):
+    for name in hf.SPECIAL_TOKEN_IDS:
         value = getattr(config, name, None)
         values = value if isinstance(value, (list, tuple)) else [value]
         special.update(v for v in values if isinstance(v, int))
@@ -75,7 +70,7 @@ def _token_ids(config, *limits) -> torch.Tensor:
 
 
 def _pixel_values(config) -> torch.Tensor:
-    size = _config_value(config, "image_size")
+    size = _config_value(config, hf.IMAGE_SIZE)
     channels = _config_value(config, "num_channels", default=3)
     if size is None:
         raise MissingInputs("its config has no image_size to make pixel_values from")
@@ -118,7 +113,7 @@ def _input_values(config) -> torch.Tensor:
 
 def _main_input(model: nn.Module, config, name: str) -> torch.Tensor:
     if name == "input_ids":
-        return _token_ids(config, "max_position_embeddings", "n_positions")
+        return _token_ids(config, *hf.POSITION_LIMITS)
     if name == "pixel_values":
         return _pixel_values(config)
     if name == "input_features":
@@ -168,12 +163,11 @@ def example_inputs_for(model: nn.Module, images: bool = True) -> Tuple[tuple, Di
     try:
         kwargs = {name: _main_input(model, config, name)}
         if getattr(config, "is_encoder_decoder", False):
-            kwargs["decoder_input_ids"] = _token_ids(config, "max_target_positions", "max_position_embeddings",
-                                                     "n_positions")
+            kwargs["decoder_input_ids"] = _token_ids(config, *hf.DECODER_POSITION_LIMITS)
         # A model of text and images reads both: its images have a config of their own.
         beside_text = images_beside_text(model)
         for extra in _required(model):
-            if extra in kwargs or (beside_text and extra in IMAGE_INPUTS):
+            if extra in kwargs or (beside_text and extra in hf.IMAGE_INPUTS):
                 continue
             if extra == "attention_mask":
                 kwargs[extra] = torch.ones(kwargs[name].shape[:2], dtype=torch.long)
@@ -181,7 +175,7 @@ def example_inputs_for(model: nn.Module, images: bool = True) -> Tuple[tuple, Di
                 kwargs[extra] = torch.ones_like(kwargs["decoder_input_ids"])
             elif extra == "token_type_ids" and name == "input_ids":
                 kwargs[extra] = torch.zeros_like(kwargs[name])
-            elif extra in ("pixel_values", "input_ids", "input_features", "input_values"):
+            elif extra in hf.MAIN_INPUTS:
                 kwargs[extra] = _main_input(model, config, extra)
             else:
                 raise MissingInputs(f"its forward requires {extra!r}, which autoshard does not know how to make")
@@ -203,4 +197,4 @@ def missing_decoder_inputs(model: nn.Module, kwargs: Optional[dict]) -> bool:
     if not getattr(config, "is_encoder_decoder", False):
         return False
     given = set(kwargs or {})
-    return not given & {"decoder_input_ids", "decoder_inputs_embeds", "labels"}
+    return not given & hf.DECODER_INPUTS

@@ -22,59 +22,24 @@ state + saved activations + transient. It is the state at the start of backward 
 after the first (gradients and optimizer state already allocated), an upper bound for a loop
 that frees gradients in zero_grad, and it leaves out what the allocator keeps in reserve and
 the process's own (CUDA context, libraries).
+
+The parts: memory_plan_reads.py (what is read of the plan), memory_model_state.py
+(parameters, gradients, optimizer state), memory_activations.py (the meta forward),
+memory_inputs.py (the inputs it runs on); largest_world.py finds the largest world size that
+splits every layer.
 """
 
-import contextlib
-import itertools
-import os
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..memory import _holders
 from ..split import split_sizes
-
-OPTIMIZERS = ("adamw", "sgd", None)
-# State tensors shaped like the parameter, per optimizer (SGD: its momentum buffer).
-_MOMENTS = {"adamw": 2, "sgd": 1, None: 0}
-_STEP_BYTES = {"adamw": 4, "sgd": 0, None: 0}  # AdamW's float32 step count per parameter
-
-_names = itertools.count()
-
-
-# ---- the plan's records, read in one place each
-
-
-def _parameter_records(plan) -> Dict[str, object]:
-    """Parameter name -> its ParameterRecord for every parameter, tied ones once."""
-    return plan.parameters
-
-
-def _held_counts(plan, rank: int) -> Dict[str, int]:
-    """Parameter name -> the elements `rank` holds."""
-    return plan.held_parameters(rank)
-
-
-def _captured_model(plan) -> Optional[nn.Module]:
-    """The meta model the plan was captured from, or None (a plan read from JSON)."""
-    graph = getattr(getattr(plan, "_prediction", None), "graph", None)
-    return getattr(graph, "shadow", None)
-
-
-def _recorded_inputs(plan):
-    """The example inputs the plan was made with: (args, kwargs) of tensors, or None."""
-    return getattr(plan, "_input_values", None)
-
-
-def _input_spec(plan):
-    """Shapes and dtypes of the plan's example inputs ({"args": [...], "kwargs": {...}}), or None."""
-    return plan.example.get("inputs")
-
-
-# ---- results
+from .memory_activations import activation_bytes, fake_world
+from .memory_inputs import describe_inputs, scaled_inputs
+from .memory_model_state import OPTIMIZERS, model_state_bytes
+from .memory_plan_reads import captured_model, held_counts, parameter_records
 
 
 @dataclass(frozen=True)
@@ -148,225 +113,6 @@ def table(prediction: MemoryPrediction, ranks: Optional[Iterable[int]] = None) -
     return lines
 
 
-# ---- parameters, gradients, optimizer state
-
-
-def model_state_bytes(plan, rank: int, dtypes: Dict[str, torch.dtype], trainable: Dict[str, bool],
-                      optimizer: Optional[str], master_weights: Optional[bool]) -> Tuple[int, int, int]:
-    """(parameters, gradients, optimizer state) in bytes on `rank`."""
-    from ..optim._common import state_dtype, uses_master
-
-    group = {"master_weights": master_weights}
-    params = grads = state = 0
-    for name, count in _held_counts(plan, rank).items():
-        dtype = dtypes.get(name, torch.float32)
-        size = count * dtype.itemsize
-        params += size
-        if not trainable.get(name, True):
-            continue
-        grads += size
-        if optimizer is None:
-            continue
-        state += count * state_dtype(group, dtype).itemsize * _MOMENTS[optimizer] + _STEP_BYTES[optimizer]
-        if uses_master(group, dtype):
-            state += count * 4
-    return params, grads, state
-
-
-# ---- activations saved for backward, on meta
-
-
-class _MetaSavedBytes:
-    """Saved-tensor hooks counting each saved storage once, whole (meta tensors have storages
-    of a known size and a distinct identity), except the storages of `ignore`."""
-
-    def __init__(self, ignore: Iterable[torch.Tensor]):
-        self._ignored = {h.untyped_storage()._cdata for t in ignore for h in _holders(t)}
-        self._storages: Dict[int, int] = {}
-        self._alive: List[torch.UntypedStorage] = []  # keeps each identity unique while counting
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    @property
-    def bytes(self) -> int:
-        return sum(self._storages.values())
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        holders = _holders(t)
-        storages = [h.untyped_storage() for h in holders]
-        if holders and not any(s._cdata in self._ignored for s in storages):
-            for storage in storages:
-                if storage._cdata not in self._storages:
-                    self._storages[storage._cdata] = storage.nbytes()
-                    self._alive.append(storage)
-        return t
-
-    def __enter__(self):
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-
-class _LargestOutput(TorchDispatchMode):
-    """The largest tensor any op makes while active, in bytes."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                self.bytes = max(self.bytes, t.numel() * t.element_size())
-        return out
-
-
-@contextlib.contextmanager
-def fake_world(world_size: int):
-    """A function giving a process group of `world_size` for any rank, whose collectives do
-    nothing (torch's fake backend): the sharded layers built with it run on meta as they will
-    on that rank. Without a default process group, a fake one is started for the duration."""
-    import torch.distributed as dist
-    from torch._C._distributed_c10d import FakeProcessGroup, _register_process_group, _unregister_process_group
-
-    started = False
-    if not dist.is_initialized():
-        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-        started = True
-    names: List[str] = []
-
-    def group(rank: int):
-        name = f"autoshard_memory_{os.getpid()}_{next(_names)}"
-        pg = dist.ProcessGroup(dist.HashStore(), rank, world_size)
-        backend = FakeProcessGroup._create_internal(rank, world_size)
-        for device in ("cpu", "meta"):
-            pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, backend)
-        pg._set_group_name(name)
-        _register_process_group(name, pg)
-        names.append(name)
-        return pg
-
-    try:
-        yield group
-    finally:
-        for name in names:
-            _unregister_process_group(name)
-        if started:
-            dist.destroy_process_group()
-
-
-def _sharded_copy(model: nn.Module, plan, group, dtype: Optional[torch.dtype], loss_parallel: bool) -> nn.Module:
-    """A meta copy of `model` sharded for `group`'s rank as parallelize shards it."""
-    from .. import loss_parallel as loss_parallelism
-    from ..parallelize import _apply
-    from .meta_inputs import meta_shadow
-
-    shadow = meta_shadow(model, always_copy=True)
-    if dtype is not None:
-        shadow.to(dtype)
-    _apply(shadow, plan, group)
-    loss_parallelism.install(shadow, plan, group, loss_parallel)
-    return shadow
-
-
-def activation_bytes(model: nn.Module, plan, group, inputs, dtype: Optional[torch.dtype],
-                     loss_parallel: bool) -> Tuple[int, int]:
-    """(bytes saved for backward, largest tensor an op makes) in one forward of `model` sharded
-    for `group`'s rank, on meta."""
-    from .meta_autocast import meta_autocast
-    from .meta_values import KnownValues
-
-    shadow = _sharded_copy(model, plan, group, dtype, loss_parallel)
-    values = KnownValues()
-    args, kwargs = values.to_meta(inputs[0]), values.to_meta(inputs[1])
-    if dtype is not None:
-        cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-        args, kwargs = torch.utils._pytree.tree_map(cast, (args, kwargs))
-    saved = _MetaSavedBytes(ignore=list(shadow.parameters()))
-    largest = _LargestOutput()
-    with torch.enable_grad(), values, meta_autocast(), saved, largest:
-        shadow(*args, **kwargs)
-    return saved.bytes, largest.bytes
-
-
-# ---- inputs
-
-
-def _fill(name: str, token: int):
-    return token if name.endswith("input_ids") or name == "labels" else 1 if name.endswith("mask") else 0
-
-
-def scaled_inputs(plan, model: nn.Module, example_inputs, batch: Optional[int], seq: Optional[int]):
-    """(args, kwargs) of real tensors for the forward whose memory is predicted: `example_inputs`
-    as given; else the plan's own example inputs, their batch dim (dim 0) made `batch` and the
-    token dims of id and mask tensors (integer tensors' dims of the example's sequence length)
-    made `seq`. A language model whose inputs hold input_ids and no labels gets labels (the
-    ids), so that the loss is part of the step."""
-    from .inputs import ordinary_token
-    from .meta_inputs import split_inputs
-
-    if example_inputs is not None:
-        if batch is not None or seq is not None:
-            raise ValueError("ShardingPlan.memory: give example_inputs or batch/seq, not both")
-        return split_inputs(example_inputs)
-    spec = _input_spec(plan)
-    recorded = _recorded_inputs(plan)
-    if spec is None:
-        raise ValueError("ShardingPlan.memory: this plan records no example inputs; pass example_inputs")
-    token = ordinary_token(model.config) if hasattr(model, "config") else 1
-    described = [("", s) for s in spec["args"]] + list(spec["kwargs"].items())
-    shapes = [s["shape"] for _, s in described if s is not None]
-    if not shapes or not shapes[0]:
-        raise ValueError("ShardingPlan.memory: the plan's example inputs have no batch dim; pass example_inputs")
-    batch0 = shapes[0][0]
-    integer = [s["shape"] for _, s in described if s is not None and not s["dtype"].startswith(("float", "bfloat"))]
-    seq0 = next((shape[1] for shape in integer if len(shape) >= 2), None)
-    if seq is not None and seq0 is None:
-        raise ValueError("ShardingPlan.memory: seq= given, but the model's example inputs hold no token ids")
-
-    def make(s, name=""):
-        if s is None:
-            return None
-        shape = list(s["shape"])
-        floating = s["dtype"].startswith(("float", "bfloat"))
-        if batch is not None and shape and shape[0] == batch0:
-            shape[0] = batch
-        if seq is not None and not floating:
-            shape = [shape[0]] + [seq if d == seq0 else d for d in shape[1:]]
-        return torch.full(shape, _fill(name, token), dtype=getattr(torch, s["dtype"]))
-
-    if recorded is not None and batch is None and seq is None:
-        args, kwargs = tuple(recorded[0]), dict(recorded[1])
-    else:
-        args = tuple(make(s) for s in spec["args"])
-        kwargs = {k: make(s, k) for k, s in spec["kwargs"].items()}
-    if "input_ids" in kwargs and "labels" not in kwargs and _takes_labels(model):
-        kwargs["labels"] = kwargs["input_ids"].clone()
-    return args, kwargs
-
-
-def _takes_labels(model: nn.Module) -> bool:
-    import inspect
-
-    try:
-        return "labels" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _describe(args, kwargs) -> str:
-    from .meta_inputs import input_shapes
-
-    return input_shapes(args, kwargs)
-
-
-# ---- the prediction
-
-
 def _check_model(model: nn.Module) -> None:
     if any(hasattr(m, "shard_specs") for m in model.modules()) or hasattr(model, "autoshard_state"):
         raise ValueError("ShardingPlan.memory: the model is already parallelized; pass model= a model built as "
@@ -375,7 +121,7 @@ def _check_model(model: nn.Module) -> None:
 
 def _rank_key(plan, rank: int, token_lengths: List[int]) -> tuple:
     """What decides a rank's figures: what it holds and its share of the tokens."""
-    held = tuple(_held_counts(plan, rank).values())
+    held = tuple(held_counts(plan, rank).values())
     return held, tuple(split_sizes(n, plan.world_size)[rank] for n in token_lengths)
 
 
@@ -394,13 +140,13 @@ def predict(plan, example_inputs=None, *, batch: Optional[int] = None, seq: Opti
         if value is not None and (type(value) is not int or value <= 0):
             raise ValueError(f"ShardingPlan.memory: {name} must be a positive int, got {value!r}")
     if model is None:
-        model = _captured_model(plan)
+        model = captured_model(plan)
         if model is None:
             raise ValueError("ShardingPlan.memory: this plan holds no model (it was read from JSON); pass model=")
     if not isinstance(model, nn.Module):
         raise TypeError(f"ShardingPlan.memory: model must be a torch.nn.Module, got {type(model).__name__}")
     _check_model(model)
-    if not _parameter_records(plan):
+    if not parameter_records(plan):
         raise ValueError("ShardingPlan.memory: this plan records no parameters; make it again with autoshard.plan")
     world = plan.world_size
     params = dict(model.named_parameters())
@@ -420,47 +166,4 @@ def predict(plan, example_inputs=None, *, batch: Optional[int] = None, seq: Opti
             saved, largest = found[key]
             p, g, s = model_state_bytes(plan, rank, dtypes, trainable, optimizer, master_weights)
             results.append(RankMemory(rank, p, g, s, saved, 2 * largest))
-    return MemoryPrediction(world, results, _describe(args, kwargs), optimizer, master_weights, dtype)
-
-
-def largest_world_size(make_plan, start: int, limit: int = 4096):
-    """(world size, plan) for the largest world size, from `start` up to `limit`, at which the plan
-    `make_plan(world_size)` splits every layer it can split at all: no layer held whole for having
-    too few whole units (heads) for the ranks. Doubling, then halving the gap."""
-    good, good_plan = start, None
-    bad = None
-    n = max(start, 1) * 2
-    while n <= limit:
-        found = _splits_everything(make_plan, n)
-        if found is None:
-            bad = n
-            break
-        good, good_plan = n, found
-        n *= 2
-    if bad is None:
-        return good, good_plan
-    while bad - good > 1:
-        middle = (good + bad) // 2
-        found = _splits_everything(make_plan, middle)
-        if found is None:
-            bad = middle
-        else:
-            good, good_plan = middle, found
-    return good, good_plan
-
-
-def _too_few_units(plan) -> bool:
-    """Whether some layer is held whole for having fewer whole units than ranks."""
-    return any(layer.reason == "too_few_units" for layer in plan.layers)
-
-
-def _splits_everything(make_plan, world_size: int):
-    import warnings
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            plan = make_plan(world_size)
-    except ValueError:
-        return None
-    return None if _too_few_units(plan) else plan
+    return MemoryPrediction(world, results, describe_inputs(args, kwargs), optimizer, master_weights, dtype)

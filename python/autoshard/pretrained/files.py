@@ -11,10 +11,9 @@ import os
 from contextlib import ExitStack
 from typing import Dict, List
 
+from ..integrations.hf_conventions import SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE, hub_cache_blobs
 from ..tensor_io import SafetensorsReader, json_input
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 _MAX_INDEX_DEPTH = 16  # an index is {"metadata": {...}, "weight_map": {name: file}}
 
 
@@ -23,11 +22,8 @@ def _allowed_roots(directory: str) -> List[str]:
     when it is a snapshot of a Hugging Face cache repository (``<repo>/snapshots/<revision>``,
     whose files are symbolic links to ``../../blobs/<hash>``), that repository's ``blobs``."""
     real = os.path.realpath(directory)
-    roots = [real]
-    snapshots = os.path.dirname(real)
-    if os.path.basename(snapshots) == "snapshots":
-        roots.append(os.path.join(os.path.dirname(snapshots), "blobs"))
-    return roots
+    blobs = hub_cache_blobs(real)
+    return [real] if blobs is None else [real, blobs]
 
 
 def _inside(directory: str, name: str, what: str) -> str:
@@ -65,7 +61,7 @@ def _index_files(index_path: str) -> List[str]:
         if os.path.basename(name) != name or name in ("", ".", "..") or not os.path.isfile(path):
             raise FileNotFoundError(f"load_pretrained: {index_path} names file {name!r}, "
                                     f"which is not in {directory}")
-        files.append(_inside(directory, name, f"named by {INDEX_NAME}['weight_map']"))
+        files.append(_inside(directory, name, f"named by {SAFETENSORS_INDEX_FILE}['weight_map']"))
     return files
 
 
@@ -79,13 +75,13 @@ def checkpoint_files(path) -> List[str]:
         return [path]  # a file named by the caller is read wherever it lies
     if not os.path.isdir(path):
         raise FileNotFoundError(f"load_pretrained: no checkpoint at {path} (no such file or directory)")
-    index_path = os.path.join(path, INDEX_NAME)
+    index_path = os.path.join(path, SAFETENSORS_INDEX_FILE)
     if os.path.isfile(index_path):
         return _index_files(index_path)
-    single = os.path.join(path, SINGLE_NAME)
+    single = os.path.join(path, SAFETENSORS_FILE)
     if os.path.isfile(single):
-        return [_inside(path, SINGLE_NAME, "the checkpoint's only file")]
-    raise FileNotFoundError(f"load_pretrained: directory {path} holds neither {INDEX_NAME} nor {SINGLE_NAME}")
+        return [_inside(path, SAFETENSORS_FILE, "the checkpoint's only file")]
+    raise FileNotFoundError(f"load_pretrained: directory {path} holds neither {SAFETENSORS_INDEX_FILE} nor {SAFETENSORS_FILE}")
 
 
 def open_checkpoint(path, stack: ExitStack) -> Dict[str, SafetensorsReader]:

@@ -14,9 +14,8 @@ from typing import Dict, List
 import torch
 from torch import nn
 
+from ..integrations.hf_conventions import INITIALISED_FLAG, initialises_itself
 from ..parallel_state import keep_state_across_swap
-
-_FLAG = "_is_hf_initialized"
 
 
 def _held_weakly(tensor: torch.Tensor) -> bool:
@@ -66,7 +65,7 @@ def materialize(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) 
 
 def _initialisers(model: nn.Module) -> List[nn.Module]:
     """The outermost modules that know how to initialise themselves (transformers models)."""
-    if callable(getattr(model, "initialize_weights", None)) and callable(getattr(model, "_init_weights", None)):
+    if initialises_itself(model):
         return [model]
     found = []
     for child in model.children():
@@ -85,21 +84,21 @@ def initialise_remaining(model: nn.Module, pending: Dict[str, torch.Tensor], loa
     # Everything that carries the flag only while this runs (transformers also flags the
     # modules it initialises): the model is left as it was found.
     objects = list(model.modules()) + list(loaded.values()) + list(pending.values())
-    unflagged = [obj for obj in objects if not getattr(obj, _FLAG, False)]
+    unflagged = [obj for obj in objects if not getattr(obj, INITIALISED_FLAG, False)]
     try:
         for tensor in loaded.values():
-            setattr(tensor, _FLAG, True)
+            setattr(tensor, INITIALISED_FLAG, True)
         for module in model.modules():
             own = list(module._parameters.values()) + list(module._buffers.values())
             if not any(t is not None and id(t) in owners for t in own):
-                setattr(module, _FLAG, True)
+                setattr(module, INITIALISED_FLAG, True)
         with torch.no_grad():
             for initialiser in _initialisers(model):
                 initialiser.initialize_weights()
     finally:
         for obj in unflagged:
-            if _FLAG in getattr(obj, "__dict__", {}):
-                delattr(obj, _FLAG)
+            if INITIALISED_FLAG in getattr(obj, "__dict__", {}):
+                delattr(obj, INITIALISED_FLAG)
     changed = [name for name, t in loaded.items() if t._version != versions[name]]
     if changed:
         raise RuntimeError(f"load_pretrained: the model's own initialisation overwrote loaded tensors {changed}")

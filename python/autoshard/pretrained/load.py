@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint import Target, model_targets
+from ..integrations.hf_conventions import IGNORED_MISSING_KEYS, IGNORED_UNEXPECTED_KEYS
 from ..tensor_io import SafetensorsReader, Selection
 from .files import open_checkpoint
 from .initialise import check_computable, check_movable, initialise_remaining, materialize
@@ -45,8 +46,6 @@ def _non_persistent_buffers(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def _ignore_patterns(model: nn.Module, attribute: str) -> Optional[re.Pattern]:
-    # transformers models list checkpoint names their from_pretrained tolerates (tensors that
-    # older versions saved, or that a head does not need).
     patterns = list(getattr(model, attribute, None) or ())
     return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
 
@@ -121,8 +120,8 @@ def _plan_reads(model: nn.Module, path, where: Dict[str, SafetensorsReader], tar
     for key, expert in stacked_experts(model, converted, by_alias).items():
         stacked.setdefault(by_alias[expert.name].name, []).append((key, expert))
     stacked_keys = {key for entries in stacked.values() for key, _ in entries}
-    ignore_unexpected = _ignore_patterns(model, "_keys_to_ignore_on_load_unexpected")
-    ignore_missing = _ignore_patterns(model, "_keys_to_ignore_on_load_missing")
+    ignore_unexpected = _ignore_patterns(model, IGNORED_UNEXPECTED_KEYS)
+    ignore_missing = _ignore_patterns(model, IGNORED_MISSING_KEYS)
 
     source: Dict[str, str] = {}  # target name -> checkpoint key; a tied tensor stored twice is read once
     unexpected = []

@@ -13,32 +13,21 @@ module is matched by name exactly.
 """
 
 import re
-import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+from ..integrations import hf_conventions as hf
 
 
 def _transformers_renamer(model, model_names: Iterable[str]) -> Optional[Callable[[str], Tuple[str, bool]]]:
     """key -> (model name, whether the key needs a conversion beyond renaming), or None when
     ``model`` is not a transformers model."""
-    if "transformers" not in sys.modules:
-        return None  # then the model cannot be a transformers model; importing it costs seconds
-    try:
-        from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:
+    rules = hf.conversion_rules(model, model_names)
+    if rules is None:
         return None
-    if not isinstance(model, PreTrainedModel):
-        return None
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    # rename_source_key only asks whether a name is in the model (a non-None value).
-    known = {name: True for name in model_names}
 
     def rename(key: str) -> Tuple[str, bool]:
-        name, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, known)
+        name, converter = rules.rename(key)
         return name, converter is not None
 
     return rename
@@ -85,31 +74,19 @@ def stacked_experts(model, keys: Iterable[str], model_names: Iterable[str]) -> D
     """key -> StackedExpert for the checkpoint keys (among those that need a conversion) that
     transformers' rules stack per expert into a model weight."""
     keys = sorted(keys)
-    if not keys or "transformers" not in sys.modules:
+    rules = hf.conversion_rules(model, model_names) if keys else None
+    if rules is None:
         return {}
-    try:
-        from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (Concatenate, MergeModulelist, WeightConverter, WeightRenaming,
-                                                     rename_source_key)
-    except ImportError:
-        return {}
-    if not isinstance(model, PreTrainedModel):
-        return {}
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    known = {name: True for name in model_names}
     found = {}
     for key in keys:
-        name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, known)
-        converter = next((c for c in converters if pattern in c.source_patterns), None)
-        if converter is None or name not in known:
+        name, pattern = rules.rename(key)
+        converter = next((c for c in rules.converters if pattern in c.source_patterns), None)
+        if converter is None or name not in rules.known:
             continue
         operations = list(converter.operations)
-        if not operations or type(operations[0]) is not MergeModulelist or operations[0].dim != 0:
+        if not operations or not hf.is_merge_on_first_dim(operations[0]):
             continue
-        if len(operations) > 2 or (len(operations) == 2 and type(operations[1]) is not Concatenate):
+        if len(operations) > 2 or (len(operations) == 2 and not hf.is_concatenate(operations[1])):
             continue
         concat_dim = operations[1].dim if len(operations) == 2 else None
         if concat_dim is None and len(converter.source_patterns) != 1:
