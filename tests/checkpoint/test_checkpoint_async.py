@@ -29,6 +29,7 @@ from multirank import run_on_ranks
 save_module = importlib.import_module("autoshard.checkpoint.save")
 manifest_module = importlib.import_module("autoshard.checkpoint.manifest")
 snapshot_module = importlib.import_module("autoshard.checkpoint.snapshot")
+pending_module = importlib.import_module("autoshard.checkpoint.pending")
 
 
 def _train_step(model, optimizer, step: int) -> None:
@@ -187,8 +188,9 @@ def _out_of_memory(where: str, fail_on: int):
     """Makes rank ``fail_on``'s next asynchronous save run out of memory ``where`` ("copy": after
     allocating new buffers for three tensors; "write": at its rank file); returns weak
     references to every host buffer that save used, and the functions to put back."""
-    kept = [weakref.ref(buffer) for buffer, _ in snapshot_module._buffers.values()]
-    originals = snapshot_module._buffer, save_module.write_safetensors
+    buffers = pending_module.WRITER.snapshot_buffers
+    kept = [weakref.ref(buffer) for buffer, _ in buffers.buffers.values()]
+    originals = buffers.buffer, save_module.write_safetensors
     if dist.get_rank() != fail_on:
         return kept, originals
     if where == "copy":
@@ -200,9 +202,9 @@ def _out_of_memory(where: str, fail_on: int):
             new = torch.empty(like.shape, dtype=like.dtype)
             allocated.append(new)
             kept.append(weakref.ref(new))
-            snapshot_module._buffers[key] = (new, False)
+            buffers.buffers[key] = (new, False)
             return new
-        snapshot_module._buffer = buffer
+        buffers.buffer = buffer
     else:
         def write(file_path, tensors):
             raise MemoryError(f"no memory left to write {file_path!r}")
@@ -231,7 +233,8 @@ def _failed_save_releases_its_buffers(directory: str, where: str):
             except CheckpointSaveError as e:
                 error = str(e)
         finally:
-            snapshot_module._buffer, save_module.write_safetensors = originals
+            vars(pending_module.WRITER.snapshot_buffers).pop("buffer", None)  # the class's own method again
+            save_module.write_safetensors = originals[1]
         alive = sum(ref() is not None for ref in kept)
         kept_after_failure = snapshot_module.kept_bytes()
     finally:

@@ -72,7 +72,8 @@ class SaveHandle:
 class BackgroundWriter:
     """What checkpointing keeps in this process from one save to the next: the writer thread,
     the one asynchronous save in flight, the gloo group the writer's collectives run on (see
-    group.py) and the last write agreement the ranks reached (see save_agreement.py). One per
+    group.py), the last write agreement the ranks reached (see save_agreement.py) and the
+    snapshot's host buffers (snapshot.py). One per
     process (``WRITER``); ``close`` ends it all at interpreter exit.
 
     One writer thread, kept between saves: handing a save to a waiting thread costs
@@ -89,6 +90,9 @@ class BackgroundWriter:
         # (agreement id, the agreement, this rank's pieces digest then), reused while every
         # rank's pieces stay the same.
         self.last_agreement = None
+        # The host buffers asynchronous saves copy into, kept for the next one (snapshot.py
+        # puts its SnapshotBuffers here).
+        self.snapshot_buffers = None
 
     def submit(self, job: Callable[[], None]) -> None:
         if self._executor is None or self._executor_pid != os.getpid():

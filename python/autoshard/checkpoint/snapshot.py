@@ -27,12 +27,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .pending import wait_for_pending_save
-
-# stored key -> (host buffer, pinned), reused by the next asynchronous save of the same tensor.
-_buffers: Dict[str, Tuple[torch.Tensor, bool]] = {}
-# CUDA device -> (side stream, its copies' event), made once per device.
-_streams: Dict[torch.device, Tuple["torch.cuda.Stream", "torch.cuda.Event"]] = {}
+from .pending import WRITER, wait_for_pending_save
 
 
 class Snapshot:
@@ -47,27 +42,55 @@ class Snapshot:
         return self.tensors
 
 
-def _buffer(key: str, like: torch.Tensor) -> torch.Tensor:
-    pin = like.device.type == "cuda"
-    kept = _buffers.get(key)
-    if kept is None or kept[1] != pin or kept[0].shape != like.shape or kept[0].dtype != like.dtype:
-        kept = _buffers[key] = (torch.empty(like.shape, dtype=like.dtype, pin_memory=pin), pin)
-    return kept[0]
+class SnapshotBuffers:
+    """The host buffers kept from one asynchronous save to the next, and the side streams CUDA
+    copies run on; the background writer holds the one instance (``WRITER.snapshot_buffers``)."""
+
+    def __init__(self):
+        # stored key -> (host buffer, pinned), reused by the next asynchronous save of the same tensor.
+        self.buffers: Dict[str, Tuple[torch.Tensor, bool]] = {}
+        # CUDA device -> (side stream, its copies' event), made once per device.
+        self.streams: Dict[torch.device, Tuple["torch.cuda.Stream", "torch.cuda.Event"]] = {}
+
+    def buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """The kept buffer for `key` if it fits `like`, else a new one (kept in its place)."""
+        pin = like.device.type == "cuda"
+        kept = self.buffers.get(key)
+        if kept is None or kept[1] != pin or kept[0].shape != like.shape or kept[0].dtype != like.dtype:
+            kept = self.buffers[key] = (torch.empty(like.shape, dtype=like.dtype, pin_memory=pin), pin)
+        return kept[0]
+
+    def copy_from_cuda(self, device: torch.device, sources: List[torch.Tensor],
+                       buffers: List[torch.Tensor]) -> "torch.cuda.Event":
+        if device not in self.streams:
+            self.streams[device] = (torch.cuda.Stream(device), torch.cuda.Event())
+        side, copied = self.streams[device]
+        current = torch.cuda.current_stream(device)
+        side.wait_stream(current)
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            for buffer, source in zip(buffers, sources):
+                buffer.copy_(source, non_blocking=True)  # queued: the host goes on at once
+        copied.record(side)
+        current.wait_event(copied)
+        return copied
+
+    def keep_only(self, keys) -> None:
+        """Drops the buffers of tensors no longer saved."""
+        for key in set(self.buffers) - set(keys):
+            del self.buffers[key]
+
+    def forget(self) -> None:
+        """Drops the kept host buffers (once the copies into them, if any, have finished); what
+        still uses one (a save being written) keeps it until it is done with it."""
+        for _, copied in self.streams.values():
+            copied.synchronize()  # a save that failed early may not have waited for its copies
+        self.buffers.clear()
+
+    def kept_bytes(self) -> int:
+        return sum(buffer.numel() * buffer.element_size() for buffer, _ in self.buffers.values())
 
 
-def _copy_from_cuda(device: torch.device, sources: List[torch.Tensor],
-                    buffers: List[torch.Tensor]) -> "torch.cuda.Event":
-    if device not in _streams:
-        _streams[device] = (torch.cuda.Stream(device), torch.cuda.Event())
-    side, copied = _streams[device]
-    current = torch.cuda.current_stream(device)
-    side.wait_stream(current)
-    with torch.cuda.device(device), torch.cuda.stream(side):
-        for buffer, source in zip(buffers, sources):
-            buffer.copy_(source, non_blocking=True)  # queued: the host goes on at once
-    copied.record(side)
-    current.wait_event(copied)
-    return copied
+WRITER.snapshot_buffers = SnapshotBuffers()
 
 
 class SnapshotError(RuntimeError):
@@ -80,46 +103,41 @@ def take_snapshot(tensors: List[Tuple[str, torch.Tensor]], copy: bool) -> Snapsh
     Raises SnapshotError, having dropped every kept buffer, when the copy fails."""
     message = None
     try:
-        return _take_snapshot(tensors, copy)
+        return _take_snapshot(tensors, copy, WRITER.snapshot_buffers)
     except Exception as e:  # MemoryError, torch.OutOfMemoryError, a RuntimeError from an allocator...
         message = f"{type(e).__name__}: {e}"
     forget_buffers()  # outside the except block: the traceback (and the frames holding buffers) is gone
     raise SnapshotError(message)
 
 
-def _take_snapshot(tensors: List[Tuple[str, torch.Tensor]], copy: bool) -> Snapshot:
+def _take_snapshot(tensors: List[Tuple[str, torch.Tensor]], copy: bool, kept: SnapshotBuffers) -> Snapshot:
     if not copy:
         return Snapshot({key: tensor.to("cpu").contiguous() for key, tensor in tensors}, [])
     out: Dict[str, torch.Tensor] = {}
     batches: Dict[torch.device, Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
     for key, tensor in tensors:
-        buffer = out[key] = _buffer(key, tensor)
+        buffer = out[key] = kept.buffer(key, tensor)
         sources, buffers = batches.setdefault(tensor.device, ([], []))
         sources.append(tensor)
         buffers.append(buffer)
-    if len(_buffers) > len(out):
-        for key in set(_buffers) - set(out):  # tensors no longer saved
-            del _buffers[key]
+    kept.keep_only(out)
     events = []
     for device, (sources, buffers) in batches.items():
         if device.type == "cuda":
-            events.append(_copy_from_cuda(device, sources, buffers))
+            events.append(kept.copy_from_cuda(device, sources, buffers))
         else:
             torch._foreach_copy_(buffers, sources)
     return Snapshot(out, events)
 
 
 def forget_buffers() -> None:
-    """Drops the kept host buffers (once the copies into them, if any, have finished); what
-    still uses one (a save being written) keeps it until it is done with it."""
-    for _, copied in _streams.values():
-        copied.synchronize()  # a save that failed early may not have waited for its copies
-    _buffers.clear()
+    """Drops the kept host buffers (see SnapshotBuffers.forget)."""
+    WRITER.snapshot_buffers.forget()
 
 
 def kept_bytes() -> int:
     """How many bytes of host buffers are kept for the next asynchronous save."""
-    return sum(buffer.numel() * buffer.element_size() for buffer, _ in _buffers.values())
+    return WRITER.snapshot_buffers.kept_bytes()
 
 
 def release_snapshot_buffers() -> None:
