@@ -1,7 +1,7 @@
 // The Plan as the JSON document the Python layer reads.
 //
-// The document (version 1), every record with named fields:
-//   {"version": 1,
+// The document (version 2), every record with named fields:
+//   {"version": 2,
 //    "layers": [{"node", "style", "region", "units", "copy_group", "parts", "whole_parts", "summed_parts", "letter", "repeat",
 //                "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",
 //                "sequence_note"}],
@@ -13,12 +13,17 @@
 //                 "repeat_axis" (only where there is one)}],
 //    "sequence_entries": [{"tensor", "module", "leaf", "dim", "region"}],
 //    "sequence_gathers": [{"tensor", "module", "leaf", "dim", "region"}],
+//    "sequence_exits": [{"tensor", "module", "leaf", "dim", "region"}],
 //    "head_entries": [{"tensor", "module", "leaf", "axis", "outer", "size", "region"}],
 //    "head_outputs": [{"tensor", "module", "axis", "outer", "size", "region"}],
 //    "attention_weights": [{"node", "region", "used"}],
 //    "head_params": [{"tensor", "param", "axis", "size", "region"}],
 //    "norms": [{"node", "region", "features"}],
 //    "adapters": [{"node", "split", "whole"}]}
+// A layer's "sequence" is "reduce_scatter", "gather" (inside the layer), "gathered" (where a
+// module receives or returns its input) or "". Version 1 left the gathers before ops indexing
+// the token axis (sequence_exits) and the module inputs whose length may be read to the Python
+// layer; a version 1 answer lacks them, so it is not read as version 2.
 #include <sstream>
 
 #include "plan/planner.h"
@@ -57,7 +62,7 @@ void write_ints(std::ostringstream& out, const std::vector<int64_t>& values) {
 std::string plan_to_json(const Plan& plan) {
   static const char* styles[] = {"replicate", "column", "column_gather", "row", "vocab"};
   std::ostringstream out;
-  out << "{\"version\":1,\"layers\":[";
+  out << "{\"version\":2,\"layers\":[";
   for (size_t i = 0; i < plan.layers.size(); ++i) {
     const LayerDecision& d = plan.layers[i];
     out << (i ? "," : "") << "{\"node\":" << d.node << ",\"style\":\"" << styles[static_cast<int>(d.style)]
@@ -129,6 +134,7 @@ std::string plan_to_json(const Plan& plan) {
   };
   write_entries("sequence_entries", plan.sequence_entries);
   write_entries("sequence_gathers", plan.sequence_gathers);
+  write_entries("sequence_exits", plan.sequence_exits);
   out << "],\"head_entries\":[";
   for (size_t i = 0; i < plan.head_entries.size(); ++i) {
     const HeadEntry& e = plan.head_entries[i];

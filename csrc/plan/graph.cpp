@@ -204,21 +204,25 @@ Graph parse_graph(const std::string& document) {
     TORCH_CHECK_VALUE(sequence->type == Type::Bool, "[plan.bad_graph] plan: 'sequence_parallel' must be true or false");
     graph.sequence_parallel = sequence->boolean;
   }
-  if (const JsonValue* entries = root.find("entries")) {
-    TORCH_CHECK_VALUE(entries->type == Type::Array, "[plan.bad_graph] plan: 'entries' must be a list");
-    for (const auto& record : entries->items) {
-      const std::string where = "entry " + std::to_string(graph.entries.size());
-      ModuleEntry e;
-      e.tensor = static_cast<int>(integer(record, "tensor", where));
-      e.first = static_cast<int>(integer(record, "first", where));
-      e.end = static_cast<int>(integer(record, "end", where));
-      e.leaf = static_cast<int>(integer(record, "leaf", where));
-      e.module = field(record, "module", Type::String, where).string;
-      TORCH_CHECK_VALUE(e.tensor >= 0 && e.tensor < tensor_count, "[plan.bad_graph] plan: ", where,
-                        " names undeclared tensor ", e.tensor);
-      graph.entries.push_back(std::move(e));
+  // Module entries and exits share their fields: a tensor, the call's nodes, its place there.
+  const auto module_records = [&](const char* name, const char* one, auto& records) {
+    const JsonValue* list = root.find(name);
+    if (list == nullptr) return;
+    TORCH_CHECK_VALUE(list->type == Type::Array, "[plan.bad_graph] plan: '", name, "' must be a list");
+    for (const auto& record : list->items) {
+      const std::string where = one + std::to_string(records.size());
+      auto& r = records.emplace_back();
+      r.tensor = static_cast<int>(integer(record, "tensor", where));
+      r.first = static_cast<int>(integer(record, "first", where));
+      r.end = static_cast<int>(integer(record, "end", where));
+      r.leaf = static_cast<int>(integer(record, "leaf", where));
+      r.module = field(record, "module", Type::String, where).string;
+      TORCH_CHECK_VALUE(r.tensor >= 0 && r.tensor < tensor_count, "[plan.bad_graph] plan: ", where,
+                        " names undeclared tensor ", r.tensor);
     }
-  }
+  };
+  module_records("entries", "entry ", graph.entries);
+  module_records("exits", "exit ", graph.exits);
   if (const JsonValue* together = root.find("together")) {
     TORCH_CHECK_VALUE(together->type == Type::Array, "[plan.bad_graph] plan: 'together' must be a list");
     for (const auto& pair : together->items) {

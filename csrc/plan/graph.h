@@ -87,11 +87,24 @@ struct Node {
   // An experts module's combine (Opaque, inputs {expert outputs, routing...}): per routing input,
   // whether it is floating-point. Once the experts are split, its gradient is a partial sum.
   std::vector<bool> routing_floating;
+  // Opaque, added by the planner itself (length_reads.cpp): the module that may read the token
+  // count of this node's input, which therefore stays whole.
+  std::string length_read_by;
 };
 
 // A tensor a module received in its first call: its node range and the tensor's position
 // among the call's flattened inputs (sequence parallelism may cut it there).
 struct ModuleEntry {
+  int tensor = -1;
+  int first = 0;
+  int end = 0;
+  int leaf = 0;
+  std::string module;
+};
+
+// A tensor a module's only call returned: its node range and the tensor's position among the
+// call's flattened outputs (sequence parallelism may gather it there, token_indexing.cpp).
+struct ModuleExit {
   int tensor = -1;
   int first = 0;
   int end = 0;
@@ -107,6 +120,9 @@ struct Graph {
   // Whether the planner may split the token axis between row and column layers.
   bool sequence_parallel = true;
   std::vector<ModuleEntry> entries;
+  // In the order the calls returned, each call's outputs in order (modules called more than
+  // once have none: a gather at their output would act on every call).
+  std::vector<ModuleExit> exits;
   // Layers one module computes that split only together, a column layer then a row layer, or
   // both whole (an nn.MultiheadAttention's q/k/v projection and its out_proj).
   std::vector<std::pair<int, int>> together;
@@ -126,6 +142,8 @@ struct Graph {
 //    "sequence_parallel": bool (optional, true),
 //    "entries": [{"tensor": id, "first": node, "end": node, "leaf": index, "module": "..."}, ...]
 //               (optional: ModuleEntry),
+//    "exits": [{"tensor": id, "first": node, "end": node, "leaf": index, "module": "..."}, ...]
+//             (optional: ModuleExit),
 //    "together": [[column node, row node], ...] (optional: Graph::together)}
 // A tensor's id is its index in "tensors"; einsum letters are objects
 // {"letter": "d", "role": "output" | "contracted" | "batch", "input_dim": int, "output_dim": int}.

@@ -8,7 +8,7 @@
 namespace autoshard::plan {
 
 std::string plan_graph(const std::string& graph, int64_t world_size) {
-  return plan_to_json(make_plan(parse_graph(graph), world_size));
+  return plan_to_json(plan_model(parse_graph(graph), world_size));
 }
 
 }  // namespace autoshard::plan

@@ -164,6 +164,9 @@ struct Plan {
   std::vector<TensorLayout> tensors;  // every sharded tensor; the others are replicated
   std::vector<SequenceEntry> sequence_entries;
   std::vector<SequenceEntry> sequence_gathers;  // tensors gathered whole where a module receives them
+  // Tensors gathered whole where a module returns them, for column layers reading them through
+  // ops that index the token axis (token_indexing.cpp); leaf: its place among the call's outputs.
+  std::vector<SequenceEntry> sequence_exits;
   std::vector<HeadEntry> head_entries;
   // Replicated embeddings whose output is cut to this rank's heads as it leaves them (module,
   // axis, outer, size, region; tensor is the output, leaf unused).
@@ -174,7 +177,12 @@ struct Plan {
   std::vector<AdapterDecision> adapters;
 };
 
+// One settled plan of `graph` (settle.cpp).
 Plan make_plan(const Graph& graph, int64_t world_size);
+
+// The planner's answer: make_plan, planned again while the rules judging its sequence regions
+// from the module calls around them ask for it (replan.cpp).
+Plan plan_model(Graph graph, int64_t world_size);
 
 // The plan as a versioned JSON document with named fields (see emit.cpp).
 std::string plan_to_json(const Plan& plan);

@@ -69,4 +69,27 @@ std::string plan_reasons() {
   return out.str();
 }
 
+// An op indexing the token axis keeps every token on the planned inputs, but another call may
+// select other tokens (generate's logits_to_keep=1): it must read them whole.
+std::string indexed_tokens_without_exit(const std::string& indexing) {
+  return indexing + " indexes the token axis (another call may select other tokens) and no module returns the "
+                    "tokens it reads, where they could be gathered first";
+}
+
+std::string indexed_tokens_reach_output(const std::string& indexing) {
+  return "tokens that " + indexing + " indexes reach a model output";
+}
+
+std::string indexed_tokens_read_elsewhere(const std::string& module, const std::string& reader,
+                                          const std::string& indexing) {
+  return module + " returns tokens that " + reader + " reads besides the column layers reading them through " +
+         indexing + ", which indexes the token axis";
+}
+
+std::string length_may_be_read(const std::string& module) {
+  return "module '" + module + "' receives tokens split over the ranks and gathers them only in its own layers: it "
+         "may read their count first (as an attention called as attn(x, memory) does with x.shape), so its inputs "
+         "stay whole";
+}
+
 }  // namespace autoshard::plan

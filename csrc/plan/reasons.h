@@ -17,4 +17,13 @@ const std::string& reason_text(const std::string& code);
 // The table as a JSON object {code: words} (the plan_reasons op).
 std::string plan_reasons();
 
+// Why sequence parallelism is given up, or a region refused, for what the module calls around
+// it show (token_indexing.cpp, length_reads.cpp): `indexing` is the label of the op indexing
+// the token axis, `module` a module's name, `reader` the label of an op.
+std::string indexed_tokens_without_exit(const std::string& indexing);
+std::string indexed_tokens_reach_output(const std::string& indexing);
+std::string indexed_tokens_read_elsewhere(const std::string& module, const std::string& reader,
+                                          const std::string& indexing);
+std::string length_may_be_read(const std::string& module);
+
 }  // namespace autoshard::plan

@@ -13,12 +13,16 @@
 // length), which must still see every token. A region is refused as a whole, keeping its
 // all-reduces, when a tensor of it reaches anything else: an op that mixes tokens, a reshape
 // (which may spell the global token count), a layer that does not start a tensor-parallel
-// region, a tensor held whole that no module entry can cut, or a model output. Replicated
+// region, a tensor held whole that no module entry can cut, a model output, or a reader
+// standing for a module that may read the tokens' count (length_reads.cpp). Replicated
 // parameters read inside a region (norm weights, a row layer's bias) receive a partial
-// gradient there, summed by the plan's partial-gradient buckets.
+// gradient there, summed by the plan's partial-gradient buckets. What only the module calls
+// around a planned region can decide follows in replan.cpp (sequence_rules.h).
 #include "plan/propagation.h"
 
 #include <algorithm>
+
+#include "plan/reasons.h"
 
 namespace autoshard::plan {
 namespace {
@@ -307,6 +311,7 @@ void Propagation::sequence_visit(int n, const Node& node, const std::set<int>& r
       return mark(node.outputs.at(0), drop && dim < x.factor.axis ? x.factor.axis - 1 : x.factor.axis);
     }
     default:
+      if (!node.length_read_by.empty()) return refuse(length_may_be_read(node.length_read_by));
       return refuse(node.label + " mixes tokens, or autoshard cannot follow the token axis through it");
   }
 }

@@ -3,7 +3,7 @@ loss parallelism on), over 2 and 3 gloo ranks: greedy `generate` (with and witho
 cache) gives the unsharded model's tokens and per-step scores, and `model(ids,
 logits_to_keep=1)` its last-token logits. The model indexes the final hidden states' last
 tokens before its head; the plan gathers the tokens before that indexing
-(plan/token_selections.py), and decoding steps hold fewer tokens than there are ranks."""
+(csrc/plan/token_indexing.cpp), and decoding steps hold fewer tokens than there are ranks."""
 
 import pytest
 import torch

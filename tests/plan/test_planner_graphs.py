@@ -13,7 +13,7 @@ class G:
     """A graph document in the planner's input format (csrc/plan/graph.h)."""
 
     def __init__(self):
-        self.tensors, self.nodes, self.forced, self.entries = [], [], [], []
+        self.tensors, self.nodes, self.forced, self.entries, self.exits = [], [], [], [], []
 
     def tensor(self, *shape, param=None, output=False):
         self.tensors.append({"shape": list(shape)})
@@ -39,7 +39,7 @@ class G:
 
     def document(self, sequence_parallel=True):
         return json.dumps({"version": 1, "tensors": self.tensors, "nodes": self.nodes, "forced": self.forced,
-                           "entries": self.entries, "sequence_parallel": sequence_parallel})
+                           "entries": self.entries, "exits": self.exits, "sequence_parallel": sequence_parallel})
 
     def plan(self, world_size, sequence_parallel=True):
         return json.loads(torch.ops.autoshard.plan_graph(self.document(sequence_parallel), world_size))
@@ -73,9 +73,9 @@ def test_document_is_versioned_with_named_records():
     out = g.tensor(2, 8, output=True)
     g.node("pointwise", [y, x], [out])
     doc = g.plan(2)
-    assert doc["version"] == 1
+    assert doc["version"] == 2
     assert set(doc) == {"version", "layers", "regions", "comm", "partial_gradients", "tensors", "sequence_entries",
-                        "sequence_gathers", "head_entries", "head_outputs", "attention_weights",
+                        "sequence_gathers", "sequence_exits", "head_entries", "head_outputs", "attention_weights",
                         "head_params", "norms", "adapters"}
     assert set(doc["layers"][0]) == {"node", "style", "region", "units", "copy_group", "parts", "whole_parts",
                                      "summed_parts", "letter", "repeat",

@@ -79,7 +79,7 @@ def test_sequence_parallel_equals_unsharded_and_replaces_all_reduces(world_size,
         roles = {role for _, role in result["sequence"]}
         # Every column layer gets its tokens gathered before it: where a module receives them
         # (attention, MLP), or for the head where the final norm returns them, ahead of the
-        # model's indexing of the last tokens (plan/token_selections.py).
+        # model's indexing of the last tokens (csrc/plan/token_indexing.cpp).
         assert roles == {"reduce_scatter", "gathered"}, result["plan"]
         assert result["exits"] == ["model.norm"], result["plan"]
         assert "sequence parallel (tokens split over the ranks)" in result["plan"]

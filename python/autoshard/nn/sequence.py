@@ -12,7 +12,7 @@ array_split rule), so any sequence length works.
 
 A column layer reading the tokens through ops that index the token axis (a causal LM's head
 reading the last tokens) gets them gathered where a module returns them instead
-(``PlanSteps.exit_hook``, ``ShardingPlan.sequence_exits``; see plan/token_selections.py).
+(``PlanSteps.exit_hook``, ``ShardingPlan.sequence_exits``; see csrc/plan/token_indexing.cpp).
 
 The layers that split a region record its full length in one ``SequenceShards`` per region,
 which the gathering layers read: a rank's piece alone does not say how long the sequence was.

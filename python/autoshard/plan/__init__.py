@@ -14,13 +14,11 @@ from ..styles import OVERRIDE_STYLES, Style
 from .capture import CapturedGraph, capture
 from .holdings import imbalance_warning, inventory
 from .idiom_notes import explain_idioms, whole_reasons
-from .length_reads import explain_length_reads, split_inputs_gathered_inside, with_length_reads
 from .local_attributes import localize_attributes
 from .prediction import Prediction, ShapeMismatch
 from .records import (AdapterFactors, Collective, HeadCut, HeadParameter, PartialGradientBucket, ReturnedAttentionWeights, SplitNorm,
                       TokenCut)
 from .sharding_plan import LayerPlan, RegionPlan, ShardingPlan
-from .token_selections import gather_before_token_indexing
 
 __all__ = ["LayerPlan", "RegionPlan", "ShardingPlan", "plan"]
 
@@ -35,12 +33,9 @@ def _element_size(model: nn.Module) -> int:
 def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: int) -> ShardingPlan:
     """The planner's JSON document (csrc/plan/emit_json.cpp) as a ShardingPlan."""
     data = json.loads(document)
-    if data.get("version") != 1:
+    if data.get("version") != 2:
         raise RuntimeError(f"plan: the planner answered with document version {data.get('version')!r}, "
-                           f"this layer reads version {1}; rebuild the extension")
-    refusal = gather_before_token_indexing(data, graph)
-    if refusal is not None:
-        raise _TokenIndexing(refusal)
+                           f"this layer reads version {2}; rebuild the extension")
     names = graph.param_names
     # The planner names parameters by index in its notes (csrc/plan/head_params.cpp).
     named = lambda text: re.sub(r"parameter #(\d+)", lambda m: f"parameter {names[int(m.group(1))]!r}", text)
@@ -101,10 +96,6 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                                     data["sequence_exits"])
     result._prediction.plan = result
     return result
-
-
-class _TokenIndexing(Exception):
-    """No place to gather the tokens before an op indexing them (see token_selections.py)."""
 
 
 def _split_together(graph: CapturedGraph) -> List[List[int]]:
@@ -183,28 +174,18 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
                                   for pattern, why in whole.items() if within(info.name, pattern)}
     from_dry_run = set(mismatched)
     together = _split_together(graph)
-    token_indexing = None  # why sequence parallelism was given up, if it was
-    length_reads = []  # (module, tensor): inputs kept whole where a module may read their length
     while True:
         replicated = [{"node": node, "style": Style.REPLICATE.value} for node in mismatched]
         document = torch.ops.autoshard.plan_graph(
-            json.dumps({**with_length_reads(graph.document, length_reads), "forced": forced + replicated,
+            json.dumps({**graph.document, "forced": forced + replicated,
                         "sequence_parallel": sequence_parallel, "together": together}),
             world_size)
-        try:
-            result = _parse(document, graph, world_size, _element_size(model))
-        except _TokenIndexing as refusal:
-            token_indexing, sequence_parallel = str(refusal), False
-            continue
+        result = _parse(document, graph, world_size, _element_size(model))
         too_small = [layer for layer in result.layers if layer.reason == "too_few_units"]
         if too_small and not any(layer.style.is_split for layer in result.layers):
             raise ValueError(f"plan: world_size={world_size} is larger than every dimension autoshard could split "
                              f"(e.g. {too_small[0].module}: only {too_small[0]._whole_units} whole unit(s) (heads) "
                              f"to split across {world_size} ranks)")
-        reads = [read for read in split_inputs_gathered_inside(result, graph) if read not in length_reads]
-        if reads:
-            length_reads += reads
-            continue
         if world_size <= 1:
             break
         failures: Dict[int, ShapeMismatch] = {}
@@ -221,12 +202,7 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
         layer = result.layer(graph.layers[node].name)
         layer.reason = "dry_run_mismatch" if node in from_dry_run else "shape_mismatch"
         layer.note = "replicated: " + why.removeprefix("plan: ")
-    explain_length_reads(result)
     explain_idioms(result, graph)
-    if token_indexing is not None:
-        for layer in result.layers:
-            if layer.style is Style.ROW:
-                layer.sequence_note = "sequence parallelism refused: " + token_indexing
     # The modules' recorded inputs are views of the model's own tensors (its buffers): kept, they
     # would hold those tensors' use counts up, and load_pretrained could not give them storage in
     # place. Only the attribute choice above replays them.

@@ -49,9 +49,6 @@ class CapturedGraph:
     folded: Dict[str, str] = field(default_factory=dict)  # block recorded without running -> the block it copies
     inner_nodes: set = field(default_factory=set)  # nodes inside a layer, which no trace sees
     layer_calls: set = field(default_factory=set)  # nodes a trace sees as a layer's call
-    # Each module called once (the model itself left out): (leaf, tensor id) of the recorded
-    # tensors it returned, leaf being the place among the flattened outputs.
-    module_exits: Dict[str, List[Tuple[int, int]]] = field(default_factory=dict)
 
 
 def capture(model: nn.Module, example_inputs=None, fold_blocks: bool = True) -> CapturedGraph:
@@ -111,7 +108,7 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
         def finished(mod, a, out, name=name):
             if name in module_nodes and module_nodes[name][1] < 0:
                 module_nodes[name] = (module_nodes[name][0], recorder.node_count)
-                # Where each recorded tensor leaves the call, for gathers at a module's output.
+                # Where each recorded tensor leaves the call, for the planner's "exit" records.
                 leaves = tree_flatten(out)[0]
                 module_exits[name] = [(i, recorder.ids[id(t)]) for i, t in enumerate(leaves)
                                       if isinstance(t, torch.Tensor) and id(t) in recorder.ids]
@@ -205,12 +202,19 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
                 "module": name}
                for name, received in module_entries.items() if name and module_nodes[name][1] >= module_nodes[name][0]
                for leaf, tensor in received]
+    # A tensor a module returned, where sequence parallelism may gather it (csrc/plan/token_indexing.cpp),
+    # in the order the calls returned: the same fields, "leaf" its place among the flattened outputs.
+    # Only modules called once: a hook on the output of a module called again would act on every call.
+    exits = [{"tensor": tensor, "first": module_nodes[name][0], "end": module_nodes[name][1], "leaf": leaf,
+              "module": name}
+             for name, returned in module_exits.items() if name and name not in called_again
+             for leaf, tensor in returned]
     document = recorder.document([recorder.tensor_id(o) for o in flat])
     _record_gradient_facts(document, layers, shadow, [t is None or t.is_floating_point() or t.is_complex()
                                                        for t in recorder.keep])
     _record_adapters(document, layers, shadow)
     return CapturedGraph(
-        document={**document, "entries": entries},
+        document={**document, "entries": entries, "exits": exits},
         layers=layers,
         param_names=param_names,
         output_shapes=[tuple(o.shape) for o in flat],
@@ -226,7 +230,6 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
         folded={name: folder.folds[name] for name in folder.folded},
         inner_nodes=recorder.inner_nodes,
         layer_calls=recorder.layer_calls,
-        module_exits={name: left for name, left in module_exits.items() if name and name not in called_again},
     )
 
 

@@ -143,7 +143,7 @@ class ShardingPlan(Sealed):
     # inside it ("gathered"): an attention reading its input's length sees every token.
     sequence_gathers: List[TokenCut] = field(default_factory=list)
     # Tensors whose tokens are gathered where a module returns them, for the column layers that
-    # read them through ops indexing the token axis ("gathered"; see plan/token_selections.py).
+    # read them through ops indexing the token axis ("gathered"; see csrc/plan/token_indexing.cpp).
     sequence_exits: List[TokenCut] = field(default_factory=list)
     # Tensors held whole cut to this rank's heads where a module receives them (an ALiBi bias
     # passed to each attention); see nn/head_cuts.py.
