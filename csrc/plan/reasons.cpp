@@ -1,6 +1,7 @@
 // The reason codes of a plan, each with its words. Codes are stable (plans and tests name them);
 // the words are what print(plan) and warnings say.
 #include "plan/reasons.h"
+#include "plan/idioms.h"
 
 #include <sstream>
 
@@ -90,6 +91,25 @@ std::string length_may_be_read(const std::string& module) {
   return "module '" + module + "' receives tokens split over the ranks and gathers them only in its own layers: it "
          "may read their count first (as an attention called as attn(x, memory) does with x.shape), so its inputs "
          "stay whole";
+}
+
+const std::string& idiom_text(const std::string& idiom) {
+  static const std::vector<std::pair<std::string, std::string>> table = {
+      {"unbind",
+       "a fused q/k/v split with unbind (qkv.reshape(...).permute(...).unbind(0)); split it with chunk, split or "
+       "slices to have it split by heads"},
+      {"modulation",
+       "it is adaptive-norm modulation: its output is chunked into shift, scale and gate pieces that multiply and "
+       "shift the whole hidden stream, so every rank needs all of it"},
+      {"own_loss",
+       "the model computes a loss from these logits in its own forward (a cross-entropy over the whole "
+       "vocabulary): the head is kept whole and every rank holds the whole logits; loss parallelism, which keeps "
+       "them split, applies only to Hugging Face's loss functions, with a plan made without labels"},
+  };
+  for (const auto& [known, words] : table) {
+    if (known == idiom) return words;
+  }
+  TORCH_CHECK(false, "autoshard planner: no idiom ", idiom);
 }
 
 }  // namespace autoshard::plan

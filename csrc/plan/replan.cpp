@@ -8,6 +8,7 @@
 // Readers once added stay, so the rounds end: each adds one or more, of finitely many entries.
 #include <algorithm>
 
+#include "plan/idioms.h"
 #include "plan/sequence_rules.h"
 
 namespace autoshard::plan {
@@ -36,6 +37,7 @@ Plan plan_model(Graph graph, int64_t world_size) {
         if (d.style == Style::Row) d.sequence_note = "sequence parallelism refused: " + given_up;
       }
     }
+    explain_idioms(graph, plan);
     return plan;
   }
 }

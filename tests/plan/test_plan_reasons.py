@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.plan import holdings, idiom_notes
+from autoshard.plan import holdings, parameter_reasons
 from hf_models import build
 
 
@@ -17,7 +17,7 @@ def test_table_comes_from_the_planner():
     assert holdings.REASONS == table
     assert all(isinstance(words, str) and words for words in table.values())
     # The codes given around the planner are in the same table.
-    assert {idiom_notes.CONVOLUTION, idiom_notes.FUNCTIONAL_LAYER, "attention_unpaired", "shape_mismatch",
+    assert {parameter_reasons.CONVOLUTION, parameter_reasons.FUNCTIONAL_LAYER, "attention_unpaired", "shape_mismatch",
             "dry_run_mismatch", "not_a_layer", "row_bias", "position_table", "unsplit", "adapter_factor"} <= set(table)
 
 

@@ -13,7 +13,7 @@ from ..nn.multihead_attention import IN_PROJECTION
 from ..styles import OVERRIDE_STYLES, Style
 from .capture import CapturedGraph, capture
 from .holdings import imbalance_warning, inventory
-from .idiom_notes import explain_idioms, whole_reasons
+from .parameter_reasons import whole_reasons
 from .local_attributes import localize_attributes
 from .prediction import Prediction, ShapeMismatch
 from .records import (AdapterFactors, Collective, HeadCut, HeadParameter, PartialGradientBucket, ReturnedAttentionWeights, SplitNorm,
@@ -202,7 +202,6 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
         layer = result.layer(graph.layers[node].name)
         layer.reason = "dry_run_mismatch" if node in from_dry_run else "shape_mismatch"
         layer.note = "replicated: " + why.removeprefix("plan: ")
-    explain_idioms(result, graph)
     # The modules' recorded inputs are views of the model's own tensors (its buffers): kept, they
     # would hold those tensors' use counts up, and load_pretrained could not give them storage in
     # place. Only the attribute choice above replays them.

@@ -96,7 +96,7 @@ class AdapterFactors(Sealed):
 @dataclass
 class ParameterRecord(Sealed):
     """One parameter of the model (tied ones once): its shape, the module counted as holding it,
-    that module's class, and why it stays whole where no layer says (see plan/idiom_notes.py)."""
+    that module's class, and why it stays whole where no layer says (see plan/parameter_reasons.py)."""
 
     shape: List[int]
     module: str
