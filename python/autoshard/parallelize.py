@@ -12,7 +12,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from . import forward_checks, mesh_fully_shard, partial_gradients, torch_optim_check
+from . import forward_checks, mesh_fully_shard, partial_gradients, region_generators, torch_optim_check
 from . import loss_parallel as loss_parallelism
 from .rank_agreement import check_ranks_agree
 from .data_parallel import GradientAverager
@@ -282,6 +282,9 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
             torch_optim_check.install()
     if group.size() > 1:
         state.forward_checks = forward_checks.install(model, group, check_inputs, check_replicas_every)
+        # A region the model's last layers leave open (a head feeding a vocabulary-parallel
+        # loss) ends with the forward, so that the generators are synchronised between forwards.
+        region_generators.install(model)
     if fully_shard_over is not None:
         mesh_fully_shard.apply(model, fully_shard_over, reduce_dtype)
     if mesh is not None and group is not default_group():

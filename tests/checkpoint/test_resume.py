@@ -56,13 +56,14 @@ def test_resume_in_fresh_processes_is_bitwise_equal_to_the_uninterrupted_run(tmp
     # the batches drawn from random and numpy matter), on every rank.
     for rank, result in enumerate(results):
         assert _differences(expected[rank], result["control"]), f"rank {rank}"
-    # Each rank's own states were saved, and they differ (the ranks drew different amounts), so
-    # restoring one rank's states on all of them would not do.
+    # Each rank's own states were saved. The ranks drew different amounts inside the sharded
+    # region, from generators of the region's own, so their torch generators, saved between
+    # steps, agree.
     manifest = checkpoint.read_manifest(path)
     assert {k for k in manifest.tensors if k.startswith("rng/")} == {
         f"rng/rank-{r:05d}/{name}" for r in range(world) for name in ("torch", "python", "numpy")}
     states = [load_file(path / f"rank-{r:05d}.safetensors")[f"rng/rank-{r:05d}/torch"] for r in range(world)]
-    assert not any(torch.equal(states[0], other) for other in states[1:])
+    assert all(torch.equal(states[0], other) for other in states[1:])
 
 
 def _draws():

@@ -1,9 +1,8 @@
 """Training with dropout, stopped, saved and resumed, for the exact-resume test.
 
-The model draws dropout masks from torch's generator on each rank, for the rank's own shard of
-a column-parallel layer's output (uneven at 2 and 3 ranks, so the ranks draw different amounts
-and their generators part ways), and each batch is chosen with Python's ``random`` and numpy's
-global generator. ``uninterrupted`` trains ``k + m``
+The model draws dropout masks on each rank for the rank's own shard of a column-parallel layer's
+output (uneven at 2 and 3 ranks, so the ranks draw different amounts there, from the region's
+generator), and each batch is chosen with Python's ``random`` and numpy's global generator. ``uninterrupted`` trains ``k + m``
 steps in one go; ``first_part`` trains ``k`` steps and saves; this file, run as a script on
 every rank of a fresh job, loads that checkpoint, trains ``m`` more steps and writes what it
 got (run once with the saved generator states and once without, as a control).

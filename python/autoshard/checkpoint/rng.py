@@ -1,10 +1,11 @@
 """Each rank's random number generator states, saved with a checkpoint and restored by ``load``.
 
-Dropout draws from torch's generator, and each rank draws its own numbers (its own tokens'
-masks under sequence parallelism, its own shard's elsewhere), so a resumed run repeats the
-uninterrupted one only if every rank gets its own generators back. ``save`` stores, for each
-rank ``r``, under ``rng/rank-<r>/<name>`` in that rank's own file (so checksummed like every
-tensor, and each rank reads only its own):
+Dropout draws from torch's generator: inside a sharded region each rank draws its own masks
+from a state the region seeds from the synchronised one (see region_generators), and Python's
+and numpy's generators, or a generator a rank seeded itself, may be the rank's own; a resumed
+run repeats the uninterrupted one only if every rank gets its generators back. ``save``
+stores, for each rank ``r``, under ``rng/rank-<r>/<name>`` in that rank's own file (so
+checksummed like every tensor, and each rank reads only its own):
 
 - ``torch``: ``torch.get_rng_state()`` (uint8);
 - ``cuda``: ``torch.cuda.get_rng_state_all()`` stacked (uint8, one row per device), when CUDA

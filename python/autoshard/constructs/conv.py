@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
+from .. import ops, region_generators
 from ..distributed import resolve
 from ..parallel_state import attach_layer_state
 from ..nn.spec import ShardSpec
@@ -110,11 +110,12 @@ class ShardedConv(nn.Module):
         axis = self._channel_axis(x)
         if self.style.is_column:
             x = self.input_copy(x) if self.input_copy is not None else ops.copy_to_parallel(x, self._group_name)
+            region_generators.enter(x, self._group_name, self.training)
             y = self._convolve(x, self.bias, output_size)
             if self.style is Style.COLUMN_GATHER:
-                y = ops.gather_from_parallel(y, axis, self.out_channels, self._group_name)
+                y = region_generators.leave(ops.gather_from_parallel(y, axis, self.out_channels, self._group_name))
             return y
-        y = ops.reduce_from_parallel(self._convolve(x, None, output_size), self._group_name)
+        y = region_generators.leave(ops.reduce_from_parallel(self._convolve(x, None, output_size), self._group_name))
         if self.bias is None:
             return y
         return y + self.bias.view(-1, *([1] * self.spatial))

@@ -13,7 +13,7 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from .. import comm, ops
+from .. import comm, ops, region_generators
 from ..distributed import resolve
 from ..parallel_state import attach_layer_state
 from ..styles import Style
@@ -258,6 +258,7 @@ class ShardedEinsumDense(nn.Module):
         if self.style is Style.COLUMN:
             _check_input(x, self._expected_input(local=False), "ShardedEinsumDense")
             x = self.input_copy(x) if self.input_copy is not None else comm.copy_to_parallel(x, self.group)
+            region_generators.enter(x, self.group.group_name, self.training)
             y = torch.einsum(self.equation, x, self.weight)
             if self.bias is not None:
                 # A bias replicated over the sharded letter collects gradient from every shard.
@@ -269,13 +270,14 @@ class ShardedEinsumDense(nn.Module):
                 y = y + bias
             if self.gather_output:
                 y = comm.gather_from_parallel(y, self._output_dim % y.dim(), self.full_size, self.group)
+                region_generators.leave(y)
             return y
         if self.input_is_parallel:
             _check_input(x, self._expected_input(local=True), "ShardedEinsumDense")
         else:
             _check_input(x, self._expected_input(local=False), "ShardedEinsumDense")
             x = comm.scatter_to_parallel(x, self._input_dim % x.dim(), self.group)
-        y = comm.reduce_from_parallel(torch.einsum(self.equation, x, self.weight), self.group)
+        y = region_generators.leave(comm.reduce_from_parallel(torch.einsum(self.equation, x, self.weight), self.group))
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -128,7 +128,7 @@ class VocabParallelEmbedding(nn.Module):
         partial = ops.vocab_parallel_lookup(ids, self.weight, self.vocab_start, padding_idx, self.num_embeddings)
         output_tokens = getattr(self, "output_tokens", None)
         if output_tokens is not None:
-            return output_tokens(partial)  # sequence parallelism: this rank's tokens of the sum
+            return output_tokens(partial, self.training)  # sequence parallelism: this rank's tokens of the sum
         return comm.reduce_from_parallel(partial, self.group)
 
     def extra_repr(self) -> str:

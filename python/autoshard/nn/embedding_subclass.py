@@ -51,7 +51,7 @@ def _sharded_lookup(module: nn.Module, ids: torch.Tensor, padding_idx) -> torch.
     partial = ops.vocab_parallel_lookup(ids, module.weight, module.vocab_start, padding_idx, module.num_embeddings)
     output_tokens = getattr(module, "output_tokens", None)
     if output_tokens is not None:
-        return output_tokens(partial)
+        return output_tokens(partial, module.training)
     return comm.reduce_from_parallel(partial, module.group)
 
 

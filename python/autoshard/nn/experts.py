@@ -13,7 +13,7 @@ all-reduced in backward. The router stays replicated: every rank routes the toke
 import torch
 from torch import nn
 
-from .. import ops
+from .. import ops, region_generators
 from .spec import ShardSpec
 
 
@@ -42,9 +42,10 @@ def shard_experts(module: nn.Module, in_name: str, in_spec: ShardSpec, out_name:
 
     def sharded_forward(hidden_states: torch.Tensor, *routing, **kwargs):
         x = input_copy(hidden_states) if input_copy is not None else ops.copy_to_parallel(hidden_states, group_name)
+        region_generators.enter(x, group_name, module.training)
         routing = tuple(_copy_routing(r, x, group_name) for r in routing)
         kwargs = {k: _copy_routing(v, x, group_name) for k, v in kwargs.items()}
-        return ops.reduce_from_parallel(forward(x, *routing, **kwargs), group_name)
+        return region_generators.leave(ops.reduce_from_parallel(forward(x, *routing, **kwargs), group_name))
 
     # The instance's forward, so that hooks on the module see the sharded call as one call.
     module.forward = sharded_forward

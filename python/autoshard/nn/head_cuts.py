@@ -16,7 +16,7 @@ from typing import List, Tuple
 
 import torch
 
-from .. import ops
+from .. import ops, region_generators
 from ..split import split_sizes
 from .sequence import replace_input
 
@@ -48,14 +48,18 @@ def cut_steps(shape, entry, units: int, rank: int, world_size: int) -> List[Tupl
 
 
 class SliceHeads:
-    """Cuts a tensor held whole to this rank's heads on the plan's axis."""
+    """Cuts a tensor held whole to this rank's heads on the plan's axis, which starts a region
+    where a module in `training` draws its own dropout masks (see region_generators)."""
 
     def __init__(self, entry, units: int, group_name: str):
         self.axis, self.size, self.units = entry.axis, entry.size, units
         self.module = entry.module
         self.group_name = group_name
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, training: bool) -> torch.Tensor:
+        return region_generators.enter(self._cut(x), self.group_name, training)
+
+    def _cut(self, x: torch.Tensor) -> torch.Tensor:
         axis = self.axis
         if x.dim() <= axis or x.shape[axis] % self.size:
             raise ValueError(f"head cut: {self.module!r} received a tensor of shape {tuple(x.shape)}, whose axis {axis} "
@@ -82,7 +86,7 @@ def entry_hook(entry, units: int, group_name: str):
     step = SliceHeads(entry, units, group_name)
 
     def hook(module, args, kwargs):
-        return cut_leaf(args, kwargs, entry.leaf, step, entry.module)
+        return cut_leaf(args, kwargs, entry.leaf, lambda x: step(x, module.training), entry.module)
 
     return hook
 
@@ -92,6 +96,6 @@ def output_hook(entry, units: int, group_name: str):
     step = SliceHeads(entry, units, group_name)
 
     def hook(module, args, output):
-        return step(output)
+        return step(output, module.training)
 
     return hook

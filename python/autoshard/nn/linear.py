@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
+from .. import ops, region_generators
 from ..distributed import ProcessGroup, resolve
 from ..integrations.hf_conventions import is_conv1d
 from ..parallel_state import attach_layer_state
@@ -285,8 +285,10 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """x as the rank's product reads it: copied into the parallel region (its gradient
-        all-reduced in backward), or its tokens gathered with sequence parallelism."""
-        return self.input_copy(x) if self.input_copy is not None else ops.copy_to_parallel(x, self._group_name)
+        all-reduced in backward), or its tokens gathered with sequence parallelism. Dropout
+        from here on draws this rank's own masks (see region_generators)."""
+        copy = self.input_copy(x) if self.input_copy is not None else ops.copy_to_parallel(x, self._group_name)
+        return region_generators.enter(copy, self._group_name, self.training)
 
     def local_product(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output features for an input that enter() gave."""
@@ -301,7 +303,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """The layer's output from this rank's output features (gathered with gather_output)."""
         if self.gather_output:
-            y = ops.gather_from_parallel(y, -1, self.out_features, self._group_name)
+            y = region_generators.leave(ops.gather_from_parallel(y, -1, self.out_features, self._group_name))
         return y
 
     def extra_repr(self) -> str:
@@ -367,9 +369,9 @@ class RowParallelLinear(_ParallelLinear):
     def finish(self, partial: torch.Tensor) -> torch.Tensor:
         """The output from this rank's partial sum: summed over the group, then the bias."""
         if self.output_tokens is not None:
-            y = self.output_tokens(partial)  # sequence parallelism: this rank's tokens of the sum
+            y = self.output_tokens(partial, self.training)  # sequence parallelism: this rank's tokens of the sum
         else:
-            y = ops.reduce_from_parallel(partial, self._group_name)
+            y = region_generators.leave(ops.reduce_from_parallel(partial, self._group_name))
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

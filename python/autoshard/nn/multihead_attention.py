@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .. import ops
+from .. import ops, region_generators
 from ..distributed import ProcessGroup, resolve
 from ..parallel_state import attach_layer_state
 from .spec import ShardSpec
@@ -150,6 +150,7 @@ class FusedInProjection(nn.Module):
     def forward(self, x, weight, bias):
         if self.group_name is not None:
             x = self.input_copy(x) if self.input_copy is not None else ops.copy_to_parallel(x, self.group_name)
+            x = region_generators.enter(x, self.group_name, self.training)
         return F.linear(x, weight, bias)
 
 

@@ -24,7 +24,7 @@ import torch
 
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .. import ops
+from .. import ops, region_generators
 from ..styles import TokenRole
 
 
@@ -66,19 +66,24 @@ class _Step:
 
 
 class ReduceScatterTokens(_Step):
-    """In place of a row layer's all-reduce: the sum over the group of this rank's tokens."""
+    """In place of a row layer's all-reduce: the sum over the group of this rank's tokens. It
+    ends the tensor-parallel region and starts one of this rank's tokens, where a layer in
+    `training` draws its own dropout masks (see region_generators)."""
 
-    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+    def __call__(self, y: torch.Tensor, training: bool) -> torch.Tensor:
         self._record(y)
-        return ops.reduce_scatter_to_sequence(y, self.dim, self.shards.group_name)
+        tokens = ops.reduce_scatter_to_sequence(y, self.dim, self.shards.group_name)
+        return region_generators.leave_and_enter(tokens, self.shards.group_name, training)
 
 
 class SliceTokens(_Step):
-    """A tensor held whole cut to this rank's tokens (its gradient gathered back whole)."""
+    """A tensor held whole cut to this rank's tokens (its gradient gathered back whole), which
+    starts a region of this rank's tokens."""
 
-    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+    def __call__(self, y: torch.Tensor, training: bool) -> torch.Tensor:
         self._record(y)
-        return ops.scatter_to_parallel(y, self.dim, self.shards.group_name)
+        tokens = ops.scatter_to_parallel(y, self.dim, self.shards.group_name)
+        return region_generators.enter(tokens, self.shards.group_name, training)
 
 
 class GatherTokens(_Step):
@@ -89,7 +94,8 @@ class GatherTokens(_Step):
         if self.shards.length is None:
             raise RuntimeError("GatherTokens: no layer has split this region's tokens yet in this forward; the plan's "
                                "sequence region does not match the model's call order")
-        return ops.all_gather_from_sequence(x, self.dim, self.shards.length, self.shards.group_name)
+        gathered = ops.all_gather_from_sequence(x, self.dim, self.shards.length, self.shards.group_name)
+        return region_generators.leave(gathered)
 
 
 class PlanSteps:
@@ -104,7 +110,8 @@ class PlanSteps:
         leaf = entry.leaf
 
         def hook(module, args, kwargs):
-            return replace_input(args, kwargs, leaf, step,
+            cut = step if gather else (lambda tokens: step(tokens, module.training))
+            return replace_input(args, kwargs, leaf, cut,
                                  f"sequence parallelism: {entry.module!r} was called without the tensor the plan "
                                  f"cuts to this rank's tokens (input {leaf})")
 
