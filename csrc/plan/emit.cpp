@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include "plan/gradient_flow.h"
+#include "plan/reasons.h"
 
 namespace autoshard::plan {
 namespace {
@@ -79,6 +80,15 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     d.reason = why[n].reason;
     d.note = why[n].note;
     d.whole_units = why[n].whole_units;
+    const bool has_batch_letter = std::any_of(node.letters.begin(), node.letters.end(), [](const EinsumLetter& l) {
+      return l.role == EinsumLetter::Batch && l.size > 0;
+    });
+    if (d.style == Style::Replicate && d.reason.empty() && has_batch_letter) {
+      // A grouped convolution splits only with its input: one arriving whole keeps it whole.
+      d.reason = "groups_input_whole";
+      reason_text(d.reason);  // every code has its words in reasons.cpp
+      d.note = "replicated: its input is held whole on every rank";
+    }
     if (d.style != Style::Replicate) {
       int root = pass.find(pass.node_region[n]);
       d.units = d.style == Style::Vocab ? node.num_embeddings : pass.regions[root].units;
@@ -160,6 +170,7 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
         }
         break;
       }
+      case Style::Batch:  // split with its input, its output split alike: nothing to exchange
       case Style::Replicate: break;
     }
     plan.layers.push_back(std::move(d));

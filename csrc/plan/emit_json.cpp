@@ -60,7 +60,7 @@ void write_ints(std::ostringstream& out, const std::vector<int64_t>& values) {
 }  // namespace
 
 std::string plan_to_json(const Plan& plan) {
-  static const char* styles[] = {"replicate", "column", "column_gather", "row", "vocab"};
+  static const char* styles[] = {"replicate", "column", "column_gather", "row", "vocab", "batch"};
   std::ostringstream out;
   out << "{\"version\":2,\"layers\":[";
   for (size_t i = 0; i < plan.layers.size(); ++i) {

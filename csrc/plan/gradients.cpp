@@ -78,6 +78,9 @@ void Propagation::settle_gradients() {
         GradState whole;
         whole.whole = true;
         grad[node.inputs.at(0)].join(whole);
+      } else if (role == Style::Batch) {
+        // Input, output and parameters split alike: each rank's gradients are its own
+        // entries', whole, and its input's gradient stays split as its input is.
       } else if (role == Style::Row || role == Style::Vocab) {
         refuse(out, "gives a partial gradient to " + node.label + "'s output");
         // A row layer's bias added to this rank's tokens only: a partial gradient.

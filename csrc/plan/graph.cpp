@@ -119,6 +119,7 @@ Node parse_node(const JsonValue& record, const std::string& where) {
         TORCH_CHECK_VALUE(letter.size() == 1, "[plan.bad_graph] plan: ", at, ": 'letter' must be one character");
         node.letters.push_back({static_cast<int64_t>(letter[0]), parse_role(field(item, "role", Type::String, at).string, at),
                                 integer(item, "input_dim", at), integer(item, "output_dim", at)});
+        node.letters.back().size = integer_or(item, "size", 0, at);
       }
       break;
     case Kind::Permute: node.permutation = integers<int64_t>(record, "permutation", where); break;

@@ -41,6 +41,9 @@ struct EinsumLetter {
   Role role = Output;
   int64_t input_dim = -1;
   int64_t output_dim = -1;
+  // A batch letter's extent where its input axis holds more than the letter (a grouped
+  // convolution's groups, each a run of channels): a split keeps these runs whole. 0: the axis.
+  int64_t size = 0;
 };
 
 // A LoRA adapter's factors beside a Linear layer: A ([rank, in]) and B ([out, rank]) as
@@ -146,7 +149,8 @@ struct Graph {
 //             (optional: ModuleExit),
 //    "together": [[column node, row node], ...] (optional: Graph::together)}
 // A tensor's id is its index in "tensors"; einsum letters are objects
-// {"letter": "d", "role": "output" | "contracted" | "batch", "input_dim": int, "output_dim": int}.
+// {"letter": "d", "role": "output" | "contracted" | "batch", "input_dim": int, "output_dim": int,
+//  "size": int (optional, batch letters: EinsumLetter::size)}.
 Graph parse_graph(const std::string& document);
 
 }  // namespace autoshard::plan

@@ -22,7 +22,10 @@
 
 namespace autoshard::plan {
 
-enum class Style { Replicate, Column, ColumnGather, Row, Vocab };
+// Batch: an einsum layer split on a letter its input, weight and output share (a grouped
+// convolution's groups): its input arrives split there, its output leaves split alike, and it
+// needs no collective.
+enum class Style { Replicate, Column, ColumnGather, Row, Vocab, Batch };
 
 struct LayerDecision {
   int node = -1;

@@ -200,7 +200,10 @@ void Propagation::visit_linear(int n, const Node& node) {
 }
 
 // An einsum layer over a replicated input splits the first letter its weight brings to the
-// output (a head axis); over a sharded input it contracts that letter, as a row layer does.
+// output (a head axis); over a sharded input it contracts that letter, as a row layer does, or
+// carries it through to the output where the letter is a batch letter (a grouped convolution's
+// groups): each rank then computes its own batch entries, with no collective. The region's
+// units must divide the letter's extent, so that a split keeps every group whole.
 void Propagation::visit_einsum(int n, const Node& node) {
   const Layout x = layouts[node.inputs.at(0)];
   const int out = node.outputs.at(0);
@@ -227,8 +230,21 @@ void Propagation::visit_einsum(int n, const Node& node) {
     return;
   }
   const EinsumLetter* contracted = nullptr;
+  const EinsumLetter* batch = nullptr;
   for (const auto& axis : node.letters) {
     if (axis.input_dim == x.factor.axis && axis.role == EinsumLetter::Contracted) contracted = &axis;
+    if (axis.input_dim == x.factor.axis && axis.role == EinsumLetter::Batch && axis.output_dim >= 0) batch = &axis;
+  }
+  if (batch && x.factor.outer == 1) {
+    const int64_t extent = batch->size > 0 ? batch->size : x.factor.size;
+    constrain(x.region, extent);
+    roles[n] = Style::Batch;
+    node_region[n] = x.region;
+    letters[n] = batch->letter;
+    const int axis = static_cast<int>(batch->output_dim);
+    const int64_t size = shape(out).at(axis);  // a depthwise convolution's channel multiplier may change it
+    if (size != x.factor.size) regions[find(x.region)].localize.push_back(size);
+    return set_sharded(out, {axis, 1, size}, x.region);
   }
   if (!contracted || x.factor.outer != 1) {
     return conflict(x.region, "reaches " + node.label + " on a letter it does not contract");

@@ -36,8 +36,11 @@ const std::vector<std::pair<std::string, std::string>>& reason_table() {
       {"row_bias", "the bias of a row-parallel layer, added once after the all-reduce"},
       {"not_a_layer", "not a Linear, Embedding, einsum or convolution layer (norms, free parameters)"},
       {"convolution",
-       "a convolution autoshard does not split: grouped or depthwise (it reads its input channels group by "
-       "group), or with a forward of its own"},
+       "a convolution autoshard does not split: a grouped transposed convolution, or one with a forward of its "
+       "own"},
+      {"groups_input_whole",
+       "a grouped or depthwise convolution whose input channels arrive whole: it is split only with its input, by "
+       "whole groups"},
       {"functional_layer",
        "a Linear the model never calls: its forward applies the weight itself (F.linear(x, layer.weight, bias)), "
        "which autoshard does not split"},

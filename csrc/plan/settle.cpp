@@ -270,7 +270,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
     };
     size_t flip = count;
     for (size_t n = 0; n < count && flip == count; ++n) {
-      if (pass.roles[n] != Style::Row) continue;
+      if (pass.roles[n] != Style::Row && pass.roles[n] != Style::Batch) continue;
       const Region& region = decided_by(pass.find(pass.node_region[n]));
       if (region.conflict || region.units < world_size) flip = n;
     }
@@ -302,7 +302,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
     for (const auto& [param, layers] : layers_of_param) {
       bool agree = !params_read_elsewhere.count(param);
       std::set<int64_t> units;
-      size_t rows = 0;
+      size_t rows = 0, batches = 0;
       for (int n : layers) {
         const Style role = pass.roles[n];
         if (role == Style::Replicate) agree = agree && layers.size() == 1;
@@ -313,12 +313,17 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
           units.insert(pass.regions[pass.find(pass.node_region[n])].units);
         }
         if (role == Style::Vocab) units.insert(graph.nodes[n].num_embeddings);
+        if (role == Style::Batch) {
+          ++batches;  // split with its input, as a row layer is: alike only if every call is
+          units.insert(pass.regions[pass.find(pass.node_region[n])].units);
+        }
         if (role == Style::Column || role == Style::ColumnGather) {
           units.insert(pass.regions[pass.find(pass.node_region[n])].units);
           agree = agree && (layers.size() == 1 || !pass.parts.count(n));
         }
       }
-      agree = agree && units.size() <= 1 && (rows == 0 || rows == layers.size());
+      agree = agree && units.size() <= 1 && (rows == 0 || rows == layers.size()) &&
+              (batches == 0 || batches == layers.size());
       if (agree) continue;
       const bool elsewhere = params_read_elsewhere.count(param) > 0;
       for (int n : layers) {

@@ -12,6 +12,9 @@ class Style(str, Enum):
     COLUMN_GATHER = "column_gather"  # column, with its output gathered whole (a model output)
     ROW = "row"  # input features split; the partial outputs are all-reduced
     VOCAB = "vocab"  # an embedding split over its rows (the vocabulary)
+    # split on a letter its input, weight and output share (a grouped convolution's groups): its
+    # input arrives split there and its output leaves split alike, with no collective
+    BATCH = "batch"
     REPLICATE = "replicate"  # held whole on every rank
 
     def __str__(self) -> str:

@@ -274,11 +274,11 @@ IDIOMS = [
                    r"blocks\.0(-1)?\.attn\.qkv"),
     Arch("own_idiom_adaptive_norm", idiom("adaptive_norm"), token_ids(97), small=True,
          plan_says=r"blocks\.0(-1)?\.modulation\.1 .*replicated: .*adaptive-norm modulation"),
-    # The stem is a layer of its own, whose output meets the grouped positional convolution:
-    # both whole, each with its reason.
+    # The stem is a layer of its own, whose output passes the grouped positional convolution
+    # and meets the blocks' norm: both whole, each with its reason.
     Arch("own_idiom_conv", idiom("conv"), pixels(3, 8), small=True,
-         plan_says=r"stem .*replicate .*its output reaches aten\.convolution(?s:.*)a convolution autoshard does not "
-                   r"split: grouped or depthwise .*position \(Conv1d"),
+         plan_says=r"stem .*replicate .*its output aten\.native_layer_norm(?s:.*)a grouped or depthwise convolution "
+                   r"whose input channels arrive whole.*position \(Conv1d"),
     # Its cross attention norms x and the memory itself and reshapes q with x's length: both kept whole.
     Arch("own_idiom_two_input_attention", idiom("two_input_attention"), token_ids(97), small=True,
          plan_says=r"module 'blocks\.0\.cross' receives tokens split over the ranks .* may read their count"),

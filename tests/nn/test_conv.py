@@ -74,7 +74,8 @@ class AudioEncoder(nn.Module):
 
 
 class GroupedThenNorm(nn.Module):
-    """A depthwise convolution and a BatchNorm over the channels: both stay whole."""
+    """A depthwise convolution and a BatchNorm over the channels: the norm needs the channels
+    whole, so the depthwise convolution's input arrives whole and it stays whole too."""
 
     def __init__(self):
         super().__init__()
@@ -147,10 +148,11 @@ def test_grouped_convolution_and_batch_norm_stay_whole_with_reasons():
     model = GroupedThenNorm()
     plan = autoshard.plan(model, world_size=2, example_inputs=(torch.randn(2, 4, 6),))
     styles = {layer.module: layer.style.value for layer in plan.layers}
-    assert "depthwise" not in styles  # grouped: not a layer, followed op by op
-    # The up projection's output meets the depthwise convolution: no pair can form. The last
-    # convolution gives the model's output: split, its output gathered (checked exact above).
-    assert styles == {"up": "replicate", "down": "column_gather"}, styles
+    # The up projection's output passes the depthwise convolution and meets the norm: no pair
+    # can form, and the depthwise convolution reads a whole input. The last convolution gives
+    # the model's output: split, its output gathered (checked exact above).
+    assert styles == {"up": "replicate", "depthwise": "replicate", "down": "column_gather"}, styles
+    assert plan.layer("depthwise").reason == "groups_input_whole"
     text = str(plan)
     assert "depthwise" in text and "grouped or depthwise" in text, text
 

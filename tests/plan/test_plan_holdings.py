@@ -147,7 +147,7 @@ def test_warns_once_when_a_rank_would_hold_most_of_the_model():
     assert plan.held_fraction(0) > 0.6
     assert f"{plan.held_fraction(0):.0%}" in message and "an even split is 50%" in message
     assert "wide (" in message and "its output reaches an op that needs the whole axis" in message
-    assert "conv (" in message and "a convolution autoshard does not split: grouped or depthwise" in message
+    assert "conv (" in message and "a grouped or depthwise convolution whose input channels arrive whole" in message
     assert plan.layer("wide").style == "replicate" and plan.layer("out").style != "replicate"
 
 

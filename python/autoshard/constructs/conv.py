@@ -11,8 +11,7 @@ channel, so they are the same on every rank.
 The planner reads a convolution as an einsum layer with two weight letters: the output
 channels ("o", on the output's channel axis) and the input channels ("i", contracted from the
 input's channel axis). Grouped and depthwise convolutions read their input channels group by
-group; they are not recognised here, so their ops are followed one by one and a sharded input
-stops there.
+group: they are split over their groups, with their input (constructs/grouped_conv.py).
 """
 
 import copy

@@ -30,8 +30,11 @@ class EinsumConstruct(LayerConstruct):
     def planner_fields(self, info, inputs, output):
         from ..plan.layers import einsum_letters
 
-        return {"weight_param": info.weight_param, "bias_param": info.bias_param,
-                "letters": einsum_letters(info.equation, inputs.dim(), output.dim())}
+        # ShardedEinsumDense splits an output or a contracted letter: its batch letters are left
+        # out, so that an input split on one stops at the layer.
+        letters = [letter for letter in einsum_letters(info.equation, inputs.dim(), output.dim())
+                   if letter["role"] != "batch"]
+        return {"weight_param": info.weight_param, "bias_param": info.bias_param, "letters": letters}
 
     def weight_dim(self, layer) -> Optional[int]:
         return ops.einsum_weight_axes(layer.equation)[0].index(layer.letter) if layer.style.is_split else None

@@ -42,6 +42,7 @@ class LayerInfo:
     # A LoRA layer (nn/lora.py): its base Linear is the layer, and each adapter's factors
     # (A's weight, B's weight) as parameter indices, split with it.
     adapters: tuple = ()
+    groups: int = 1  # a grouped convolution's groups (kind "grouped_conv")
 
     @property
     def construct(self):
