@@ -22,12 +22,11 @@ benchmarks/results/bench_agreement_checks_cpu.json and .txt.
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from common import run_on_gloo_ranks, save_json, save_text, table_text
+from common import (add_small_llama_arguments, median_steps_in_turns, run_on_gloo_ranks, save_json, save_text,
+                    small_llama, small_llama_setup, table_text)
 
 # name -> (check_inputs, check_replicas_every, non-finite agreement)
 CONFIGURATIONS = {
@@ -41,18 +40,10 @@ CONFIGURATIONS = {
 
 
 def _model(args, check_inputs: bool, every: int, nonfinite: bool):
-    import autoshard
     from autoshard.nonfinite import agreements_for
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                         max_position_embeddings=max(args.seq, 128))
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    autoshard.parallelize(model, check_inputs=check_inputs, check_replicas_every=every,
-                          sequence_parallel=args.sequence_parallel == "on")
-    opt = autoshard.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = small_llama(args, check_inputs=check_inputs, check_replicas_every=every,
+                             sequence_parallel=args.sequence_parallel == "on")
     agreements = agreements_for(list(model.parameters()))
     if not nonfinite:
         for agreement in agreements:
@@ -61,37 +52,16 @@ def _model(args, check_inputs: bool, every: int, nonfinite: bool):
 
 
 def _rank_main(rank: int, world: int, args) -> dict:
-    import torch.distributed as dist
-
     contenders = {name: _model(args, *flags) for name, flags in CONFIGURATIONS.items()}
     ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-
-    def step(model, opt):
-        opt.zero_grad()
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-
-    times = {name: [] for name in contenders}
-    for i in range(args.warmup + args.repeats):
-        for name, (model, opt, _) in contenders.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step(model, opt)
-            if i >= args.warmup:
-                times[name].append(time.perf_counter() - start)
-    result = {name: statistics.median(t) for name, t in times.items()}
+    result = median_steps_in_turns(contenders, ids, args.warmup, args.repeats)
     result["checked parameters"] = contenders["defaults (all three)"][2]
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3)
+    add_small_llama_arguments(parser)
     # Off by default: with sequence parallelism every norm's gradient is summed in backward
     # already, and the non-finite agreement has nothing to count.
     parser.add_argument("--sequence-parallel", choices=("on", "off"), default="off")
@@ -100,9 +70,8 @@ def main() -> None:
     none = max(r["no check"] for r in per_rank)
     rows = [{"configuration": name, "ms per step": max(r[name] for r in per_rank) * 1e3,
              "/ no check": max(r[name] for r in per_rank) / none} for name in CONFIGURATIONS]
-    setup = (f"2 gloo ranks (1 thread each), HF Llama hidden {args.hidden}, {args.layers} layers, 4 heads / 2 KV, "
-             f"vocab 256, sequence parallelism {args.sequence_parallel}; {per_rank[0]['checked parameters']} replicated parameters under the non-finite agreement; "
-             f"batch {args.batch} x {args.seq} tokens; median of {args.repeats} training steps, configurations in turns")
+    setup = (f"{small_llama_setup(args)}, sequence parallelism {args.sequence_parallel}; "
+             f"{per_rank[0]['checked parameters']} replicated parameters under the non-finite agreement; batch {args.batch} x {args.seq} tokens; median of {args.repeats} training steps, configurations in turns")
     text = setup + "\n" + table_text(rows, ["configuration", "ms per step", "/ no check"])
     print(text)
     for row in rows:

@@ -19,20 +19,8 @@ import time
 
 import torch
 
-from common import run_on_gloo_ranks, save_json, save_text, table_text
-
-
-def _model(args, check_inputs: bool):
-    import autoshard
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                         max_position_embeddings=max(args.seq, 128))
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    autoshard.parallelize(model, check_inputs=check_inputs)
-    return model, autoshard.optim.AdamW(model.parameters(), lr=1e-3)
+from common import (add_small_llama_arguments, median_steps_in_turns, run_on_gloo_ranks, save_json, save_text,
+                    small_llama, small_llama_setup, table_text)
 
 
 def _rank_main(rank: int, world: int, args) -> dict:
@@ -41,22 +29,9 @@ def _rank_main(rank: int, world: int, args) -> dict:
     from autoshard.forward_checks import tensor_inputs
     from autoshard.parallel_state import state_of
 
-    contenders = {"check on": _model(args, True), "check off": _model(args, False)}
+    contenders = {"check on": small_llama(args, check_inputs=True), "check off": small_llama(args, check_inputs=False)}
     ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-
-    def step(model, opt):
-        opt.zero_grad()
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-
-    times = {name: [] for name in contenders}
-    for i in range(args.warmup + args.repeats):
-        for name, (model, opt) in contenders.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step(model, opt)
-            if i >= args.warmup:
-                times[name].append(time.perf_counter() - start)
+    medians = median_steps_in_turns(contenders, ids, args.warmup, args.repeats)
     checks = state_of(contenders["check on"][0]).forward_checks
     names, tensors = tensor_inputs((), {"input_ids": ids, "labels": ids})
     alone = []
@@ -66,19 +41,14 @@ def _rank_main(rank: int, world: int, args) -> dict:
         checks.run(names, tensors)
         if i >= args.warmup:
             alone.append(time.perf_counter() - start)
-    result = {name: statistics.median(t) for name, t in times.items()}
+    result = dict(medians)
     result["check alone"] = statistics.median(alone)
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3)
+    add_small_llama_arguments(parser)
     args = parser.parse_args()
     per_rank = run_on_gloo_ranks(_rank_main, 2, args)
     off = max(r["check off"] for r in per_rank)
@@ -86,8 +56,7 @@ def main() -> None:
     for name in ("check off", "check on", "check alone"):
         seconds = max(r[name] for r in per_rank)
         rows.append({"what": name, "ms": seconds * 1e3, "/ step without check": seconds / off})
-    setup = (f"2 gloo ranks (1 thread each), HF Llama hidden {args.hidden}, {args.layers} layers, 4 heads / 2 KV, "
-             f"vocab 256; batch {args.batch} x {args.seq} tokens; median of {args.repeats} training steps")
+    setup = (f"{small_llama_setup(args)}; batch {args.batch} x {args.seq} tokens; median of {args.repeats} training steps")
     text = setup + "\n" + table_text(rows, ["what", "ms", "/ step without check"])
     print(text)
     for row in rows:

@@ -18,20 +18,8 @@ import time
 
 import torch
 
-from common import run_on_gloo_ranks, save_json, save_text, table_text
-
-
-def _model(args, every: int):
-    import autoshard
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                         max_position_embeddings=max(args.seq, 128))
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    autoshard.parallelize(model, check_replicas_every=every)
-    return model, autoshard.optim.AdamW(model.parameters(), lr=1e-3)
+from common import (add_small_llama_arguments, median_steps_in_turns, run_on_gloo_ranks, save_json, save_text,
+                    small_llama, small_llama_setup, table_text)
 
 
 def _rank_main(rank: int, world: int, args) -> dict:
@@ -40,22 +28,10 @@ def _rank_main(rank: int, world: int, args) -> dict:
     from autoshard.parallel_state import state_of
     from autoshard.replica_check import check_replicas, replicated_parameters
 
-    contenders = {"fingerprint every step": _model(args, 1), "fingerprint off": _model(args, 0)}
+    contenders = {"fingerprint every step": small_llama(args, check_replicas_every=1),
+                  "fingerprint off": small_llama(args, check_replicas_every=0)}
     ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-
-    def step(model, opt):
-        opt.zero_grad()
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-
-    times = {name: [] for name in contenders}
-    for i in range(args.warmup + args.repeats):
-        for name, (model, opt) in contenders.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step(model, opt)
-            if i >= args.warmup:
-                times[name].append(time.perf_counter() - start)
+    medians = median_steps_in_turns(contenders, ids, args.warmup, args.repeats)
     model = contenders["fingerprint every step"][0]
     group = state_of(model).forward_checks.group
     alone = []
@@ -65,7 +41,7 @@ def _rank_main(rank: int, world: int, args) -> dict:
         check_replicas(model, group)
         if i >= args.warmup:
             alone.append(time.perf_counter() - start)
-    result = {name: statistics.median(t) for name, t in times.items()}
+    result = dict(medians)
     result["fingerprint alone"] = statistics.median(alone)
     result["replicated parameters"] = len(replicated_parameters(model))
     return result
@@ -73,12 +49,7 @@ def _rank_main(rank: int, world: int, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3)
+    add_small_llama_arguments(parser)
     args = parser.parse_args()
     per_rank = run_on_gloo_ranks(_rank_main, 2, args)
     off = max(r["fingerprint off"] for r in per_rank)
@@ -88,8 +59,7 @@ def main() -> None:
         rows.append({"what": name, "ms": seconds * 1e3, "/ step without": seconds / off})
     alone = max(r["fingerprint alone"] for r in per_rank)
     rows.append({"what": "default, every 100 steps (alone / 100)", "ms": alone * 10, "/ step without": alone / 100 / off})
-    setup = (f"2 gloo ranks (1 thread each), HF Llama hidden {args.hidden}, {args.layers} layers, 4 heads / 2 KV, "
-             f"vocab 256, {per_rank[0]['replicated parameters']} replicated parameters; batch {args.batch} x "
+    setup = (f"{small_llama_setup(args)}, {per_rank[0]['replicated parameters']} replicated parameters; batch {args.batch} x "
              f"{args.seq} tokens; median of {args.repeats} training steps")
     text = setup + "\n" + table_text(rows, ["what", "ms", "/ step without"])
     print(text)

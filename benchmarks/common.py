@@ -107,3 +107,55 @@ def run_on_gloo_ranks(rank_main: Callable, world: int, *args) -> list:
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_gloo_rank, args=(rank_main, world, free_port(), queue, args), nprocs=world)
     return queue.get()
+
+
+# ---- the small training step the agreement-check benchmarks time (bench_agreement_checks,
+# bench_input_check, bench_replica_check)
+
+def add_small_llama_arguments(parser) -> None:
+    """The model size, batch and repeats those benchmarks share."""
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+
+
+def small_llama(args, **parallelize_kwargs):
+    """A Hugging Face Llama from a config (4 heads over 2 KV heads, vocabulary 256), seeded,
+    parallelized over the world with `parallelize_kwargs`, and its autoshard AdamW."""
+    import autoshard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                         max_position_embeddings=max(args.seq, 128))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    autoshard.parallelize(model, **parallelize_kwargs)
+    return model, autoshard.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def median_steps_in_turns(contenders: Dict[str, tuple], ids: torch.Tensor, warmup: int, repeats: int) -> Dict[str, float]:
+    """Median seconds of a training step (zero_grad, forward with labels, backward, step) of
+    each (model, optimizer, ...) in `contenders`, taking turns one step each after a barrier, so
+    that a busy machine slows all alike."""
+    import torch.distributed as dist
+
+    times = {name: [] for name in contenders}
+    for i in range(warmup + repeats):
+        for name, (model, opt, *_) in contenders.items():
+            dist.barrier()
+            start = time.perf_counter()
+            opt.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def small_llama_setup(args) -> str:
+    return (f"2 gloo ranks (1 thread each), HF Llama hidden {args.hidden}, {args.layers} layers, 4 heads / 2 KV, "
+            f"vocab 256")
