@@ -100,10 +100,12 @@ def _table(records: dict, world_size: int) -> str:
     lines.append(f"{'prediction differs':18s} {predicted:6d}")
     whole = collections.Counter(r.get("largest_whole") or "-" for r in records.values() if r["class"] == "exact_over")
     lines += ["", "exact_over, by the largest part held whole: " + ", ".join(f"{k} {v}" for k, v in whole.most_common())]
-    media = collections.Counter(r.get("inputs") for r in records.values()
+    # The models that take images or audio beside their text: what each was judged on (its text
+    # alone where no layout of them runs unsharded; "skipped" where nothing runs).
+    media = collections.Counter(r.get("inputs") or "skipped" for r in records.values()
                                 if r.get("inputs", "").startswith("text+") or r.get("media_failed"))
-    lines += ["", "judged on text with images or audio beside it: " + ", ".join(
-        f"{k or '-'} {v}" for k, v in media.most_common())]
+    lines += ["", "models of text and images or audio, judged on: " + ", ".join(
+        f"{k} {v}" for k, v in media.most_common())]
     lines += ["", f"{'variant':40s} {'class':16s} {'held':>5s} {'inputs':12s} why"]
     for name in sorted(records):
         r = records[name]
