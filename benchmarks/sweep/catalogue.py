@@ -1,6 +1,7 @@
 """Every architecture of the installed transformers: its base model and, where it has one, its
 causal-LM head, each built from its tiny config with random weights, and example inputs made
-from the config and the model's main input."""
+from the config and the model's main input (for a model of text and images or audio, text with
+its images or audio first, their tokens placed in the ids)."""
 
 import inspect
 from dataclasses import dataclass
@@ -21,6 +22,12 @@ AUDIO_SAMPLES = 1600
 
 class NoSuchInputs(LookupError):
     """The sweep cannot make this kind of inputs for the model (not a failure of the model)."""
+
+
+class NoMediaLayoutRuns(RuntimeError):
+    """A model that takes images or audio beside its text fails with every layout of them the
+    sweep makes (or the sweep makes none for its config): it is judged on its text alone, and the
+    record keeps this failure."""
 
 
 @dataclass(frozen=True)
@@ -101,10 +108,13 @@ def _video(config, generator) -> torch.Tensor:
     return torch.randn(BATCH, frames, channels, size, size, generator=generator)
 
 
-# How many sets of example inputs a model may be tried with: its main input alone, then the main
-# input in its other layout: text with images beside it (a dual encoder such as CLIP needs both),
-# audio as (batch, 1 channel, samples) (codecs), images as videos (batch, frames, channels, H, W).
-INPUT_KINDS = 2
+# The sets of example inputs a model is tried with, in turn, the first that runs unsharded being
+# the one it is judged on: "media", text with the images or audio it takes beside it, their tokens
+# in the ids (media_inputs; only for such a model), so that its vision or audio tower runs and is
+# planned; then kind 0, its main input alone; then kind 1, the main input in its other layout:
+# text with images beside it and no image tokens (a dual encoder such as CLIP needs both), audio
+# as (batch, 1 channel, samples) (codecs), images as videos (batch, frames, channels, H, W).
+INPUT_KINDS = ("media", 0, 1)
 
 
 def example_inputs(model: torch.nn.Module, generator: torch.Generator, kind: int = 0) -> Dict[str, torch.Tensor]:
@@ -142,6 +152,162 @@ def example_inputs(model: torch.nn.Module, generator: torch.Generator, kind: int
     if getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = _token_ids(config, (BATCH, DECODER_SEQ), generator)
     return inputs
+
+
+# The inputs a model's forward may take beside its input_ids, which put a tower of their own to work.
+IMAGE_INPUTS = ("pixel_values", "pixel_values_videos")
+AUDIO_INPUTS = ("input_features",)
+
+
+def _accepted(model: torch.nn.Module) -> Set[str]:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def takes_media_beside_text(model: torch.nn.Module) -> bool:
+    """Whether the model reads input_ids first and takes images, videos or audio features beside them."""
+    return (getattr(model, "main_input_name", "input_ids") == "input_ids"
+            and bool(_accepted(model) & set(IMAGE_INPUTS + AUDIO_INPUTS)))
+
+
+class _Counted(BaseException):
+    """Raised at the placeholder check with the number of tokens the image or audio features fill."""
+
+    def __init__(self, count: int):
+        super().__init__(count)
+        self.count = count
+
+
+def placeholder_count(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -> Optional[int]:
+    """Runs the forward on `inputs` up to the check where the model puts image or audio features in
+    place of their tokens in the ids (get_placeholder_mask, get_audio_placeholder_mask): the number
+    of tokens the features fill, or None where the forward ends without such a check. Raises what
+    the forward raises before it. Real tensors, not meta ones: a tiny model runs in milliseconds,
+    and the count is then the one the judged forward sees."""
+    patched = []
+    for module in model.modules():
+        for attribute in dir(type(module)):
+            if not (attribute.startswith("get_") and attribute.endswith("placeholder_mask")):
+                continue
+            check = getattr(module, attribute)
+            signature = inspect.signature(check)
+
+            def counting(*args, check=check, signature=signature, **kwargs):
+                bound = signature.bind_partial(*args, **kwargs).arguments
+                embeds = bound.get("inputs_embeds")
+                features = [v for k, v in bound.items() if k.endswith("_features") and v is not None]
+                if not features or not isinstance(embeds, torch.Tensor):
+                    return check(*args, **kwargs)
+                tensors = [t for f in features for t in (f if isinstance(f, (list, tuple)) else [f])]
+                raise _Counted(sum(t.numel() for t in tensors) // embeds.shape[-1])
+
+            setattr(module, attribute, counting)
+            patched.append((module, attribute))
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    except _Counted as counted:
+        return counted.count
+    finally:
+        for module, attribute in patched:
+            delattr(module, attribute)
+    return None
+
+
+def _media_token(config, kind: str) -> Optional[int]:
+    """The config's token for an image or for audio, and its start and end tokens where it has them."""
+    names = {"image": ("image_token_id", "image_token_index"), "audio": ("audio_token_id", "audio_token_index")}[kind]
+    for c in _configs(config):
+        for name in names:
+            value = getattr(c, name, None)
+            if isinstance(value, int):
+                return value
+    return None
+
+
+def _ids_with_tokens(ids: torch.Tensor, config, token: int, count: int, kind: str) -> torch.Tensor:
+    """`ids` with `count` tokens `token` inserted after each sample's first id, shared out over the
+    samples, between the config's start and end tokens for images where it has them."""
+    start = end = None
+    if kind == "image":
+        start = next((v for v in (_first(config, n) for n in ("vision_start_token_id", "image_start_token_id",
+                                                              "boi_token_index")) if v is not None), None)
+        end = next((v for v in (_first(config, n) for n in ("vision_end_token_id", "image_end_token_id",
+                                                            "eoi_token_index")) if v is not None), None)
+    batch = ids.shape[0]
+    rows = []
+    for i in range(batch):
+        mine = count // batch + (1 if i < count % batch else 0)
+        block = ([start] if start is not None else []) + [token] * mine + ([end] if end is not None else [])
+        rows.append(ids[i, :1].tolist() + block + ids[i, 1:].tolist())
+    length = max(len(r) for r in rows)
+    # Rows of uneven length end in their own last text id repeated (no padding token, no mask).
+    return torch.tensor([r + [r[-1]] * (length - len(r)) for r in rows], dtype=ids.dtype)
+
+
+def _image_layouts(model: torch.nn.Module, generator) -> List[Dict[str, torch.Tensor]]:
+    """autoshard's layouts of images for the model (plan/image_inputs.py), random values in them."""
+    from autoshard.plan.image_inputs import image_layouts
+
+    config = model.config
+    if getattr(config, "vision_config", None) is None or "pixel_values" not in _accepted(model):
+        return []
+    return [{k: torch.randn(v.shape, generator=generator) if v.is_floating_point() else v for k, v in layout.items()}
+            for layout in image_layouts(model, config, BATCH)]
+
+
+def _audio_layouts(model: torch.nn.Module, generator) -> List[Dict[str, torch.Tensor]]:
+    """Log-mel features (batch, mel bins, frames), with a mask of every frame where the forward takes one."""
+    if "input_features" not in _accepted(model):
+        return []
+    bins, frames = _first(model.config, "num_mel_bins") or 16, 2 * (_first(model.config, "max_source_positions") or 32)
+    layout = {"input_features": torch.randn(BATCH, bins, frames, generator=generator)}
+    for mask in ("input_features_mask", "feature_attention_mask"):
+        if mask in _accepted(model):
+            layout[mask] = torch.ones(BATCH, frames, dtype=torch.long)
+    return [layout]
+
+
+def media_inputs(model: torch.nn.Module, generator: torch.Generator) -> Dict[str, torch.Tensor]:
+    """Text with the images (or else the audio) the model takes beside it: each layout of images
+    autoshard makes, then the sweep's audio features, run up to the model's placeholder check for
+    the number of tokens they fill, and that many image (audio) tokens placed in the ids; the first
+    layout that gets there (or runs through without one) is the model's. Raises NoSuchInputs where
+    the model takes no such inputs, NoMediaLayoutRuns where none of the layouts runs."""
+    if not takes_media_beside_text(model):
+        raise NoSuchInputs("the model takes no images or audio beside its input_ids")
+    text = {"input_ids": _token_ids(model.config, (BATCH, SEQ), generator)}
+    if getattr(model.config, "is_encoder_decoder", False):
+        text["decoder_input_ids"] = _token_ids(model.config, (BATCH, DECODER_SEQ), generator)
+    failures = []
+    for kind, layouts in (("image", _image_layouts(model, generator)), ("audio", _audio_layouts(model, generator))):
+        for layout in layouts:
+            tried = {**text, **layout}
+            try:
+                count = placeholder_count(model, tried)
+            except Exception as error:  # noqa: BLE001 - the model's own error, kept for the record
+                failures.append(f"{_shapes(layout)}: {type(error).__name__}: {str(error)[:200]}")
+                continue
+            token = _media_token(model.config, kind)
+            if count is not None and token is not None:
+                tried["input_ids"] = _ids_with_tokens(text["input_ids"], model.config, token, count, kind)
+                if kind == "image" and "mm_token_type_ids" in _accepted(model):
+                    tried["mm_token_type_ids"] = (tried["input_ids"] == token).long()  # 1 where an image is
+            return tried
+    raise NoMediaLayoutRuns("; ".join(failures) or "the sweep makes no images or audio for its config")
+
+
+def _shapes(inputs: Dict[str, torch.Tensor]) -> str:
+    return ", ".join(f"{k} {tuple(v.shape)}" for k, v in inputs.items())
+
+
+def inputs_label(inputs: Dict[str, torch.Tensor]) -> str:
+    """What the judged inputs hold, for the record: "text+images", "text", "images", "audio", ..."""
+    parts = [("text", ("input_ids",)), ("images", ("pixel_values",)), ("videos", ("pixel_values_videos",)),
+             ("audio", ("input_features", "input_values")), ("series", ("past_values",))]
+    return "+".join(label for label, keys in parts if any(k in inputs for k in keys)) or "+".join(sorted(inputs))
 
 
 def autoshard_inputs(model: torch.nn.Module, generator: torch.Generator) -> Dict[str, torch.Tensor]:

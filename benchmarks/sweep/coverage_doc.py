@@ -50,6 +50,23 @@ def _reason(text: str) -> str:
     return text[:110].rstrip() + ("…" if len(text) > 110 else "")
 
 
+def _media_lines(rows: List[dict]) -> List[str]:
+    """How the variants that take images or audio beside their text were judged: on them, or on
+    their text alone (with the classes of each)."""
+    on_media = [r for r in rows if r.get("inputs", "").startswith("text+")]
+    text_alone = [r for r in rows if r.get("media_failed") and r["class"] != "skipped"]
+    if not on_media and not text_alone:
+        return []
+    classes = lambda group: ", ".join(f"{n} {c}" for c, n in collections.Counter(r["class"] for r in group).most_common())
+    lines = [f"Models that take images, videos or audio beside their text are judged on text with them "
+             f"(their tokens placed in the ids), so that the vision or audio tower runs, is planned and "
+             f"its gradients are compared: {len(on_media)} variants ({classes(on_media)})."]
+    if text_alone:
+        lines[0] += (f" {len(text_alone)} more, whose images or audio as the sweep makes them fail unsharded, "
+                     f"are judged on their text alone ({classes(text_alone)}): {_architectures([r['name'] for r in text_alone])}.")
+    return lines + [""]
+
+
 def section(data: dict) -> str:
     """The markdown of the sweep's results."""
     header, rows = data["rows"][0], data["rows"][1:]
@@ -67,6 +84,7 @@ def section(data: dict) -> str:
     lines += [f"| {words} | {counts[c]} | {causal[c]} |" for c, words in _CLASSES]
     mismatched = sum(1 for r in rows if r.get("prediction"))
     lines += [f"| collectives counted differ from the plan's | {mismatched} | |", ""]
+    lines += _media_lines(rows)
     over = collections.defaultdict(list)
     for r in rows:
         if r["class"] == "exact_over":

@@ -12,6 +12,10 @@ classes again, after a fix). At the end the table of totals and every
 architecture's line go to benchmarks/results/sweep_cpu.txt, the records to sweep_cpu.json.
 `--planning auto` plans and judges each model on the inputs autoshard makes itself (no
 example_inputs), its files named sweep_auto_* beside the others.
+
+A model that takes images or audio beside its input_ids is judged on text with them where they
+run unsharded (catalogue.media_inputs); each record's `inputs` says what it was judged on, and
+`media_failed` why a model of that kind was judged on its text alone.
 """
 
 import argparse
@@ -96,12 +100,18 @@ def _table(records: dict, world_size: int) -> str:
     lines.append(f"{'prediction differs':18s} {predicted:6d}")
     whole = collections.Counter(r.get("largest_whole") or "-" for r in records.values() if r["class"] == "exact_over")
     lines += ["", "exact_over, by the largest part held whole: " + ", ".join(f"{k} {v}" for k, v in whole.most_common())]
-    lines += ["", f"{'variant':40s} {'class':16s} {'held':>5s}  why"]
+    # The models that take images or audio beside their text: what each was judged on (its text
+    # alone where no layout of them runs unsharded; "skipped" where nothing runs).
+    media = collections.Counter(r.get("inputs") or "skipped" for r in records.values()
+                                if r.get("inputs", "").startswith("text+") or r.get("media_failed"))
+    lines += ["", "models of text and images or audio, judged on: " + ", ".join(
+        f"{k} {v}" for k, v in media.most_common())]
+    lines += ["", f"{'variant':40s} {'class':16s} {'held':>5s} {'inputs':12s} why"]
     for name in sorted(records):
         r = records[name]
         held = f"{r['held']:.2f}" if "held" in r else ""
         why = r.get("why") or r.get("largest_whole") or ""
-        lines.append(f"{name:40s} {r['class']:16s} {held:>5s}  {why[:160]}")
+        lines.append(f"{name:40s} {r['class']:16s} {held:>5s} {r.get('inputs', '-'):12s} {why[:160]}")
     return "\n".join(lines) + "\n"
 
 

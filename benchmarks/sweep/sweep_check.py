@@ -15,6 +15,12 @@ Classes:
 - wrong: some output, gradient, norm or state differs: silently wrong;
 - skipped: the model fails unsharded, or the sweep cannot make its inputs.
 
+A model that takes images, videos or audio beside its input_ids is run, planned and judged on
+text with them (their tokens placed in the ids, catalogue.media_inputs), so that its vision or
+audio tower is planned too; on its text alone only where no such layout runs unsharded (the
+record's `media_failed` says why). The record's `inputs` names what was judged ("text+images",
+"text+audio", "text", ...).
+
 With PLANNING=auto in the environment (run.py --planning auto) the model is planned and judged
 on the inputs autoshard makes itself (parallelize(model) with no example_inputs), not the sweep's.
 A plan whose predicted collectives differ from those counted is flagged (`prediction`) in
@@ -105,45 +111,57 @@ def _runs_unsharded(variant, dtype, kind: int) -> bool:
 _NoSuchInputs = catalogue.NoSuchInputs
 
 
-def _inputs(model, generator, kind: int):
+def _inputs(model, generator, kind):
     if PLANNING == "auto":
         if kind != 0:
             raise _NoSuchInputs("autoshard makes one set of inputs")
         return catalogue.autoshard_inputs(model, generator)
+    if kind == "media":
+        return catalogue.media_inputs(model, generator)
     return catalogue.example_inputs(model, generator, kind)
 
 
-def _why_skipped(failures: List[str]) -> str:
-    """The main inputs' (kind 0) failure; another kind's only where it says more than that the
-    model takes no such inputs (a dual encoder failing with images beside text)."""
+def _informative(failure: str) -> bool:
+    """Whether a kind's failure (empty where it was not tried) says more than that the model
+    takes no such inputs."""
+    return bool(failure) and not failure.startswith(_NoSuchInputs.__name__)
+
+
+def _why_skipped(failures: Dict[object, str]) -> str:
+    """The main inputs' (kind 0) failure; kind 1's only where it says more than that the model
+    takes no such inputs (a dual encoder failing with images beside text)."""
     why = failures[0]
-    informative = [f for f in failures[1:] if not f.startswith(_NoSuchInputs.__name__)]
-    if informative:
-        why += "; with images beside text: " + informative[-1]
+    if _informative(failures.get(1, "")):
+        why += "; with images beside text: " + failures[1]
     return why
 
 
 def check_variant(name: str) -> dict:
     """Runs on every rank of the default process group; never raises for the model's sake."""
     variant = catalogue.by_name(name)
-    failures = []  # per kind of inputs, the last (fp32) failure
+    failures: Dict[object, str] = {}  # per kind of inputs, the last (fp32) failure
     fp64 = None
-    for kind in range(catalogue.INPUT_KINDS):
+    kinds = catalogue.INPUT_KINDS if PLANNING != "auto" else (0,)
+    for kind in kinds:
         for dtype in (torch.float64, torch.float32):
             try:
                 lower = _runs_unsharded(variant, dtype, kind)
                 fp64 = dtype == torch.float64
                 break
             except _NoSuchInputs as error:  # the sweep has no such inputs: no dtype would help
-                failures.append(f"{type(error).__name__}: {str(error)[:300]}")
+                failures[kind] = f"{type(error).__name__}: {str(error)[:300]}"
                 break
             except Exception as error:
                 if dtype == torch.float32:
-                    failures.append(f"{dtype}: {type(error).__name__}: {str(error)[:300]}")
+                    failures[kind] = f"{dtype}: {type(error).__name__}: {str(error)[:300]}"
         if fp64 is not None:
             break
+    # Why a model that takes images or audio beside its text is judged on other inputs.
+    media = {"media_failed": failures["media"]} if _informative(failures.get("media", "")) else {}
     if fp64 is None:
-        return {"class": "skipped", "why": "fails unsharded: " + _why_skipped(failures)}
+        return {"class": "skipped", "why": "fails unsharded: " + _why_skipped(failures), **media}
+    # The inputs judged, for the record ("text+images", "text", ...), and the same for every rank.
+    label = catalogue.inputs_label(_inputs(catalogue.build(variant), torch.Generator().manual_seed(1), kind))
     # A model that computes part of an fp64 forward in float32 is compared at float32's precision.
     exact_in_fp64 = fp64 and not lower
     arch = SimpleNamespace(name=name, build=lambda: catalogue.build(variant), fp64=fp64, planning=PLANNING,
@@ -152,9 +170,9 @@ def check_variant(name: str) -> dict:
     try:
         report = check(arch)
     except Exception as error:
-        return {"class": "crash", "why": f"{type(error).__name__}: {str(error)[:500]}",
+        return {"class": "crash", "why": f"{type(error).__name__}: {str(error)[:500]}", "inputs": label, **media,
                 "where": traceback.format_exc(limit=-3)[-1500:], "fp64": fp64}
-    return {"report": vars(report), "fp64": fp64, "fp32_inside": bool(lower)}
+    return {"report": vars(report), "fp64": fp64, "fp32_inside": bool(lower), "inputs": label, **media}
 
 
 def classify(name: str, world_size: int, answers: List[dict]) -> Dict[str, object]:
@@ -164,7 +182,10 @@ def classify(name: str, world_size: int, answers: List[dict]) -> Dict[str, objec
         crashed = next((a for a in answers if a["class"] == "crash"), first)
         return {"name": name, **crashed}
     reports = [a["report"] for a in answers]
-    record: Dict[str, object] = {"name": name, "fp64": first["fp64"], "fp32_inside": first["fp32_inside"]}
+    record: Dict[str, object] = {"name": name, "fp64": first["fp64"], "fp32_inside": first["fp32_inside"],
+                                 "inputs": first["inputs"]}
+    if "media_failed" in first:
+        record["media_failed"] = first["media_failed"]
     refusal = next((r["refused"] for r in reports if r["refused"]), "")
     if refusal:
         kind, _, message = refusal.partition(": ")

@@ -26,7 +26,11 @@ SHRINK: Dict[str, int] = {
                      # widths that must equal another (sub-)config's width (the vision tower's output
                      # and the text width, a flow head's condition and the backbone, ...)
                      "text_hidden_size", "audio_hidden_size", "condition_dim",
-                     "adapter_in_dim"), WIDTH),
+                     "adapter_in_dim",
+                     # a vision tower's merger projects to the text width (Qwen2.5-VL, GLM-4V: 3584
+                     # and 4096 by default, which made the image features fill ~50x more tokens
+                     # than the grid's positions, and the merger most of the tiny model)
+                     "out_hidden_size"), WIDTH),
     # feed-forward widths
     **dict.fromkeys(("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff",
                      "hidden_dim", "ffn_hidden_size", "mlp_dim", "inner_dim"), FFN),
