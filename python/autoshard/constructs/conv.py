@@ -73,12 +73,12 @@ class ShardedConv(nn.Module):
             raise ValueError(f"ShardedConv: cannot split {full} {'output' if column else 'input'} channels over "
                              f"{self._world} ranks: every rank needs at least one")
         self.shard_specs = {"weight": spec}
-        self.weight = nn.Parameter(_local(spec, conv.weight), requires_grad=conv.weight.requires_grad)
+        self.weight = nn.Parameter(spec.take_owned(conv.weight), requires_grad=conv.weight.requires_grad)
         if conv.bias is None:
             self.register_parameter("bias", None)
         elif column:
             self.shard_specs["bias"] = ShardSpec(0, full, self._rank, self._world, units=units)
-            self.bias = nn.Parameter(_local(self.shard_specs["bias"], conv.bias), requires_grad=conv.bias.requires_grad)
+            self.bias = nn.Parameter(self.shard_specs["bias"].take_owned(conv.bias), requires_grad=conv.bias.requires_grad)
         else:  # added once, after the partial outputs are summed
             self.bias = nn.Parameter(conv.bias.detach().clone(), requires_grad=conv.bias.requires_grad)
         # The source's stride, padding and the rest, without its parameters or hooks: its own
@@ -125,11 +125,6 @@ class ShardedConv(nn.Module):
         return (f"{kind}({self.in_channels}, {self.out_channels}), style={self.style}, "
                 f"local_{'out' if self.style.is_column else 'in'}_channels={spec.local_size()} "
                 f"(rank {self._rank} of {self._world})")
-
-
-def _local(spec: ShardSpec, full: torch.Tensor) -> torch.Tensor:
-    local = spec.take(full.detach())
-    return local.clone() if local._is_view() else local  # own storage: the source may be freed
 
 
 @register

@@ -54,19 +54,14 @@ def shard_grouped_conv(module: nn.Module, weight_spec: ShardSpec, bias_spec: Opt
         raise TypeError(f"shard_grouped_conv: module must be a torch.nn Conv{{1,2,3}}d with groups > 1 and its own "
                         f"forward, got {type(module).__name__}")
     counts = _local_counts(module, weight_spec.local_size())
-    module.weight = nn.Parameter(_local(weight_spec, module.weight), requires_grad=module.weight.requires_grad)
+    module.weight = nn.Parameter(weight_spec.take_owned(module.weight), requires_grad=module.weight.requires_grad)
     module.shard_specs = {"weight": weight_spec}
     if module.bias is not None:
-        module.bias = nn.Parameter(_local(bias_spec, module.bias), requires_grad=module.bias.requires_grad)
+        module.bias = nn.Parameter(bias_spec.take_owned(module.bias), requires_grad=module.bias.requires_grad)
         module.shard_specs["bias"] = bias_spec
     for attr, value in counts.items():
         setattr(module, attr, value)
     return module
-
-
-def _local(spec: ShardSpec, full: torch.Tensor) -> torch.Tensor:
-    local = spec.take(full.detach())
-    return local.clone() if local._is_view() else local  # own storage: the source may be freed
 
 
 @register

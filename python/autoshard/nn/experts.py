@@ -18,9 +18,7 @@ from .spec import ShardSpec
 
 
 def _local(spec: ShardSpec, full: torch.Tensor) -> nn.Parameter:
-    local = spec.take(full.detach())
-    local = local.clone() if local._is_view() else local
-    return nn.Parameter(local, requires_grad=full.requires_grad)
+    return nn.Parameter(spec.take_owned(full), requires_grad=full.requires_grad)
 
 
 def shard_experts(module: nn.Module, in_name: str, in_spec: ShardSpec, out_name: str, out_spec: ShardSpec,

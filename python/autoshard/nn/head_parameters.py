@@ -39,8 +39,7 @@ def shard_head_parameter(owner: nn.Module, attr: str, spec: ShardSpec, group: Op
     if full.device.type == "meta":
         local = torch.empty(spec.local_shape(full.shape), dtype=full.dtype, device="meta")
     else:
-        local = spec.take(full.detach())
-        local = local.clone() if local._is_view() else local
+        local = spec.take_owned(full)
     if getattr(owner, "group", None) not in (None, group):
         raise ValueError(f"head parameter: module {type(owner).__name__} already has an attribute 'group' "
                          f"({owner.group!r}), where autoshard records the process group of its parameter {attr!r}")

@@ -44,12 +44,6 @@ def _source_shape(layer, owner: str) -> Tuple[int, int, bool]:
                     f"got {type(layer).__name__}")
 
 
-def _take(spec: ShardSpec, full: torch.Tensor) -> torch.Tensor:
-    local = spec.take(full.detach())
-    # A parameter must own its storage: the source layer may be freed or changed.
-    return local.clone() if local._is_view() else local
-
-
 class _ParallelLinear(nn.Module):
     """What both layers share: the group, the split of one feature dimension, the weight
     layout and the checks. ``split_dim`` is the split dimension in ``[out, in]`` layout."""
@@ -123,10 +117,10 @@ class _ParallelLinear(nn.Module):
             self._copy_from_full(full.weight.t() if self.transposed_weight else full.weight, full.bias)
 
     def _copy_from_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-        self.weight.copy_(_take(self.shard_specs["weight"], weight))
+        self.weight.copy_(self.shard_specs["weight"].take_owned(weight))
         if self.bias is not None:
             spec = self.shard_specs.get("bias")
-            self.bias.copy_(_take(spec, bias) if spec is not None else bias)
+            self.bias.copy_(spec.take_owned(bias) if spec is not None else bias)
 
     def _weights_summed_over_holders(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The weight and bias as forward uses them when other ranks hold some of the same KV
@@ -186,10 +180,10 @@ class _ParallelLinear(nn.Module):
         if transposed:
             module.transposed_weight = True
             module.shard_specs["weight"] = replace(module.shard_specs["weight"], dim=1 - module.split_dim)
-        module.weight = nn.Parameter(_take(module.shard_specs["weight"], weight), requires_grad=weight.requires_grad)
+        module.weight = nn.Parameter(module.shard_specs["weight"].take_owned(weight), requires_grad=weight.requires_grad)
         if bias is not None:
             spec = module.shard_specs.get("bias")
-            local_bias = _take(spec, bias) if spec is not None else bias.detach().clone()
+            local_bias = spec.take_owned(bias) if spec is not None else bias.detach().clone()
             module.bias = nn.Parameter(local_bias, requires_grad=bias.requires_grad)
         attach_layer_state(module)
         return module

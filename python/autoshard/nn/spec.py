@@ -147,6 +147,12 @@ class ShardSpec:
         pieces = [full.narrow(self.dim, start, length) for start, length in self.local_ranges()]
         return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
 
+    def take_owned(self, full: torch.Tensor) -> torch.Tensor:
+        """take(), detached and holding its own storage: a sharded parameter must not keep the
+        full source tensor alive, nor change with it."""
+        local = self.take(full.detach())
+        return local.clone() if local._is_view() else local
+
 
 def module_shards(modules: Iterable[torch.nn.Module]) -> Dict[int, Tuple[ShardSpec, object]]:
     """id(parameter) -> (its ShardSpec, the module's process group or None), for the sharded
