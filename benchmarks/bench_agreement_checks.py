@@ -17,11 +17,15 @@ The checks (docs/with-other-tools.md and the README's guarantees):
 A step is zero_grad, forward with labels, backward and autoshard.optim.AdamW's step. The models
 (same seed, same batch) take turns, one step each after a barrier, so that a busy machine slows
 all alike; each rank keeps the median of --repeats steps after warm-up and the table shows the
-slower rank's, divided by the step with no check. Prints a table and writes
+slower rank's, divided by the step with no check. The agreement is also timed alone, as the
+end of a backward runs it; the input check and the fingerprint alone are in bench_input_check.py
+and bench_replica_check.py. Prints a table and writes
 benchmarks/results/bench_agreement_checks_cpu.json and .txt.
 """
 
 import argparse
+import statistics
+import time
 
 import torch
 
@@ -56,6 +60,22 @@ def _rank_main(rank: int, world: int, args) -> dict:
     ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     result = median_steps_in_turns(contenders, ids, args.warmup, args.repeats)
     result["checked parameters"] = contenders["defaults (all three)"][2]
+    # The agreement alone, as the end of each backward runs it (the gradients of the last step
+    # are still there): counting the non-finite elements and one all-reduce.
+    import torch.distributed as dist
+    from autoshard.nonfinite import agreements_for
+
+    model = contenders["non-finite agreement"][0]
+    agreements = agreements_for(list(model.parameters()))
+    alone = []
+    for i in range(args.warmup + args.repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for agreement in agreements:
+            agreement.record()
+        if i >= args.warmup:
+            alone.append(time.perf_counter() - start)
+    result["non-finite agreement alone"] = statistics.median(alone)
     return result
 
 
@@ -69,7 +89,8 @@ def main() -> None:
     per_rank = run_on_gloo_ranks(_rank_main, 2, args)
     none = max(r["no check"] for r in per_rank)
     rows = [{"configuration": name, "ms per step": max(r[name] for r in per_rank) * 1e3,
-             "/ no check": max(r[name] for r in per_rank) / none} for name in CONFIGURATIONS]
+             "/ no check": max(r[name] for r in per_rank) / none}
+            for name in (*CONFIGURATIONS, "non-finite agreement alone")]
     setup = (f"{small_llama_setup(args)}, sequence parallelism {args.sequence_parallel}; "
              f"{per_rank[0]['checked parameters']} replicated parameters under the non-finite agreement; batch {args.batch} x {args.seq} tokens; median of {args.repeats} training steps, configurations in turns")
     text = setup + "\n" + table_text(rows, ["configuration", "ms per step", "/ no check"])

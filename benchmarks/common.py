@@ -140,12 +140,15 @@ def small_llama(args, **parallelize_kwargs):
 def median_steps_in_turns(contenders: Dict[str, tuple], ids: torch.Tensor, warmup: int, repeats: int) -> Dict[str, float]:
     """Median seconds of a training step (zero_grad, forward with labels, backward, step) of
     each (model, optimizer, ...) in `contenders`, taking turns one step each after a barrier, so
-    that a busy machine slows all alike."""
+    that a busy machine slows all alike; each round starts one later in the order, so that
+    no configuration always runs right after the same one."""
     import torch.distributed as dist
 
     times = {name: [] for name in contenders}
+    names = list(contenders)
     for i in range(warmup + repeats):
-        for name, (model, opt, *_) in contenders.items():
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            model, opt, *_ = contenders[name]
             dist.barrier()
             start = time.perf_counter()
             opt.zero_grad()
