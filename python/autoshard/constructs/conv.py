@@ -127,24 +127,59 @@ class ShardedConv(nn.Module):
                 f"(rank {self._rank} of {self._world})")
 
 
-@register
-class ConvConstruct(LayerConstruct):
-    kind = "conv"
+class ConvolutionConstruct(LayerConstruct):
+    """What the convolution constructs share: recognition by `accepts`, the channel axis the
+    planner reads, and a meta stand-in holding this rank's weight (and bias)."""
+
     planner_kind = "einsum"
-    order = 60
     last_axis_features = False
+
+    def accepts(self, module: nn.Module) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} (kind {self.kind!r}) must define accepts")
+
+    def info_fields(self, module: nn.Module) -> Dict[str, object]:
+        """LayerInfo fields beyond what every convolution records."""
+        return {}
 
     def recognise(self, name: str, module: nn.Module, param_index: Dict[int, int]):
         from ..plan.layers import LayerInfo
 
-        if not _plain_convolution(module):
+        if not self.accepts(module):
             return None
         index = lambda p: param_index.get(id(p), -1) if p is not None else -1
-        return LayerInfo(name, "conv", module.in_channels, module.out_channels, bool(module.transposed),
-                         index(module.weight), index(module.bias), weight_shape=tuple(module.weight.shape))
+        return LayerInfo(name, self.kind, module.in_channels, module.out_channels, bool(module.transposed),
+                         index(module.weight), index(module.bias), weight_shape=tuple(module.weight.shape),
+                         **self.info_fields(module))
+
+    @staticmethod
+    def channel_axis(info, inputs: torch.Tensor) -> int:
+        """The input's channel axis: the one before the spatial axes."""
+        return inputs.dim() - (len(info.weight_shape) - 2) - 1
+
+    @staticmethod
+    def meta_copy(module: nn.Module, spec: ShardSpec, with_bias: bool) -> nn.Module:
+        """A shallow copy of `module` whose weight (and bias, with `with_bias`) are empty meta
+        tensors of `spec`'s local shape."""
+        local = copy.copy(module)
+        local._parameters = OrderedDict(module._parameters)
+        local.weight = nn.Parameter(torch.empty(spec.local_shape(module.weight.shape), device="meta",
+                                                dtype=module.weight.dtype), requires_grad=False)
+        if module.bias is not None and with_bias:
+            local.bias = nn.Parameter(torch.empty(spec.local_size(), device="meta", dtype=module.bias.dtype),
+                                      requires_grad=False)
+        return local
+
+
+@register
+class ConvConstruct(ConvolutionConstruct):
+    kind = "conv"
+    order = 60
+
+    def accepts(self, module: nn.Module) -> bool:
+        return _plain_convolution(module)
 
     def planner_fields(self, info, inputs: torch.Tensor, output: torch.Tensor) -> Dict[str, object]:
-        axis = inputs.dim() - (len(info.weight_shape) - 2) - 1  # the channels, before the spatial axes
+        axis = self.channel_axis(info, inputs)
         return {"weight_param": info.weight_param, "bias_param": info.bias_param,
                 "letters": [{"letter": "o", "role": "output", "input_dim": -1, "output_dim": axis},
                             {"letter": "i", "role": "contracted", "input_dim": axis, "output_dim": -1}]}
@@ -153,15 +188,7 @@ class ConvConstruct(LayerConstruct):
     weight_dim = LinearConstruct.weight_dim
 
     def stand_in(self, layer, module: nn.Module, rank: int, world_size: int) -> Optional[nn.Module]:
-        spec = layer.weight_spec(rank, world_size)
-        local = copy.copy(module)
-        local._parameters = OrderedDict(module._parameters)
-        local.weight = nn.Parameter(torch.empty(spec.local_shape(module.weight.shape), device="meta",
-                                                dtype=module.weight.dtype), requires_grad=False)
-        if module.bias is not None and layer.style.is_column:
-            local.bias = nn.Parameter(torch.empty(spec.local_size(), device="meta", dtype=module.bias.dtype),
-                                      requires_grad=False)
-        return local
+        return self.meta_copy(module, layer.weight_spec(rank, world_size), with_bias=layer.style.is_column)
 
     def shard(self, layer, module: nn.Module, group) -> nn.Module:
         return ShardedConv(module, layer.style, group, units=layer.units or None)

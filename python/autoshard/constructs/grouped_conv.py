@@ -17,8 +17,6 @@ this rank's groups, and its `groups`, `in_channels` and `out_channels` are its l
 its own forward (padding modes included) computes exactly this rank's channels.
 """
 
-import copy
-from collections import OrderedDict
 from typing import Dict, Optional
 
 import torch
@@ -27,7 +25,8 @@ from torch import nn
 from ..distributed import resolve
 from ..nn.spec import ShardSpec
 from ..styles import Style
-from .base import LayerConstruct, register
+from .base import register
+from .conv import ConvolutionConstruct
 
 _GROUPED = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -65,24 +64,18 @@ def shard_grouped_conv(module: nn.Module, weight_spec: ShardSpec, bias_spec: Opt
 
 
 @register
-class GroupedConvConstruct(LayerConstruct):
+class GroupedConvConstruct(ConvolutionConstruct):
     kind = "grouped_conv"
-    planner_kind = "einsum"
     order = 61
-    last_axis_features = False
 
-    def recognise(self, name: str, module: nn.Module, param_index: Dict[int, int]):
-        from ..plan.layers import LayerInfo
+    def accepts(self, module: nn.Module) -> bool:
+        return grouped_convolution(module)
 
-        if not grouped_convolution(module):
-            return None
-        index = lambda p: param_index.get(id(p), -1) if p is not None else -1
-        return LayerInfo(name, "grouped_conv", module.in_channels, module.out_channels, False,
-                         index(module.weight), index(module.bias), weight_shape=tuple(module.weight.shape),
-                         groups=module.groups)
+    def info_fields(self, module: nn.Module) -> Dict[str, object]:
+        return {"groups": module.groups}
 
     def planner_fields(self, info, inputs: torch.Tensor, output: torch.Tensor) -> Dict[str, object]:
-        axis = inputs.dim() - (len(info.weight_shape) - 2) - 1  # the channels, before the spatial axes
+        axis = self.channel_axis(info, inputs)
         return {"weight_param": info.weight_param, "bias_param": info.bias_param,
                 "letters": [{"letter": "g", "role": "batch", "input_dim": axis, "output_dim": axis,
                              "size": info.groups}]}
@@ -103,13 +96,7 @@ class GroupedConvConstruct(LayerConstruct):
 
     def stand_in(self, layer, module: nn.Module, rank: int, world_size: int) -> Optional[nn.Module]:
         spec = layer.weight_spec(rank, world_size)
-        local = copy.copy(module)
-        local._parameters = OrderedDict(module._parameters)
-        local.weight = nn.Parameter(torch.empty(spec.local_shape(module.weight.shape), device="meta",
-                                                dtype=module.weight.dtype), requires_grad=False)
-        if module.bias is not None:
-            local.bias = nn.Parameter(torch.empty(spec.local_size(), device="meta", dtype=module.bias.dtype),
-                                      requires_grad=False)
+        local = self.meta_copy(module, spec, with_bias=True)
         for attr, value in _local_counts(module, spec.local_size()).items():
             setattr(local, attr, value)
         return local
