@@ -83,7 +83,10 @@ def dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_i
         with torch.no_grad(), meta_autocast(), values, watch as collectives:
             outputs = shadow(*args, **kwargs)
     except LookupRefusal as error:
-        raise ValueError(f"{error}; the plan was refused and the model left unchanged") from None
+        refusal = ValueError(f"{error}; the plan was refused and the model left unchanged")
+        refusal.whole_layers = [error.embedding]
+        refusal.whole_reason = f"an embedding whose forward {error.what}, which a split table cannot answer"
+        raise refusal from None
     except ShapeMismatch as error:
         refusal = ValueError(f"parallelize: on a meta copy of the model, {error}; the plan was refused and the model "
                              "left unchanged")

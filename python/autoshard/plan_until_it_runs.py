@@ -12,7 +12,9 @@ outwards, so that the model is never refused for one region:
 2. the module that computed other shapes (the innermost module whose call holds the first
    differing op), in every block alike (`layers.0.attn` -> `layers.*.attn`): its layers whole;
    if it holds none, or still differs, its parent's; at the end the whole model;
-3. layers whose forward issued none of the collectives their plan needs: those layers whole.
+3. layers whose forward issued none of the collectives their plan needs, and embedding
+   subclasses whose forward reads their table other than by a lookup (nn/embedding_subclass.py):
+   those layers whole.
 
 The layers held whole say why in the plan (reason "shape_mismatch", the dry run's finding).
 """
@@ -55,8 +57,11 @@ def plan_until_it_runs(model, world_size: int, example_inputs, sequence_parallel
                 "", str(refusal))
             if getattr(refusal, "folded_block", False) and not every_block:
                 every_block = True
-            elif getattr(refusal, "silent_layers", None):
-                whole.update({name: why for name in refusal.silent_layers})
+            elif getattr(refusal, "silent_layers", None) or getattr(refusal, "whole_layers", None):
+                layers = getattr(refusal, "silent_layers", None) or refusal.whole_layers
+                if all(name in whole for name in layers):
+                    raise
+                whole.update({name: getattr(refusal, "whole_reason", why) for name in layers})
             elif getattr(refusal, "module", None) is not None:
                 pattern = _every_block(refusal.module) if refusal.module != "<model>" else ""
                 while pattern and (pattern in whole or not _holds_split_layer(plan, pattern)):

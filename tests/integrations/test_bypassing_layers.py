@@ -123,10 +123,16 @@ def _seeded(make, seed=0):
     return make()
 
 
-def _check_exact(make, example) -> dict:
+def _check_exact(make, example, own_plan: bool = False) -> dict:
+    """With `own_plan`, parallelize makes the plan itself (and plans again around what its dry
+    run refuses) and the layers' notes come back too."""
     model, reference = _seeded(make), _seeded(make)
-    plan = autoshard.plan(model, world_size=dist.get_world_size(), example_inputs=(example,))
-    autoshard.parallelize(model, plan, example_inputs=(example,))
+    if own_plan:
+        autoshard.parallelize(model, example_inputs=(example,))
+        plan = model.autoshard_state.plan
+    else:
+        plan = autoshard.plan(model, world_size=dist.get_world_size(), example_inputs=(example,))
+        autoshard.parallelize(model, plan, example_inputs=(example,))
     with autoshard.CommCounter() as forward:
         out = model(example)
     want = reference(example)
@@ -152,6 +158,8 @@ def _check_exact(make, example) -> dict:
     assert got.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    if own_plan:
+        return {layer.module: (layer.style, layer.note) for layer in plan.layers}
     return {layer.module: layer.style for layer in plan.layers}
 
 
@@ -169,6 +177,19 @@ def test_bypassing_layers_equal_unsharded(world_size):
     for case in ("own scale", "instance scale", "instance forward"):
         # Not F.linear: followed op by op and kept whole, never swapped for a sharded Linear.
         assert "up" not in styles[case] and "down" not in styles[case], (case, styles[case])
+
+
+def _indexing_planned_by_parallelize():
+    return _check_exact(lambda: LanguageModel(embedding=IndexingEmbedding), IDS, own_plan=True)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_embedding_reading_its_table_is_kept_whole_where_parallelize_plans_itself(world_size):
+    # The plan given by hand is refused (below); the plan parallelize makes itself holds it whole.
+    styles = run_on_ranks(_indexing_planned_by_parallelize, world_size)[0]
+    style, note = styles["emb"]
+    assert style == "replicate" and "other than by a lookup" in note, styles["emb"]
+    assert styles["up"][0] == "column" and styles["down"][0] == "row", styles
 
 
 # ---- refusals

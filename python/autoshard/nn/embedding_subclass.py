@@ -6,7 +6,8 @@ lookup in the module's own weight, whichever of those paths (or aten.embedding) 
 vocab-parallel lookup of this rank's rows followed by their sum over the ranks, so the
 forward goes on with the whole table's rows, as unsharded. Any other read of the weight (its
 shape, an index into it, a product with it) would see this rank's rows only: it is refused,
-on the meta copy parallelize tries the plan on, before any weight changes.
+on the meta copy parallelize tries the plan on, before any weight changes (a plan parallelize
+makes itself is then made again with the embedding whole; see plan_until_it_runs.py).
 """
 
 import inspect
@@ -30,13 +31,19 @@ _SAME_ON_EVERY_RANK = {torch._C.TensorBase.__dict__[name]
 
 
 class LookupRefusal(ValueError):
-    """A read of a split embedding's weight that its rows on this rank cannot answer."""
+    """A read of a split embedding's weight that its rows on this rank cannot answer; `embedding`
+    names the module, `what` the read."""
+
+    embedding = ""
+    what = ""
 
 
 def _refusal(module: nn.Module, what: str) -> ValueError:
-    return LookupRefusal(f"parallelize: the embedding {module.autoshard_name!r} ({module.autoshard_class.__name__}) "
-                      f"{what}; its forward sees only this rank's rows of the table. Keep it whole with "
-                      f"autoshard.plan(model, overrides={{{module.autoshard_name!r}: 'replicate'}})")
+    error = LookupRefusal(f"parallelize: the embedding {module.autoshard_name!r} ({module.autoshard_class.__name__}) "
+                          f"{what}; its forward sees only this rank's rows of the table. Keep it whole with "
+                          f"autoshard.plan(model, overrides={{{module.autoshard_name!r}: 'replicate'}})")
+    error.embedding, error.what = module.autoshard_name, what
+    return error
 
 
 def _sharded_lookup(module: nn.Module, ids: torch.Tensor, padding_idx) -> torch.Tensor:
