@@ -6,6 +6,8 @@
 #   make cuda-check                    # compile (and link) the CUDA kernels without running them
 #   make conformance                   # the full conformance matrix (tests/conformance, 2/3/4 ranks)
 #   make lint                          # ruff over the Python sources
+#   make test-gpu                      # on a GPU machine: build with its torch, run the GPU-marked tests
+#   make bench-gpu                     # on a GPU machine: the GPU benchmarks, into benchmarks/results
 PYTHON ?= python3
 TORCH ?= torch==2.13.0+cpu
 DTYPE ?= fp32
@@ -30,7 +32,7 @@ SOURCES := $(shell find csrc build_tools -name '*.cpp' -o -name '*.h' -o -name '
 TORCH_STAMP := $(VENV)/.torch-spec
 $(shell mkdir -p $(VENV) && [ "$$(cat $(TORCH_STAMP) 2>/dev/null)" = "$(TORCH)" ] || echo "$(TORCH)" > $(TORCH_STAMP))
 
-.PHONY: build test demo bench conformance cuda-check clean sweep lint
+.PHONY: build test demo bench conformance cuda-check clean sweep lint test-gpu bench-gpu
 
 $(VENV)/.deps: requirements-dev.txt constraints.txt $(TORCH_STAMP)
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +85,23 @@ cuda-check:
 		> $(CURDIR)/$(CUDA_CHECK_DIR)/build.log 2>&1 || { tail -60 $(CURDIR)/$(CUDA_CHECK_DIR)/build.log; exit 1; }
 	grep '^autoshard: ' $(CUDA_CHECK_DIR)/build.log
 	$(CUDA_VENV)/bin/python build_tools/check_cuda_kernels.py $(CUDA_CHECK_DIR)/src/python
+
+# On a machine with a GPU and a CUDA build of torch already installed (GPU_PYTHON's), where
+# nothing may be downloaded: builds the extension in place with that torch (CUDA kernels
+# required, for the visible GPU's architecture only), then runs every test marked gpu.
+GPU_PYTHON ?= python3
+GPU_JOBS ?= $(shell nproc)
+GPU_PYTEST_ARGS ?= -n 4
+test-gpu:
+	AUTOSHARD_BUILD_CUDA=1 MAX_JOBS=$(GPU_JOBS) $(GPU_PYTHON) setup.py build_ext --inplace
+	PYTHONPATH=$(CURDIR)/python $(GPU_PYTHON) -m pytest -q -m gpu -p no:cacheprovider $(GPU_PYTEST_ARGS) tests
+
+# The GPU benchmarks after make test-gpu's build; each writes benchmarks/results/<name>_cuda.json.
+# A failing benchmark does not stop the others; the target fails at the end.
+bench-gpu:
+	cd benchmarks && failed=""; for bench in bench_split bench_embedding bench_optim bench_layers bench_world_one; do \
+		PYTHONPATH=$(CURDIR)/python $(GPU_PYTHON) $$bench.py || failed="$$failed $$bench"; done; \
+		[ -z "$$failed" ] || { echo "failed:$$failed"; exit 1; }
 
 clean:
 	rm -rf build python/autoshard/_C*.so python/autoshard/_build_info.py $(VENV)/.built

@@ -99,11 +99,11 @@ def bf16_rows(shapes, device, adamw, sgd, warmup, repeats):
     return rows
 
 
-def transformer_shapes() -> List[tuple]:
+def transformer_shapes(hidden: int = HIDDEN, layers: int = LAYERS) -> List[tuple]:
     """Per layer: fused QKV, output projection, MLP up and down (weights and biases), two norms."""
-    h = HIDDEN
+    h = hidden
     layer = [(3 * h, h), (3 * h,), (h, h), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,), (h,), (h,)]
-    return layer * LAYERS
+    return layer * layers
 
 
 def interleaved_medians(steps: Dict[str, Callable[[], None]], device: torch.device, warmup: int,
@@ -129,13 +129,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
+    # A GPU steps the CPU's 12M parameters in tens of microseconds, where launches dominate.
+    parser.add_argument("--hidden", type=int, default=None, help=f"default {HIDDEN} on CPU, 1536 on a GPU")
+    parser.add_argument("--layers", type=int, default=None, help=f"default {LAYERS} on CPU, 16 on a GPU")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     generator = torch.Generator().manual_seed(0)
-    shapes = transformer_shapes()
+    gpu = device.type == "cuda"
+    shapes = transformer_shapes(args.hidden or (1536 if gpu else HIDDEN), args.layers or (16 if gpu else LAYERS))
     # One set of parameters and gradients that every optimizer steps (each keeps its own state).
     params = [torch.nn.Parameter(torch.randn(s, generator=generator).to(device) * 0.02) for s in shapes]
     for p in params:
@@ -176,6 +180,16 @@ def main() -> None:
             "autoshard_GBps": bytes_moved / ours / 1e9,
             "torch_fused_GBps": bytes_moved / medians["torch_fused"] / 1e9,
         })
+    if device.type == "cuda":
+        # The GPU's memory bandwidth as a device-to-device copy reaches it, measured here.
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        copy_gbps = 2 * src.numel() / interleaved_medians({"copy": lambda: dst.copy_(src)}, device, args.warmup,
+                                                          args.repeats)["copy"] / 1e9
+        del src, dst
+        for row in rows:
+            row["d2d_copy_GBps"] = copy_gbps
+            row["autoshard_fraction_of_copy"] = row["autoshard_GBps"] / copy_gbps
     del contenders  # the fp32 states; the bf16 rows keep their own
     rows += bf16_rows(shapes, device, adamw, sgd, args.warmup, args.repeats)
 
@@ -183,7 +197,7 @@ def main() -> None:
           f"median of {args.repeats} after {args.warmup} warm-up")
     columns = ["optimizer", "tensors", "parameters", "autoshard_ms", "torch_fused_ms", "torch_foreach_ms",
                "fused_over_autoshard", "foreach_over_autoshard", "autoshard_bytes_per_param", "torch_bytes_per_param",
-               "autoshard_GBps", "torch_fused_GBps"]
+               "autoshard_GBps", "torch_fused_GBps"] + (["d2d_copy_GBps", "autoshard_fraction_of_copy"] if gpu else [])
     print_table(rows, columns)
     print("saved", save_json("bench_optim", device, rows))
 

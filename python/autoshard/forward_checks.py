@@ -92,6 +92,10 @@ class ForwardChecks:
     def run(self, names: List[str], tensors: List[torch.Tensor]) -> None:
         if any(t.is_meta for t in tensors):  # a run on meta has no values to compare
             return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # A CUDA graph replays kernels, not this hook: a check captured once would compare
+            # the captured inputs forever, and its host reads would break the capture.
+            return
         self.wrappers()
         forward = self.forwards
         self.forwards += 1

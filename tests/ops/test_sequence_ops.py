@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
+from autoshard.distributed import default_group
 from autoshard import comm
 from checks import opcheck_all
 from multirank import run_on_ranks
@@ -88,7 +89,7 @@ def test_gradcheck_on_ranks(world_size):
 
 
 def _opcheck_cases(device):
-    group = dist.group.WORLD
+    group = default_group()
     name, rank, world = group.group_name, group.rank(), group.size()
     x = seeded((2, 7, 4), 60, device=device).requires_grad_()
     local = autoshard.shard(seeded((2, 7, 4), 61, device=device), rank, world, 1).requires_grad_()
