@@ -4,9 +4,21 @@
 #include <numeric>
 
 #include <c10/core/DeviceGuard.h>
+#include <torch/version.h>
 
 #include "comm/counters.h"
 #include "split/split_rule.h"
+
+// torch 2.13 named ProcessGroup's flat collectives all_gather_single and reduce_scatter_single
+// and kept the old names as deprecated aliases; older torch (2.11 on our GPU machines) has
+// only the old names.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+#define AUTOSHARD_ALL_GATHER_SINGLE all_gather_single
+#define AUTOSHARD_REDUCE_SCATTER_SINGLE reduce_scatter_single
+#else
+#define AUTOSHARD_ALL_GATHER_SINGLE _allgather_base
+#define AUTOSHARD_REDUCE_SCATTER_SINGLE _reduce_scatter_base
+#endif
 
 namespace autoshard::comm {
 namespace {
@@ -60,7 +72,7 @@ at::Tensor all_gather_uneven(const at::Tensor& local, int64_t dim, const std::ve
   // agree on a 1-d output of world times the input's elements.
   at::Tensor flat_input = padded.view({-1});
   at::Tensor flat_output = at::empty({world * padded.numel()}, local.options());
-  group.all_gather_single(flat_output, flat_input)->wait();
+  group.AUTOSHARD_ALL_GATHER_SINGLE(flat_output, flat_input)->wait();
   count_collective(Collective::kAllGather, static_cast<int64_t>(padded.nbytes()), group.getGroupName());
   std::vector<int64_t> gathered_shape{world};
   gathered_shape.insert(gathered_shape.end(), padded.sizes().begin(), padded.sizes().end());
@@ -104,7 +116,7 @@ at::Tensor reduce_scatter_uneven(const at::Tensor& flat, const std::vector<int64
   at::Tensor output = at::empty({widest}, flat.options());
   c10d::ReduceScatterOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
-  auto work = group.reduce_scatter_single(output, input, options);
+  auto work = group.AUTOSHARD_REDUCE_SCATTER_SINGLE(output, input, options);
   count_collective(Collective::kReduceScatter, static_cast<int64_t>(input.nbytes()), group.getGroupName());
   at::Tensor mine = sizes[rank] == widest ? output : output.narrow(0, 0, sizes[rank]);
   if (async_op) {
