@@ -36,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGE_DIR = os.path.join(HERE, "python", "autoshard")
 sys.path.insert(0, HERE)
 from build_tools import cuda_toolchain  # noqa: E402
+from build_tools.link_flags import extension_link_flags  # noqa: E402
 
 
 def build_cuda() -> bool:
@@ -99,7 +100,7 @@ extension_kwargs = dict(
     sources=sources("*.cpp") + (sources("*.cu") if with_cuda else []),
     include_dirs=[os.path.join(HERE, "csrc")] + (cuda_library_headers() if with_cuda else []),
     extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
-    extra_link_args=["-fopenmp"],
+    extra_link_args=extension_link_flags(),
 )
 extension = CUDAExtension(**extension_kwargs) if with_cuda else CppExtension(**extension_kwargs)
 

@@ -1,7 +1,9 @@
 // CUDA kernels of the vocab-parallel embedding, each one launch: the lookup gives every token
 // row to one block (threads across the row), copying it if held and writing zeros if not; the
-// backward adds each held token's gradient row into its table row with atomics.
+// backward adds each held token's gradient row into its table row with atomics (in float for
+// half-precision gradients, as the CPU kernel and ATen's embedding backward sum them).
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <ATen/cuda/Atomic.cuh>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -79,17 +81,17 @@ at::Tensor lookup_cuda(const at::Tensor& ids, const at::Tensor& weight, int64_t 
   return out;
 }
 
-template <typename scalar_t, typename index_t>
+template <typename scalar_t, typename acc_t, typename index_t>
 __global__ void accumulate_kernel(const scalar_t* __restrict__ grad, const index_t* __restrict__ ids, int64_t tokens,
                                   int64_t rows, int64_t dim, int64_t vocab_start, int64_t padding_idx,
-                                  scalar_t* __restrict__ out) {
+                                  acc_t* __restrict__ out) {
   for (int64_t i = blockIdx.x; i < tokens; i += gridDim.x) {
     const int64_t id = static_cast<int64_t>(ids[i]);
     const int64_t row = id - vocab_start;
     if (id == padding_idx || row < 0 || row >= rows) continue;
     const scalar_t* src = grad + i * dim;
-    scalar_t* dst = out + row * dim;
-    for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) gpuAtomicAdd(dst + j, src[j]);
+    acc_t* dst = out + row * dim;
+    for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) gpuAtomicAdd(dst + j, static_cast<acc_t>(src[j]));
   }
 }
 
@@ -98,22 +100,28 @@ at::Tensor lookup_backward_cuda(const at::Tensor& grad, const at::Tensor& ids, i
   check_lookup_backward_args(grad, ids, num_rows, vocab_start, padding_idx);
   const c10::cuda::CUDAGuard guard(grad.device());
   const int64_t dim = grad.size(-1);
-  at::Tensor out = at::zeros({num_rows, dim}, grad.options().memory_format(at::MemoryFormat::Contiguous));
+  const bool half = grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kBFloat16;
+  // Summing many bf16 rows into a bf16 row loses a bit per addition: half-precision gradients
+  // are summed into a float buffer and rounded once.
+  at::Tensor out = at::zeros({num_rows, dim}, grad.options()
+                                                  .dtype(half ? at::kFloat : grad.scalar_type())
+                                                  .memory_format(at::MemoryFormat::Contiguous));
   const int64_t tokens = ids.numel();
-  if (out.numel() == 0 || tokens == 0) return out;
+  if (out.numel() == 0 || tokens == 0) return out.to(grad.scalar_type());
   const at::Tensor flat_grad = grad.contiguous();
   const at::Tensor flat_ids = ids.contiguous();
   AT_DISPATCH_INDEX_TYPES(flat_ids.scalar_type(), "vocab_parallel_lookup_backward", [&] {
     using id_t = index_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, flat_grad.scalar_type(),
                                     "vocab_parallel_lookup_backward", [&] {
-      accumulate_kernel<scalar_t, id_t><<<block_count(tokens), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      using acc_t = at::opmath_type<scalar_t>;
+      accumulate_kernel<scalar_t, acc_t, id_t><<<block_count(tokens), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
           flat_grad.const_data_ptr<scalar_t>(), flat_ids.const_data_ptr<id_t>(), tokens, num_rows, dim,
-          vocab_start, padding_idx, out.data_ptr<scalar_t>());
+          vocab_start, padding_idx, out.data_ptr<acc_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  return out;
+  return half ? out.to(grad.scalar_type()) : out;
 }
 
 }  // namespace

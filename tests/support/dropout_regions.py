@@ -81,6 +81,8 @@ def _region_mechanics(device: str):
     """What the region's edges do to the generator of `device`, on this rank: returns a dict of
     named checks (True where they hold), and this rank's mask inside a region."""
     group = dist.group.WORLD.group_name
+    if device != "cpu":
+        torch.cuda.init()  # the CUDA generators exist only once CUDA is initialised
     generator = torch.default_generator if device == "cpu" else torch.cuda.default_generators[torch.device(device).index or 0]
     x = torch.ones(64, device=device)
     checks = {}
