@@ -2,6 +2,7 @@
 
 from . import checkpoint, comm, nn, ops, optim
 from .clip import clip_grad_norm_
+from .grad_scaler_agreement import install as _agree_on_grad_scaler_infs
 from .torch_clip import install as _route_torch_clipping
 from .comm import CommCounter
 from .distributed import init_distributed
@@ -37,3 +38,5 @@ __version__ = "0.1.0"
 
 # torch.nn.utils.clip_grad_norm_ over a parallelized model's gradients: the global norm.
 _route_torch_clipping()
+# torch.amp.GradScaler over a parallelized model's optimizer: the ranks agree on found_inf.
+_agree_on_grad_scaler_infs()
