@@ -37,7 +37,15 @@ def _plan_command(args) -> int:
             print(f"autoshard plan: no model class for model type {args.model_type!r}", file=sys.stderr)
             return 2
     built = time.perf_counter()
-    result = plan(model, world_size=args.world_size)
+    if args.sequence_parallel == "auto":
+        from .plan import plan_keeping_whole, sequence_choice
+
+        budget = None if args.memory_budget is None else int(args.memory_budget * 2**30)
+        tokens_split, why = sequence_choice.choose(model, args.world_size, None, None, budget, args.backend,
+                                                   _memory_options(args))
+        result = plan_keeping_whole(model, args.world_size, None, None, tokens_split, {}, sequence_choice=why)
+    else:
+        result = plan(model, world_size=args.world_size, sequence_parallel=args.sequence_parallel == "on")
     planned = time.perf_counter()
     if args.json:
         print(result.to_json())
@@ -54,16 +62,20 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
            "float16": "float16", "fp16": "float16"}
 
 
-def _print_memory(model, result, args) -> None:
+def _memory_options(args) -> dict:
     import torch
 
+    return dict(batch=args.batch, seq=args.seq, optimizer=None if args.optimizer == "none" else args.optimizer,
+                master_weights={"auto": None, "on": True, "off": False}[args.master_weights],
+                dtype=None if args.dtype is None else getattr(torch, _DTYPES[args.dtype]))
+
+
+def _print_memory(model, result, args) -> None:
     from .plan import plan
     from .plan.largest_world import largest_world_size
     from .plan.memory_prediction import table
 
-    options = dict(batch=args.batch, seq=args.seq, optimizer=None if args.optimizer == "none" else args.optimizer,
-                   master_weights={"auto": None, "on": True, "off": False}[args.master_weights],
-                   dtype=None if args.dtype is None else getattr(torch, _DTYPES[args.dtype]))
+    options = _memory_options(args)
     start = time.perf_counter()
     prediction = result.memory(**options)
     print()
@@ -100,7 +112,18 @@ def main(argv=None) -> int:
     memory.add_argument("--master-weights", choices=("auto", "on", "off"), default="auto",
                         help="fp32 master weights as autoshard.optim keeps them (auto: for bf16/fp16 parameters)")
     memory.add_argument("--no-memory", action="store_true", help="print the plan alone")
+    sequence = p.add_argument_group("sequence parallelism")
+    sequence.add_argument("--sequence-parallel", choices=("on", "off", "auto"), default="on",
+                          help="split the tokens between layers where valid (on, the default), never (off), or "
+                               "where it pays (auto: always on NCCL; on gloo where the predicted peak at --batch "
+                               "and --seq exceeds --memory-budget)")
+    sequence.add_argument("--memory-budget", type=float, metavar="GIB",
+                          help="GiB per rank the step must fit in (with --sequence-parallel auto)")
+    sequence.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
+                          help="the backend the job will run on, which prices the collectives (default: nccl)")
     args = parser.parse_args(argv)
+    if args.memory_budget is not None and (args.sequence_parallel != "auto" or args.memory_budget <= 0):
+        parser.error("--memory-budget must be a positive number of GiB, given with --sequence-parallel auto")
     if args.world_size <= 0:
         parser.error(f"--world-size must be a positive integer, got {args.world_size}")
     for name in ("batch", "seq"):

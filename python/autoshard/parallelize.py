@@ -7,7 +7,7 @@ plan is first tried on a meta copy of the model; a plan that cannot work fails t
 any weight is touched.
 """
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from .replica_check import DEFAULT_EVERY
 from .pending_gradients import check_no_pending_gradients
 from .plan import LayerPlan, ShardingPlan
 from .plan.local_attributes import set_attribute
-from .plan import plan_json
+from .plan import plan_json, sequence_choice
 from .plan_until_it_runs import plan_until_it_runs
 from .replaced_modules import check_no_hooks_lost
 from .state_views import install_state_dict_views
@@ -161,9 +161,10 @@ def _check_same_split(first: LayerPlan, again: LayerPlan) -> None:
 
 
 def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Optional[ProcessGroup] = None,
-                mesh=None, *, example_inputs=None, sequence_parallel: bool = True, loss_parallel: bool = True,
+                mesh=None, *, example_inputs=None, sequence_parallel: Union[bool, str] = True, loss_parallel: bool = True,
                 partition_optimizer_state: bool = True, check_inputs: bool = True,
-                check_replicas_every: int = DEFAULT_EVERY, reduce_dtype: Optional[torch.dtype] = None, fully_shard: bool = False) -> nn.Module:
+                check_replicas_every: int = DEFAULT_EVERY, reduce_dtype: Optional[torch.dtype] = None, fully_shard: bool = False,
+                memory_budget: Optional[int] = None) -> nn.Module:
     """Shards `model` in place over `group` (None: the "tp" dimension of `mesh`, else the
     process-wide default group, see distributed.default_group; kept as
     model.autoshard_state.group) following `plan` (None: autoshard.plan(model, example_inputs=...));
@@ -199,7 +200,9 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     `sequence_parallel` lets the plan split the tokens over the ranks between a row layer and
     the next column layers where every op there is per token (norms, residual adds, dropout):
     reduce-scatter and all-gather in place of the all-reduce, those activations 1/N the size.
-    Dropout there draws each rank's mask for its own tokens. A given `plan` decides alone.
+    Dropout there draws each rank's mask for its own tokens. `sequence_parallel="auto"` splits
+    them where it pays: on NCCL, or on gloo where the step's predicted peak without it exceeds
+    `memory_budget` (bytes per rank); print(plan) says why. A given `plan` decides alone.
 
     With `loss_parallel` (see loss_parallel.py), a language model called with labels computes
     its loss over vocabulary shards: the output head keeps its shard and the logits returned
@@ -210,8 +213,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         raise TypeError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise TypeError(f"parallelize: reduce_dtype must be None or a floating-point torch.dtype, got {reduce_dtype!r}")
-    if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"parallelize: sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
+    sequence_choice.check_arguments("parallelize", sequence_parallel, memory_budget)
     if not isinstance(loss_parallel, bool):
         raise TypeError(f"parallelize: loss_parallel must be a bool, got {type(loss_parallel).__name__}")
     if not isinstance(partition_optimizer_state, bool):
@@ -250,8 +252,12 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
             _check_plan_fits(model, candidate, group.size())
             return dry_run(model, candidate, group, example_inputs, _apply)
 
+        choice = ""
+        if sequence_parallel == "auto":
+            sequence_parallel, choice = sequence_choice.choose(model, group.size(), example_inputs, None,
+                                                               memory_budget, sequence_choice.backend_of(model, group))
         plan, state_shapes = plan_until_it_runs(model, group.size(), example_inputs, sequence_parallel,
-                                                checked_dry_run)
+                                                checked_dry_run, choice)
     else:
         _check_plan_fits(model, plan, group.size())
         state_shapes = dry_run(model, plan, group, example_inputs, _apply)

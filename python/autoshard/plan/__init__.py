@@ -4,13 +4,14 @@ import fnmatch
 import json
 import re
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 from torch import nn
 
 from ..nn.multihead_attention import IN_PROJECTION
 from ..styles import OVERRIDE_STYLES, Style
+from . import sequence_choice
 from .capture import CapturedGraph, capture
 from .holdings import imbalance_warning, inventory
 from .parameter_reasons import whole_reasons
@@ -125,14 +126,18 @@ def _attention_copies(region_plans: Dict[int, RegionPlan], records, graph: Captu
 
 
 def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None,
-         overrides: Optional[Dict[str, str]] = None, sequence_parallel: bool = True) -> ShardingPlan:
+         overrides: Optional[Dict[str, str]] = None, sequence_parallel: Union[bool, str] = True,
+         memory_budget: Optional[int] = None) -> ShardingPlan:
     """The sharding plan for `model` on `world_size` ranks, derived from its dataflow.
 
     With world_size given no process group is needed, so plans can be inspected offline.
     `overrides` maps name patterns (fnmatch, on module or parameter names) to "replicate" or
     "column_gather", and the plan is made again around them. With `sequence_parallel` the
     tokens between a row layer and the next column layers are split over the ranks where every
-    op there is per token (see csrc/plan/sequence.cpp)."""
+    op there is per token (see csrc/plan/sequence.cpp). With `sequence_parallel="auto"` the plan
+    splits them where it pays: on a backend whose reduce-scatter + all-gather cost what the
+    all-reduce costs (NCCL), or where the step's predicted peak without it exceeds
+    `memory_budget` (bytes per rank); the plan says why (see plan/sequence_choice.py)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
     if world_size is None:
@@ -143,13 +148,18 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
         world_size = group_world_size()
     if type(world_size) is not int or world_size <= 0:
         raise ValueError(f"plan: world_size must be a positive int, got {world_size!r}")
-    if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"plan: sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
-    return plan_keeping_whole(model, world_size, example_inputs, overrides, sequence_parallel, {})
+    sequence_choice.check_arguments("plan", sequence_parallel, memory_budget)
+    choice = ""
+    if sequence_parallel == "auto":
+        sequence_parallel, choice = sequence_choice.choose(model, world_size, example_inputs, overrides, memory_budget,
+                                                           sequence_choice.backend_of(model))
+    return plan_keeping_whole(model, world_size, example_inputs, overrides, sequence_parallel, {},
+                              sequence_choice=choice)
 
 
 def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overrides: Optional[Dict[str, str]],
-                       sequence_parallel: bool, whole: Dict[str, str], fold_blocks: bool = True) -> ShardingPlan:
+                       sequence_parallel: bool, whole: Dict[str, str], fold_blocks: bool = True,
+                       sequence_choice: str = "") -> ShardingPlan:
     """plan() with the layers under each module pattern of `whole` (fnmatch on module names)
     held whole for the reason given: modules whose sharded forward did not compute what the
     plan predicted on a meta copy (see parallelize), planned again without them. With
@@ -209,6 +219,7 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     graph.values = None
     result._input_values = graph.input_values  # the dry run in parallelize() replays these
     result.overrides = dict(overrides or {})
+    result.sequence_choice = sequence_choice
     result.parameters = inventory(graph.shadow)
     whole_reasons(result.parameters, graph)
     result._seal()

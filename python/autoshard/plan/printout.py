@@ -61,6 +61,8 @@ def text(plan) -> str:
                      f"each): {_listed([n.module for n in plan.norms])}")
     if plan.head_parameters:
         lines.append(f"  parameters split with their heads: {_listed([r.name for r in plan.head_parameters])}")
+    if plan.sequence_choice:
+        lines.append(f"  {plan.sequence_choice}")
     lines += _sequence_lines(plan)
     for bucket in plan.partial_gradients:
         lines.append(f"  partial gradients summed over the ranks in backward (one all-reduce, "

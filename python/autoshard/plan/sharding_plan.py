@@ -162,6 +162,8 @@ class ShardingPlan(Sealed):
     head_parameters: List[HeadParameter] = field(default_factory=list)
     # LoRA layers (see csrc/plan/adapters.cpp).
     adapters: List[AdapterFactors] = field(default_factory=list)
+    # Why sequence parallelism is on or off, where sequence_parallel="auto" chose (sequence_choice.py).
+    sequence_choice: str = ""
 
     def _seal(self) -> None:
         """Seals the plan and every part of it (plan/sealed.py), its lists too."""
