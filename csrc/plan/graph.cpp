@@ -134,6 +134,9 @@ Node parse_node(const JsonValue& record, const std::string& where) {
                         ": a norm reads {x, weight} and writes one tensor");
       break;
     case Kind::Split:
+      node.dim = integer(record, "dim", where);
+      node.drop_dim = boolean_or(record, "drop_dim", false, where);
+      break;
     case Kind::Cat: node.dim = integer(record, "dim", where); break;
     case Kind::Slice:
       node.dim = integer(record, "dim", where);

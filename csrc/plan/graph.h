@@ -26,7 +26,7 @@ enum class Kind {
   // An RMS norm over the last axis of a layer's output, with a weight of that axis's size
   // (inputs {x, weight}, weight_param): OLMo 2's q_norm and k_norm over every head's features.
   Norm,
-  Split,      // dim; one output per piece
+  Split,      // dim, drop_dim (unbind: each piece one long, without the axis); one output per piece
   Cat,        // dim
   Slice,      // dim, start, stop, drop_dim
   Source,     // no tensor inputs
@@ -79,7 +79,7 @@ struct Node {
   std::vector<int64_t> axes;         // Reduce
   int64_t dim = 0;                   // Split, Cat, Slice
   int64_t start = 0, stop = 0;       // Slice
-  bool drop_dim = false;             // Slice: select drops the axis
+  bool drop_dim = false;             // Slice: select drops the axis; Split: unbind drops it
   // Slice: the sizes of the slices of one tensor that together cover its axis in order (Phi-3's
   // q, k and v sliced from one fused output), and which of them this slice is; empty if none.
   std::vector<int64_t> partition;

@@ -21,6 +21,7 @@ Propagation::Propagation(const Graph& graph, const std::vector<Force>& forced) :
 void Propagation::run(const std::set<int>& vocab_embeddings, const std::map<int, AxisFactor>& cuts,
                       const std::map<int, AxisFactor>& node_cuts) {
   producer_.assign(graph_.tensors.size(), -1);
+  consumers_.assign(graph_.tensors.size(), {});
   carries_grad_.assign(graph_.tensors.size(), false);
   read_.assign(graph_.tensors.size(), false);
   for (size_t t = 0; t < graph_.tensors.size(); ++t) {
@@ -33,6 +34,7 @@ void Propagation::run(const std::set<int>& vocab_embeddings, const std::map<int,
     for (int id : node.inputs) {
       grad = grad || carries_grad_[id];
       read_[id] = true;
+      consumers_[id].push_back(static_cast<int>(n));
     }
     for (int id : node.outputs) {
       producer_[id] = static_cast<int>(n);
@@ -262,11 +264,46 @@ void Propagation::visit_embedding(int n, const Node& node, bool vocab_parallel) 
   }
 }
 
+int64_t Propagation::unbound_parts(int id, int axis) const {
+  for (;;) {
+    if (consumers_[id].size() != 1 || graph_.tensor(id).is_output) return 0;
+    const Node& next = graph_.nodes[consumers_[id][0]];
+    if (next.kind == Kind::Split && next.drop_dim && next.dim == axis) {
+      return static_cast<int64_t>(next.outputs.size());
+    }
+    if (next.kind != Kind::Permute) return 0;
+    const auto found = std::find(next.permutation.begin(), next.permutation.end(), axis);
+    if (found == next.permutation.end()) return 0;
+    axis = static_cast<int>(found - next.permutation.begin());
+    id = next.outputs.at(0);
+  }
+}
+
 void Propagation::visit_view(const Node& node) {
   const int in = node.inputs.at(0), out = node.outputs.at(0);
   const Layout x = layouts[in];
   layouts[out] = Layout{};
   if (!x.sharded) return;
+  // A fused q/k/v projection's output viewed as (3, heads, head_dim) and taken apart by an
+  // unbind of the 3: the leading axis holds the layer's parts, and the heads after it are what
+  // is split (each part by heads, as a split of the output into its parts does).
+  if (!x.whole && x.source >= 0 && x.factor.outer == 1 && !parts.count(x.source)) {
+    const auto& to = shape(out);
+    const ReshapeResult at = map_reshape(shape(in), to, x.factor);
+    const int k = at.factor.axis;
+    const int64_t count = at.ok && at.factor.outer == 1 ? at.factor.size : 0;
+    if (count > 1 && static_cast<size_t>(k + 1) < to.size() && to[k] == count && x.factor.size % count == 0 &&
+        (x.factor.size / count) % to[k + 1] == 0 && to[k + 1] > 1 && unbound_parts(out, k) == count) {
+      const int64_t part = x.factor.size / count;
+      std::vector<int64_t>& layer_parts = parts[x.source];
+      for (int64_t p = 0; p < count; ++p) layer_parts.push_back(part);
+      constrain(x.region, part);
+      constrain(x.region, to[k + 1]);
+      regions[find(x.region)].localize.push_back(part);
+      regions[find(x.region)].localize.push_back(to[k + 1]);
+      return set_sharded(out, {k + 1, 1, to[k + 1]}, x.region);
+    }
+  }
   // A view given its sizes may spell one head as a dimension of length 1 (a single KV head);
   // a unit axis, once there, stays one through later views.
   const bool sized = node.label.rfind("aten.view.", 0) == 0 || node.label.rfind("aten._unsafe_view.", 0) == 0 ||

@@ -174,6 +174,9 @@ class Propagation {
   void visit_einsum(int n, const Node& node);
   void visit_embedding(int n, const Node& node, bool vocab_parallel);
   void visit_view(const Node& node);
+  // The number of pieces an unbind takes `axis` of tensor `id` apart into, through permutes
+  // alone (qkv.reshape(b, t, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)); 0 if it is not so read.
+  int64_t unbound_parts(int id, int axis) const;
   void visit_permute(const Node& node);
   void visit_expand(const Node& node);
   void visit_pointwise(const Node& node);
@@ -195,6 +198,7 @@ class Propagation {
   const std::vector<Force>& forced_;
   int current_node_ = -1;
   std::vector<int> producer_;       // tensor -> the node computing it, or -1
+  std::vector<std::vector<int>> consumers_;  // tensor -> the nodes reading it
   std::vector<bool> carries_grad_;  // tensor -> whether a gradient flows to it (a parameter's, a layer's)
   std::set<int64_t> called_again_;  // weights of Linear layers called more than once (run_sequence)
   std::vector<bool> read_;          // tensor -> whether a node reads it or it is a model output

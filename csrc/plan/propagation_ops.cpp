@@ -173,12 +173,15 @@ void Propagation::visit_split(const Node& node) {
   for (int id : node.outputs) layouts[id] = Layout{};
   if (!x.sharded) return;
   if (dim != x.factor.axis) {
+    AxisFactor f = x.factor;
+    if (node.drop_dim && dim < f.axis) f.axis -= 1;  // unbind: each piece without the axis
     for (int id : node.outputs) {
-      set_sharded(id, x.factor, x.region);
+      set_sharded(id, f, x.region);
       layouts[id].whole = x.whole;
     }
     return;
   }
+  if (node.drop_dim) return conflict(x.region, node.label + " takes the sharded axis apart");
   if (x.whole) {
     std::vector<int64_t> partition;
     for (int id : node.outputs) partition.push_back(shape(id)[dim]);

@@ -298,7 +298,7 @@ void Propagation::sequence_visit(int n, const Node& node, const std::set<int>& r
     }
     case Kind::Split: {
       if (node.dim == x.factor.axis) return refuse(node.label + " splits the token axis");
-      for (int id : node.outputs) mark(id, x.factor.axis);
+      for (int id : node.outputs) mark(id, node.drop_dim && node.dim < x.factor.axis ? x.factor.axis - 1 : x.factor.axis);
       return;
     }
     case Kind::Slice: {

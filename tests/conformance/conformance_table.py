@@ -267,8 +267,9 @@ IDIOMS = [
     Arch("own_idiom_grouped_heads", idiom("grouped_heads"), token_ids(97), small=True,
          plan_says=r"blocks\.0(-1)?\.attn: local attributes \{'config\.num_attention_heads': '[\d/]+', "
                    r"'config\.num_key_value_heads'"),
+    # q, k and v taken apart by unbind: the fused projection is split by heads in its 3 parts.
     Arch("own_idiom_unbind_qkv", idiom("unbind_qkv"), token_ids(97), small=True,
-         plan_says=r"blocks\.0(-1)?\.attn\.qkv .*replicated: .*fused q/k/v split with unbind"),
+         plan_says=r"blocks\.0(?:-1)?\.attn\.qkv +column .* in parts \((\d+), \1, \1\)"),
     Arch("own_idiom_functional_qkv_bias", idiom("functional_qkv_bias"), token_ids(97), small=True,
          plan_says=r"a Linear the model never calls: its forward applies the weight itself \(F\.linear.*"
                    r"blocks\.0(-1)?\.attn\.qkv"),

@@ -234,6 +234,11 @@ class Recorder(TorchDispatchMode):
         elif packet in SPLITS:
             dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
             self.node("split", label, inputs[:1], [self.tensor_id(o) for o in flat_out], {"dim": _normalize_dim(dim, x.dim())})
+        elif packet is aten.unbind:
+            # A split into pieces of one along dim, each without that axis.
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+            self.node("split", label, inputs[:1], [self.tensor_id(o) for o in flat_out],
+                      {"dim": _normalize_dim(dim, x.dim()), "drop_dim": True})
         elif packet is aten.stack:
             self.record_stack(label, args, kwargs, flat_in, inputs, flat_out[0])
         elif packet is aten.repeat:
