@@ -308,7 +308,11 @@ void Propagation::visit_view(const Node& node) {
   // a unit axis, once there, stays one through later views.
   const bool sized = node.label.rfind("aten.view.", 0) == 0 || node.label.rfind("aten._unsafe_view.", 0) == 0 ||
                      node.label.rfind("aten.reshape.", 0) == 0 || node.label.rfind("aten._reshape_alias.", 0) == 0;
-  const ReshapeResult r = map_reshape(shape(in), shape(out), x.factor, sized || x.factor.size == 1);
+  // Only a projection's feature axis (the last) spells a single head that way: a leading axis
+  // of length 1 over a sharded batch-like axis is a batch of one (bmm's output viewed back as
+  // [1, heads, q, k] in attention without a batch axis), and the heads stay after it.
+  const bool last = x.factor.axis + 1 == static_cast<int>(shape(in).size());
+  const ReshapeResult r = map_reshape(shape(in), shape(out), x.factor, (sized && last) || x.factor.size == 1);
   if (!r.ok) return conflict(x.region, node.label + ": " + r.why);
   // A layer's output viewed as (units, inner) (Falcon's fused q, k and v viewed as heads) is
   // still that layer's output: its parts may be sliced there, counted in those units.
