@@ -19,7 +19,7 @@ import test_comm
 import test_sequence_ops
 from autoshard import distributed
 from checks import opcheck_all
-from gathered import gathered_grads
+from gathered import assert_equals_unsharded, gathered_grads
 from multirank import run_on_ranks
 
 # The convolution models of tests/nn/test_conv.py, imported by the worker.
@@ -112,15 +112,8 @@ def _convolutions_equal_unsharded(device: str) -> int:
         reference = test_conv._build(name).to(device)
         model = copy.deepcopy(reference)
         x = test_conv._inputs(name).to(device)
-        plan = autoshard.plan(model, example_inputs=(x,))
-        autoshard.parallelize(model, plan)
-        got, want = model(x), reference(x)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        got.square().sum().backward()
-        want.square().sum().backward()
-        grads = gathered_grads(model)
-        for pname, p in reference.named_parameters():
-            torch.testing.assert_close(grads[pname], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {pname}: {m}")
+        autoshard.parallelize(model, autoshard.plan(model, example_inputs=(x,)))
+        assert_equals_unsharded(model, reference, (x,), rtol=1e-4, atol=1e-5)
         checked += 1
     return checked
 
