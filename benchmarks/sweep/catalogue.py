@@ -254,8 +254,11 @@ def _image_layouts(model: torch.nn.Module, generator) -> List[Dict[str, torch.Te
     config = model.config
     if getattr(config, "vision_config", None) is None or "pixel_values" not in _accepted(model):
         return []
-    return [{k: torch.randn(v.shape, generator=generator) if v.is_floating_point() else v for k, v in layout.items()}
-            for layout in image_layouts(model, config, BATCH)]
+    # In the model's dtype: a layout is tried by running the model (an fp64 model's convolution
+    # refuses fp32 pixels), and the judged inputs are cast to it anyway.
+    dtype = next(model.parameters()).dtype
+    return [{k: torch.randn(v.shape, generator=generator).to(dtype) if v.is_floating_point() else v
+             for k, v in layout.items()} for layout in image_layouts(model, config, BATCH)]
 
 
 def _audio_layouts(model: torch.nn.Module, generator) -> List[Dict[str, torch.Tensor]]:
@@ -263,7 +266,8 @@ def _audio_layouts(model: torch.nn.Module, generator) -> List[Dict[str, torch.Te
     if "input_features" not in _accepted(model):
         return []
     bins, frames = _first(model.config, "num_mel_bins") or 16, 2 * (_first(model.config, "max_source_positions") or 32)
-    layout = {"input_features": torch.randn(BATCH, bins, frames, generator=generator)}
+    dtype = next(model.parameters()).dtype  # as for images
+    layout = {"input_features": torch.randn(BATCH, bins, frames, generator=generator).to(dtype)}
     for mask in ("input_features_mask", "feature_attention_mask"):
         if mask in _accepted(model):
             layout[mask] = torch.ones(BATCH, frames, dtype=torch.long)
