@@ -17,8 +17,7 @@ IDS = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(5))
 
 def _load_pretrained_on(path: str, device: str) -> dict:
     reference = build("llama", seed=11).to(device)
-    with torch.device("meta"):
-        model = build("llama", device="meta")
+    model = build("llama", device="meta")
     autoshard.parallelize(model)
     autoshard.load_pretrained(model, path, device=device, progress=False)
     placed = sorted({t.device.type for t in list(model.parameters()) + list(model.buffers())})

@@ -4,13 +4,12 @@ every gradient, the collectives the plan predicts and one SGD step."""
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import autoshard
 from autoshard.constructs.conv import ShardedConv
-from gathered import forward_backward_as_planned, sgd_step_as_unsharded
+from gathered import parallelized_and_stepped
 from multirank import run_on_ranks
 
 
@@ -108,13 +107,8 @@ def _inputs(name: str) -> torch.Tensor:
 
 
 def _equal_unsharded(name: str) -> dict:
-    world = dist.get_world_size()
     reference, model = _build(name), _build(name)
-    x = _inputs(name)
-    plan = autoshard.plan(model, world_size=world, example_inputs=(x,))
-    autoshard.parallelize(model, plan)
-    forward, backward = forward_backward_as_planned(model, reference, plan, lambda m: m(x), rtol=1e-5, atol=1e-6)
-    sgd_step_as_unsharded(model, reference, rtol=1e-5, atol=1e-6)
+    plan, forward, backward = parallelized_and_stepped(model, reference, _inputs(name), rtol=1e-5, atol=1e-6)
     sharded = {n: (type(m).__name__, m.style.value, m.shard_specs["weight"].local_size())
                for n, m in model.named_modules() if isinstance(m, ShardedConv)}
     return {"styles": {layer.module: layer.style.value for layer in plan.layers}, "sharded": sharded,

@@ -14,7 +14,7 @@ from torch import nn
 
 import autoshard
 from autoshard import checkpoint
-from gathered import forward_backward_as_planned, sgd_step_as_unsharded
+from gathered import parallelized_and_stepped
 from multirank import run_on_ranks
 
 
@@ -81,13 +81,8 @@ def _inputs(name: str, seed: int = 1) -> torch.Tensor:
 
 
 def _equal_unsharded(name: str) -> dict:
-    world = dist.get_world_size()
     reference, model = _build(name), _build(name)
-    x = _inputs(name)
-    plan = autoshard.plan(model, world_size=world, example_inputs=(x,))
-    autoshard.parallelize(model, plan)
-    forward, backward = forward_backward_as_planned(model, reference, plan, lambda m: m(x), rtol=1e-10, atol=1e-12)
-    sgd_step_as_unsharded(model, reference, rtol=1e-10, atol=1e-12)
+    plan, forward, backward = parallelized_and_stepped(model, reference, _inputs(name), rtol=1e-10, atol=1e-12)
     grouped = model.get_submodule(MODELS[name][2][1])
     return {"styles": [plan.layer(module).style.value for module in MODELS[name][2]],
             "local": (grouped.groups, grouped.in_channels, grouped.out_channels, tuple(grouped.weight.shape)),

@@ -75,3 +75,18 @@ def sgd_step_as_unsharded(model, reference, rtol: float, atol: float) -> None:
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def parallelized_and_stepped(model, reference, x, rtol: float, atol: float):
+    """`model` planned on `x` for the world and parallelized; its forward and backward on `x`
+    against `reference`'s with the collectives the plan predicts (forward_backward_as_planned),
+    then one SGD step as unsharded. Returns (plan, forward counts, backward counts)."""
+    import torch.distributed as dist
+
+    import autoshard
+
+    plan = autoshard.plan(model, world_size=dist.get_world_size(), example_inputs=(x,))
+    autoshard.parallelize(model, plan)
+    forward, backward = forward_backward_as_planned(model, reference, plan, lambda m: m(x), rtol=rtol, atol=atol)
+    sgd_step_as_unsharded(model, reference, rtol=rtol, atol=atol)
+    return plan, forward, backward
