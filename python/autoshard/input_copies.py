@@ -9,7 +9,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from . import ops
+from . import backward_overlap, ops
 
 
 class SharedInputCopy:
@@ -23,6 +23,9 @@ class SharedInputCopy:
         self._source = None
         self._copy = None
         self._served = 0
+        # Column layers reading this copy whose weight gradients backward computes while the
+        # input gradient is all-reduced (see backward_overlap); empty: no overlap.
+        self.overlap_readers: list = []
 
     def serves(self, x: torch.Tensor) -> bool:
         """Whether this copy is of `x` and has readers of it still to serve."""
@@ -33,7 +36,12 @@ class SharedInputCopy:
             self._served += 1
             copy = self._copy
         else:
-            copy = self.enter(x) if self.enter is not None else ops.copy_to_parallel(x, self.group_name)
+            if self.enter is not None:
+                copy = self.enter(x)
+            elif self.overlap_readers:
+                copy = backward_overlap.copy(x, self.group_name, self.overlap_readers)
+            else:
+                copy = ops.copy_to_parallel(x, self.group_name)
             self._source, self._copy, self._served = weakref.ref(x), copy, 1
         if self._served == self.users:
             self._source = self._copy = None  # hold no activation beyond its last reader

@@ -12,7 +12,7 @@ from typing import Dict, Optional, Union
 import torch
 from torch import nn
 
-from . import forward_checks, mesh_fully_shard, partial_gradients, region_generators, torch_optim_check
+from . import backward_overlap, forward_checks, mesh_fully_shard, partial_gradients, region_generators, torch_optim_check
 from . import loss_parallel as loss_parallelism
 from .rank_agreement import check_ranks_agree
 from .data_parallel import GradientAverager
@@ -164,7 +164,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
                 mesh=None, *, example_inputs=None, sequence_parallel: Union[bool, str] = True, loss_parallel: bool = True,
                 partition_optimizer_state: bool = True, check_inputs: bool = True,
                 check_replicas_every: int = DEFAULT_EVERY, reduce_dtype: Optional[torch.dtype] = None, fully_shard: bool = False,
-                memory_budget: Optional[int] = None) -> nn.Module:
+                memory_budget: Optional[int] = None, overlap_backward: bool = False) -> nn.Module:
     """Shards `model` in place over `group` (None: the "tp" dimension of `mesh`, else the
     process-wide default group, see distributed.default_group; kept as
     model.autoshard_state.group) following `plan` (None: autoshard.plan(model, example_inputs=...));
@@ -208,7 +208,13 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     its loss over vocabulary shards: the output head keeps its shard and the logits returned
     beside the loss are this rank's shard (autoshard.gather_logits makes them whole); called
     without labels it returns whole logits. Models whose loss autoshard cannot prove equal keep
-    whole logits; model.autoshard_state.loss_parallel says which applies and why."""
+    whole logits; model.autoshard_state.loss_parallel says which applies and why.
+
+    With `overlap_backward`, the all-reduce of a column layer's input gradient runs while the
+    weight gradients of the column layers reading that input are computed (see backward_overlap):
+    the same collectives and bit-identical results. It applies to column layers whose input is
+    copied, not gathered by sequence parallelism, outside autocast; double backward through such
+    a layer raises."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
@@ -219,6 +225,8 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     if not isinstance(partition_optimizer_state, bool):
         raise TypeError(f"parallelize: partition_optimizer_state must be a bool, "
                         f"got {type(partition_optimizer_state).__name__}")
+    if not isinstance(overlap_backward, bool):
+        raise TypeError(f"parallelize: overlap_backward must be a bool, got {type(overlap_backward).__name__}")
     if not isinstance(check_inputs, bool):
         raise TypeError(f"parallelize: check_inputs must be a bool, got {type(check_inputs).__name__}")
     if isinstance(check_replicas_every, bool) or not isinstance(check_replicas_every, int) \
@@ -262,6 +270,8 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         _check_plan_fits(model, plan, group.size())
         state_shapes = dry_run(model, plan, group, example_inputs, _apply)
     _apply(model, plan, group)
+    if overlap_backward:
+        backward_overlap.enable(model)
     for module in model.modules():
         if hasattr(type(module), "reduce_dtype"):
             module.reduce_dtype = reduce_dtype

@@ -7,11 +7,11 @@ from autoshard.unsharded import gather_full
 
 def gathered_grads(model):
     """Every parameter's full gradient, by the model's own names (each rank's local grads
-    gathered at their places, as full_state_dict does for values)."""
+    gathered at their places, as full_state_dict does for values; None where there is none)."""
     shards = state_of(model).shards()
     grads = {}
     for name, p in model.named_parameters():
-        if id(p) in shards:
+        if id(p) in shards and p.grad is not None:
             spec, group = shards[id(p)]
             grads[name] = gather_full(p.grad, spec, group)
         else:

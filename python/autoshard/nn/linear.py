@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops, region_generators
+from .. import backward_overlap, ops, region_generators
 from ..distributed import ProcessGroup, resolve
 from ..integrations.hf_conventions import is_conv1d
 from ..parallel_state import attach_layer_state
@@ -252,6 +252,10 @@ class ColumnParallelLinear(_ParallelLinear):
         # that backward all-reduces their summed input gradient once (see parallelize). With
         # sequence parallelism it gathers the input's tokens instead (nn.sequence.GatherTokens).
         self.input_copy = None
+        # The column layers (this one alone, or every one sharing input_copy) whose weight
+        # gradients backward computes while the input gradient is all-reduced; None: no overlap
+        # (see backward_overlap, parallelize(..., overlap_backward=True)).
+        self.overlap_readers = None
         self._setup(in_features, out_features, bias, group, device, dtype, units, parts, repeat, whole_parts)
         self.local_out_features = self.shard_specs["weight"].local_size()
         if self.gather_output and not self._plain_split:
@@ -281,8 +285,18 @@ class ColumnParallelLinear(_ParallelLinear):
         """x as the rank's product reads it: copied into the parallel region (its gradient
         all-reduced in backward), or its tokens gathered with sequence parallelism. Dropout
         from here on draws this rank's own masks (see region_generators)."""
-        copy = self.input_copy(x) if self.input_copy is not None else ops.copy_to_parallel(x, self._group_name)
+        if self.input_copy is not None:
+            copy = self.input_copy(x)
+        elif self.overlap_readers is not None:
+            copy = backward_overlap.copy(x, self._group_name, self.overlap_readers)
+        else:
+            copy = ops.copy_to_parallel(x, self._group_name)
         return region_generators.enter(copy, self._group_name, self.training)
+
+    @property
+    def plain_product(self) -> bool:
+        """Whether local_product is one F.linear on the layer's own weight and bias."""
+        return not self.sum_whole_parts and self.shard_specs["weight"].repeat is None
 
     def local_product(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output features for an input that enter() gave."""
@@ -292,7 +306,8 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.shard_specs["weight"].repeat is not None:
             weight, bias = self._weights_summed_over_holders()
             return F.linear(x, self._linear_weight(weight), bias)
-        return F.linear(x, self._linear_weight(), self.bias)
+        deferred = backward_overlap.product(self, x, self._linear_weight(), self.bias)
+        return deferred if deferred is not None else F.linear(x, self._linear_weight(), self.bias)
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """The layer's output from this rank's output features (gathered with gather_output)."""
