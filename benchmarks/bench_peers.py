@@ -2,9 +2,11 @@
 batch, at N gloo ranks, in the same run:
 
     autoshard                  autoshard.parallelize(model): sequence + loss parallelism (defaults)
+    autoshard overlap          autoshard.parallelize(model, overlap_backward=True): the column
+                               layers' input-gradient collective in flight while their weight
+                               gradients are computed
     autoshard tp               autoshard.parallelize(model, sequence_parallel=False)
-    autoshard tp overlap       the same with overlap_backward=True: column layers' input-gradient
-                               all-reduce in flight while their weight gradients are computed
+    autoshard tp overlap       the same with overlap_backward=True
     dtensor tp                 torch.distributed.tensor.parallel: ColwiseParallel / RowwiseParallel on
                                q/k/v/o and gate/up/down, a row-split embedding and a column-split
                                lm_head with replicated logits, as torch's tutorials write it
@@ -71,7 +73,7 @@ from common import run_on_gloo_ranks, save_json, save_text, table_text
 
 logging.set_verbosity_error()
 
-CONFIGS = ["autoshard", "autoshard tp", "autoshard tp overlap", "dtensor tp", "dtensor tp+sp", "hf tp_plan"]
+CONFIGS = ["autoshard", "autoshard overlap", "autoshard tp", "autoshard tp overlap", "dtensor tp", "dtensor tp+sp", "hf tp_plan"]
 BASE = "dtensor tp"
 NOT_COLLECTIVES = {"c10d::barrier", "c10d::monitored_barrier_"}
 
@@ -131,6 +133,8 @@ def build_config(name: str, args, world: int):
         model = build(args)
         if name == "autoshard":
             autoshard.parallelize(model)
+        elif name == "autoshard overlap":
+            autoshard.parallelize(model, overlap_backward=True)
         elif name == "autoshard tp":
             autoshard.parallelize(model, sequence_parallel=False)
         elif name == "autoshard tp overlap":

@@ -22,13 +22,15 @@ sums the same bytes, so the result is bit-identical to the path without overlap 
 same number of all-reduces is issued, through ``all_reduce_bucket``, so ``CommCounter`` counts
 them. Only column layers whose product is one plain ``F.linear`` on the copy defer their weight
 gradient; other readers of a shared copy (convolutions, einsum, LoRA factors) compute theirs in
-their own nodes as before. Under autocast, with sequence parallelism (the copy is a gather of the
-tokens) and in double backward, layers take the path without overlap, or say why they cannot.
+their own nodes as before. With sequence parallelism the copy is a gather of the tokens and the
+collective in flight is the reduce-scatter of its gradient. Under autocast layers take the path
+without overlap; double backward through a deferred layer raises.
 """
 
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
@@ -40,12 +42,23 @@ class _Overlap:
     """One copy's backward in one forward: its readers' parameters, what their matmul nodes
     kept for the weight gradients, and the all-reduce in flight."""
 
-    def __init__(self, group_name: str, readers: Sequence[torch.nn.Module]):
+    def __init__(self, group_name: str, readers: Sequence[torch.nn.Module], tokens: Optional[Tuple[int, int]] = None):
         self.group_name = group_name
         self.readers = list(readers)
+        # With sequence parallelism, (dim, length) of the tokens gathered in forward, whose
+        # gradient backward reduce-scatters; None: a copy, whose gradient is all-reduced.
+        self.tokens = tokens
         # reader -> [(output gradient [n, out], input [n, in]), ...], one per call of the reader
         self.kept: Dict[int, List[tuple]] = {}
         self.reduced: Optional[torch.Tensor] = None
+        self.finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """Forward's copy of x (copy_to_parallel's), or every rank's tokens of it."""
+        if self.tokens is None:
+            return x.clone(memory_format=torch.contiguous_format)
+        dim, length = self.tokens
+        return ops.all_gather_from_sequence(x, dim, length, self.group_name)
 
     def parameters(self) -> List[torch.Tensor]:
         """The readers' weights and biases, in order, that need a gradient."""
@@ -58,7 +71,25 @@ class _Overlap:
         self.kept.setdefault(id(layer), []).append((grad, x))
 
     def start(self, grad: torch.Tensor) -> None:
-        self.reduced = ops.all_reduce_bucket([grad], self.group_name, True)
+        """Starts the collective of x's gradient: all_reduce_bucket for a copy; for gathered
+        tokens, reduce_scatter_to_sequence's steps with the reduce-scatter started only."""
+        if self.tokens is None:
+            shape = grad.shape
+            self.reduced = ops.all_reduce_bucket([grad], self.group_name, True)
+            self.finish = lambda reduced: reduced.view(shape)
+            return
+        dim = self.tokens[0] % grad.dim()
+        front = grad.movedim(dim, 0).contiguous()
+        if front.numel() == 0:
+            # Nothing to overlap: the op itself, nothing in flight.
+            self.reduced, self.finish = None, lambda _: ops.reduce_scatter_to_sequence(grad, dim, self.group_name)
+            return
+        group = c10d._resolve_process_group(self.group_name)
+        tokens = ops.split_sizes(front.size(0), group.size())
+        per_token = front.numel() // front.size(0)
+        local_shape = (tokens[group.rank()],) + tuple(front.shape[1:])
+        self.reduced = ops.reduce_scatter_uneven(front.view(-1), [n * per_token for n in tokens], self.group_name, True)
+        self.finish = lambda reduced: reduced.view(local_shape).movedim(0, dim).contiguous()
 
     def parameter_gradients(self) -> List[Optional[torch.Tensor]]:
         """Each reader's weight and bias gradient, as F.linear's backward computes them (None
@@ -79,9 +110,11 @@ class _Overlap:
                     grads.append(value)
         return grads
 
-    def summed_input_gradient(self, like: torch.Tensor) -> torch.Tensor:
-        reduced, self.reduced = self.reduced, None
-        return wait(reduced).view(like.shape)
+    def summed_input_gradient(self) -> torch.Tensor:
+        """x's gradient, summed over the group (this rank's tokens of it with sequence
+        parallelism), once the collective start() began is done."""
+        reduced, finish, self.reduced, self.finish = self.reduced, self.finish, None, None
+        return finish(None if reduced is None else wait(reduced))
 
 
 class GradientsAfterReduce(torch.autograd.Function):
@@ -98,23 +131,26 @@ class GradientsAfterReduce(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         overlap = ctx.overlap
         parameter_grads = overlap.parameter_gradients()
-        return (None, overlap.summed_input_gradient(grad), *parameter_grads)
+        return (None, overlap.summed_input_gradient(), *parameter_grads)
 
 
 class ReduceStarts(torch.autograd.Function):
-    """Forward: a contiguous copy of x (copy_to_parallel's). Backward: starts the all-reduce of
-    the gradient, which GradientsAfterReduce waits for."""
+    """Forward: a contiguous copy of x (copy_to_parallel's), or every rank's tokens of it.
+    Backward: starts the all-reduce (the reduce-scatter) of the gradient, which
+    GradientsAfterReduce waits for."""
 
     @staticmethod
     def forward(ctx, overlap: _Overlap, x: torch.Tensor) -> torch.Tensor:
-        ctx.overlap = overlap
-        return x.clone(memory_format=torch.contiguous_format)
+        ctx.overlap, ctx.input_shape = overlap, x.shape
+        return overlap.enter(x)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         ctx.overlap.start(grad)
-        return None, grad
+        # GradientsAfterReduce, the only reader of this node's input, takes the collective's
+        # result instead: a placeholder of the input's shape, no memory, goes its way.
+        return None, grad.new_zeros(()).expand(ctx.input_shape)
 
 
 class ProductWeightLater(torch.autograd.Function):
@@ -138,13 +174,17 @@ class ProductWeightLater(torch.autograd.Function):
         return None, None, rows.mm(weight).view(x.shape), None, None
 
 
-def copy(x: torch.Tensor, group_name: str, readers: Sequence[torch.nn.Module]) -> torch.Tensor:
-    """x copied into the parallel region for `readers` (column layers), with their weight
-    gradients computed during the input gradient's all-reduce; copy_to_parallel where that does
-    not apply (no gradient to x, autocast)."""
+def copy(x: torch.Tensor, group_name: str, readers: Sequence[torch.nn.Module],
+         tokens: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """x copied into the parallel region (with `tokens` = (dim, length), every rank's tokens
+    of it) for `readers` (column layers), with their weight gradients computed during the input
+    gradient's collective; copy_to_parallel (all_gather_from_sequence) where that does not apply
+    (no gradient to x, autocast)."""
     if not (torch.is_grad_enabled() and x.requires_grad) or torch.is_autocast_enabled(x.device.type):
-        return ops.copy_to_parallel(x, group_name)
-    overlap = _Overlap(group_name, readers)
+        if tokens is None:
+            return ops.copy_to_parallel(x, group_name)
+        return ops.all_gather_from_sequence(x, tokens[0], tokens[1], group_name)
+    overlap = _Overlap(group_name, readers, tokens)
     entered = ReduceStarts.apply(overlap, GradientsAfterReduce.apply(overlap, x, *overlap.parameters()))
     entered._autoshard_overlap = overlap
     return entered
@@ -160,22 +200,37 @@ def product(layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor,
     return ProductWeightLater.apply(overlap, layer, x, weight.detach(), None if bias is None else bias.detach())
 
 
-def enable(model: torch.nn.Module) -> int:
-    """Turns overlap on for every column-parallel Linear of `model` whose input is copied (not
-    gathered by sequence parallelism); returns how many."""
+def enable(model: torch.nn.Module, tokens=None) -> int:
+    """Turns overlap on for every column-parallel Linear of `model` whose input is copied or
+    whose tokens are gathered, by itself, with the layers sharing its copy, or by a module of
+    the plan's (`tokens`, the PlanSteps of sequence parallelism); returns how many."""
     from .input_copies import SharedInputCopy
     from .nn.linear import ColumnParallelLinear
+    from .nn.sequence import GatherTokens, already_gathered
 
+    module_gathers = [] if tokens is None else tokens.module_gathers
     count = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if not isinstance(module, ColumnParallelLinear) or module._world == 1 or not module.plain_product:
             continue
-        shared = module.input_copy
-        if shared is None:
+        entry = module.input_copy
+        if isinstance(entry, SharedInputCopy) and entry.enter is not None:
+            entry = entry.enter  # the tokens' gather, shared by the layers reading one tensor
+        if entry is None:
             module.overlap_readers = [module]
-        elif isinstance(shared, SharedInputCopy) and shared.enter is None:
-            shared.overlap_readers.append(module)
+        elif isinstance(entry, (SharedInputCopy, GatherTokens)):
+            entry.overlap_readers.append(module)
+        elif entry is already_gathered:
+            # Tokens a module gathered as it received them (the attention whose length the
+            # layers read), or as another module returned them. Listing a layer that reads
+            # something else is harmless: only a layer reading the gathered tensor itself defers.
+            gathers = [g for at, g, exit in module_gathers if not exit and name.startswith(at + ".")]
+            gathers = gathers or [g for _, g, exit in module_gathers if exit]
+            if not gathers:
+                continue
+            for gather in gathers:
+                gather.overlap_readers.append(module)
         else:
-            continue
+            continue  # a layer whose calls read different tensors
         count += 1
     return count

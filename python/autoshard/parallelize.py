@@ -78,7 +78,7 @@ def _input_copy(calls, copies, tokens, group_name: str):
     return of(calls[0])
 
 
-def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
+def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> sequence.PlanSteps:
     rank, world = group.rank(), group.size()
     users: Dict[int, int] = {}
     for layer in plan.layers:
@@ -150,6 +150,7 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> None:
         owner = model.get_submodule(region.module)
         for attr in region.attributes:
             set_attribute(owner, attr, region.local_attribute(attr, rank, world))
+    return tokens
 
 
 def _check_same_split(first: LayerPlan, again: LayerPlan) -> None:
@@ -269,9 +270,9 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     else:
         _check_plan_fits(model, plan, group.size())
         state_shapes = dry_run(model, plan, group, example_inputs, _apply)
-    _apply(model, plan, group)
+    tokens = _apply(model, plan, group)
     if overlap_backward:
-        backward_overlap.enable(model)
+        backward_overlap.enable(model, tokens)
     for module in model.modules():
         if hasattr(type(module), "reduce_dtype"):
             module.reduce_dtype = reduce_dtype

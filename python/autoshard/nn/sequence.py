@@ -24,7 +24,7 @@ import torch
 
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .. import ops, region_generators
+from .. import backward_overlap, ops, region_generators
 from ..styles import TokenRole
 
 
@@ -90,11 +90,21 @@ class GatherTokens(_Step):
     """In place of a column layer's input copy: every rank's tokens, in order (its gradient
     summed over the group, this rank keeping its tokens' piece)."""
 
+    def __init__(self, shards: SequenceShards, dim: int):
+        super().__init__(shards, dim)
+        # Column layers reading these tokens whose weight gradients backward computes while the
+        # gradient is reduce-scattered (see backward_overlap); empty: no overlap.
+        self.overlap_readers: list = []
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.shards.length is None:
             raise RuntimeError("GatherTokens: no layer has split this region's tokens yet in this forward; the plan's "
                                "sequence region does not match the model's call order")
-        gathered = ops.all_gather_from_sequence(x, self.dim, self.shards.length, self.shards.group_name)
+        if self.overlap_readers:
+            gathered = backward_overlap.copy(x, self.shards.group_name, self.overlap_readers,
+                                             (self.dim, self.shards.length))
+        else:
+            gathered = ops.all_gather_from_sequence(x, self.dim, self.shards.length, self.shards.group_name)
         return region_generators.leave(gathered)
 
 
@@ -107,6 +117,8 @@ class PlanSteps:
         tokens, or with `gather` gathering every rank's tokens of it."""
         shards = self.shards.setdefault(entry.region, SequenceShards(self._group_name, entry.region))
         step = (GatherTokens if gather else SliceTokens)(shards, entry.dim)
+        if gather:
+            self.module_gathers.append((entry.module, step, False))
         leaf = entry.leaf
 
         def hook(module, args, kwargs):
@@ -122,6 +134,7 @@ class PlanSteps:
         `entry.leaf`, for column layers reading them through ops that index the tokens."""
         shards = self.shards.setdefault(entry.region, SequenceShards(self._group_name, entry.region))
         step = GatherTokens(shards, entry.dim)
+        self.module_gathers.append((entry.module, step, True))
         leaf = entry.leaf
 
         def hook(module, args, output):
@@ -137,12 +150,15 @@ class PlanSteps:
     def __init__(self, plan, group_name: str):
         self.shards = {}
         self.gathers = {}
+        # (module, its GatherTokens, whether it gathers what the module returns) of the gathers
+        # made where a module receives or returns a tensor (sequence_gathers, sequence_exits).
+        self.module_gathers = []
         self._group_name = group_name
         for layer in plan.layers:
             if layer.sequence is TokenRole.GATHER and layer.copy_group not in self.gathers:
                 self.gathers[layer.copy_group] = GatherTokens(self._region(layer, group_name), layer.sequence_dim)
             elif layer.sequence is TokenRole.GATHERED:
-                self.gathers[layer.copy_group] = _already_gathered
+                self.gathers[layer.copy_group] = already_gathered
 
     def _region(self, layer, group_name: str) -> SequenceShards:
         if layer.sequence_region not in self.shards:
@@ -154,7 +170,7 @@ class PlanSteps:
 
 
 
-def _already_gathered(x: torch.Tensor) -> torch.Tensor:
+def already_gathered(x: torch.Tensor) -> torch.Tensor:
     """A column layer's input copy where the module holding the layer gathered the tokens."""
     return x
 
