@@ -1,12 +1,12 @@
 """autoshard against the tensor-parallel peers a user would pick instead, on one HF Llama and one
 batch, at N gloo ranks, in the same run:
 
-    autoshard                  autoshard.parallelize(model): sequence + loss parallelism (defaults)
-    autoshard overlap          autoshard.parallelize(model, overlap_backward=True): the column
-                               layers' input-gradient collective in flight while their weight
-                               gradients are computed
+    autoshard                  autoshard.parallelize(model): sequence + loss parallelism, and the
+                               column layers' input-gradient collective in flight while their
+                               weight gradients are computed (the defaults)
+    autoshard no overlap       the same with overlap_backward=False
     autoshard tp               autoshard.parallelize(model, sequence_parallel=False)
-    autoshard tp overlap       the same with overlap_backward=True
+    autoshard tp no overlap    the same with overlap_backward=False
     dtensor tp                 torch.distributed.tensor.parallel: ColwiseParallel / RowwiseParallel on
                                q/k/v/o and gate/up/down, a row-split embedding and a column-split
                                lm_head with replicated logits, as torch's tutorials write it
@@ -73,7 +73,7 @@ from common import run_on_gloo_ranks, save_json, save_text, table_text
 
 logging.set_verbosity_error()
 
-CONFIGS = ["autoshard", "autoshard overlap", "autoshard tp", "autoshard tp overlap", "dtensor tp", "dtensor tp+sp", "hf tp_plan"]
+CONFIGS = ["autoshard", "autoshard no overlap", "autoshard tp", "autoshard tp no overlap", "dtensor tp", "dtensor tp+sp", "hf tp_plan"]
 BASE = "dtensor tp"
 NOT_COLLECTIVES = {"c10d::barrier", "c10d::monitored_barrier_"}
 
@@ -133,12 +133,12 @@ def build_config(name: str, args, world: int):
         model = build(args)
         if name == "autoshard":
             autoshard.parallelize(model)
-        elif name == "autoshard overlap":
-            autoshard.parallelize(model, overlap_backward=True)
+        elif name == "autoshard no overlap":
+            autoshard.parallelize(model, overlap_backward=False)
         elif name == "autoshard tp":
             autoshard.parallelize(model, sequence_parallel=False)
-        elif name == "autoshard tp overlap":
-            autoshard.parallelize(model, sequence_parallel=False, overlap_backward=True)
+        elif name == "autoshard tp no overlap":
+            autoshard.parallelize(model, sequence_parallel=False, overlap_backward=False)
         elif name == "dtensor tp":
             dtensor_tensor_parallel(model, world)
         elif name == "dtensor tp+sp":

@@ -55,8 +55,16 @@ bool labelled(const Graph& graph, const std::vector<int>& nodes, std::initialize
   return false;
 }
 
-// A split of the layer's output into pieces, two or more of which multiply or add into other
-// tensors (shift, scale, gate).
+int64_t numel(const Graph& graph, int tensor) {
+  int64_t count = 1;
+  for (int64_t size : graph.tensors.at(tensor).shape) count *= size;
+  return count;
+}
+
+// A split of the layer's output into pieces, two or more of which multiply or add into the
+// hidden stream (shift, scale, gate): each broadcast over it, so the op's output is larger than
+// the piece (per sample, over every token). Pieces that multiply tensors of their own size (the
+// halves of rotary embeddings, a norm of one piece) are no modulation.
 bool modulates(const Graph& graph, const Readers& readers, const std::vector<int>& nodes) {
   for (int n : nodes) {
     const Node& node = graph.nodes[n];
@@ -65,7 +73,8 @@ bool modulates(const Graph& graph, const Readers& readers, const std::vector<int
     for (int piece : node.outputs) {
       for (int after : reached(graph, readers, {piece}, {Kind::View})) {
         const Node& op = graph.nodes[after];
-        if (op.kind == Kind::Pointwise && op.inputs.size() > 1) {
+        if (op.kind == Kind::Pointwise && op.inputs.size() > 1 && !op.outputs.empty() &&
+            numel(graph, op.outputs[0]) > numel(graph, piece)) {
           ++used;
           break;
         }

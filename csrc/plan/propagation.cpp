@@ -311,7 +311,9 @@ void Propagation::visit_view(const Node& node) {
   // Only a projection's feature axis (the last) spells a single head that way: a leading axis
   // of length 1 over a sharded batch-like axis is a batch of one (bmm's output viewed back as
   // [1, heads, q, k] in attention without a batch axis), and the heads stay after it.
-  const bool last = x.factor.axis + 1 == static_cast<int>(shape(in).size());
+  // A 1-d tensor (a per-head parameter, attention sinks) viewed as [1, heads, 1, 1] spells no
+  // head as a unit axis either: its leading 1 is the batch it broadcasts over.
+  const bool last = x.factor.axis + 1 == static_cast<int>(shape(in).size()) && shape(in).size() > 1;
   const ReshapeResult r = map_reshape(shape(in), shape(out), x.factor, (sized && last) || x.factor.size == 1);
   if (!r.ok) return conflict(x.region, node.label + ": " + r.why);
   // A layer's output viewed as (units, inner) (Falcon's fused q, k and v viewed as heads) is

@@ -1,5 +1,5 @@
 """Overlap in backward: the input-gradient all-reduce of column layers runs while their
-weight gradients are computed (``parallelize(..., overlap_backward=True)``).
+weight gradients are computed (``parallelize(..., overlap_backward=True)``, the default).
 
 Without it, a column layer's matmul node computes the input's and the weight's gradients
 together, and the input copy's node then all-reduces the input's gradient and waits for it:
@@ -23,8 +23,9 @@ same number of all-reduces is issued, through ``all_reduce_bucket``, so ``CommCo
 them. Only column layers whose product is one plain ``F.linear`` on the copy defer their weight
 gradient; other readers of a shared copy (convolutions, einsum, LoRA factors) compute theirs in
 their own nodes as before. With sequence parallelism the copy is a gather of the tokens and the
-collective in flight is the reduce-scatter of its gradient. Under autocast layers take the path
-without overlap; double backward through a deferred layer raises.
+collective in flight is the reduce-scatter of its gradient. Under autocast and under
+torch.compile layers take the path without overlap; double backward through a deferred layer
+raises.
 """
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -32,7 +33,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from . import ops
 from .comm import wait
@@ -117,6 +117,15 @@ class _Overlap:
         return finish(None if reduced is None else wait(reduced))
 
 
+def _refuse_double_backward() -> None:
+    # Grad mode in backward means create_graph=True: the deferred weight gradients would lose
+    # their own graph (the second-order terms), so this is refused where it is asked for.
+    if torch.is_grad_enabled():
+        raise RuntimeError("autoshard: backward with create_graph=True (double backward) through column layers "
+                           "whose weight gradients are computed during the input gradient's collective is not "
+                           "supported; parallelize the model with overlap_backward=False")
+
+
 class GradientsAfterReduce(torch.autograd.Function):
     """Forward: x as it is. Backward: the readers' parameter gradients, computed while the
     all-reduce that ReduceStarts began is in flight, then the summed gradient of x."""
@@ -127,8 +136,8 @@ class GradientsAfterReduce(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
+        _refuse_double_backward()
         overlap = ctx.overlap
         parameter_grads = overlap.parameter_gradients()
         return (None, overlap.summed_input_gradient(), *parameter_grads)
@@ -145,8 +154,8 @@ class ReduceStarts(torch.autograd.Function):
         return overlap.enter(x)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
+        _refuse_double_backward()
         ctx.overlap.start(grad)
         # GradientsAfterReduce, the only reader of this node's input, takes the collective's
         # result instead: a placeholder of the input's shape, no memory, goes its way.
@@ -165,8 +174,8 @@ class ProductWeightLater(torch.autograd.Function):
         return F.linear(x, weight, bias)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
+        _refuse_double_backward()
         x, weight = ctx.saved_tensors
         rows = grad.reshape(-1, grad.shape[-1])
         flat = x.reshape(-1, x.shape[-1])
@@ -180,7 +189,10 @@ def copy(x: torch.Tensor, group_name: str, readers: Sequence[torch.nn.Module],
     of it) for `readers` (column layers), with their weight gradients computed during the input
     gradient's collective; copy_to_parallel (all_gather_from_sequence) where that does not apply
     (no gradient to x, autocast)."""
-    if not (torch.is_grad_enabled() and x.requires_grad) or torch.is_autocast_enabled(x.device.type):
+    # torch.compile traces the path without overlap: its graphs refuse the autograd nodes' shared
+    # state (a side effect under fullgraph), and it orders the collectives itself.
+    if not (torch.is_grad_enabled() and x.requires_grad) or torch.is_autocast_enabled(x.device.type) \
+            or torch.compiler.is_compiling():
         if tokens is None:
             return ops.copy_to_parallel(x, group_name)
         return ops.all_gather_from_sequence(x, tokens[0], tokens[1], group_name)

@@ -165,7 +165,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
                 mesh=None, *, example_inputs=None, sequence_parallel: Union[bool, str] = True, loss_parallel: bool = True,
                 partition_optimizer_state: bool = True, check_inputs: bool = True,
                 check_replicas_every: int = DEFAULT_EVERY, reduce_dtype: Optional[torch.dtype] = None, fully_shard: bool = False,
-                memory_budget: Optional[int] = None, overlap_backward: bool = False) -> nn.Module:
+                memory_budget: Optional[int] = None, overlap_backward: bool = True) -> nn.Module:
     """Shards `model` in place over `group` (None: the "tp" dimension of `mesh`, else the
     process-wide default group, see distributed.default_group; kept as
     model.autoshard_state.group) following `plan` (None: autoshard.plan(model, example_inputs=...));
@@ -211,11 +211,11 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     without labels it returns whole logits. Models whose loss autoshard cannot prove equal keep
     whole logits; model.autoshard_state.loss_parallel says which applies and why.
 
-    With `overlap_backward`, the all-reduce of a column layer's input gradient runs while the
-    weight gradients of the column layers reading that input are computed (see backward_overlap):
-    the same collectives and bit-identical results. It applies to column layers whose input is
-    copied, not gathered by sequence parallelism, outside autocast; double backward through such
-    a layer raises."""
+    With `overlap_backward` (the default), the all-reduce of a column layer's input gradient (the
+    reduce-scatter, with sequence parallelism) runs while the weight gradients of the column
+    layers reading that input are computed (see backward_overlap): the same collectives and
+    bit-identical results. Outside autocast and torch.compile; double backward through such a
+    layer raises, so a model that needs it is parallelized with overlap_backward=False."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):

@@ -90,7 +90,7 @@ def _rotate_layout(x, layout: str, positions):
 
 class Attention(nn.Module):
     def __init__(self, hidden, heads, kv_heads, head_dim, *, qk_norm=False, rotary_dim=0, head_scale=False,
-                 score_gain=False, head_dim_gain=False, rotary_layout=None, tiled_kv=False):
+                 score_gain=False, head_dim_gain=False, rotary_layout=None, tiled_kv=False, sinks=False):
         super().__init__()
         self.tiled_kv = tiled_kv
         self.rotary_layout = rotary_layout
@@ -105,6 +105,9 @@ class Attention(nn.Module):
         self.head_scale = nn.Parameter(1.0 + 0.1 * torch.randn(heads, 1, 1)) if head_scale else None
         self.score_gain = nn.Parameter(1.0 + 0.1 * torch.randn(heads)) if score_gain else None
         self.q_gain = nn.Parameter(1.0 + 0.1 * torch.randn(head_dim)) if head_dim_gain else None
+        # gpt-oss's attention sinks: one learned logit per head, a column beside the scores
+        # that takes part in the softmax and is dropped after it.
+        self.sinks = nn.Parameter(0.5 * torch.randn(heads)) if sinks else None
 
     def forward(self, x, bias=None):
         b, t, _ = x.shape
@@ -137,7 +140,11 @@ class Attention(nn.Module):
         if bias is not None:
             scores = scores + bias
         mask = torch.full((t, t), float("-inf"), dtype=scores.dtype, device=x.device).triu(1)
-        out = torch.softmax(scores + mask, dim=-1) @ v
+        if self.sinks is not None:
+            sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, t, -1)
+            out = torch.softmax(torch.cat([scores + mask, sinks], dim=-1), dim=-1)[..., :-1] @ v
+        else:
+            out = torch.softmax(scores + mask, dim=-1) @ v
         if self.head_scale is not None:
             out = out * self.head_scale
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))

@@ -227,6 +227,12 @@ TABLE = [
     # them: each rank holds its heads' slice, a local parameter whose gradient needs no sum.
     Arch("own_head_scale", own(head_scale=True), token_ids(97), small=True),
     Arch("own_score_gain", own(score_gain=True), token_ids(97)),
+    # Attention sinks (gpt-oss): a per-head logit viewed as [1, heads, 1, 1] and expanded beside
+    # the scores; split with the heads, with and without grouped-query attention.
+    Arch("own_attention_sinks", own(sinks=True), token_ids(97), small=(2, 3),
+         plan_says=r"parameters split with their heads: .*sinks"),
+    Arch("own_attention_sinks_gqa", own(sinks=True, heads=6, kv_heads=3), token_ids(97),
+         plan_says=r"parameters split with their heads: .*sinks"),
     # A replicated weight inside the sharded region (a gain over head_dim on every head of q, a
     # scalar gain on the MLP's hidden features): its gradient is partial on each rank, summed.
     Arch("own_head_dim_gain", own(head_dim_gain=True), token_ids(97), small=True),

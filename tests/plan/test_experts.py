@@ -174,29 +174,32 @@ def test_expert_slices_checkpoint_on_two_ranks_reload_on_three_and_unsharded(tmp
 class _Experts(torch.nn.Module):
     """Experts of our own (no transformers): each token through every expert, weighted."""
 
-    def __init__(self, normalized: bool = False):
+    def __init__(self, normalized: bool = False, transposed: bool = False):
         super().__init__()
-        self.gate_up = torch.nn.Parameter(torch.randn(3, 2 * 10, 8))
-        self.down = torch.nn.Parameter(torch.randn(3, 8, 10))
+        # Stored transposed for x @ w (Llama 4's and Aria's layout): [E, H, 2F] and [E, F, H].
+        self.transposed = transposed
+        self.gate_up = torch.nn.Parameter(torch.randn((3, 8, 2 * 10) if transposed else (3, 2 * 10, 8)))
+        self.down = torch.nn.Parameter(torch.randn((3, 10, 8) if transposed else (3, 8, 10)))
         self.normalized = normalized
 
     def forward(self, x, weights):
         gate_up = self.gate_up
         if self.normalized:  # a norm over each expert's FFN axis: not a split-able expert MLP
-            gate_up = gate_up / gate_up.norm(dim=1, keepdim=True)
+            gate_up = gate_up / gate_up.norm(dim=2 if self.transposed else 1, keepdim=True)
         out = torch.zeros_like(x)
         for e in range(gate_up.shape[0]):
-            gate, up = (x @ gate_up[e].t()).chunk(2, dim=-1)
-            out = out + weights[:, e:e + 1] * ((torch.nn.functional.silu(gate) * up) @ self.down[e].t())
+            w_in, w_out = (gate_up[e], self.down[e]) if self.transposed else (gate_up[e].t(), self.down[e].t())
+            gate, up = (x @ w_in).chunk(2, dim=-1)
+            out = out + weights[:, e:e + 1] * ((torch.nn.functional.silu(gate) * up) @ w_out)
         return out
 
 
 class _MoE(torch.nn.Module):
-    def __init__(self, normalized: bool = False):
+    def __init__(self, normalized: bool = False, transposed: bool = False):
         super().__init__()
         self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8))  # the experts' input needs a gradient
         self.router = torch.nn.Linear(8, 3)
-        self.experts = _Experts(normalized)
+        self.experts = _Experts(normalized, transposed)
 
     def forward(self, x):
         x = x * self.scale
@@ -215,10 +218,23 @@ def test_experts_of_our_own_are_split_and_other_uses_of_their_weights_kept_whole
     assert plan.held_fraction(0) == 1.0
 
 
-def _own_experts_on_ranks(normalized: bool = False):
+def test_experts_stored_transposed_split_on_the_ffn_axis():
+    x = torch.randn(5, 8)
+    plan = autoshard.plan(_MoE(transposed=True), world_size=2, example_inputs=(x,))
+    column, row = plan.layers[1:]
+    assert (column.kind, column.style, row.kind, row.style) == ("experts", "column", "experts", "row")
+    # gate and up each split on the FFN axis: dim 2 of [E, H, 2F]; down on dim 1 of [E, F, H].
+    spec, row_spec = column.weight_spec(0, 2), row.weight_spec(0, 2)
+    assert (spec.dim, spec.parts, spec.full_size, row_spec.dim, row_spec.full_size) == (2, (10, 10), 20, 1, 10)
+    assert spec.local_ranges() == [(0, 5), (10, 5)] and row_spec.local_ranges() == [(0, 5)]
+    plan = autoshard.plan(_MoE(normalized=True, transposed=True), world_size=2, example_inputs=(x,))
+    assert [(l.module, l.style) for l in plan.layers] == [("router", "replicate")]
+
+
+def _own_experts_on_ranks(normalized: bool = False, transposed: bool = False):
     torch.manual_seed(0)
-    model = _MoE(normalized).double()
-    reference = _MoE(normalized).double()
+    model = _MoE(normalized, transposed).double()
+    reference = _MoE(normalized, transposed).double()
     reference.load_state_dict(model.state_dict())
     x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     autoshard.parallelize(model, example_inputs=(x,))
@@ -241,14 +257,15 @@ def _own_experts_on_ranks(normalized: bool = False):
                      {k: v for k, v in backward.counts.items() if v}, plan.collectives("backward"))}
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["stored_for_w_x", "stored_for_x_w"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_experts_of_our_own_compute_the_unsharded_result(world_size):
-    for result in run_on_ranks(_own_experts_on_ranks, world_size, True, timeout=300):
+def test_experts_of_our_own_compute_the_unsharded_result(world_size, transposed):
+    for result in run_on_ranks(_own_experts_on_ranks, world_size, True, transposed, timeout=300):
         torch.testing.assert_close(*result["out"], rtol=1e-12, atol=1e-12)  # kept whole: the same ops
         for name, (got, want) in result["grads"].items():
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=name)
         assert result["comm"] == ({}, {}, {}, {})
-    for result in run_on_ranks(_own_experts_on_ranks, world_size, timeout=300):
+    for result in run_on_ranks(_own_experts_on_ranks, world_size, False, transposed, timeout=300):
         torch.testing.assert_close(*result["out"], rtol=1e-12, atol=1e-12)
         for name, (got, want) in result["grads"].items():
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)

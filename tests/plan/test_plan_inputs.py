@@ -95,6 +95,35 @@ def test_plans_without_example_inputs(name):
     assert {"column", "row"} <= {layer.style for layer in plan.layers}
 
 
+@pytest.mark.parametrize("kind", ["resnet", "segformer"])
+def test_an_image_model_whose_config_names_no_size_gets_imagenet_images(kind):
+    config = {"resnet": dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic"),
+              "segformer": dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[12, 24],
+                                num_attention_heads=[2, 4], decoder_hidden_size=24, strides=[4, 2],
+                                patch_sizes=[7, 3], mlp_ratios=[2, 2])}[kind]
+    model = _meta(kind, AutoModel, **config)
+    assert getattr(model.config, "image_size", None) is None
+    _, kwargs = example_inputs_for(model)
+    assert tuple(kwargs["pixel_values"].shape) == (2, 3, 224, 224)
+    plan = autoshard.plan(model, world_size=2)  # it used to raise: "its config has no image_size"
+    # SegFormer's attention and MLPs are split; ResNet's convolutions feed batch norms, held whole.
+    assert ("column" in {layer.style for layer in plan.layers}) == (kind == "segformer")
+
+
+@pytest.mark.parametrize("kind,main", [("videomae", "pixel_values"), ("vjepa2", "pixel_values_videos")])
+def test_a_video_model_gets_a_clip_of_its_configs_frames(kind, main):
+    config = {"videomae": dict(hidden_size=48, num_hidden_layers=1, num_attention_heads=6, intermediate_size=70,
+                               image_size=16, patch_size=8, num_frames=4, tubelet_size=2),
+              "vjepa2": dict(hidden_size=48, num_hidden_layers=1, num_attention_heads=6, mlp_ratio=2.0,
+                             crop_size=16, patch_size=8, frames_per_clip=4, tubelet_size=2,
+                             pred_hidden_size=24, pred_num_hidden_layers=1, pred_num_attention_heads=4)}[kind]
+    model = _meta(kind, AutoModel, **config)
+    _, kwargs = example_inputs_for(model)
+    assert tuple(kwargs[main].shape) == (2, 4, 3, 16, 16)  # (batch, frames, channels, height, width)
+    plan = autoshard.plan(model, world_size=2)  # both used to raise for want of inputs
+    assert {"column", "row"} <= {layer.style for layer in plan.layers}
+
+
 class Plain(nn.Module):
     def __init__(self):
         super().__init__()

@@ -1,6 +1,7 @@
 """Mixture-of-experts modules holding every expert's weights as two 3-D parameters: recorded as
 two Linear-like nodes on the FFN axis (an "in" side, [E, parts * F, H], and an "out" side,
-[E, H, F]), split as a column side followed by a row side (nn/experts.py), in place."""
+[E, H, F]; or both stored transposed for `x @ w`, [E, H, parts * F] and [E, F, H]), split as a
+column side followed by a row side (nn/experts.py), in place."""
 
 from typing import Dict, Optional
 
@@ -23,15 +24,18 @@ class ExpertsConstruct(LayerConstruct):
         experts = experts_weights(module)
         if experts is None:
             return None
-        first, second, parts = experts
+        first, second, parts, transposed = experts
         index = lambda p: param_index.get(id(p), -1)
-        info = LayerInfo(name, "experts", weight_shape=tuple(getattr(module, first).shape), parts=parts,
-                         experts_params=(index(getattr(module, first)), index(getattr(module, second))))
+        info = LayerInfo(name, "experts", transposed=transposed, weight_shape=tuple(getattr(module, first).shape),
+                         parts=parts, experts_params=(index(getattr(module, first)), index(getattr(module, second))))
         info.weight_param = info.experts_params[0]
         return info
 
     def weight_dim(self, layer) -> Optional[int]:
-        # [E, out, in]: the FFN axis is out for the column side, in for the row side.
+        # [E, out, in]: the FFN axis is out for the column side, in for the row side; stored
+        # transposed, [E, in, out], the other way round.
+        if layer.transposed:
+            return {Style.COLUMN: 2, Style.ROW: 1}.get(layer.style)
         return {Style.COLUMN: 1, Style.ROW: 2}.get(layer.style)
 
     def bias_spec(self, layer, rank: int, world_size: int):

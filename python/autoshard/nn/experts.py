@@ -1,7 +1,8 @@
 """Mixture-of-experts weights held as 3-D parameters, split on each expert's FFN axis.
 
 An experts module holds E experts' MLPs as two parameters: ``[E, parts * F, H]`` (the gate
-and up projections one after the other when gated) and ``[E, H, F]``. Each rank keeps its
+and up projections one after the other when gated) and ``[E, H, F]``, or both transposed
+(``[E, H, parts * F]`` and ``[E, F, H]``, multiplied as ``x @ w``). Each rank keeps its
 ``split_sizes`` slice of F for every expert (of each part), so each expert is a column layer
 followed by a row layer, and the module's own forward (its loop over experts, or a grouped or
 batched matmul) computes this rank's partial sum of every routed token's output. The module's
@@ -26,11 +27,14 @@ def shard_experts(module: nn.Module, in_name: str, in_spec: ShardSpec, out_name:
     """Makes `module` (an experts module) hold this rank's FFN slices and sum its output over
     `group`, in place; returns it. `input_copy` replaces the hidden states' copy (a copy shared
     with other column layers reading them)."""
-    for name, spec, dim in ((in_name, in_spec, 1), (out_name, out_spec, 2)):
+    if (in_spec.dim, out_spec.dim) not in ((1, 2), (2, 1)):
+        raise ValueError(f"shard_experts: the FFN axis must be dim 1 of {in_name} and dim 2 of {out_name}, or (stored "
+                         f"transposed) dim 2 and dim 1, got dims {in_spec.dim} and {out_spec.dim}")
+    for name, spec in ((in_name, in_spec), (out_name, out_spec)):
         full = getattr(module, name)
-        if not isinstance(full, torch.Tensor) or full.dim() != 3 or spec.dim != dim or full.shape[dim] != spec.full_size:
+        if not isinstance(full, torch.Tensor) or full.dim() != 3 or full.shape[spec.dim] != spec.full_size:
             raise ValueError(f"shard_experts: {type(module).__name__}.{name} must be 3-D with {spec.full_size} "
-                             f"features on dim {dim}, got shape {None if full is None else tuple(full.shape)}")
+                             f"features on dim {spec.dim}, got shape {None if full is None else tuple(full.shape)}")
     setattr(module, in_name, _local(in_spec, getattr(module, in_name)))
     setattr(module, out_name, _local(out_spec, getattr(module, out_name)))
     module.shard_specs = {in_name: in_spec, out_name: out_spec}

@@ -27,6 +27,8 @@ from .image_inputs import with_images
 
 BATCH = 2
 SEQUENCE = 8
+DEFAULT_IMAGE_SIZE = 224
+VIDEO_FRAMES = ("num_frames", "frames_per_clip")
 
 HOW_TO_PASS = ("pass example_inputs=(tensor, ...) for positional arguments (a single tensor also works) or "
                "example_inputs={\"name\": tensor, ...} for keyword arguments; any device, only their shapes, "
@@ -69,12 +71,19 @@ def _token_ids(config, *limits) -> torch.Tensor:
     return torch.full((BATCH, _sequence(config, *limits)), ordinary_token(config), dtype=torch.long)
 
 
-def _pixel_values(config) -> torch.Tensor:
-    size = _config_value(config, hf.IMAGE_SIZE)
+def _pixel_values(config, video: bool = False) -> torch.Tensor:
+    # Convolutional backbones (ResNet, RegNet, SegFormer, ...) take any image size and their
+    # configs name none: the ImageNet size they are made for, which every stage's stride divides.
+    size = _config_value(config, hf.IMAGE_SIZE, "crop_size", default=DEFAULT_IMAGE_SIZE)
     channels = _config_value(config, "num_channels", default=3)
-    if size is None:
-        raise MissingInputs("its config has no image_size to make pixel_values from")
     height, width = (size, size) if isinstance(size, int) else tuple(size)
+    # A video model (TimeSformer, VideoMAE, ViViT, V-JEPA 2) names its clip's frames in its own
+    # config and takes (batch, frames, channels, height, width).
+    frames = next((getattr(config, name) for name in VIDEO_FRAMES if isinstance(getattr(config, name, None), int)), None)
+    if video or frames is not None:
+        if frames is None:
+            raise MissingInputs(f"its config has none of {VIDEO_FRAMES} to make a clip of frames from")
+        return torch.zeros(BATCH, frames, channels, height, width)
     return torch.zeros(BATCH, channels, height, width)
 
 
@@ -116,11 +125,13 @@ def _main_input(model: nn.Module, config, name: str) -> torch.Tensor:
         return _token_ids(config, *hf.POSITION_LIMITS)
     if name == "pixel_values":
         return _pixel_values(config)
+    if name == "pixel_values_videos":
+        return _pixel_values(config, video=True)
     if name == "input_features":
         return _input_features(model, config)
     if name == "input_values":
         return _input_values(config)
-    raise MissingInputs(f"autoshard makes input_ids, pixel_values, input_features and input_values, "
+    raise MissingInputs(f"autoshard makes input_ids, pixel_values, pixel_values_videos, input_features and input_values, "
                         f"not its main input {name!r}")
 
 

@@ -33,8 +33,9 @@ class LayerInfo:
     output_shape: Optional[tuple] = None
     input: Optional[torch.Tensor] = field(default=None, repr=False)
     # Experts (kind "experts"): the module holds E experts' weights as two 3-D parameters,
-    # [E, parts * ffn, hidden] read first and [E, hidden, ffn] read second; each is recorded as
-    # one Linear-like node on the FFN axis ("in": hidden -> parts * ffn, "out": ffn -> hidden).
+    # [E, parts * ffn, hidden] read first and [E, hidden, ffn] read second (transposed: [E,
+    # hidden, parts * ffn] and [E, ffn, hidden]); each is recorded as one Linear-like node on the
+    # FFN axis ("in": hidden -> parts * ffn, "out": ffn -> hidden).
     side: str = ""
     experts_params: tuple = ()  # (in parameter index, out parameter index)
     parts: int = 1
@@ -52,14 +53,20 @@ class LayerInfo:
         return construct_of(self.kind)
 
     def experts_side(self, side: str) -> "LayerInfo":
-        """The "in" or "out" layer node of an experts module."""
-        experts, features_in, hidden = self.weight_shape
+        """The "in" or "out" layer node of an experts module, its weight_shape as stored."""
+        if self.transposed:
+            experts, hidden, features_in = self.weight_shape
+        else:
+            experts, features_in, hidden = self.weight_shape
         ffn = features_in // self.parts
         in_side = side == "in"
+        if in_side:
+            shape = (experts, hidden, features_in) if self.transposed else (experts, features_in, hidden)
+        else:
+            shape = (experts, ffn, hidden) if self.transposed else (experts, hidden, ffn)
         return LayerInfo(self.name, "experts", hidden if in_side else ffn, features_in if in_side else hidden,
-                         weight_param=self.experts_params[0 if in_side else 1],
-                         weight_shape=(experts, features_in, hidden) if in_side else (experts, hidden, ffn),
-                         side=side, experts_params=self.experts_params, parts=self.parts)
+                         self.transposed, weight_param=self.experts_params[0 if in_side else 1],
+                         weight_shape=shape, side=side, experts_params=self.experts_params, parts=self.parts)
 
     def planner_fields(self, inputs: torch.Tensor, output: torch.Tensor) -> Dict[str, object]:
         """The fields of this layer's node in the planner's graph document (csrc/plan/graph.h)."""
@@ -195,26 +202,33 @@ def is_layer_module(module: nn.Module) -> bool:
 
 
 def experts_weights(module: nn.Module) -> Optional[tuple]:
-    """(in weight name, out weight name, parts) of a module holding mixture-of-experts weights as
-    3-D parameters, or None: exactly two parameters, [E, parts * F, H] then [E, H, F] (each
-    expert a gated or plain MLP whose input and output have H features), gated ones holding the
-    gate and up projections one after the other on the FFN axis (parts = 2)."""
+    """(in weight name, out weight name, parts, transposed) of a module holding mixture-of-experts
+    weights as 3-D parameters, or None: exactly two parameters, [E, parts * F, H] then [E, H, F]
+    (each expert a gated or plain MLP whose input and output have H features), gated ones holding
+    the gate and up projections one after the other on the FFN axis (parts = 2); or, stored
+    transposed for `x @ w` (transformers' `is_transposed`, Llama 4's and Aria's experts),
+    [E, H, parts * F] then [E, F, H]. Without the flag the first layout is read where it fits."""
     params = [(name, p) for name, p in module._parameters.items() if p is not None]
     if len(params) != 2 or any(p.dim() != 3 for _, p in params):
         return None
-    if getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True) \
-            or getattr(module, "has_bias", False):
+    if not getattr(module, "is_concatenated", True) or getattr(module, "has_bias", False):
         return None
     (first, a), (second, b) = params
-    experts, features_in, hidden = a.shape
-    if b.shape[0] != experts or b.shape[1] != hidden or b.shape[2] == 0:
-        return None
-    ffn = b.shape[2]
-    parts = features_in // ffn if features_in % ffn == 0 else 0
-    has_gate = getattr(module, "has_gate", parts == 2)
-    if parts != (2 if has_gate else 1):
-        return None
-    return first, second, parts
+    flagged = getattr(module, "is_transposed", None)
+    for transposed in ((False, True) if flagged is None else (bool(flagged),)):
+        if transposed:
+            experts, hidden, features_in = a.shape
+            ffn, out_hidden = b.shape[1], b.shape[2]
+        else:
+            experts, features_in, hidden = a.shape
+            out_hidden, ffn = b.shape[1], b.shape[2]
+        if b.shape[0] != experts or out_hidden != hidden or ffn == 0:
+            continue
+        parts = features_in // ffn if features_in % ffn == 0 else 0
+        has_gate = getattr(module, "has_gate", parts == 2)
+        if parts == (2 if has_gate else 1):
+            return first, second, parts, transposed
+    return None
 
 
 def einsum_letters(equation: str, input_ndim: int, output_ndim: int) -> List[Dict[str, object]]:
