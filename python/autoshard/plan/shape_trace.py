@@ -40,8 +40,13 @@ def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values:
     "layer"); and the error that stopped the call, or None. `values` answers reads of input values."""
     recorder = Recorder({})
     handles = []
+    # Decided before the call: `is_layer` and `is_linear_like` read a module's weight, and a
+    # weight computed on access (a weight-normed convolution's parametrization) read during the
+    # call would be traced as ops of the model's own, outside its layer.
+    layers = {id(sub) for sub in module.modules() if sub is not module and is_layer(sub)}
+    linear_like = {id(sub): is_linear_like(sub) for sub in module.modules() if id(sub) in layers}
     for sub in module.modules():
-        if sub is module or not is_layer(sub):
+        if id(sub) not in layers:
             continue
 
         def pre(mod, inputs):
@@ -53,11 +58,11 @@ def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values:
             # called with a shape makes its own positions, which capture does not follow).
             if (recorder.layer_depth == 0 and isinstance(output, torch.Tensor) and inputs
                     and isinstance(inputs[0], torch.Tensor)):
-                recorder.nodes.append(("layer", (), (recorder.layer_output(output, is_linear_like(mod)),)))
+                recorder.nodes.append(("layer", (), (recorder.layer_output(output, linear_like[id(mod)]),)))
 
         handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
     handles += norm_calls(module, recorder, lambda name, mod, x, out: recorder.nodes.append(
-        ("layer", (), (recorder.tensor_id(out),))), lambda m: m is module or is_layer(m))
+        ("layer", (), (recorder.tensor_id(out),))), lambda m: m is module or id(m) in layers)
     error = None
     args, kwargs = replay_inputs((args, kwargs))
     try:

@@ -1,0 +1,37 @@
+"""A layer whose weight is computed on access (torch's weight_norm parametrization, as wav2vec2's
+positional convolution has): the dry run's trace decides which modules are layers before the
+call, so reading such a weight to decide is not traced as the model's own ops, and parallelize
+accepts the plan and computes the unsharded model's outputs."""
+
+import torch
+from torch import nn
+
+import autoshard
+from multirank import run_on_ranks
+
+
+class WeightNormedConvThenMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(16, 16, 3, padding=1, groups=4), dim=2)
+        self.up, self.down = nn.Linear(16, 40), nn.Linear(40, 16)
+
+    def forward(self, x):
+        h = x + self.conv(x.transpose(1, 2)).transpose(1, 2)
+        return h + self.down(torch.relu(self.up(h)))
+
+
+def _parallelized_against_unsharded():
+    torch.manual_seed(0)
+    model, reference = WeightNormedConvThenMLP().double(), WeightNormedConvThenMLP().double()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    autoshard.parallelize(model, example_inputs=(x,))  # its dry run used to refuse the plan
+    styles = {layer.module: layer.style for layer in autoshard.parallel_state.state_of(model).plan.layers}
+    return model(x).detach(), reference(x).detach(), styles
+
+
+def test_a_weight_normed_layer_does_not_break_the_dry_run():
+    for got, want, styles in run_on_ranks(_parallelized_against_unsharded, 2):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert (styles["up"], styles["down"]) == ("column", "row")
