@@ -206,6 +206,15 @@ TABLE = [
                              num_heads=H), seq2seq_ids(), small=True),
     Arch("t5_example_inputs", hf("t5", "seq2seq", d_model=48, d_kv=8, d_ff=I, num_layers=1, num_decoder_layers=1,
                                  num_heads=H), seq2seq_ids()),
+    # In-place masking of the scores (XLM: scores.masked_fill_(mask, min)), split by heads.
+    Arch("xlm", hf("xlm", emb_dim=48, n_layers=L, n_heads=H, max_position_embeddings=32), token_ids(), small=True,
+         plan_says=r"attentions\.0(-1)?\.q_lin +column"),
+    # Local attention over blocks of tokens padded with F.pad (LongT5), split by heads. At 4 ranks
+    # a rank with one of the 6 heads traces a unit axis where the plan predicts another order:
+    # the dry run keeps that attention whole (still exact).
+    Arch("longt5_local", hf("longt5", "seq2seq", d_model=48, d_kv=8, d_ff=I, num_layers=1, num_decoder_layers=1,
+                            num_heads=H, local_radius=2, encoder_attention_type="local"), seq2seq_ids(),
+         plan_says={2: r"LocalSelfAttention\.q +column", 3: r"LocalSelfAttention\.q +column"}),
     Arch("whisper", hf("whisper", "speech", d_model=48, encoder_layers=1, decoder_layers=1,
                        encoder_attention_heads=H, decoder_attention_heads=H, encoder_ffn_dim=I, decoder_ffn_dim=I,
                        num_mel_bins=8, max_source_positions=8, max_target_positions=16, pad_token_id=0,

@@ -6,8 +6,6 @@ import torch
 
 aten = torch.ops.aten
 
-aten = torch.ops.aten
-
 
 VIEWS = {
     aten.view, aten._unsafe_view, aten.reshape, aten._reshape_alias, aten.unsqueeze, aten.squeeze,
@@ -43,6 +41,9 @@ LINEAR_IN_PARTIAL_SUMS = EXPERT_WEIGHT_VIEWS | PRODUCTS_OF_TWO | {
 COPIES = {
     aten.clone, aten._to_copy, aten.detach, aten.copy_, aten.native_dropout, aten.dropout, aten.contiguous,
     aten.where, aten.masked_fill, aten.type_as, aten.to,
+    # In place on the scores (XLM's scores.masked_fill_(mask, min)): what masked_fill computes,
+    # written back into the tensor it returns.
+    aten.masked_fill_,
     # Tensors made "like" another (dropout masks) take its local shape, so they follow its layout.
     aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.rand_like, aten.randn_like,
     aten.bernoulli, aten.bernoulli_, aten.uniform_, aten.normal_, aten.fill_, aten.zero_,

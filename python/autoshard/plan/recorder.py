@@ -256,6 +256,8 @@ class Recorder(TorchDispatchMode):
             # cat drops empty 1-d tensors, which may come with any shape.
             kept = [i for i, t in zip(inputs, flat_in) if t.dim() == flat_out[0].dim()]
             self.node("cat", label, kept, [self.tensor_id(flat_out[0])], {"dim": _normalize_dim(dim, flat_out[0].dim())})
+        elif packet is aten.constant_pad_nd:
+            self.record_pad(label, args[1], x, inputs[0], flat_out[0])
         elif packet in (aten.slice, aten.narrow, aten.select):
             self.node("slice", label, inputs[:1], [self.tensor_id(flat_out[0])], self.slice_fields(packet, x, args))
         elif packet in COPIES or torch.Tag.pointwise in func.tags:
@@ -276,6 +278,22 @@ class Recorder(TorchDispatchMode):
             unsqueezed.append(self.declare(shape))
             self.node("view", label, [source], [unsqueezed[-1]])
         self.node("cat", label, unsqueezed, [self.tensor_id(out)], {"dim": dim})
+
+    def record_pad(self, label, pad, x, source, out) -> None:
+        """F.pad(x, pad) as one step per padded axis, each a slice that does not keep the whole
+        axis: a split axis padded stays a conflict, and one left alone passes (LongT5 pads its
+        tokens into blocks, beside heads split on another axis)."""
+        pad = [int(p) for p in pad]
+        shape = list(x.shape)
+        padded = [x.dim() - 1 - i // 2 for i in range(0, len(pad), 2) if pad[i] or pad[i + 1]]
+        if not padded:
+            self.node("view", label, [source], [self.tensor_id(out)])
+            return
+        for step, dim in enumerate(sorted(padded)):
+            shape[dim] = out.shape[dim]
+            after = self.tensor_id(out) if step == len(padded) - 1 else self.declare(shape)
+            self.node("slice", label, [source], [after], {"dim": dim, "start": 0, "stop": 0, "drop_dim": False})
+            source = after
 
     def record_repeat(self, label, repeats, x, source, out) -> None:
         """repeat as the broadcast it is: an axis of 1 repeated is expanded; an axis longer than
