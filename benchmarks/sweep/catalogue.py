@@ -13,6 +13,7 @@ from transformers.models.auto import modeling_auto
 from transformers.utils import logging
 
 from tiny_configs import tiny_config
+from autoshard.plan.inputs import encoder_states_width
 
 logging.set_verbosity_error()
 
@@ -151,6 +152,10 @@ def example_inputs(model: torch.nn.Module, generator: torch.Generator, kind: int
         raise NoSuchInputs(f"no example inputs for the main input {main!r}")
     if getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = _token_ids(config, (BATCH, DECODER_SEQ), generator)
+    # A decoder alone with cross-attention (BartForCausalLM) reads an encoder's states there.
+    width = encoder_states_width(model)
+    if width is not None:
+        inputs["encoder_hidden_states"] = torch.randn(BATCH, SEQ, width, generator=generator)
     return inputs
 
 

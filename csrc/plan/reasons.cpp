@@ -44,6 +44,9 @@ const std::vector<std::pair<std::string, std::string>>& reason_table() {
       {"functional_layer",
        "a Linear the model never calls: its forward applies the weight itself (F.linear(x, layer.weight, bias)), "
        "which autoshard does not split"},
+      {"not_called",
+       "a layer the traced forward never calls (cross-attention traced without encoder_hidden_states, a head the "
+       "example inputs do not reach): example inputs that reach it let it be split"},
       {"adapter_factor", "a LoRA factor read whole beside its split base layer (A of a column layer, B of a row layer)"},
   };
   return table;

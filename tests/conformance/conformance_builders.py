@@ -62,6 +62,16 @@ def token_ids(vocab=VOCAB):
     return functools.partial(_token_ids, vocab)
 
 
+def _ids_and_encoder_states(width, generator):
+    # 5 encoder positions beside 7 tokens: the cross-attention's keys are not the queries' length.
+    return {"input_ids": _ids(generator), "encoder_hidden_states": torch.randn(BATCH, 5, width, generator=generator)}
+
+
+def token_ids_and_encoder_states(width):
+    """input_ids (2, 7) and encoder_hidden_states (2, 5, width), for a decoder's cross-attention."""
+    return functools.partial(_ids_and_encoder_states, width)
+
+
 def _ids_and_labels(vocab, generator):
     return {"input_ids": _ids(generator, vocab), "labels": _ids(generator, vocab)}
 

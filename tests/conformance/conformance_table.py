@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import conformance_sweep_sample
 from conformance_builders import (audio_features, features, hf, idiom, own, own_multihead, pixels, seq2seq_ids, token_ids,
-                                  token_ids_and_labels)
+                                  token_ids_and_encoder_states, token_ids_and_labels)
 from conformance_harness import GradientMismatch, LogitsMismatch, Refused
 
 WORLD_SIZES = (2, 3, 4)
@@ -198,6 +198,13 @@ TABLE = [
                                    encoder_attention_heads=H, decoder_attention_heads=H, encoder_ffn_dim=I,
                                    decoder_ffn_dim=I, max_position_embeddings=32),
          seq2seq_ids(), planning="parallelize"),
+    # A decoder alone (BartForCausalLM) with its cross-attention: the plan's own inputs carry
+    # encoder_hidden_states, so the cross-attention is traced and split by heads.
+    Arch("bart_decoder_cross_attention", hf("bart", d_model=48, encoder_layers=1, decoder_layers=1,
+                                            encoder_attention_heads=H, decoder_attention_heads=H, encoder_ffn_dim=I,
+                                            decoder_ffn_dim=I, max_position_embeddings=32),
+         token_ids_and_encoder_states(48), small=True, planning="auto",
+         plan_says=r"encoder_attn\.k_proj +column"),
     Arch("t5", hf("t5", "seq2seq", d_model=48, d_kv=8, d_ff=I, num_layers=1, num_decoder_layers=1, num_heads=H),
          seq2seq_ids(), small=True, planning="auto"),
     # Two blocks per stack: the first attention's relative position bias (cut to each rank's heads

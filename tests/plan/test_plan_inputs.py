@@ -364,3 +364,38 @@ def _dry_run_inputs():
 def test_parallelize_dry_run_uses_its_example_inputs():
     for results in run_on_ranks(_dry_run_inputs, 2):
         assert "meta copy" in results["padded"] and "padding" in results["padded"]
+
+
+def _bart_decoder():
+    from transformers import AutoModelForCausalLM
+
+    return _meta("bart", AutoModelForCausalLM, d_model=48, decoder_layers=1, decoder_attention_heads=6,
+                 decoder_ffn_dim=70, encoder_layers=1, encoder_attention_heads=6, encoder_ffn_dim=70,
+                 max_position_embeddings=32, vocab_size=101)
+
+
+def test_a_decoder_alone_gets_encoder_states_for_its_cross_attention():
+    model = _bart_decoder()
+    _, kwargs = example_inputs_for(model)
+    assert kwargs["encoder_hidden_states"].shape == (2, 8, 48)
+    plan = autoshard.plan(model, world_size=2)
+    assert plan.layer("model.decoder.layers.0.encoder_attn.k_proj").style.value == "column"
+    assert plan.layer("model.decoder.layers.0.encoder_attn.out_proj").style.value == "row"
+
+
+def test_cross_attention_traced_without_encoder_states_is_whole_and_says_why():
+    model = _bart_decoder()
+    plan = autoshard.plan(model, world_size=2, example_inputs={"input_ids": torch.ones(2, 8, dtype=torch.long)})
+    whole = {item.module: item.reason for item in plan.replicated()}
+    assert whole["model.decoder.layers.0.encoder_attn.k_proj"] == "not_called"
+    assert "a layer the traced forward never calls" in str(plan)
+
+
+def test_a_decoder_without_cross_attention_gets_no_encoder_states():
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            "bert", hidden_size=48, num_hidden_layers=1, num_attention_heads=6, intermediate_size=70,
+            vocab_size=101, is_decoder=True, add_cross_attention=False))
+    assert "encoder_hidden_states" not in example_inputs_for(model)[1]

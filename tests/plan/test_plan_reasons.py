@@ -17,7 +17,8 @@ def test_table_comes_from_the_planner():
     assert holdings.REASONS == table
     assert all(isinstance(words, str) and words for words in table.values())
     # The codes given around the planner are in the same table.
-    assert {parameter_reasons.CONVOLUTION, parameter_reasons.FUNCTIONAL_LAYER, "attention_unpaired", "shape_mismatch",
+    assert {parameter_reasons.CONVOLUTION, parameter_reasons.FUNCTIONAL_LAYER, parameter_reasons.NOT_CALLED,
+            "attention_unpaired", "shape_mismatch",
             "dry_run_mismatch", "not_a_layer", "row_bias", "position_table", "unsplit", "adapter_factor"} <= set(table)
 
 

@@ -175,6 +175,9 @@ def example_inputs_for(model: nn.Module, images: bool = True) -> Tuple[tuple, Di
         kwargs = {name: _main_input(model, config, name)}
         if getattr(config, "is_encoder_decoder", False):
             kwargs["decoder_input_ids"] = _token_ids(config, *hf.DECODER_POSITION_LIMITS)
+        width = encoder_states_width(model)
+        if width is not None:
+            kwargs["encoder_hidden_states"] = torch.zeros(BATCH, SEQUENCE, width)
         # A model of text and images reads both: its images have a config of their own.
         beside_text = images_beside_text(model)
         for extra in _required(model):
@@ -200,6 +203,18 @@ def example_inputs_for(model: nn.Module, images: bool = True) -> Tuple[tuple, Di
     # Images and features in the model's own floating-point dtype, as its processor would give them.
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return (), {k: v.to(dtype) if v.is_floating_point() else v for k, v in kwargs.items()}
+
+
+def encoder_states_width(model: nn.Module) -> Optional[int]:
+    """The features of the encoder_hidden_states that a decoder alone (BartForCausalLM, a BERT
+    decoder with cross-attention) reads in its cross-attention, or None where it has none: the
+    trace of a forward without them never calls those layers, which then stay whole."""
+    config = getattr(model, "config", None)
+    if (config is None or getattr(config, "is_encoder_decoder", False) or not getattr(config, "is_decoder", False)
+            or getattr(config, "add_cross_attention", None) is False
+            or "encoder_hidden_states" not in _accepted(model)):
+        return None
+    return _config_value(config, "cross_attention_hidden_size", "encoder_hidden_size", "d_model", "hidden_size")
 
 
 def missing_decoder_inputs(model: nn.Module, kwargs: Optional[dict]) -> bool:

@@ -1,7 +1,9 @@
 """The reason codes of parameters no layer of the plan holds, where the module holding them
 says more than "not a layer": a convolution no construct recognises ("convolution"), and a
 Linear the model never calls, its weight applied by the forward itself
-(`F.linear(x, self.qkv.weight, torch.cat((q_bias, k_bias, v_bias)))`: "functional_layer").
+(`F.linear(x, self.qkv.weight, torch.cat((q_bias, k_bias, v_bias)))`: "functional_layer"), and a
+layer the traced forward never calls nor reads ("not_called": a decoder's cross-attention traced
+without encoder_hidden_states).
 The codes and their words are the planner's (csrc/plan/reasons.cpp); what is recorded here is
 which modules they are, read from the model's modules. The notes naming idioms that keep a
 planned layer whole (unbind, modulation, a loss of the model's own) are the planner's too
@@ -15,12 +17,13 @@ from .layers import describe_layer
 
 CONVOLUTION = "convolution"
 FUNCTIONAL_LAYER = "functional_layer"
+NOT_CALLED = "not_called"
 
 
 def whole_reasons(parameters: Dict[str, dict], graph) -> None:
     """Marks in the plan's parameter records (`whole_reason`) those of convolutions no construct
-    recognises (autoshard.constructs), and of Linear layers the model never calls but whose
-    weight its ops read."""
+    recognises (autoshard.constructs), and of Linear layers the model never calls: whose weight its
+    ops read, or that the traced forward does not reach at all."""
     called = {info.name for info in graph.layers.values()}
     read = {t["param"] for node in graph.document["nodes"] for i in node["inputs"]
             for t in [graph.document["tensors"][i]] if "param" in t}
@@ -34,6 +37,8 @@ def whole_reasons(parameters: Dict[str, dict], graph) -> None:
             names = [n for n, p in module.named_parameters(prefix=name) if p is weight]
             if names and index.get(names[0]) in read:
                 reason = FUNCTIONAL_LAYER
+            elif names:
+                reason = NOT_CALLED
         if reason is None:
             continue
         for param, _ in module.named_parameters(prefix=name):
