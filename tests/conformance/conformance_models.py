@@ -90,9 +90,11 @@ def _rotate_layout(x, layout: str, positions):
 
 class Attention(nn.Module):
     def __init__(self, hidden, heads, kv_heads, head_dim, *, qk_norm=False, rotary_dim=0, head_scale=False,
-                 score_gain=False, head_dim_gain=False, rotary_layout=None, tiled_kv=False, sinks=False):
+                 score_gain=False, head_dim_gain=False, rotary_layout=None, tiled_kv=False, sinks=False,
+                 key_written_into=False):
         super().__init__()
         self.tiled_kv = tiled_kv
+        self.key_written_into = key_written_into
         self.rotary_layout = rotary_layout
         self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.rotary_dim = rotary_dim
@@ -119,6 +121,15 @@ class Attention(nn.Module):
         if self.q_gain is not None:
             q = q * self.q_gain
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.key_written_into:
+            # MLA's key (MiniCPM3, DeepSeek): a new tensor made like a piece of k but wider,
+            # written slice by slice with copy_ (here k's two halves, swapped).
+            half = self.head_dim // 2
+            first = k[..., :half]
+            key = first.new_empty(*first.shape[:-1], self.head_dim)
+            key[..., :half].copy_(k[..., half:])
+            key[..., half:].copy_(first)
+            k = key
         if self.rotary_dim:
             positions = torch.arange(t, device=x.device)
             q, k = _rotate(q, self.rotary_dim // 2, positions), _rotate(k, self.rotary_dim // 2, positions)

@@ -249,6 +249,10 @@ TABLE = [
          plan_says=r"parameters split with their heads: .*sinks"),
     Arch("own_attention_sinks_gqa", own(sinks=True, heads=6, kv_heads=3), token_ids(97),
          plan_says=r"parameters split with their heads: .*sinks"),
+    # A key made with new_empty and written slice by slice with copy_ (MLA's key_states): split
+    # with the heads of the tensor it was made like.
+    Arch("own_key_written_into", own(key_written_into=True), token_ids(97), small=(2, 3),
+         plan_says=r"k_proj +column"),
     # A replicated weight inside the sharded region (a gain over head_dim on every head of q, a
     # scalar gain on the MLP's hidden features): its gradient is partial on each rank, summed.
     Arch("own_head_dim_gain", own(head_dim_gain=True), token_ids(97), small=True),

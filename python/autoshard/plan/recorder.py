@@ -257,7 +257,15 @@ class Recorder(TorchDispatchMode):
             kept = [i for i, t in zip(inputs, flat_in) if t.dim() == flat_out[0].dim()]
             self.node("cat", label, kept, [self.tensor_id(flat_out[0])], {"dim": _normalize_dim(dim, flat_out[0].dim())})
         elif packet is aten.constant_pad_nd:
-            self.record_pad(label, args[1], x, inputs[0], flat_out[0])
+            pad = [int(p) for p in args[1]]
+            axes = [x.dim() - 1 - i // 2 for i in range(0, len(pad), 2) if pad[i] or pad[i + 1]]
+            self.record_axes_changed(label, axes, inputs[0], flat_out[0])
+        elif packet is aten.new_empty and flat_out[0].dim() == x.dim():
+            # A tensor shaped like x but on some axes, filled by copies into slices of it (MLA's
+            # key_states = kv.new_empty(*kv.shape[:-1], d); key_states[..., :n].copy_(k_nope)):
+            # x's layout on the axes it keeps, each copy then checked against it.
+            axes = [d for d in range(x.dim()) if flat_out[0].shape[d] != x.shape[d]]
+            self.record_axes_changed(label, axes, inputs[0], flat_out[0])
         elif packet in (aten.slice, aten.narrow, aten.select):
             self.node("slice", label, inputs[:1], [self.tensor_id(flat_out[0])], self.slice_fields(packet, x, args))
         elif packet in COPIES or torch.Tag.pointwise in func.tags:
@@ -279,19 +287,19 @@ class Recorder(TorchDispatchMode):
             self.node("view", label, [source], [unsqueezed[-1]])
         self.node("cat", label, unsqueezed, [self.tensor_id(out)], {"dim": dim})
 
-    def record_pad(self, label, pad, x, source, out) -> None:
-        """F.pad(x, pad) as one step per padded axis, each a slice that does not keep the whole
-        axis: a split axis padded stays a conflict, and one left alone passes (LongT5 pads its
+    def record_axes_changed(self, label, axes, source, out) -> None:
+        """An op whose output is its input with `axes` lengthened, shortened or shifted (F.pad,
+        new_empty of another size), as one slice per such axis that does not keep it whole: a
+        split axis among them stays a conflict, and one left alone passes (LongT5 pads its
         tokens into blocks, beside heads split on another axis)."""
-        pad = [int(p) for p in pad]
-        shape = list(x.shape)
-        padded = [x.dim() - 1 - i // 2 for i in range(0, len(pad), 2) if pad[i] or pad[i + 1]]
-        if not padded:
+        if not axes:
             self.node("view", label, [source], [self.tensor_id(out)])
             return
-        for step, dim in enumerate(sorted(padded)):
+        shape = list(self.shapes[source])
+        axes = sorted(set(axes))
+        for step, dim in enumerate(axes):
             shape[dim] = out.shape[dim]
-            after = self.tensor_id(out) if step == len(padded) - 1 else self.declare(shape)
+            after = self.tensor_id(out) if step == len(axes) - 1 else self.declare(shape)
             self.node("slice", label, [source], [after], {"dim": dim, "start": 0, "stop": 0, "drop_dim": False})
             source = after
 
