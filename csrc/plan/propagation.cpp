@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <set>
 
 #include <c10/util/Exception.h>
 
@@ -266,7 +267,10 @@ void Propagation::visit_embedding(int n, const Node& node, bool vocab_parallel) 
 
 int64_t Propagation::unbound_parts(int id, int axis) const {
   for (;;) {
-    if (consumers_[id].size() != 1 || graph_.tensor(id).is_output) return 0;
+    if (graph_.tensor(id).is_output) return 0;
+    const int64_t selected = selected_parts(id, axis);
+    if (selected) return selected;
+    if (consumers_[id].size() != 1) return 0;
     const Node& next = graph_.nodes[consumers_[id][0]];
     if (next.kind == Kind::Split && next.drop_dim && next.dim == axis) {
       return static_cast<int64_t>(next.outputs.size());
@@ -277,6 +281,22 @@ int64_t Propagation::unbound_parts(int id, int axis) const {
     axis = static_cast<int>(found - next.permutation.begin());
     id = next.outputs.at(0);
   }
+}
+
+// Every index of the axis taken by its own select and nothing else reading the tensor
+// (Moshi's gate and up: x.view(b, s, 2, -1), then [..., 0, :] and [..., 1, :]): the
+// parts as an unbind would give them.
+int64_t Propagation::selected_parts(int id, int axis) const {
+  const int64_t size = shape(id).at(axis);
+  std::set<int64_t> taken;
+  for (int reader : consumers_[id]) {
+    const Node& s = graph_.nodes[reader];
+    if (s.kind != Kind::Slice || !s.drop_dim || s.dim != axis) return 0;
+    taken.insert(s.start);
+  }
+  const bool every = static_cast<int64_t>(taken.size()) == size && size > 1 && *taken.begin() == 0 &&
+                     *taken.rbegin() == size - 1;
+  return every ? size : 0;
 }
 
 void Propagation::visit_view(const Node& node) {

@@ -177,6 +177,7 @@ class Propagation {
   // The number of pieces an unbind takes `axis` of tensor `id` apart into, through permutes
   // alone (qkv.reshape(b, t, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)); 0 if it is not so read.
   int64_t unbound_parts(int id, int axis) const;
+  int64_t selected_parts(int id, int axis) const;
   void visit_permute(const Node& node);
   void visit_expand(const Node& node);
   void visit_pointwise(const Node& node);

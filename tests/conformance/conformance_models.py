@@ -162,26 +162,34 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden, ffn, *, scalar_gain=False):
+    def __init__(self, hidden, ffn, *, scalar_gain=False, gate_up_selected=False):
         super().__init__()
-        self.up = nn.Linear(hidden, ffn)
+        # Moshi's gating MLP: gate and up in one Linear, its output viewed as (2, ffn) and each
+        # half taken with a select.
+        self.gate_up_selected = gate_up_selected
+        self.up = nn.Linear(hidden, 2 * ffn if gate_up_selected else ffn)
         self.down = nn.Linear(ffn, hidden)
         self.gain = nn.Parameter(torch.tensor(1.3)) if scalar_gain else None
 
     def forward(self, x):
-        h = torch.nn.functional.gelu(self.up(x))
+        if self.gate_up_selected:
+            both = self.up(x).view(*x.shape[:-1], 2, -1)
+            h = torch.nn.functional.gelu(both[..., 0, :]) * both[..., 1, :]
+        else:
+            h = torch.nn.functional.gelu(self.up(x))
         if self.gain is not None:
             h = h * self.gain
         return self.down(h)
 
 
 class Block(nn.Module):
-    def __init__(self, hidden, ffn, heads, kv_heads, head_dim, scalar_gain=False, **attention):
+    def __init__(self, hidden, ffn, heads, kv_heads, head_dim, scalar_gain=False, gate_up_selected=False,
+                 **attention):
         super().__init__()
         self.attn_norm = RMSNorm(hidden)
         self.attn = Attention(hidden, heads, kv_heads, head_dim, **attention)
         self.mlp_norm = RMSNorm(hidden)
-        self.mlp = MLP(hidden, ffn, scalar_gain=scalar_gain)
+        self.mlp = MLP(hidden, ffn, scalar_gain=scalar_gain, gate_up_selected=gate_up_selected)
 
     def forward(self, x, bias=None):
         x = x + self.attn(self.attn_norm(x), bias)

@@ -257,6 +257,10 @@ TABLE = [
     # scalar gain on the MLP's hidden features): its gradient is partial on each rank, summed.
     Arch("own_head_dim_gain", own(head_dim_gain=True), token_ids(97), small=True),
     Arch("own_mlp_scalar_gain", own(scalar_gain=True), token_ids(97), small=True),
+    # Gate and up in one Linear whose output is viewed as (2, ffn) and taken apart by two selects
+    # (Moshi): split as its two parts, each by the ranks (70 features: uneven at 3 and 4 ranks).
+    Arch("own_gate_up_selected", own(gate_up_selected=True), token_ids(97), small=(2, 3),
+         plan_says=r"mlp\.up +column"),
     # Rotary layouts the plan follows through their ops (stack and flatten; complex pairs; repeat).
     Arch("own_rotary_stack", own(rotary_layout="stack"), token_ids(97), small=True),
     Arch("own_rotary_interleave", own(rotary_layout="interleave"), token_ids(97), small=True),
