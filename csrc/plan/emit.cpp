@@ -206,14 +206,15 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
 
   // An experts module's routing weights meet every rank's partial expert outputs in the
   // combine: once its experts are split, their gradient is a partial sum, all-reduced in
-  // backward (one all-reduce per floating-point routing input).
+  // backward (one all-reduce per floating-point routing input, and one for an out bias).
   for (const Node& node : graph.nodes) {
-    if (node.routing_floating.empty() || node.inputs.empty()) continue;
+    if ((node.routing_floating.empty() && node.summed_bias == 0) || node.inputs.empty()) continue;
     const int experts = producer[node.inputs[0]];
     if (experts < 0 || !is_layer(graph.nodes[experts]) || pass.roles[experts] == Style::Replicate) continue;
     for (size_t i = 0; i < node.routing_floating.size() && i + 1 < node.inputs.size(); ++i) {
       if (node.routing_floating[i]) comm("backward", "all_reduce", numel(graph.tensor(node.inputs[i + 1]).shape));
     }
+    if (node.summed_bias > 0) comm("backward", "all_reduce", node.summed_bias);
   }
 
   // Entries: cut in forward, their gradient gathered back in backward.

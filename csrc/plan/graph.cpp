@@ -81,6 +81,7 @@ Node parse_node(const JsonValue& record, const std::string& where) {
       node.routing_floating.push_back(item.boolean);
     }
   }
+  node.summed_bias = integer_or(record, "summed_bias", 0, where);
   switch (node.kind) {
     case Kind::Linear:
       node.in_features = integer(record, "in_features", where);

@@ -158,6 +158,14 @@ TABLE = [
     # The batched implementation (each routed token's expert weights gathered, then bmm), fp64.
     Arch("mixtral_batched", hf("mixtral", **LLAMA_LIKE, num_local_experts=3, num_experts_per_tok=2,
                                 experts_implementation="batched_mm"), token_ids()),
+    # gpt-oss's experts: gate and up interleaved on the FFN axis (split in (gate, up) pairs, 70
+    # of them: uneven at 3 and 4 ranks), a bias per expert on each side (the out bias added by
+    # one rank), a clamped gate; the eager loop and the batched implementation, in fp64.
+    Arch("gpt_oss_eager", hf("gpt_oss", **LLAMA_LIKE, head_dim=8, num_local_experts=3, num_experts_per_tok=2,
+                              sliding_window=4, experts_implementation="eager"), token_ids(), small=(2, 3),
+         plan_says=r"mlp\.experts +column"),
+    Arch("gpt_oss_batched", hf("gpt_oss", **LLAMA_LIKE, head_dim=8, num_local_experts=3, num_experts_per_tok=2,
+                                sliding_window=4, experts_implementation="batched_mm"), token_ids()),
     # A shared expert (plain Linear layers) beside the routed ones, and the default implementation.
     Arch("qwen2_moe", hf("qwen2_moe", **LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                           shared_expert_intermediate_size=40), token_ids(), small=True, fp64=False,

@@ -4,6 +4,7 @@ dataflow under the models' default expert implementation, split on each expert's
 rank holds against what parallelize leaves on 2 gloo ranks; the meta answers the capture
 gives (the grouped matmul's shapes against its CPU kernel, every token routed to every expert)."""
 
+import itertools
 import json
 import os
 
@@ -29,8 +30,13 @@ MODELS = {
 }
 
 
+# gpt-oss: gate and up interleaved on the FFN axis, and a bias per expert on each side.
+OSS = ("gpt_oss", dict(num_local_experts=3, num_experts_per_tok=2, head_dim=8, sliding_window=4,
+                       experts_implementation="eager"))
+
+
 def _build(name: str, device="cpu"):
-    kind, overrides = MODELS[name]
+    kind, overrides = OSS if name == "gpt_oss" else MODELS[name]
     torch.manual_seed(0)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **TINY, **overrides))
@@ -138,8 +144,8 @@ def _ids(step: int) -> torch.Tensor:
     return torch.randint(1, 101, (2, 8), generator=torch.Generator().manual_seed(step))
 
 
-def _train_and_save(path: str) -> dict:
-    model = autoshard.parallelize(_build("mixtral_eager"))
+def _train_and_save(path: str, name: str = "mixtral_eager") -> dict:
+    model = autoshard.parallelize(_build(name))
     optimizer = autoshard.optim.AdamW(model.parameters(), lr=1e-2)
     ids = _ids(0)
     model(input_ids=ids, labels=ids).loss.backward()
@@ -148,9 +154,9 @@ def _train_and_save(path: str) -> dict:
     return {n: v.clone() for n, v in autoshard.full_state_dict(model).items()}
 
 
-def _load(path: str, sharded: bool = True) -> dict:
+def _load(path: str, sharded: bool = True, name: str = "mixtral_eager") -> dict:
     torch.manual_seed(1)
-    model = _build("mixtral_eager")
+    model = _build(name)
     for p in model.parameters():
         torch.nn.init.normal_(p)  # other weights than the checkpoint's
     if sharded:
@@ -169,6 +175,70 @@ def test_expert_slices_checkpoint_on_two_ranks_reload_on_three_and_unsharded(tmp
         assert loaded.keys() == saved.keys()
         for name, value in saved.items():
             assert torch.equal(loaded[name], value), name
+
+
+def test_interleaved_experts_with_biases_split_in_gate_up_pairs():
+    """gpt-oss's in weight [E, H, 2F] holds gate and up interleaved: each rank's slice is a run of
+    whole (gate, up) pairs, its in bias [E, 2F] the same run; down [E, F, H] by its F rows, and
+    the out bias [E, H] whole on every rank."""
+    model = _build("gpt_oss", device="meta")
+    ffn = TINY["intermediate_size"]
+    for world in (2, 3):
+        plan = autoshard.plan(model, world_size=world)
+        experts = [layer for layer in plan.layers if layer.kind == "experts"]
+        assert len(experts) == 2 * TINY["num_hidden_layers"]
+        for column, row in zip(experts[::2], experts[1::2]):
+            assert (column.style, row.style) == ("column", "row")
+            assert column.bias.endswith("gate_up_proj_bias") and row.bias.endswith("down_proj_bias")
+            starts = [0, *itertools.accumulate(autoshard.split_sizes(ffn, world))]
+            for rank in range(world):
+                pairs = (2 * starts[rank], 2 * (starts[rank + 1] - starts[rank]))
+                spec, bias = column.weight_spec(rank, world), column.bias_spec(rank, world)
+                assert (spec.dim, bias.dim) == (2, 1)  # stored transposed: [E, H, 2F]
+                assert spec.local_ranges() == bias.local_ranges() == [pairs]
+                assert row.weight_spec(rank, world).local_ranges() == [(starts[rank], pairs[1] // 2)]
+                assert row.bias_spec(rank, world) is None
+        specs = plan.param_specs(0)
+        assert not any(n.endswith("down_proj_bias") for n in specs)
+
+
+def test_interleaved_expert_slices_checkpoint_on_two_ranks_reload_on_three_and_unsharded(tmp_path):
+    """The full tensors reassembled from interleaved slices are the model's own: saved on 2 ranks
+    after a step, reloaded on 3 and unsharded, every value equal."""
+    path = str(tmp_path / "ckpt")
+    saved = run_on_ranks(_train_and_save, 2, path, "gpt_oss", timeout=600)[0]
+    before = _build("gpt_oss").state_dict()
+    for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj_bias"):
+        key = f"model.layers.0.mlp.experts.{name}"
+        assert not torch.equal(saved[key], before[key])  # the step changed them
+    for loaded in (run_on_ranks(_load, 3, path, True, "gpt_oss", timeout=600)[0],
+                   _load(path, sharded=False, name="gpt_oss")):
+        assert loaded.keys() == saved.keys()
+        for name, value in saved.items():
+            assert torch.equal(loaded[name], value), name
+
+
+def test_experts_of_other_forms_are_not_read_as_interleaved_or_biased():
+    """A module with 3-D weights and biases but no has_bias flag, or biases of other shapes, is
+    not an experts module the split understands."""
+    from autoshard.plan.layers import experts_weights
+
+    class Biased(torch.nn.Module):
+        def __init__(self, flag: bool, out_bias_shape=(3, 8)):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(3, 8, 10))
+            self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(3, 10))
+            self.down_proj = torch.nn.Parameter(torch.zeros(3, 5, 8))
+            self.down_proj_bias = torch.nn.Parameter(torch.zeros(*out_bias_shape))
+            self.is_transposed, self.is_concatenated = True, False
+            if flag:
+                self.has_bias = True
+
+    found = experts_weights(Biased(True))
+    assert found is not None and found.interleaved and found.transposed
+    assert (found.in_bias, found.out_bias) == ("gate_up_proj_bias", "down_proj_bias")
+    assert experts_weights(Biased(False)) is None
+    assert experts_weights(Biased(True, out_bias_shape=(3, 5))) is None
 
 
 class _Experts(torch.nn.Module):

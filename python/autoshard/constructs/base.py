@@ -52,6 +52,11 @@ class LayerConstruct:
                          parts=tuple(layer.parts) if layer.parts else None, repeat=layer.repeat or None,
                          whole_parts=tuple(layer.whole_parts) if layer.whole_parts else None)
 
+    def stored_layout(self, info, units: int, parts: List[int]) -> Tuple[int, List[int]]:
+        """The (units, parts) a split of the planner's `units` and `parts` is made in, as the
+        layer `info` stores its weight (the planner reads fused parts one after the other)."""
+        return units, parts
+
     def bias_size(self, layer) -> int:
         """The number of elements of the layer's bias (the output features)."""
         return layer.weight_shape[1 if layer.transposed else 0]

@@ -3,11 +3,12 @@ two Linear-like nodes on the FFN axis (an "in" side, [E, parts * F, H], and an "
 [E, H, F]; or both stored transposed for `x @ w`, [E, H, parts * F] and [E, F, H]), split as a
 column side followed by a row side (nn/experts.py), in place."""
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
 from ..nn.experts import shard_experts
+from ..nn.spec import ShardSpec
 from ..styles import Style
 from .base import LayerConstruct, register
 
@@ -24,10 +25,12 @@ class ExpertsConstruct(LayerConstruct):
         experts = experts_weights(module)
         if experts is None:
             return None
-        first, second, parts, transposed = experts
-        index = lambda p: param_index.get(id(p), -1)
-        info = LayerInfo(name, "experts", transposed=transposed, weight_shape=tuple(getattr(module, first).shape),
-                         parts=parts, experts_params=(index(getattr(module, first)), index(getattr(module, second))))
+        index = lambda name: param_index.get(id(getattr(module, name)), -1)
+        info = LayerInfo(name, "experts", transposed=experts.transposed,
+                         weight_shape=tuple(getattr(module, experts.first).shape), parts=experts.parts,
+                         experts_params=(index(experts.first), index(experts.second)),
+                         interleaved=experts.interleaved,
+                         experts_biases=(index(experts.in_bias), index(experts.out_bias)) if experts.in_bias else ())
         info.weight_param = info.experts_params[0]
         return info
 
@@ -38,8 +41,25 @@ class ExpertsConstruct(LayerConstruct):
             return {Style.COLUMN: 2, Style.ROW: 1}.get(layer.style)
         return {Style.COLUMN: 1, Style.ROW: 2}.get(layer.style)
 
+    def stored_layout(self, info, units: int, parts: List[int]) -> Tuple[int, List[int]]:
+        # Gate and up interleaved (gpt-oss): this rank's slice of each part is one run of
+        # (gate, up) pairs, so the FFN axis is split in units of a pair, without parts.
+        if info.interleaved and len(parts) == 2 and parts[0] == parts[1]:
+            return units or parts[0], []
+        return units, parts
+
     def bias_spec(self, layer, rank: int, world_size: int):
-        return None
+        # The in bias ([E, parts * F]) is split with the column side's FFN axis; the out bias
+        # ([E, H]) stays whole (one rank adds it: nn/experts.py).
+        if layer.bias is None or not layer.style.is_column:
+            return None
+        weight = layer.weight_spec(rank, world_size)
+        return ShardSpec(1, weight.full_size, rank, world_size, units=weight.units, parts=weight.parts)
+
+    def bias_size(self, layer) -> int:
+        # One bias of the side's output features per expert: [E, out] of [E, out, in] (stored
+        # transposed: [E, in, out]).
+        return layer.weight_shape[0] * layer.weight_shape[2 if layer.transposed else 1]
 
     def replaces(self, module: nn.Module) -> bool:
         return False
@@ -59,5 +79,7 @@ class ExpertsConstruct(LayerConstruct):
                              "weights can only be split as a column side followed by a row side, or replicated")
         column, row = sides
         rank, world = group.rank(), group.size()
-        shard_experts(module, column.weight.rpartition(".")[2], column.weight_spec(rank, world),
-                      row.weight.rpartition(".")[2], row.weight_spec(rank, world), group, input_copy)
+        local = lambda name: name.rpartition(".")[2] if name else None
+        shard_experts(module, local(column.weight), column.weight_spec(rank, world),
+                      local(row.weight), row.weight_spec(rank, world), group, input_copy,
+                      in_bias=local(column.bias), in_bias_spec=column.bias_spec(rank, world), out_bias=local(row.bias))

@@ -45,10 +45,11 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
         info = graph.layers[record["node"]]
         shape = info.construct.weight_shape(info)
         style = Style(record["style"])
+        units, parts = info.construct.stored_layout(info, record["units"] if style.is_split else 0, record["parts"])
         layers.append(LayerPlan(
             module=info.name, kind=info.kind, style=style, weight=names[info.weight_param],
             bias=names[info.bias_param] if info.bias_param >= 0 else None, weight_shape=shape,
-            transposed=info.transposed, units=record["units"] if style.is_split else 0, parts=record["parts"],
+            transposed=info.transposed, units=units, parts=parts,
             whole_parts=record["whole_parts"], summed_parts=record["summed_parts"],
             region=record["region"], copy_group=record["copy_group"], note=named(record["note"]),
             equation=info.equation, letter=record["letter"], repeat=record["repeat"], reason=record["reason"],

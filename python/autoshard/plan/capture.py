@@ -128,9 +128,14 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
                 info.input = inputs[0] if inputs else None
                 info.inputs = tuple(inputs)
                 if info.kind == "experts":
-                    out_weight = getattr(mod, experts_weights(mod)[1])
+                    where = experts_weights(mod)
+                    out_weight = getattr(mod, where.second)
+                    biases = {id(getattr(mod, where.in_bias)): "in", id(getattr(mod, where.out_bias)): "out"} \
+                        if where.in_bias else {}
                     recorder.experts_reads = ExpertReads({id(p): p for p in mod._parameters.values() if p is not None},
-                                                         {id(out_weight): out_weight})
+                                                         {id(out_weight): out_weight}, biases=biases)
+                    out_bias = getattr(mod, where.out_bias) if where.out_bias else None
+                    info.summed_bias = out_bias.numel() if out_bias is not None and out_bias.requires_grad else 0
             recorder.layer_depth += 1
 
         def post(mod, inputs, output, info=info):

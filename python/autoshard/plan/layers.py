@@ -6,7 +6,7 @@ split by rows or columns is decided by the planner from the dataflow, never from
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ class LayerInfo:
     side: str = ""
     experts_params: tuple = ()  # (in parameter index, out parameter index)
     parts: int = 1
+    interleaved: bool = False  # gate and up interleaved on the FFN axis (see ExpertsWeights)
+    experts_biases: tuple = ()  # (in bias index, out bias index), or () without biases
+    summed_bias: int = 0  # the out bias's elements where it is trained (its gradient is summed)
     inputs: tuple = field(default=(), repr=False)  # the whole call's positional inputs
     # A LoRA layer (nn/lora.py): its base Linear is the layer, and each adapter's factors
     # (A's weight, B's weight) as parameter indices, split with it.
@@ -64,9 +67,11 @@ class LayerInfo:
             shape = (experts, hidden, features_in) if self.transposed else (experts, features_in, hidden)
         else:
             shape = (experts, ffn, hidden) if self.transposed else (experts, hidden, ffn)
+        bias = self.experts_biases[0 if in_side else 1] if self.experts_biases else -1
         return LayerInfo(self.name, "experts", hidden if in_side else ffn, features_in if in_side else hidden,
-                         self.transposed, weight_param=self.experts_params[0 if in_side else 1],
-                         weight_shape=shape, side=side, experts_params=self.experts_params, parts=self.parts)
+                         self.transposed, weight_param=self.experts_params[0 if in_side else 1], bias_param=bias,
+                         weight_shape=shape, side=side, experts_params=self.experts_params, parts=self.parts,
+                         interleaved=self.interleaved, experts_biases=self.experts_biases)
 
     def planner_fields(self, inputs: torch.Tensor, output: torch.Tensor) -> Dict[str, object]:
         """The fields of this layer's node in the planner's graph document (csrc/plan/graph.h)."""
@@ -201,19 +206,36 @@ def is_layer_module(module: nn.Module) -> bool:
     return sharded or describe_layer("", module, {}) is not None
 
 
-def experts_weights(module: nn.Module) -> Optional[tuple]:
-    """(in weight name, out weight name, parts, transposed) of a module holding mixture-of-experts
-    weights as 3-D parameters, or None: exactly two parameters, [E, parts * F, H] then [E, H, F]
-    (each expert a gated or plain MLP whose input and output have H features), gated ones holding
-    the gate and up projections one after the other on the FFN axis (parts = 2); or, stored
-    transposed for `x @ w` (transformers' `is_transposed`, Llama 4's and Aria's experts),
-    [E, H, parts * F] then [E, F, H]. Without the flag the first layout is read where it fits."""
+class ExpertsWeights(NamedTuple):
+    """Where an experts module keeps its weights (see experts_weights)."""
+    first: str  # the in weight's name
+    second: str  # the out weight's name
+    parts: int  # 2: gated (gate and up in the in weight), 1: plain
+    transposed: bool
+    # Gate and up interleaved on the FFN axis (gate 0, up 0, gate 1, ...: gpt-oss, transformers'
+    # is_concatenated=False) rather than one after the other.
+    interleaved: bool = False
+    in_bias: Optional[str] = None  # [E, parts * F], added to each expert's in product
+    out_bias: Optional[str] = None  # [E, H], added to each expert's output
+
+
+def experts_weights(module: nn.Module) -> Optional[ExpertsWeights]:
+    """Where a module holding mixture-of-experts weights as 3-D parameters keeps them, or None:
+    exactly two 3-D parameters, [E, parts * F, H] then [E, H, F] (each expert a gated or plain
+    MLP whose input and output have H features), gated ones holding the gate and up projections
+    one after the other on the FFN axis (parts = 2), or interleaved where the module says so
+    (transformers' `is_concatenated=False`); or, stored transposed for `x @ w` (transformers'
+    `is_transposed`, Llama 4's, Aria's and gpt-oss's experts), [E, H, parts * F] then [E, F, H].
+    Without the flag the first layout is read where it fits. A module flagged `has_bias` (gpt-oss)
+    also holds one bias per side, [E, parts * F] and [E, H], after its weight."""
     params = [(name, p) for name, p in module._parameters.items() if p is not None]
-    if len(params) != 2 or any(p.dim() != 3 for _, p in params):
+    weights = [(name, p) for name, p in params if p.dim() == 3]
+    biases = [(name, p) for name, p in params if p.dim() == 2]
+    with_bias = bool(getattr(module, "has_bias", False))
+    if len(weights) != 2 or len(biases) != (2 if with_bias else 0) or len(params) != len(weights) + len(biases):
         return None
-    if not getattr(module, "is_concatenated", True) or getattr(module, "has_bias", False):
-        return None
-    (first, a), (second, b) = params
+    interleaved = not getattr(module, "is_concatenated", True)
+    (first, a), (second, b) = weights
     flagged = getattr(module, "is_transposed", None)
     for transposed in ((False, True) if flagged is None else (bool(flagged),)):
         if transposed:
@@ -226,8 +248,13 @@ def experts_weights(module: nn.Module) -> Optional[tuple]:
             continue
         parts = features_in // ffn if features_in % ffn == 0 else 0
         has_gate = getattr(module, "has_gate", parts == 2)
-        if parts == (2 if has_gate else 1):
-            return first, second, parts, transposed
+        if parts != (2 if has_gate else 1) or (interleaved and parts != 2):
+            continue
+        if not with_bias:
+            return ExpertsWeights(first, second, parts, transposed, interleaved)
+        (in_bias, c), (out_bias, d) = biases
+        if tuple(c.shape) == (experts, features_in) and tuple(d.shape) == (experts, hidden):
+            return ExpertsWeights(first, second, parts, transposed, interleaved, in_bias, out_bias)
     return None
 
 

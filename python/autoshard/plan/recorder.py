@@ -26,8 +26,6 @@ from .op_classes import (
 
 aten = torch.ops.aten
 
-aten = torch.ops.aten
-
 
 def _narrows(x: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether a cast rounds floating-point values to a narrower dtype."""
@@ -44,6 +42,8 @@ class ExpertReads:
     tracked: Dict[int, torch.Tensor]  # its weights and the views taken of them
     out_weight: Dict[int, torch.Tensor]  # the out weight and its views
     partial: Dict[int, torch.Tensor] = field(default_factory=dict)  # what follows linearly from out products
+    # Each bias and its views, by side ("in" or "out"): gpt-oss's per-expert biases.
+    biases: Dict[int, str] = field(default_factory=dict)
     refusals: List[str] = field(default_factory=list)
 
 
@@ -141,8 +141,12 @@ class Recorder(TorchDispatchMode):
         node = self.node("linear", info.name, [hidden], [down], out_side.planner_fields(x, output), "inner")
         layers[node] = out_side.record_call(x, output)
         routing = [t for t in info.inputs[1:] if isinstance(t, torch.Tensor)]
+        fields = {"routing_floating": [t.is_floating_point() for t in routing]}
+        if info.summed_bias:
+            # One rank adds the out bias to its partial outputs: its gradient, there alone, is summed.
+            fields["summed_bias"] = info.summed_bias
         self.node("opaque", info.name + ".combine", [down] + [self.tensor_id(t) for t in routing],
-                  [self.tensor_id(output)], {"routing_floating": [t.is_floating_point() for t in routing]}, "call")
+                  [self.tensor_id(output)], fields, "call")
 
     def document(self, outputs: Sequence[int] = ()) -> Dict[str, Any]:
         """The planner's graph document, version 1 (csrc/plan/graph.h)."""
@@ -174,11 +178,16 @@ class Recorder(TorchDispatchMode):
         packet = func.overloadpacket
         if read:
             of_out_weight = any(id(t) in reads.out_weight for t in read)
+            sides = {reads.biases[id(t)] for t in read if id(t) in reads.biases}
             if packet in EXPERT_WEIGHT_VIEWS:
                 for o in outs:
                     reads.tracked[id(o)] = o
                     if of_out_weight:
                         reads.out_weight[id(o)] = o
+                    if sides:
+                        reads.biases[id(o)] = next(iter(sides))
+            elif sides:
+                self.follow_expert_bias(func, flat, read, sides, outs)
             elif packet not in EXPERT_WEIGHT_PRODUCTS:
                 reads.refusals.append(str(func))
             elif of_out_weight:
@@ -191,6 +200,29 @@ class Recorder(TorchDispatchMode):
             reads.refusals.append(f"{func} of an expert's output before the experts' outputs are summed")
             return
         reads.partial.update((id(o), o) for o in outs)
+
+    def follow_expert_bias(self, func, flat, read, sides, outs) -> None:
+        """A bias of an experts module (one per expert and side) may only be added to the products
+        of its side: the in bias to the in products, which split experts hold the FFN slice of
+        (split with them); the out bias to the out products, whose sum over the ranks it must
+        enter once (one rank adds it: see nn/experts.py), so the sum is again a partial one."""
+        reads = self.experts_reads
+        packet = func.overloadpacket
+        first_of_product = packet in (aten.addmm, aten.baddbmm) and flat and id(flat[0]) in reads.biases
+        added = packet in (aten.add, aten.add_) and len(read) == 1 and len(flat) == 2
+        if len(sides) != 1 or not (added or first_of_product) or (first_of_product and len(read) != 2):
+            reads.refusals.append(f"{func} of an expert bias other than its addition to a product")
+            return
+        others = [t for t in flat if id(t) not in reads.tracked]
+        of_partial = any(id(t) in reads.partial for t in others)
+        out_side = sides == {"out"}
+        if first_of_product:
+            of_partial = any(id(t) in reads.out_weight for t in read)
+        if out_side != of_partial:
+            reads.refusals.append(f"{func} adds an expert bias to another side's products")
+            return
+        if out_side:
+            reads.partial.update((id(o), o) for o in outs)
 
     def record(self, func, args, kwargs, out) -> None:
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
