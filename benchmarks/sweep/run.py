@@ -11,7 +11,8 @@ resumes where it stopped (`--fresh` starts over; `--retry` judges the variants o
 classes again, after a fix). At the end the table of totals and every
 architecture's line go to benchmarks/results/sweep_cpu.txt, the records to sweep_cpu.json.
 `--planning auto` plans and judges each model on the inputs autoshard makes itself (no
-example_inputs), its files named sweep_auto_* beside the others.
+example_inputs), its files named sweep_auto_* beside the others. A world size other than 2 has
+files of its own too (`--world-size 3`: sweep_3ranks_cpu.txt, sweep_progress_3ranks_cpu.jsonl).
 
 A model that takes images or audio beside its input_ids is judged on text with them where they
 run unsharded (catalogue.media_inputs); each record's `inputs` says what it was judged on, and
@@ -35,6 +36,15 @@ RESULTS = os.path.join(HERE, "..", "results")
 # Planned with the sweep's inputs, or with those autoshard makes itself (--planning auto).
 SWEEP = "sweep_auto" if os.environ.get("AUTOSHARD_SWEEP_PLANNING") == "auto" else "sweep"
 PROGRESS = os.path.join(RESULTS, f"{SWEEP.replace('sweep', 'sweep_progress')}_cpu.jsonl")
+
+
+def _at_world_size(world_size: int) -> None:
+    """Results at another world size than 2 go to files of their own (sweep_3ranks_cpu.txt,
+    sweep_progress_3ranks_cpu.jsonl), so that each world size's table is judged alone."""
+    global SWEEP, PROGRESS
+    if world_size != 2:
+        SWEEP = f"{SWEEP}_{world_size}ranks"
+        PROGRESS = os.path.join(RESULTS, f"{SWEEP.replace('sweep', 'sweep_progress', 1)}_cpu.jsonl")
 # A tiny model plans, runs and steps in seconds; a hung collective must not stall the sweep.
 TIMEOUT = 240
 
@@ -131,6 +141,7 @@ def main() -> None:
         os.environ["AUTOSHARD_SWEEP_PLANNING"] = args.planning
         os.execv(sys.executable, [sys.executable, __file__] + sys.argv[1:])
     os.makedirs(RESULTS, exist_ok=True)
+    _at_world_size(args.world_size)
 
     from catalogue import variants
 

@@ -73,6 +73,20 @@ def test_experts_split_on_the_ffn_axis(name):
     assert plan.held_fraction(0, experts_class) == pytest.approx(autoshard.split_sizes(ffn, 2)[0] / ffn)
 
 
+@pytest.mark.parametrize("world_size, sizes", [(3, [24, 24, 16]), (4, [16, 16, 16, 16]), (5, [16, 16, 16, 8, 8])])
+def test_expert_slices_keep_the_grouped_matmul_rows_on_16_bytes(world_size, sizes):
+    """An FFN of 64 features is split in groups of 8, numpy's rule over the groups, so that each
+    rank's rows stay a multiple of 16 bytes, as the grouped matmul's kernels require."""
+    kind, overrides = MODELS["mixtral"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **{**TINY, "intermediate_size": 64},
+                                                                      **overrides))
+    plan = autoshard.plan(model, world_size=world_size)
+    column, row = [layer for layer in plan.layers if layer.kind == "experts"][:2]
+    assert [row.weight_spec(r, world_size).local_size() for r in range(world_size)] == sizes
+    assert [column.weight_spec(r, world_size).local_size() for r in range(world_size)] == [2 * s for s in sizes]
+
+
 def test_mixtral_8x7b_plans_on_meta_under_default_settings():
     config = AutoConfig.for_model("mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,

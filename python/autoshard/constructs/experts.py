@@ -3,6 +3,7 @@ two Linear-like nodes on the FFN axis (an "in" side, [E, parts * F, H], and an "
 [E, H, F]; or both stored transposed for `x @ w`, [E, H, parts * F] and [E, F, H]), split as a
 column side followed by a row side (nn/experts.py), in place."""
 
+import math
 from typing import Dict, List, Optional, Tuple
 
 from torch import nn
@@ -42,10 +43,19 @@ class ExpertsConstruct(LayerConstruct):
         return {Style.COLUMN: 1, Style.ROW: 2}.get(layer.style)
 
     def stored_layout(self, info, units: int, parts: List[int]) -> Tuple[int, List[int]]:
+        if not units:
+            return units, parts
+        # A grouped matmul (transformers' default experts implementation) wants every row of its
+        # operands on a 16-byte boundary: where the whole FFN axis is a multiple of 8 features
+        # (4 at the least), each rank's slice is kept one too, so the split experts run where
+        # the whole ones do (an FFN of 64 on 3 ranks: 24, 24 and 16, not 22, 21 and 21).
+        ffn = info.in_features if info.side == "out" else info.out_features // info.parts
+        granule = 8 if ffn % 8 == 0 else 4 if ffn % 4 == 0 else 1
+        units = math.gcd(units, ffn // granule)
         # Gate and up interleaved (gpt-oss): this rank's slice of each part is one run of
-        # (gate, up) pairs, so the FFN axis is split in units of a pair, without parts.
+        # (gate, up) pairs, so the FFN axis is split in units of pairs, without parts.
         if info.interleaved and len(parts) == 2 and parts[0] == parts[1]:
-            return units or parts[0], []
+            return units, []
         return units, parts
 
     def bias_spec(self, layer, rank: int, world_size: int):
