@@ -83,6 +83,9 @@ OVERRIDES: Dict[str, Dict[str, Any]] = {
     "granite_docling_vision": dict(out_hidden_size=WIDTH), "muse_spark_audio": dict(out_hidden_size=WIDTH),
     # d_head must be d_model // n_head
     "xlnet": dict(d_head=WIDTH // HEADS),
+    # 32 / 8 = 4 patches a side, pooled to 2 x 2 image tokens (the default 256 tokens would pool
+    # 4 patches a side with a window of 0)
+    "gemma3": dict(mm_tokens_per_image=4),
     # the last stage's channels are the hidden size
     "efficientloftr": dict(out_features=[16, 16, 32, WIDTH]),
 }

@@ -82,6 +82,7 @@ Node parse_node(const JsonValue& record, const std::string& where) {
     }
   }
   node.summed_bias = integer_or(record, "summed_bias", 0, where);
+  node.convolution = boolean_or(record, "convolution", false, where);
   switch (node.kind) {
     case Kind::Linear:
       node.in_features = integer(record, "in_features", where);

@@ -93,6 +93,8 @@ struct Node {
   // The same combine: the elements of an out bias (gpt-oss's, one per expert) that one rank adds
   // to its partial outputs; once the experts are split, its gradient is summed over the ranks.
   int64_t summed_bias = 0;
+  // An Einsum layer that is a convolution (its output channels may be gathered: settle.cpp).
+  bool convolution = false;
   // Opaque, added by the planner itself (length_reads.cpp): the module that may read the token
   // count of this node's input, which therefore stays whole.
   std::string length_read_by;
@@ -142,7 +144,7 @@ struct Graph {
 //                 "floating": bool (optional, true), "trainable": bool (optional, true)}, ...],
 //    "nodes": [{"kind": "linear", "label": "...", "inputs": [ids], "outputs": [ids],
 //               "trainable": bool (optional, true; layers), "routing_floating": [bool, ...] (optional),
-//               "summed_bias": int (optional, 0),
+//               "summed_bias": int (optional, 0), "convolution": bool (optional, false; einsum),
 //               "adapters": [{"a", "b", "a_shape", "b_shape", "a_trainable", "b_trainable"}] (optional; linear),
 //               and the fields of its kind named in Kind above}, ...],
 //    "forced": [{"node": index, "style": "replicate" | "column_gather"}, ...] (optional),

@@ -64,6 +64,8 @@ class Propagation {
   void run(const std::set<int>& vocab_embeddings, const std::map<int, AxisFactor>& cuts = {},
            const std::map<int, AxisFactor>& node_cuts = {});
   int find(int r);
+  // Whether a gradient flows to `tensor` (a parameter's, or one computed from a layer's output).
+  bool carries_grad(int tensor) const { return carries_grad_.at(tensor); }
   // Decides every KV link once the pass has run (links.cpp).
   void settle_links(int64_t world_size);
   // Follows gradients backward (gradients.cpp): finds the replicated parameters whose

@@ -44,6 +44,9 @@ const std::vector<std::pair<std::string, std::string>>& reason_table() {
       {"functional_layer",
        "a Linear the model never calls: its forward applies the weight itself (F.linear(x, layer.weight, bias)), "
        "which autoshard does not split"},
+      {"gathered_alone",
+       "(split) a convolution alone over an input no gradient flows to, whose output must be whole: its output "
+       "channels are gathered, one all-gather in forward and none in backward"},
       {"not_called",
        "a layer the traced forward never calls (cross-attention traced without encoder_hidden_states, a head the "
        "example inputs do not reach): example inputs that reach it let it be split"},

@@ -268,6 +268,31 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
       const auto kv = pass.kv_fine.find(root);  // KV heads replicated where needed: the query heads decide
       return pass.regions[kv == pass.kv_fine.end() ? root : kv->second];
     };
+    // A convolution split as a column layer alone in its region, over an input no gradient
+    // flows to (a patch or feature embedding over pixels or audio), whose output must be whole:
+    // split on its output channels and gathered, one all-gather in forward and no collective in
+    // backward, instead of held whole on every rank. Linear layers over such inputs stay whole:
+    // an attention's projections would each pay an all-gather, a trade left to `overrides`.
+    auto gathers_alone = [&](int node) {
+      const Node& layer = graph.nodes[node];
+      if (!layer.convolution || forced[node] != Force::None || pass.roles[node] != Style::Column ||
+          pass.carries_grad(layer.inputs.at(0))) {
+        return false;
+      }
+      if (std::any_of(layer.letters.begin(), layer.letters.end(),
+                      [](const EinsumLetter& l) { return l.role == EinsumLetter::Batch && l.size > 0; })) {
+        return false;  // a grouped convolution splits only with its input
+      }
+      const int root = pass.find(pass.node_region[node]);
+      if (pass.kv_fine.count(root)) return false;
+      for (size_t m = 0; m < count; ++m) {
+        if (static_cast<int>(m) != node && is_layer(graph.nodes[m]) && pass.roles[m] != Style::Replicate &&
+            pass.find(pass.node_region[m]) == root) {
+          return false;
+        }
+      }
+      return true;
+    };
     size_t flip = count;
     for (size_t n = 0; n < count && flip == count; ++n) {
       if (pass.roles[n] != Style::Row && pass.roles[n] != Style::Batch) continue;
@@ -280,7 +305,10 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
       if (n > flip) continue;  // its region may be united with one replicated now: judged next pass
       Region& region = decided_by(pass.find(pass.node_region[n]));
       const int node = static_cast<int>(n);
-      if (region.conflict) {
+      if (region.conflict && gathers_alone(node)) {
+        changed |= force(node, Force::Gather,
+                         {"gathered_alone", "gathered: its output " + region.reason + "; its input carries no gradient"});
+      } else if (region.conflict) {
         changed |= force(node, Force::Replicate, {"conflict", "replicated: its output " + region.reason});
       } else if (region.units < world_size) {
         changed |= force(node, Force::Replicate,

@@ -200,6 +200,11 @@ TABLE = [
     Arch("clip_text", hf("clip_text_model", "base", **BERT_LIKE), token_ids(), small=True, planning="auto"),
     Arch("vit", hf("vit", "base", **BERT_LIKE, image_size=8, patch_size=4, num_channels=3), pixels(3, 8),
          small=True, planning="auto"),
+    # CLIP's vision tower: its patch embedding (a convolution over pixels, which carry no gradient)
+    # feeds a cat with the class embedding and a LayerNorm over all features: split on its output
+    # channels and gathered, where it was held whole.
+    Arch("clip_vision", hf("clip_vision_model", "base", **BERT_LIKE, image_size=8, patch_size=4, num_channels=3),
+         pixels(3, 8), small=True, plan_says=r"patch_embedding +column_gather"),
     Arch("vit_example_inputs", hf("vit", "base", **BERT_LIKE, image_size=8, patch_size=4, num_channels=3),
          pixels(3, 8)),
     # ---- Hugging Face encoder-decoders

@@ -180,7 +180,7 @@ class ConvConstruct(ConvolutionConstruct):
 
     def planner_fields(self, info, inputs: torch.Tensor, output: torch.Tensor) -> Dict[str, object]:
         axis = self.channel_axis(info, inputs)
-        return {"weight_param": info.weight_param, "bias_param": info.bias_param,
+        return {"weight_param": info.weight_param, "bias_param": info.bias_param, "convolution": True,
                 "letters": [{"letter": "o", "role": "output", "input_dim": -1, "output_dim": axis},
                             {"letter": "i", "role": "contracted", "input_dim": axis, "output_dim": -1}]}
 
