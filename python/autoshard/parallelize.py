@@ -14,7 +14,7 @@ from torch import nn
 
 from . import backward_overlap, forward_checks, mesh_fully_shard, partial_gradients, region_generators, torch_optim_check
 from . import loss_parallel as loss_parallelism
-from .rank_agreement import check_ranks_agree
+from .rank_agreement import check_ranks_agree, on_every_rank
 from .data_parallel import GradientAverager
 from .distributed import ProcessGroup, default_group, resolve, set_default_group
 from .dry_run import dry_run
@@ -258,8 +258,11 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
                       group)
     if plan is None:
         def checked_dry_run(candidate):
-            _check_plan_fits(model, candidate, group.size())
-            return dry_run(model, candidate, group, example_inputs, _apply)
+            def run():
+                _check_plan_fits(model, candidate, group.size())
+                return dry_run(model, candidate, group, example_inputs, _apply)
+
+            return on_every_rank(run, group)
 
         choice = ""
         if sequence_parallel == "auto":
@@ -267,9 +270,11 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
                                                                memory_budget, sequence_choice.backend_of(model, group))
         plan, state_shapes = plan_until_it_runs(model, group.size(), example_inputs, sequence_parallel,
                                                 checked_dry_run, choice)
+        # Every rank made its plan alone: they must have made the same one.
+        check_ranks_agree(model, plan_json.dumps(plan, input_values=False), group)
     else:
         _check_plan_fits(model, plan, group.size())
-        state_shapes = dry_run(model, plan, group, example_inputs, _apply)
+        state_shapes = on_every_rank(lambda: dry_run(model, plan, group, example_inputs, _apply), group)
     tokens = _apply(model, plan, group)
     if overlap_backward:
         backward_overlap.enable(model, tokens)

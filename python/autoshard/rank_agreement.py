@@ -6,11 +6,16 @@ would pass every local check and then exchange tensors of different sizes at the
 forward, where gloo aborts the process and NCCL hangs. A digest of the model's parameters
 and buffers (names, shapes, dtypes) and of the plan is all-gathered instead; only when the
 digests differ are the full descriptions gathered, to name the first difference on every rank.
+
+The dry run of a plan (dry_run.py) shards a meta copy for this rank alone, and a plan may compute
+other shapes on one rank than on another (at 3 ranks one rank's heads divide otherwise). Its
+outcome is therefore exchanged (`on_every_rank`): a refusal on any rank is raised on every rank,
+so that all of them plan again alike.
 """
 
 import hashlib
 import pickle
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -75,3 +80,43 @@ def check_ranks_agree(model: nn.Module, plan_json: Optional[str], group: dist.Pr
     raise ValueError(f"parallelize: the ranks did not build the same model and plan: {difference}; every rank "
                      "must build the same model (same config and dtype) and pass the same plan. The model was "
                      "left unchanged")
+
+
+_T = TypeVar("_T")
+_PLAIN = (str, bool, int, float, list, tuple, type(None))
+
+
+def _transportable(error: BaseException) -> dict:
+    """An exception as plain values: its kind, message, and the attributes that say what to hold
+    whole (plan_until_it_runs reads them)."""
+    return {"value_error": isinstance(error, ValueError), "type": type(error).__name__, "message": str(error),
+            "attributes": {k: v for k, v in vars(error).items() if isinstance(v, _PLAIN)}}
+
+
+def _rebuilt(record: dict, rank: int) -> Exception:
+    message = record["message"] if record["value_error"] else f"on rank {rank}: {record['type']}: {record['message']}"
+    error = (ValueError if record["value_error"] else RuntimeError)(message)
+    for key, value in record["attributes"].items():
+        setattr(error, key, value)
+    return error
+
+
+def on_every_rank(run: Callable[[], _T], group: dist.ProcessGroup) -> _T:
+    """run() on this rank; then, if it raised on any rank of `group`, the lowest such rank's
+    exception on every rank (this rank's own where it is that rank), so that no rank goes on
+    while another stops."""
+    try:
+        result, failure = run(), None
+    except Exception as error:  # noqa: BLE001 - every failure is exchanged, then raised
+        result, failure = None, error
+    if group.size() == 1:
+        if failure is not None:
+            raise failure
+        return result
+    outcomes = _all_gather_bytes(None if failure is None else _transportable(failure), group)
+    for rank, record in enumerate(outcomes):
+        if record is not None:
+            if rank == group.rank():
+                raise failure
+            raise _rebuilt(record, rank)
+    return result

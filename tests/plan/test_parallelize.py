@@ -1,6 +1,8 @@
 """parallelize() on Hugging Face models and a model of our own, on 2, 3 and 4 gloo ranks:
 logits, collectives and one SGD step against the unsharded model."""
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -142,6 +144,41 @@ def _plans_compared_across_ranks():
 def test_ranks_compare_their_plans_but_not_their_example_values():
     for message in run_on_ranks(_plans_compared_across_ranks, 2):
         assert message is not None and "the ranks did not build the same model and plan" in message, message
+
+
+def _dry_run_refused_on_one_rank():
+    """parallelize's dry run shards a meta copy for its own rank only; where it refuses the plan
+    on one rank (at 3 ranks one rank's heads may divide otherwise), every rank plans again."""
+    module = sys.modules["autoshard.parallelize"]
+    real = module.dry_run
+
+    def refusing(model, plan, group, example_inputs, apply):
+        if group.rank() == 1 and plan.layer("model.layers.0.self_attn.q_proj").style.is_split:
+            error = ValueError("parallelize: on a meta copy of the model, rank 1 computed other shapes; the plan "
+                               "was refused and the model left unchanged")
+            error.module = "model.layers.0.self_attn"
+            raise error
+        return real(model, plan, group, example_inputs, apply)
+
+    module.dry_run = refusing
+    try:
+        model = autoshard.parallelize(build("llama", seed=0))
+    finally:
+        module.dry_run = real
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    sharded = model(input_ids=ids).logits
+    whole = build("llama", seed=0)(input_ids=ids).logits
+    styles = {layer.module: layer.style.value for layer in model.autoshard_state.plan.layers}
+    return styles, torch.allclose(sharded, whole, atol=1e-5)
+
+
+def test_a_dry_run_refused_on_one_rank_is_planned_again_on_every_rank():
+    results = run_on_ranks(_dry_run_refused_on_one_rank, 3)
+    styles = [r[0] for r in results]
+    assert styles[0] == styles[1] == styles[2]
+    assert styles[0]["model.layers.0.self_attn.q_proj"] == "replicate"
+    assert styles[0]["model.layers.0.mlp.up_proj"] == "column"  # what no rank refused stays split
+    assert all(r[1] for r in results)
 
 
 def test_bad_plans_leave_the_model_untouched():
