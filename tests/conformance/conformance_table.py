@@ -153,7 +153,7 @@ TABLE = [
     Arch("mixtral", hf("mixtral", **{**LLAMA_LIKE, "intermediate_size": 96}, num_local_experts=3,
                         num_experts_per_tok=2), token_ids(), small=True, fp64=False, tolerance=MOE_FP32),
     # An FFN of 64 features, whose even split at 3 ranks (22, 21, 21) would put the grouped
-    # matmul's rows off its 16-byte boundary: split in groups of 8 (24, 24, 16) instead.
+    # matmul's rows off its 16-byte boundary: split in groups of 4 float32s (24, 20, 20) instead.
     Arch("mixtral_ffn_64", hf("mixtral", **{**LLAMA_LIKE, "intermediate_size": 64}, num_local_experts=3,
                                num_experts_per_tok=2), token_ids(), small=(3,), fp64=False, tolerance=MOE_FP32),
     # The eager loop over experts (nonzero on the routing), with an uneven FFN split, in fp64.

@@ -73,14 +73,17 @@ def test_experts_split_on_the_ffn_axis(name):
     assert plan.held_fraction(0, experts_class) == pytest.approx(autoshard.split_sizes(ffn, 2)[0] / ffn)
 
 
-@pytest.mark.parametrize("world_size, sizes", [(3, [24, 24, 16]), (4, [16, 16, 16, 16]), (5, [16, 16, 16, 8, 8])])
-def test_expert_slices_keep_the_grouped_matmul_rows_on_16_bytes(world_size, sizes):
-    """An FFN of 64 features is split in groups of 8, numpy's rule over the groups, so that each
-    rank's rows stay a multiple of 16 bytes, as the grouped matmul's kernels require."""
+@pytest.mark.parametrize("dtype, world_size, sizes", [
+    (torch.float32, 3, [24, 20, 20]), (torch.float32, 5, [16, 12, 12, 12, 12]),
+    (torch.bfloat16, 3, [24, 24, 16]), (torch.bfloat16, 5, [16, 16, 16, 8, 8])])
+def test_expert_slices_keep_the_grouped_matmul_rows_on_16_bytes(dtype, world_size, sizes):
+    """An FFN of 64 features is split in groups of 16 bytes (4 features in float32, 8 in
+    bfloat16), numpy's rule over the groups, so that each rank's rows stay a multiple of 16 bytes,
+    as the grouped matmul's kernels require."""
     kind, overrides = MODELS["mixtral"]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **{**TINY, "intermediate_size": 64},
-                                                                      **overrides))
+                                                                      **overrides)).to(dtype)
     plan = autoshard.plan(model, world_size=world_size)
     column, row = [layer for layer in plan.layers if layer.kind == "experts"][:2]
     assert [row.weight_spec(r, world_size).local_size() for r in range(world_size)] == sizes

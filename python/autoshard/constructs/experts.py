@@ -30,7 +30,7 @@ class ExpertsConstruct(LayerConstruct):
         info = LayerInfo(name, "experts", transposed=experts.transposed,
                          weight_shape=tuple(getattr(module, experts.first).shape), parts=experts.parts,
                          experts_params=(index(experts.first), index(experts.second)),
-                         interleaved=experts.interleaved,
+                         interleaved=experts.interleaved, granule=max(1, 16 // getattr(module, experts.first).element_size()),
                          experts_biases=(index(experts.in_bias), index(experts.out_bias)) if experts.in_bias else ())
         info.weight_param = info.experts_params[0]
         return info
@@ -46,11 +46,11 @@ class ExpertsConstruct(LayerConstruct):
         if not units:
             return units, parts
         # A grouped matmul (transformers' default experts implementation) wants every row of its
-        # operands on a 16-byte boundary: where the whole FFN axis is a multiple of 8 features
-        # (4 at the least), each rank's slice is kept one too, so the split experts run where
-        # the whole ones do (an FFN of 64 on 3 ranks: 24, 24 and 16, not 22, 21 and 21).
+        # operands on a 16-byte boundary: where the whole FFN axis is (4 features in float32, 8
+        # in bfloat16), each rank's slice is kept so too, so the split experts run where the
+        # whole ones do (an FFN of 64 in float32 on 3 ranks: 24, 20 and 20, not 22, 21 and 21).
         ffn = info.in_features if info.side == "out" else info.out_features // info.parts
-        granule = 8 if ffn % 8 == 0 else 4 if ffn % 4 == 0 else 1
+        granule = info.granule if ffn % info.granule == 0 else 1
         units = math.gcd(units, ffn // granule)
         # Gate and up interleaved (gpt-oss): this rank's slice of each part is one run of
         # (gate, up) pairs, so the FFN axis is split in units of pairs, without parts.

@@ -42,6 +42,7 @@ class LayerInfo:
     interleaved: bool = False  # gate and up interleaved on the FFN axis (see ExpertsWeights)
     experts_biases: tuple = ()  # (in bias index, out bias index), or () without biases
     summed_bias: int = 0  # the out bias's elements where it is trained (its gradient is summed)
+    granule: int = 1  # experts: the FFN features of 16 bytes (see ExpertsConstruct.stored_layout)
     inputs: tuple = field(default=(), repr=False)  # the whole call's positional inputs
     # A LoRA layer (nn/lora.py): its base Linear is the layer, and each adapter's factors
     # (A's weight, B's weight) as parameter indices, split with it.
@@ -71,7 +72,7 @@ class LayerInfo:
         return LayerInfo(self.name, "experts", hidden if in_side else ffn, features_in if in_side else hidden,
                          self.transposed, weight_param=self.experts_params[0 if in_side else 1], bias_param=bias,
                          weight_shape=shape, side=side, experts_params=self.experts_params, parts=self.parts,
-                         interleaved=self.interleaved, experts_biases=self.experts_biases)
+                         interleaved=self.interleaved, experts_biases=self.experts_biases, granule=self.granule)
 
     def planner_fields(self, inputs: torch.Tensor, output: torch.Tensor) -> Dict[str, object]:
         """The fields of this layer's node in the planner's graph document (csrc/plan/graph.h)."""
