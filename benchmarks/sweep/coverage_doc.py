@@ -1,7 +1,8 @@
 """Writes the sweep's results into docs/coverage.md, between two marker lines, from
 benchmarks/results/sweep_cpu.json: the classes' totals (all variants and causal LMs), the
 exact variants a rank holds more of, by the reason for the largest part held whole, and every
-refused or skipped architecture by its reason. The docs never hold a figure the sweep did not
+refused or skipped architecture by its reason; then the totals of each sweep at another world
+size (sweep_3ranks_cpu.json, ...). The docs never hold a figure the sweep did not
 produce; tests/toolchain/test_coverage_doc.py checks that the committed page matches the
 committed results.
 
@@ -67,8 +68,33 @@ def _media_lines(rows: List[dict]) -> List[str]:
     return lines + [""]
 
 
-def section(data: dict) -> str:
-    """The markdown of the sweep's results."""
+def other_world_sizes() -> List[dict]:
+    """The sweeps at other world sizes than 2 (run.py --world-size N: sweep_Nranks_cpu.json), by N."""
+    found = sorted(RESULTS.parent.glob("sweep_*ranks_cpu.json"),
+                   key=lambda p: int(re.search(r"sweep_(\d+)ranks", p.name).group(1)))
+    return [json.loads(p.read_text()) for p in found]
+
+
+def _at_world_size(data: dict) -> List[str]:
+    """A sweep at another world size: its classes' totals, and its exact variants a rank holds
+    more of by reason."""
+    header, rows = data["rows"][0], data["rows"][1:]
+    counts = collections.Counter(r["class"] for r in rows)
+    ran = sum(n for c, n in counts.items() if c != "skipped")
+    n = header["world_size"]
+    which = "causal LMs" if rows and all(r["name"].endswith(":causal") for r in rows) else "variants"
+    over = collections.Counter(r.get("largest_whole") or "-" for r in rows if r["class"] == "exact_over")
+    lines = ["", f"At {n} gloo ranks ({data['date']}), {len(rows)} {which}, {ran} of them run unsharded: "
+                 f"**{counts['exact']} of {ran} ({100 * counts['exact'] / ran:.0f}%) are exact and within 1/{n} + 0.1 "
+                 f"per rank**.", "", f"| result | {which} |", "| --- | --- |"]
+    lines += [f"| {words} | {counts[c]} |" for c, words in _CLASSES]
+    lines += ["", f"Exact at {n} ranks with a rank holding more, by the reason for the largest part held whole: "
+              + ", ".join(f"`{reason}` {count}" for reason, count in over.most_common()) + "."]
+    return lines
+
+
+def section(data: dict, others: List[dict] = ()) -> str:
+    """The markdown of the sweep's results (`others`: sweeps at other world sizes)."""
     header, rows = data["rows"][0], data["rows"][1:]
     counts = collections.Counter(r["class"] for r in rows)
     causal = collections.Counter(r["class"] for r in rows if r["name"].endswith(":causal"))
@@ -104,6 +130,8 @@ def section(data: dict) -> str:
         lines += ["", f"{title}, by reason:", "", "| reason | variants | architectures |", "| --- | --- | --- |"]
         for reason, names in sorted(grouped.items(), key=lambda kv: (-len(kv[1]), kv[0])):
             lines.append(f"| {reason.replace('|', '/')} | {len(names)} | {_architectures(names)} |")
+    for other in others:
+        lines += _at_world_size(other)
     return "\n".join(lines + ["", END])
 
 
@@ -120,7 +148,7 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="exit 1 where docs/coverage.md differs")
     args = parser.parse_args()
     page = PAGE.read_text()
-    new = rewritten(page, section(json.loads(RESULTS.read_text())))
+    new = rewritten(page, section(json.loads(RESULTS.read_text()), other_world_sizes()))
     if args.check:
         sys.exit(0 if new == page else 1)
     PAGE.write_text(new)

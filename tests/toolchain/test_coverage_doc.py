@@ -19,7 +19,7 @@ def _coverage_doc():
 def test_the_coverage_page_holds_the_committed_sweep_results():
     doc = _coverage_doc()
     data = json.loads(doc.RESULTS.read_text())
-    block = doc.section(data)
+    block = doc.section(data, doc.other_world_sizes())
     page = doc.PAGE.read_text()
     assert block in page, "docs/coverage.md differs from the sweep results: run python benchmarks/sweep/coverage_doc.py"
     # Its totals are the results' own, class by class.
