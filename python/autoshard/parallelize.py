@@ -254,8 +254,8 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     mesh_fully_shard.check_keyword(fully_shard, mesh, tuple(getattr(mesh, "mesh_dim_names", None) or ()))
     group = resolve(group, "parallelize")
     # Before anything that could fail on some ranks only (and leave the others waiting).
-    check_ranks_agree(model, plan_json.dumps(plan, input_values=False) if isinstance(plan, ShardingPlan) else None,
-                      group)
+    check_ranks_agree(model, plan_json.dumps(plan, input_values=False, prediction=False)
+                      if isinstance(plan, ShardingPlan) else None, group)
     if plan is None:
         def checked_dry_run(candidate):
             def run():
@@ -271,7 +271,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         plan, state_shapes = plan_until_it_runs(model, group.size(), example_inputs, sequence_parallel,
                                                 checked_dry_run, choice)
         # Every rank made its plan alone: they must have made the same one.
-        check_ranks_agree(model, plan_json.dumps(plan, input_values=False), group)
+        check_ranks_agree(model, plan_json.dumps(plan, input_values=False, prediction=False), group)
     else:
         _check_plan_fits(model, plan, group.size())
         state_shapes = on_every_rank(lambda: dry_run(model, plan, group, example_inputs, _apply), group)

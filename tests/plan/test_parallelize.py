@@ -181,6 +181,37 @@ def test_a_dry_run_refused_on_one_rank_is_planned_again_on_every_rank():
     assert all(r[1] for r in results)
 
 
+class _TablesInProcessOrder(nn.Module):
+    """Makes two tables in an order that differs between processes (as a forward iterating over a
+    set of strings does, Gemma 4's rotary tables per layer type), then an MLP reads them."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 12), nn.Linear(12, 8)
+
+    def forward(self, x):
+        order = ("cos", "sin") if dist.get_rank() % 2 == 0 else ("sin", "cos")
+        tables = {name: getattr(torch, name)(x) for name in order}
+        return self.down(torch.relu(self.up(tables["cos"] * tables["sin"] + x)))
+
+
+def _plans_whose_traces_number_tensors_otherwise():
+    torch.manual_seed(0)
+    model = _TablesInProcessOrder()
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1))
+    want = _TablesInProcessOrder()
+    want.load_state_dict(model.state_dict())
+    plan = autoshard.plan(model, world_size=dist.get_world_size(), example_inputs=(x,))
+    autoshard.parallelize(model, plan)
+    made_here = autoshard.parallelize(_TablesInProcessOrder(), example_inputs=(x,)).autoshard_state.plan
+    return torch.allclose(model(x), want(x), atol=1e-6), made_here.layer("up").style.value
+
+
+def test_plans_agree_though_their_traces_number_tensors_in_another_order():
+    for same, style in run_on_ranks(_plans_whose_traces_number_tensors_otherwise, 2):
+        assert same and style == "column"
+
+
 def test_bad_plans_leave_the_model_untouched():
     errors, untouched = run_on_ranks(_bad_plans, 2)[0]
     assert untouched

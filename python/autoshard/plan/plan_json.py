@@ -36,13 +36,16 @@ _SCALARS = (type(None), bool, int, float, str)
 _WIDTH = 100
 
 
-def dumps(plan, input_values: bool = True) -> str:
-    """The version-1 document of `plan`; without `input_values`, with "input_values": null (what
-    the ranks compare before parallelize: ranks planning on example inputs of the same shapes and
-    other values hold the same plan)."""
-    prediction = getattr(plan, "_prediction", None)
+def dumps(plan, input_values: bool = True, prediction: bool = True) -> str:
+    """The version-1 document of `plan`; without `input_values`, with "input_values": null, and
+    without `prediction`, with "prediction": null (what the ranks compare in parallelize: ranks
+    planning on example inputs of the same shapes and other values hold the same plan, and the
+    traced prediction numbers its tensors in the order the forward made them, which may differ
+    between processes where a model iterates over a set of strings, as Gemma 4 computes its
+    rotary tables per layer type)."""
+    traced = getattr(plan, "_prediction", None) if prediction else None
     document = {"version": VERSION, **asdict(plan),
-                "prediction": None if prediction is None else prediction.to_dict(),
+                "prediction": None if traced is None else traced.to_dict(),
                 "input_values": encode_inputs(getattr(plan, "_input_values", None)) if input_values else None}
     return _format(document, 0)
 
