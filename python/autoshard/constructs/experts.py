@@ -27,10 +27,10 @@ class ExpertsConstruct(LayerConstruct):
         if experts is None:
             return None
         index = lambda name: param_index.get(id(getattr(module, name)), -1)
-        info = LayerInfo(name, "experts", transposed=experts.transposed,
-                         weight_shape=tuple(getattr(module, experts.first).shape), parts=experts.parts,
-                         experts_params=(index(experts.first), index(experts.second)),
-                         interleaved=experts.interleaved, granule=max(1, 16 // getattr(module, experts.first).element_size()),
+        weight = getattr(module, experts.first)
+        info = LayerInfo(name, "experts", transposed=experts.transposed, weight_shape=tuple(weight.shape),
+                         parts=experts.parts, experts_params=(index(experts.first), index(experts.second)),
+                         interleaved=experts.interleaved, granule=max(1, 16 // weight.element_size()),
                          experts_biases=(index(experts.in_bias), index(experts.out_bias)) if experts.in_bias else ())
         info.weight_param = info.experts_params[0]
         return info
