@@ -10,10 +10,25 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 import autoshard
 from autoshard.state_views import ShardView
-from hf_models import build
+from hf_models import build as build_hf
+from hf_models import from_config
 from multirank import run_on_ranks
 
 IDS = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(3))
+# gpt-oss: experts with gate and up interleaved and a bias per expert on each side (the out bias
+# held whole on every rank), under its default grouped matmul.
+GPT_OSS = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+               num_key_value_heads=3, head_dim=8, vocab_size=101, num_local_experts=3, num_experts_per_tok=2,
+               sliding_window=4)
+
+
+def build(kind, seed, **overrides):
+    if kind != "gpt_oss":
+        return build_hf(kind, seed=seed, **overrides)
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return from_config(AutoModelForCausalLM, kind, **GPT_OSS, **overrides)
 
 
 def _parallel(kind, seed, **overrides):
@@ -51,7 +66,7 @@ def _load(kind, path, use_helpers, overrides):
 # gemma: tied input and output embeddings.
 @pytest.mark.parametrize("kind,save_world,load_world,use_helpers", [
     ("llama", 2, 3, False), ("llama", 3, 2, True), ("llama", 4, 2, False),
-    ("gpt_bigcode", 2, 3, True), ("gemma", 3, 2, False), ("llama", 3, 3, "async"),
+    ("gpt_bigcode", 2, 3, True), ("gemma", 3, 2, False), ("llama", 3, 3, "async"), ("gpt_oss", 2, 3, False),
 ])
 def test_dcp_checkpoint_holds_the_global_tensors(tmp_path, kind, save_world, load_world, use_helpers):
     path = str(tmp_path / "dcp")
@@ -61,6 +76,10 @@ def test_dcp_checkpoint_holds_the_global_tensors(tmp_path, kind, save_world, loa
     saved = run_on_ranks(_save, save_world, kind, path, use_helpers, {}, timeout=300)
     views, logits = saved[0]
     assert views, "no sharded entry was described to DCP"
+    if kind == "gpt_oss":  # the interleaved experts and their in bias are split, the out bias is not
+        experts = "model.layers.0.mlp.experts."
+        assert {experts + "gate_up_proj", experts + "gate_up_proj_bias", experts + "down_proj"} <= set(views)
+        assert experts + "down_proj_bias" not in views
     for name, shape in views.items():
         assert shape == tuple(want[name].shape), name  # the global shape, not this rank's piece
     torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
