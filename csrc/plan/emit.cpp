@@ -261,14 +261,24 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
   }
 
   // Norms split by heads: the sum of squares all-reduced in forward, the scale's gradient in
-  // backward, one value per token each.
+  // backward, one value per token each; a LayerNorm also its sum (the mean) and the mean's gradient.
   for (const auto& [n, region] : pass.split_norms) {
     const int root = pass.find(region);
     if (pass.regions[root].conflict) continue;
-    const auto& out = graph.tensor(graph.nodes.at(n).outputs.at(0)).shape;
+    const Node& node = graph.nodes.at(n);
+    const auto& out = graph.tensor(node.outputs.at(0)).shape;
+    if (node.per_channel) {
+      // Per channel: nothing to sum. A training forward all-gathers the running mean and
+      // variance of every rank's channels (ShardedBatchNorm); an evaluating one issues nothing.
+      plan.norms.push_back({n, root, out.at(1)});
+      if (node.running_stats) comm("forward", "all_gather", 2 * out.at(1));
+      continue;
+    }
     plan.norms.push_back({n, root, out.back()});
-    comm("forward", "all_reduce", numel(out) / out.back());
-    comm("backward", "all_reduce", numel(out) / out.back());
+    for (int pass_over = 0; pass_over < (node.centered ? 2 : 1); ++pass_over) {
+      comm("forward", "all_reduce", numel(out) / out.back());
+      comm("backward", "all_reduce", numel(out) / out.back());
+    }
   }
 
   // Parameters split with their heads: local parameters, no communication.

@@ -83,6 +83,9 @@ Node parse_node(const JsonValue& record, const std::string& where) {
   }
   node.summed_bias = integer_or(record, "summed_bias", 0, where);
   node.convolution = boolean_or(record, "convolution", false, where);
+  node.centered = boolean_or(record, "centered", false, where);
+  node.per_channel = boolean_or(record, "per_channel", false, where);
+  node.running_stats = boolean_or(record, "running_stats", false, where);
   switch (node.kind) {
     case Kind::Linear:
       node.in_features = integer(record, "in_features", where);
@@ -132,8 +135,8 @@ Node parse_node(const JsonValue& record, const std::string& where) {
     case Kind::Reduce: node.axes = integers<int64_t>(record, "axes", where); break;
     case Kind::Norm:
       node.weight_param = integer(record, "weight_param", where);
-      TORCH_CHECK_VALUE(node.inputs.size() == 2 && node.outputs.size() == 1, "[plan.bad_graph] plan: ", where,
-                        ": a norm reads {x, weight} and writes one tensor");
+      TORCH_CHECK_VALUE(!node.inputs.empty() && node.inputs.size() <= 3 && node.outputs.size() == 1,
+                        "[plan.bad_graph] plan: ", where, ": a norm reads {x[, weight][, bias]} and writes one tensor");
       break;
     case Kind::Split:
       node.dim = integer(record, "dim", where);

@@ -95,6 +95,13 @@ struct Node {
   int64_t summed_bias = 0;
   // An Einsum layer that is a convolution (its output channels may be gathered: settle.cpp).
   bool convolution = false;
+  // A Norm that is a LayerNorm: its mean and its variance each need every rank's features.
+  bool centered = false;
+  // A Norm per channel (axis 1) over the batch and positions, a BatchNorm: split with its
+  // channels it needs no communication, but for the running statistics it updates
+  // (`running_stats`), whose new values are all-gathered in a training forward.
+  bool per_channel = false;
+  bool running_stats = false;
   // Opaque, added by the planner itself (length_reads.cpp): the module that may read the token
   // count of this node's input, which therefore stays whole.
   std::string length_read_by;
@@ -145,6 +152,7 @@ struct Graph {
 //    "nodes": [{"kind": "linear", "label": "...", "inputs": [ids], "outputs": [ids],
 //               "trainable": bool (optional, true; layers), "routing_floating": [bool, ...] (optional),
 //               "summed_bias": int (optional, 0), "convolution": bool (optional, false; einsum),
+//               "centered", "per_channel", "running_stats": bool (optional, false; norm),
 //               "adapters": [{"a", "b", "a_shape", "b_shape", "a_trainable", "b_trainable"}] (optional; linear),
 //               and the fields of its kind named in Kind above}, ...],
 //    "forced": [{"node": index, "style": "replicate" | "column_gather"}, ...] (optional),

@@ -274,6 +274,7 @@ void Propagation::sequence_visit(int n, const Node& node, const std::set<int>& r
     }
     case Kind::Norm: {  // over the features: per token, its weight read like any parameter
       if (!layouts[in].sequence) return refuse(node.label + " takes its tokens as a parameter");
+      if (node.per_channel) return refuse(node.label + " takes its statistics over every token of the batch");
       if (x.factor.axis == static_cast<int>(shape(in).size()) - 1) return refuse(node.label + " mixes tokens");
       return mark(node.outputs.at(0), x.factor.axis);
     }

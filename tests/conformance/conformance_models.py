@@ -91,7 +91,7 @@ def _rotate_layout(x, layout: str, positions):
 class Attention(nn.Module):
     def __init__(self, hidden, heads, kv_heads, head_dim, *, qk_norm=False, rotary_dim=0, head_scale=False,
                  score_gain=False, head_dim_gain=False, rotary_layout=None, tiled_kv=False, sinks=False,
-                 key_written_into=False):
+                 key_written_into=False, qk_layer_norm=False):
         super().__init__()
         self.tiled_kv = tiled_kv
         self.key_written_into = key_written_into
@@ -104,6 +104,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(head_dim) if qk_norm else None
         self.k_norm = RMSNorm(head_dim) if qk_norm else None
+        # ESM-C's q_norm and k_norm: a LayerNorm (weight and bias) over every head's features of
+        # q_proj's and k_proj's outputs, before the view into heads.
+        self.q_layer_norm = nn.LayerNorm(heads * head_dim) if qk_layer_norm else None
+        self.k_layer_norm = nn.LayerNorm(kv_heads * head_dim) if qk_layer_norm else None
+        if qk_layer_norm:
+            for norm in (self.q_layer_norm, self.k_layer_norm):
+                nn.init.normal_(norm.weight, 1.0, 0.1)
+                nn.init.normal_(norm.bias, 0.0, 0.1)
         self.head_scale = nn.Parameter(1.0 + 0.1 * torch.randn(heads, 1, 1)) if head_scale else None
         self.score_gain = nn.Parameter(1.0 + 0.1 * torch.randn(heads)) if score_gain else None
         self.q_gain = nn.Parameter(1.0 + 0.1 * torch.randn(head_dim)) if head_dim_gain else None
@@ -113,8 +121,11 @@ class Attention(nn.Module):
 
     def forward(self, x, bias=None):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.q_layer_norm is not None:
+            q, k = self.q_layer_norm(q), self.k_layer_norm(k)
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)

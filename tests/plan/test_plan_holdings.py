@@ -122,8 +122,9 @@ def test_held_fraction_bad_input():
 
 
 class MostlyWhole(nn.Module):
-    """A wide layer whose output goes through a LayerNorm over its features (kept whole), and a
-    depthwise convolution: only the small output layer can be split."""
+    """A wide layer whose activated output goes through a LayerNorm over its features (kept whole:
+    a norm is split with a layer only where it takes the layer's own output), and a depthwise
+    convolution: only the small output layer can be split."""
 
     def __init__(self):
         super().__init__()
@@ -134,7 +135,7 @@ class MostlyWhole(nn.Module):
 
     def forward(self, x):
         h = self.conv(x.transpose(1, 2)).transpose(1, 2)
-        return self.out(self.norm(self.wide(h)))
+        return self.out(self.norm(torch.tanh(self.wide(h))))
 
 
 def test_warns_once_when_a_rank_would_hold_most_of_the_model():

@@ -12,8 +12,9 @@ from torch import nn
 
 import autoshard
 from autoshard import checkpoint
+from autoshard.nn.layer_norm import ShardedLayerNorm
 from autoshard.nn.rms_norm import ShardedRMSNorm
-from autoshard.constructs.split_norm import rms_norm_form
+from autoshard.constructs.split_norm import LAYER_NORM, layer_norm_form, rms_norm_form
 from autoshard.plan.sharding_plan import ShardingPlan
 from multirank import run_on_ranks
 from test_planner_graphs import G, comm, styles
@@ -120,8 +121,8 @@ def test_norm_node_needs_its_fields():
         g.plan(2)
     g = G()
     x, w, y = g.tensor(2, 6), g.tensor(6, param=0), g.tensor(2, 6)
-    g.node("norm", [x, w, w], [y], weight_param=0)
-    with pytest.raises(ValueError, match=r"plan.bad_graph.*reads \{x, weight\}"):
+    g.node("norm", [x, w, w, w], [y], weight_param=0)
+    with pytest.raises(ValueError, match=r"plan.bad_graph.*reads \{x\[, weight\]\[, bias\]\}"):
         g.plan(2)
 
 
@@ -142,6 +143,30 @@ def test_rms_norm_forms_are_recognised_by_what_they_compute():
     assert rms_norm_form(nn.RMSNorm(8, eps=1e-6, elementwise_affine=False)) is None  # no weight
 
 
+class ShiftedLayerNorm(nn.LayerNorm):
+    """A LayerNorm subclass that adds 1 to its output: no LayerNorm for the split."""
+
+    def forward(self, x):
+        return super().forward(x) + 1
+
+
+class CastingLayerNorm(nn.LayerNorm):
+    """ESM-C's: a LayerNorm that returns its input's dtype."""
+
+    def forward(self, x):
+        return super().forward(x).to(x.dtype)
+
+
+def test_layer_norms_are_recognised_by_what_they_compute():
+    assert layer_norm_form(nn.LayerNorm(8)) == LAYER_NORM
+    assert layer_norm_form(nn.LayerNorm(8, bias=False)) == LAYER_NORM
+    assert layer_norm_form(CastingLayerNorm(8)) == LAYER_NORM
+    assert layer_norm_form(ShiftedLayerNorm(8)) is None
+    assert layer_norm_form(nn.LayerNorm(8, elementwise_affine=False)) is None  # no weight to split
+    assert layer_norm_form(nn.LayerNorm((4, 2))) is None  # over two axes
+    assert layer_norm_form(PlainRMSNorm(8)) is None
+
+
 # ---- a model of our own, exactly in float64
 
 
@@ -160,11 +185,13 @@ class PlainRMSNorm(nn.Module):
 class NormedAttention(nn.Module):
     """q and k normalised over every head's features together, as OLMo 2 does."""
 
-    def __init__(self, hidden=24, heads=6):
+    def __init__(self, hidden=24, heads=6, layer_norm=False):
         super().__init__()
         self.heads = heads
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, hidden) for _ in range(3))
-        self.q_norm, self.k_norm = PlainRMSNorm(hidden), PlainRMSNorm(hidden)
+        # ESM-C normalises with LayerNorms (weight and bias) where OLMo 2 has RMS norms.
+        norm = CastingLayerNorm if layer_norm else PlainRMSNorm
+        self.q_norm, self.k_norm = norm(hidden), norm(hidden)
         self.o_proj = nn.Linear(hidden, hidden)
 
     def forward(self, x):
@@ -177,21 +204,28 @@ class NormedAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
-def _build_own(seed=0):
+def _build_own(seed=0, layer_norm=False):
     torch.manual_seed(seed)
-    model = NormedAttention().double()
+    model = NormedAttention(layer_norm=layer_norm).double()
     with torch.no_grad():
         for norm in (model.q_norm, model.k_norm):
             norm.weight.copy_(torch.rand(norm.weight.shape, dtype=torch.float64) + 0.5)
+            if getattr(norm, "bias", None) is not None:
+                norm.bias.copy_(torch.rand(norm.bias.shape, dtype=torch.float64) - 0.5)
     return model
 
 
-def _own_against_unsharded():
-    model, reference = _build_own(), _build_own()
-    x = torch.randn(2, 5, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+def _own_against_unsharded(layer_norm=False):
+    model, reference = _build_own(layer_norm=layer_norm), _build_own(layer_norm=layer_norm)
+    # Features far from zero mean, where a variance taken as E[x^2] - E[x]^2 would lose digits.
+    x = 3 + torch.randn(2, 5, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     autoshard.parallelize(model, example_inputs=(x,))
-    assert isinstance(model.q_norm, ShardedRMSNorm) and isinstance(model.k_norm, ShardedRMSNorm)
-    got, want = model(x.clone()), reference(x.clone())
+    sharded = ShardedLayerNorm if layer_norm else ShardedRMSNorm
+    assert isinstance(model.q_norm, sharded) and isinstance(model.k_norm, sharded)
+    with autoshard.CommCounter() as forward:
+        got = model(x.clone())
+    counted = {k: v for k, v in forward.counts.items() if v}
+    want = reference(x.clone())
     got.square().sum().backward()
     want.square().sum().backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
@@ -200,17 +234,20 @@ def _own_against_unsharded():
     for name, p in reference.named_parameters():
         full = p.grad if name not in specs else specs[name].take(p.grad)
         errors[name] = float((grads[name] - full).abs().max())
-    return float((got - want).abs().max()), errors, model.q_norm.weight.detach().clone()
+    predicted = model.autoshard_state.plan.collectives("forward")
+    return float((got - want).abs().max()), errors, model.q_norm.weight.detach().clone(), (counted, predicted)
 
 
+@pytest.mark.parametrize("layer_norm", [False, True], ids=["rms_norm", "layer_norm"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_own_model_matches_unsharded_in_float64(world):
-    results = run_on_ranks(_own_against_unsharded, world, timeout=300)
+def test_own_model_matches_unsharded_in_float64(world, layer_norm):
+    results = run_on_ranks(_own_against_unsharded, world, layer_norm, timeout=300)
     heads = np.array_split(np.arange(6), world)
-    full = _build_own().q_norm.weight.detach()
-    for rank, (output_error, errors, q_norm) in enumerate(results):
+    full = _build_own(layer_norm=layer_norm).q_norm.weight.detach()
+    for rank, (output_error, errors, q_norm, (counted, predicted)) in enumerate(results):
         assert output_error < 1e-12
-        assert set(errors) == {n for n, _ in _build_own().named_parameters()}
+        assert set(errors) == {n for n, _ in _build_own(layer_norm=layer_norm).named_parameters()}
+        assert counted == predicted  # a LayerNorm's mean and variance: two all-reduces each
         assert max(errors.values()) < 1e-12, errors
         # This rank's heads' 4 features each.
         want = full[heads[rank][0] * 4:(heads[rank][-1] + 1) * 4]

@@ -1,10 +1,11 @@
-"""Split RMS norms: an RMS norm over a layer's output features that are split by heads (OLMo
-2's q_norm and k_norm over q_proj's and k_proj's outputs). The capture records a call of one on
-a layer's output as one "norm" node (plan/module_calls.py), the planner splits it with the
-layer's features (csrc/plan/norms.cpp), and each becomes nn.rms_norm.ShardedRMSNorm: one
-all-reduce of the squares' sums in forward, one in backward.
+"""Split norms: an RMS norm or a LayerNorm over a layer's output features that are split by
+heads (OLMo 2's q_norm and k_norm over q_proj's and k_proj's outputs, ESM-C's LayerNorms over
+them). The capture records a call of one on a layer's output as one "norm" node
+(plan/module_calls.py), the planner splits it with the layer's features (csrc/plan/norms.cpp),
+and each becomes nn.rms_norm.ShardedRMSNorm (one all-reduce of the squares' sums in forward, one
+in backward) or nn.layer_norm.ShardedLayerNorm (two each: the mean, then the variance).
 
-A module is such a norm by what it computes, not by its name: rms_norm_form probes its class.
+A module is such a norm by what it computes, not by its name: norm_form probes its class.
 """
 
 import copy
@@ -14,6 +15,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+from ..nn.layer_norm import ShardedLayerNorm
 from ..nn.rms_norm import ShardedRMSNorm
 from ..nn.spec import ShardSpec
 from .base import RecordConstruct, register_records, set_submodule
@@ -93,6 +95,57 @@ def rms_norm_form(module: nn.Module) -> Optional[str]:
     return form
 
 
+LAYER_NORM = "layer_norm"
+_LAYER_NORM_FORMS: Dict[tuple, bool] = {}
+
+
+def _plain_state(module: nn.Module) -> tuple:
+    return (type(module), tuple(sorted((k, v) for k, v in vars(module).items()
+                                       if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None))))))
+
+
+def layer_norm_form(module: nn.Module) -> Optional[str]:
+    """LAYER_NORM where `module` computes F.layer_norm over its input's last axis with its 1-D
+    weight and bias (which may be None) as its only parameters and no submodules, checked once
+    per class (and plain attributes) on a small float64 input against F.layer_norm, exactly;
+    None for any other module."""
+    if not isinstance(module, nn.Module) or len(module._modules) or len(module._buffers):
+        return None
+    params = {k: v for k, v in module._parameters.items()}
+    eps = rms_norm_eps(module)
+    if eps is None or set(params) - {"weight", "bias"} or params.get("weight") is None \
+            or any(v is not None and v.dim() != 1 for v in params.values()):
+        return None
+    key = _plain_state(module)
+    if key not in _LAYER_NORM_FORMS:
+        generator = torch.Generator().manual_seed(0)
+        ok = False
+        with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
+            try:
+                probe = copy.copy(module)
+                probe._parameters = {k: None if v is None else nn.Parameter(
+                    torch.randn(5, generator=generator, dtype=torch.float64), requires_grad=False)
+                    for k, v in params.items()}
+                probe._forward_hooks, probe._forward_pre_hooks = OrderedDict(), OrderedDict()
+                if isinstance(getattr(module, "normalized_shape", None), tuple):
+                    probe.normalized_shape = (5,)
+                x = torch.randn(2, 3, 5, generator=generator, dtype=torch.float64)
+                got = type(module).forward(probe, x)
+                want = torch.nn.functional.layer_norm(x, (5,), probe._parameters.get("weight"),
+                                                      probe._parameters.get("bias"), eps)
+                ok = (isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
+                      and bool(torch.allclose(got, want, rtol=1e-12, atol=1e-14)))
+            except Exception:  # noqa: BLE001 - a forward that fails on the probe is no such norm
+                ok = False
+        _LAYER_NORM_FORMS[key] = ok
+    return LAYER_NORM if _LAYER_NORM_FORMS[key] else None
+
+
+def norm_form(module: nn.Module) -> Optional[str]:
+    """The module's RMS norm form (rms_norm_form), LAYER_NORM, or None where it is neither."""
+    return rms_norm_form(module) or layer_norm_form(module)
+
+
 @register_records
 class SplitNorm(RecordConstruct):
     kind = "split_norm"
@@ -101,8 +154,8 @@ class SplitNorm(RecordConstruct):
 
     @staticmethod
     def recognise(module: nn.Module) -> Optional[str]:
-        """The module's RMS norm form (rms_norm_form), or None where it is no RMS norm."""
-        return rms_norm_form(module)
+        """The module's norm form (norm_form), or None where it is no norm split can stand for."""
+        return norm_form(module)
 
     @staticmethod
     def spec(plan, norm, rank: int) -> ShardSpec:
@@ -110,7 +163,12 @@ class SplitNorm(RecordConstruct):
         return ShardSpec(0, norm.features, rank, plan.world_size, units=norm.units or None)
 
     def specs(self, plan, rank: int) -> Dict[str, ShardSpec]:
-        return {norm.weight: self.spec(plan, norm, rank) for norm in plan.norms}
+        specs = {}
+        for norm in plan.norms:
+            for name in (norm.weight, norm.bias):
+                if name:
+                    specs[name] = self.spec(plan, norm, rank)
+        return specs
 
     def replaced(self, plan) -> List[str]:
         return [norm.module for norm in plan.norms]
@@ -121,22 +179,34 @@ class SplitNorm(RecordConstruct):
                 module = model.get_submodule(norm.module)
             except AttributeError:
                 raise ValueError(f"parallelize: the plan names norm {norm.module!r}, which the model lacks") from None
-            weight = getattr(module, "weight", None)
-            if not isinstance(weight, torch.Tensor) or list(weight.shape) != [norm.features] \
-                    or rms_norm_form(module) is None:
-                raise ValueError(f"parallelize: norm {norm.module!r} is not an RMS norm over {norm.features} "
-                                 "features with a weight, as the plan expects")
+            held = [getattr(module, name.rpartition(".")[2], None) for name in (norm.weight, norm.bias) if name]
+            form = norm_form(module)
+            if not held or any(not isinstance(p, torch.Tensor) or list(p.shape) != [norm.features] for p in held) \
+                    or form is None or (form == LAYER_NORM) != norm.centered:
+                what = "a LayerNorm" if norm.centered else "an RMS norm"
+                raise ValueError(f"parallelize: norm {norm.module!r} is not {what} over {norm.features} features, "
+                                 "as the plan expects")
 
     def stand_in(self, copy_: nn.Module, prefix: str, plan, rank: int) -> None:
         for norm in plan.norms:
             if norm.module.startswith(prefix):
                 owner = copy_.get_submodule(norm.module[len(prefix):])
                 local = self.spec(plan, norm, rank).local_size()
-                owner.weight = nn.Parameter(torch.empty(local, device="meta", dtype=owner.weight.dtype))
+                for name in (norm.weight, norm.bias):
+                    if name:
+                        attr = name.rpartition(".")[2]
+                        dtype = getattr(owner, attr).dtype
+                        setattr(owner, attr, nn.Parameter(torch.empty(local, device="meta", dtype=dtype)))
+                if isinstance(getattr(owner, "normalized_shape", None), tuple):  # nn.LayerNorm's, nn.RMSNorm's
+                    owner.normalized_shape = (local,)
 
     def apply(self, model, plan, surgery) -> None:
         for norm in plan.norms:
             module = model.get_submodule(norm.module)
-            set_submodule(model, norm.module, ShardedRMSNorm.from_norm(
-                module, self.spec(plan, norm, surgery.rank), rms_norm_eps(module), rms_norm_form(module),
-                surgery.group))
+            spec = self.spec(plan, norm, surgery.rank)
+            if norm.centered:
+                sharded = ShardedLayerNorm.from_norm(module, spec, rms_norm_eps(module), surgery.group)
+            else:
+                sharded = ShardedRMSNorm.from_norm(module, spec, rms_norm_eps(module), rms_norm_form(module),
+                                                   surgery.group)
+            set_submodule(model, norm.module, sharded)

@@ -22,6 +22,7 @@ from .layers import LayerInfo, describe_layer, experts_weights, in_projection_la
 from .meta_autocast import meta_autocast
 from .meta_inputs import clone_or_none, describe_inputs, input_shapes, inputs_on_meta, meta_shadow, replayable
 from .meta_values import KnownValues
+from ..constructs.split_norm import layer_norm_form
 from .module_calls import attention_calls, norm_calls, record_attention_weights
 from .recorder import ExpertReads, Recorder
 
@@ -172,9 +173,16 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
         layers[node] = info.record_call(x, out)
 
     def record_norm(name, module, x, out):
-        weight = module.weight
-        recorder.node("norm", name, [recorder.tensor_id(x), recorder.tensor_id(weight)], [recorder.tensor_id(out)],
-                      {"weight_param": param_index.get(id(weight), -1)}, "call")
+        weight, bias = module.weight, getattr(module, "bias", None)
+        fields = {"weight_param": param_index.get(id(weight), -1)}
+        inputs = [recorder.tensor_id(x), recorder.tensor_id(weight)]
+        if layer_norm_form(module):
+            # A LayerNorm: its mean and variance both need every rank's features. Its bias is an
+            # input like its weight, so that its gradient is followed as the weight's is.
+            fields.update(centered=True, bias_param=param_index.get(id(bias), -1) if bias is not None else -1)
+            if bias is not None:
+                inputs.append(recorder.tensor_id(bias))
+        recorder.node("norm", name, inputs, [recorder.tensor_id(out)], fields, "call")
 
     handles += norm_calls(shadow, recorder, record_norm, lambda m: describe_layer("", m, {}) is not None)
     example = describe_inputs(args, kwargs)

@@ -14,7 +14,7 @@ from ..nn.multihead_attention import (
     multihead_attention,
     unsupported,
 )
-from ..constructs.split_norm import rms_norm_form
+from ..constructs.split_norm import norm_form
 from .recorder import Recorder
 
 
@@ -22,14 +22,14 @@ aten = torch.ops.aten
 
 
 def norm_calls(root: nn.Module, recorder: "Recorder", record, is_layer) -> list:
-    """Hooks on root's RMS norm modules (rms_norm_form) that are no layer: a call on a tensor a
+    """Hooks on root's RMS norm and LayerNorm modules (norm_form) that are no layer: a call on a tensor a
     Linear-like layer's call gave (OLMo 2's q_norm over q_proj's output) is recorded by `record(name,
     module, x, out)` as one node instead of its ops, so that the planner can split it with the
     layer's features. A norm called on anything else (the residual stream) is left to be
     recorded op by op. Returns the hook handles."""
     handles = []
     for name, module in root.named_modules():
-        if is_layer(module) or rms_norm_form(module) is None:
+        if is_layer(module) or norm_form(module) is None:
             continue
         calls = []
 

@@ -3,7 +3,7 @@ decided for constructs that are no layer of their own, its collectives, and the 
 parameters. Each is a plain dataclass, written to JSON by asdict and read back by from_dict."""
 
 from dataclasses import dataclass, field, fields
-from typing import List
+from typing import List, Optional
 
 from .sealed import Sealed
 
@@ -64,14 +64,17 @@ class ReturnedAttentionWeights(Sealed):
 
 @dataclass
 class SplitNorm(Sealed):
-    """An RMS norm over a layer's output features split by heads (OLMo 2's q_norm): its weight
-    `weight` of `features` global elements, split in the region's `units`."""
+    """An RMS norm over a layer's output features split by heads (OLMo 2's q_norm), or a
+    LayerNorm (`centered`: ESM-C's q_norm): its weight `weight` (and bias `bias`) of `features`
+    global elements, split in the region's `units`."""
 
     module: str
     weight: str
     features: int
     units: int
     region: int
+    bias: Optional[str] = None
+    centered: bool = False
 
 
 @dataclass
