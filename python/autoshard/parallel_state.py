@@ -56,11 +56,15 @@ class ParallelState:
     def model(self) -> Optional[nn.Module]:
         return self._model()
 
-    def collectives(self, phase: str, labels: bool = False) -> Dict[str, int]:
+    def collectives(self, phase: str, labels: bool = False, training: Optional[bool] = None) -> Dict[str, int]:
         """The plan's collectives per step in `phase` ("forward" or "backward"); with `labels`,
         those of a call with labels, which compute the loss over vocabulary shards where
-        loss parallelism is on (see ShardingPlan.collectives)."""
-        return self.plan.collectives(phase, loss_parallel=labels and self._loss_parallel_head() != "")
+        loss parallelism is on; with `training`, those of a forward in that mode, by default the
+        model's (see ShardingPlan.collectives)."""
+        if training is None:
+            training = self.model.training if self.model is not None else True
+        return self.plan.collectives(phase, loss_parallel=labels and self._loss_parallel_head() != "",
+                                     training=training)
 
     def _loss_parallel_head(self) -> str:
         decision = self.loss_parallel

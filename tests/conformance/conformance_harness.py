@@ -183,7 +183,8 @@ def check(arch) -> Report:
     with autoshard.CommCounter() as backward:
         sum((o * w).sum() for o, w in zip(outputs, weights)).backward()
     sum((e * w).sum() for e, w in zip(expected, weights)).backward()
-    report.comm = {"forward": (nonzero_counts(forward), plan.collectives("forward")),
+    # In the model's mode (eval: a split BatchNorm reads its running statistics, gathering none).
+    report.comm = {"forward": (nonzero_counts(forward), plan.collectives("forward", training=model.training)),
                    "backward": (nonzero_counts(backward), plan.collectives("backward"))}
     shards = state_of(model).shards()
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -205,6 +205,12 @@ TABLE = [
     # channels and gathered, where it was held whole.
     Arch("clip_vision", hf("clip_vision_model", "base", **BERT_LIKE, image_size=8, patch_size=4, num_channels=3),
          pixels(3, 8), small=True, plan_says=r"patch_embedding +column_gather"),
+    # BatchNorms between a column convolution and its row partner, split with the channels
+    # (MobileNet's inverted residuals, with depthwise convolutions between; RegNet's grouped ones).
+    Arch("mobilenet_v2", hf("mobilenet_v2", "base", depth_multiplier=0.25, image_size=16), pixels(3, 16),
+         plan_says=r"BatchNorms split with their channels"),
+    Arch("regnet", hf("regnet", "base", embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=4),
+         pixels(3, 16), plan_says=r"BatchNorms split with their channels"),
     Arch("vit_example_inputs", hf("vit", "base", **BERT_LIKE, image_size=8, patch_size=4, num_channels=3),
          pixels(3, 8)),
     # ---- Hugging Face encoder-decoders

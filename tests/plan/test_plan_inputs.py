@@ -106,8 +106,10 @@ def test_an_image_model_whose_config_names_no_size_gets_imagenet_images(kind):
     _, kwargs = example_inputs_for(model)
     assert tuple(kwargs["pixel_values"].shape) == (2, 3, 224, 224)
     plan = autoshard.plan(model, world_size=2)  # it used to raise: "its config has no image_size"
-    # SegFormer's attention and MLPs are split; ResNet's convolutions feed batch norms, held whole.
-    assert ("column" in {layer.style for layer in plan.layers}) == (kind == "segformer")
+    # SegFormer's attention and MLPs are split; ResNet's convolutions with their BatchNorms.
+    assert {"column", "row"} <= {layer.style for layer in plan.layers}
+    if kind == "resnet":
+        assert plan.norms and all(norm.per_channel for norm in plan.norms)
 
 
 @pytest.mark.parametrize("kind,main", [("videomae", "pixel_values"), ("vjepa2", "pixel_values_videos")])

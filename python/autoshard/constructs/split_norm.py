@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+from ..nn.batch_norm import ShardedBatchNorm, is_batch_norm
 from ..nn.layer_norm import ShardedLayerNorm
 from ..nn.rms_norm import ShardedRMSNorm
 from ..nn.spec import ShardSpec
@@ -141,8 +142,14 @@ def layer_norm_form(module: nn.Module) -> Optional[str]:
     return LAYER_NORM if _LAYER_NORM_FORMS[key] else None
 
 
+BATCH_NORM = "batch_norm"
+
+
 def norm_form(module: nn.Module) -> Optional[str]:
-    """The module's RMS norm form (rms_norm_form), LAYER_NORM, or None where it is neither."""
+    """The module's RMS norm form (rms_norm_form), LAYER_NORM, BATCH_NORM (a torch BatchNorm:
+    nn.batch_norm.is_batch_norm), or None where it is none of them."""
+    if is_batch_norm(module):
+        return BATCH_NORM
     return rms_norm_form(module) or layer_norm_form(module)
 
 
@@ -181,9 +188,12 @@ class SplitNorm(RecordConstruct):
                 raise ValueError(f"parallelize: the plan names norm {norm.module!r}, which the model lacks") from None
             held = [getattr(module, name.rpartition(".")[2], None) for name in (norm.weight, norm.bias) if name]
             form = norm_form(module)
-            if not held or any(not isinstance(p, torch.Tensor) or list(p.shape) != [norm.features] for p in held) \
-                    or form is None or (form == LAYER_NORM) != norm.centered:
-                what = "a LayerNorm" if norm.centered else "an RMS norm"
+            if norm.per_channel:
+                wrong = form != BATCH_NORM or module.num_features != norm.features
+            else:
+                wrong = not held or form in (None, BATCH_NORM) or (form == LAYER_NORM) != norm.centered
+            if wrong or any(not isinstance(p, torch.Tensor) or list(p.shape) != [norm.features] for p in held):
+                what = "a BatchNorm" if norm.per_channel else "a LayerNorm" if norm.centered else "an RMS norm"
                 raise ValueError(f"parallelize: norm {norm.module!r} is not {what} over {norm.features} features, "
                                  "as the plan expects")
 
@@ -199,12 +209,20 @@ class SplitNorm(RecordConstruct):
                         setattr(owner, attr, nn.Parameter(torch.empty(local, device="meta", dtype=dtype)))
                 if isinstance(getattr(owner, "normalized_shape", None), tuple):  # nn.LayerNorm's, nn.RMSNorm's
                     owner.normalized_shape = (local,)
+                if norm.per_channel:  # a BatchNorm reads its running statistics at this rank's channels
+                    for attr in ("running_mean", "running_var"):
+                        if getattr(owner, attr, None) is not None:
+                            buffer = getattr(owner, attr)
+                            owner.register_buffer(attr, torch.empty(local, device="meta", dtype=buffer.dtype))
+                    owner.num_features = local
 
     def apply(self, model, plan, surgery) -> None:
         for norm in plan.norms:
             module = model.get_submodule(norm.module)
             spec = self.spec(plan, norm, surgery.rank)
-            if norm.centered:
+            if norm.per_channel:
+                sharded = ShardedBatchNorm.from_norm(module, spec, surgery.group)
+            elif norm.centered:
                 sharded = ShardedLayerNorm.from_norm(module, spec, rms_norm_eps(module), surgery.group)
             else:
                 sharded = ShardedRMSNorm.from_norm(module, spec, rms_norm_eps(module), rms_norm_form(module),

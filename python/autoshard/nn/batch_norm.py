@@ -8,9 +8,9 @@ forward and in backward, and holds the matching parts of the weight and bias.
 
 The running statistics are the one exception. They stay whole on every rank, the same
 everywhere, so that evaluation, a checkpoint and a reload on another world size all see the
-whole tensors a BatchNorm holds. A training step updates this rank's channels in place (torch's
-own update, through a view of the whole buffer), then one all-gather of those channels' new
-values (2 x channels numbers) brings every rank's buffers up to date. An evaluating forward
+whole tensors a BatchNorm holds. A training forward updates a copy of this rank's channels
+(torch's own update), then one all-gather of those channels' new values (2 x channels
+numbers) writes every rank's into each rank's buffers. An evaluating forward
 reads them and communicates nothing.
 """
 
@@ -70,6 +70,7 @@ class ShardedBatchNorm(nn.Module):
                 setattr(self, name, nn.Parameter(spec.take(value.detach()), requires_grad=value.requires_grad))
         for name in ("running_mean", "running_var", "num_batches_tracked"):
             self.register_buffer(name, getattr(norm, name, None), persistent=name not in norm._non_persistent_buffers_set)
+        self.train(norm.training)  # a model parallelized in eval mode stays so
         attach_layer_state(self)
 
     @classmethod
@@ -77,10 +78,12 @@ class ShardedBatchNorm(nn.Module):
         """This rank's channels of ``norm`` (its weight and bias split by ``spec``)."""
         return cls(norm, spec, group)
 
-    def _local(self, buffer: torch.Tensor) -> torch.Tensor:
-        if len(self.ranges) == 1:  # a view: torch's update writes into the whole buffer
+    def _local(self, buffer: torch.Tensor, copy: bool) -> torch.Tensor:
+        """This rank's channels of a whole buffer: a view, or with `copy` a tensor of their own."""
+        if len(self.ranges) == 1:
             start, length = self.ranges[0]
-            return buffer.narrow(0, start, length)
+            view = buffer.narrow(0, start, length)
+            return view.clone() if copy else view
         return torch.cat([buffer.narrow(0, start, length) for start, length in self.ranges])
 
     def _share_running_stats(self, mean: torch.Tensor, var: torch.Tensor) -> None:
@@ -112,8 +115,10 @@ class ShardedBatchNorm(nn.Module):
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         reads_running = self.running_mean is not None and (not self.training or self.track_running_stats)
-        mean = self._local(self.running_mean) if reads_running else None
-        var = self._local(self.running_var) if reads_running else None
+        # A training forward updates copies: batch_norm keeps its running statistics for backward,
+        # and the buffers are written again below, after the gather.
+        mean = self._local(self.running_mean, copy=updating) if reads_running else None
+        var = self._local(self.running_var, copy=updating) if reads_running else None
         out = F.batch_norm(x, mean, var, self.weight, self.bias, batch_stats, factor, self.eps)
         if updating:
             self._share_running_stats(mean, var)

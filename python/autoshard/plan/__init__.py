@@ -72,10 +72,12 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
     norms = []
     for record in data.get("norms", []):
         node = graph.document["nodes"][record["node"]]
-        bias = node.get("bias_param", -1)
-        norms.append(SplitNorm(node["label"], names[node["weight_param"]], record["features"],
+        weight, bias = node.get("weight_param", -1), node.get("bias_param", -1)
+        norms.append(SplitNorm(node["label"], names[weight] if weight >= 0 else None, record["features"],
                                region_plans[record["region"]].units, record["region"],
-                               bias=names[bias] if bias >= 0 else None, centered=bool(node.get("centered"))))
+                               bias=names[bias] if bias >= 0 else None, centered=bool(node.get("centered")),
+                               per_channel=bool(node.get("per_channel")),
+                               running_stats=bool(node.get("running_stats"))))
     token_cut = lambda e: TokenCut(e["module"], e["leaf"], e["dim"], e["region"])
     head_cut = lambda e: HeadCut(e["module"], e["axis"], e["outer"], e["size"], e["region"], e.get("leaf", 0))
     result = ShardingPlan(world_size=world_size, layers=layers, regions=region_plans, comm=comm,

@@ -23,6 +23,7 @@ from .meta_autocast import meta_autocast
 from .meta_inputs import clone_or_none, describe_inputs, input_shapes, inputs_on_meta, meta_shadow, replayable
 from .meta_values import KnownValues
 from ..constructs.split_norm import layer_norm_form
+from ..nn.batch_norm import is_batch_norm
 from .module_calls import attention_calls, norm_calls, record_attention_weights
 from .recorder import ExpertReads, Recorder
 
@@ -173,10 +174,17 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
         layers[node] = info.record_call(x, out)
 
     def record_norm(name, module, x, out):
-        weight, bias = module.weight, getattr(module, "bias", None)
-        fields = {"weight_param": param_index.get(id(weight), -1)}
-        inputs = [recorder.tensor_id(x), recorder.tensor_id(weight)]
-        if layer_norm_form(module):
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        fields = {"weight_param": param_index.get(id(weight), -1) if weight is not None else -1}
+        inputs = [recorder.tensor_id(x)] + ([recorder.tensor_id(weight)] if weight is not None else [])
+        if is_batch_norm(module):
+            # Per channel over the batch and positions; its weight and bias are inputs, so that
+            # their gradients are followed where it stays whole.
+            fields.update(per_channel=True, running_stats=module.track_running_stats and module.running_mean is not None,
+                          bias_param=param_index.get(id(bias), -1) if bias is not None else -1)
+            if bias is not None:
+                inputs.append(recorder.tensor_id(bias))
+        elif layer_norm_form(module):
             # A LayerNorm: its mean and variance both need every rank's features. Its bias is an
             # input like its weight, so that its gradient is followed as the weight's is.
             fields.update(centered=True, bias_param=param_index.get(id(bias), -1) if bias is not None else -1)

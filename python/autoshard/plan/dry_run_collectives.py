@@ -90,7 +90,7 @@ def silent_layers(plan, counter: ForwardCollectives) -> List[str]:
 def forward_mismatch(plan, counter: ForwardCollectives, model: nn.Module) -> Optional[str]:
     """Why the counted forward collectives differ from the plan's, naming the layers that issued
     none where their plan needs one; None when they agree."""
-    predicted = plan.collectives("forward")
+    predicted = plan.collectives("forward", training=model.training)
     if counter.counts == predicted:
         return None
     silent = []

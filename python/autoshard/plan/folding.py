@@ -222,8 +222,8 @@ class BlockFolder:
                 fields = {k: params.get(v, v) if k in ("weight_param", "bias_param") else v for k, v in fields.items()}
             if info is None and traced:
                 label = prefix_now + label[len(prefix_before):] if label.startswith(prefix_before) else label
-            if kind == "norm":  # an RMS norm recorded as one node (capture.norm_calls): this block's weight
-                fields = {k: params.get(v, v) if k == "weight_param" else v for k, v in fields.items()}
+            if kind == "norm":  # a norm recorded as one node (capture.norm_calls): this block's weight and bias
+                fields = {k: params.get(v, v) if k in ("weight_param", "bias_param") else v for k, v in fields.items()}
             node = recorder.node(kind, label, [ids.get(t, t) for t in inputs], [ids.get(t, t) for t in outputs], fields,
                                  traced)
             if info is not None:

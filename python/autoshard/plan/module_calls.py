@@ -14,7 +14,7 @@ from ..nn.multihead_attention import (
     multihead_attention,
     unsupported,
 )
-from ..constructs.split_norm import norm_form
+from ..constructs.split_norm import BATCH_NORM, norm_form
 from .recorder import Recorder
 
 
@@ -26,17 +26,20 @@ def norm_calls(root: nn.Module, recorder: "Recorder", record, is_layer) -> list:
     Linear-like layer's call gave (OLMo 2's q_norm over q_proj's output) is recorded by `record(name,
     module, x, out)` as one node instead of its ops, so that the planner can split it with the
     layer's features. A norm called on anything else (the residual stream) is left to be
-    recorded op by op. Returns the hook handles."""
+    recorded op by op. A BatchNorm is recorded as one node on whatever it takes (its statistics
+    are per channel, which the planner reads from the node alone; its ops, from none of them).
+    Returns the hook handles."""
     handles = []
     for name, module in root.named_modules():
-        if is_layer(module) or norm_form(module) is None:
+        form = None if is_layer(module) else norm_form(module)
+        if form is None:
             continue
         calls = []
 
-        def pre(mod, inputs, calls=calls):
+        def pre(mod, inputs, calls=calls, per_channel=form == BATCH_NORM):
             x = inputs[0] if len(inputs) == 1 else None
             ours = (recorder.layer_depth == 0 and isinstance(x, torch.Tensor)
-                    and recorder.ids.get(id(x), -1) in recorder.layer_outputs)
+                    and (x.dim() >= 2 if per_channel else recorder.ids.get(id(x), -1) in recorder.layer_outputs))
             calls.append(x if ours else None)
             if ours:
                 recorder.layer_depth += 1

@@ -56,9 +56,14 @@ def text(plan) -> str:
         lines.append(f"  {module}: attention weights averaged over every head (one all-reduce of each "
                      "rank's sum in forward)" if used else
                      f"  {module}: attention weights not returned (None): the model never reads them")
-    if plan.norms:
+    feature_norms = [n.module for n in plan.norms if not n.per_channel]
+    if feature_norms:
         lines.append(f"  norms split with their layer's features (one all-reduce in forward and one in backward "
-                     f"each): {_listed([n.module for n in plan.norms])}")
+                     f"each, two for a LayerNorm): {_listed(feature_norms)}")
+    channel_norms = [n.module for n in plan.norms if n.per_channel]
+    if channel_norms:
+        lines.append(f"  BatchNorms split with their channels (no collective; a training forward all-gathers "
+                     f"each one's running statistics): {_listed(channel_norms)}")
     if plan.head_parameters:
         lines.append(f"  parameters split with their heads: {_listed([r.name for r in plan.head_parameters])}")
     if plan.sequence_choice:

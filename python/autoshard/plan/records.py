@@ -64,17 +64,21 @@ class ReturnedAttentionWeights(Sealed):
 
 @dataclass
 class SplitNorm(Sealed):
-    """An RMS norm over a layer's output features split by heads (OLMo 2's q_norm), or a
-    LayerNorm (`centered`: ESM-C's q_norm): its weight `weight` (and bias `bias`) of `features`
-    global elements, split in the region's `units`."""
+    """An RMS norm over a layer's output features split by heads (OLMo 2's q_norm), a LayerNorm
+    (`centered`: ESM-C's q_norm), or a BatchNorm over a convolution's output channels
+    (`per_channel`; `running_stats` where it updates them): its weight `weight` (and bias
+    `bias`; either None where it has none) of `features` global elements, split in the region's
+    `units`."""
 
     module: str
-    weight: str
+    weight: Optional[str]
     features: int
     units: int
     region: int
     bias: Optional[str] = None
     centered: bool = False
+    per_channel: bool = False
+    running_stats: bool = False
 
 
 @dataclass

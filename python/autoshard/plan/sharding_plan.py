@@ -202,12 +202,20 @@ class ShardingPlan(Sealed):
                 specs.update({name: spec for name in record.split})
         return specs
 
-    def collectives(self, phase: str, loss_parallel: bool = False) -> Dict[str, int]:
+    def collectives(self, phase: str, loss_parallel: bool = False, training: bool = True) -> Dict[str, int]:
         """Collectives per step in `phase` ("forward" or "backward"). With `loss_parallel`, those of
         a call with labels whose loss parallelize computes over vocabulary shards (see
         ParallelState.collectives): the head's gather of its logits gives way to the loss's three
-        all-reduces of a few values per token (its backward needs none)."""
+        all-reduces of a few values per token (its backward needs none). With `training=False`,
+        those of a forward in eval mode, where a split BatchNorm reads its running statistics
+        instead of all-gathering their update."""
         counts = {c.kind: c.count for c in self.comm if c.phase == phase}
+        if not training and phase == "forward":
+            updates = sum(1 for norm in self.norms if norm.per_channel and norm.running_stats)
+            if updates:
+                counts["all_gather"] -= updates
+                if not counts["all_gather"]:
+                    del counts["all_gather"]
         if loss_parallel and phase == "forward":
             if not counts.get("all_gather"):
                 raise ValueError("ShardingPlan.collectives: loss_parallel=True, but this plan gathers no logits in "
