@@ -14,6 +14,7 @@ from .plan import ShardingPlan
 from .plan.meta_inputs import input_shapes, inputs_on_meta, meta_shadow
 from .plan.shape_trace import trace_shapes
 from .plan.dry_run_collectives import ForwardCollectives, forward_mismatch, silent_layers, watched_layers
+from .plan.function_caches import clear_model_caches
 from .plan.inputs import ordinary_token
 from .plan.layers import is_layer_module
 from .plan.meta_autocast import meta_autocast
@@ -80,6 +81,7 @@ def dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_i
             if error is not None:
                 raise error
         watch = ForwardCollectives().watch(shadow, watched_layers(plan))
+        clear_model_caches(shadow)
         with torch.no_grad(), meta_autocast(), values, watch as collectives:
             outputs = shadow(*args, **kwargs)
     except LookupRefusal as error:

@@ -350,3 +350,42 @@ def test_olmo2_load_pretrained_gives_each_rank_its_norm_features(tmp_path):
         torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
         for name, value in reference.state_dict().items():
             assert torch.equal(state[name], value), name
+
+
+# ---- a norm at a module's entry, on a layer's output from outside it
+
+
+class _PatchMergedBlock(nn.Module):
+    """A block whose first op is a LayerNorm of its input, and whose heads count is an attribute
+    (traced alone to choose it); the model calls it on a Linear's output (Swin's patch merging)."""
+
+    def __init__(self, width=8, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(width)
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, t, 3, self.heads, -1).transpose(1, 3).unbind(2)
+        attended = F.scaled_dot_product_attention(q, k, v)
+        return x + self.out(attended.transpose(1, 2).reshape(b, t, -1))
+
+
+class _Merged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.reduction = nn.Linear(16, 8)
+        self.block = _PatchMergedBlock()
+
+    def forward(self, x):
+        return self.block(self.reduction(x))
+
+
+def test_a_block_traced_alone_records_the_norm_at_its_entry_as_the_capture_did():
+    torch.manual_seed(0)
+    plan = autoshard.plan(_Merged(), world_size=2, example_inputs=(torch.randn(2, 5, 16),))
+    # Traced alone to choose `heads`, the block's norm must be the node the capture recorded
+    # (the reduction's output is a layer's), or the block would not match and stay whole.
+    assert plan.layer("block.qkv").style == "column" and plan.layer("block.out").style == "row", str(plan)
+    assert not [layer for layer in plan.layers if layer.reason == "shape_mismatch"]

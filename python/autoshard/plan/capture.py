@@ -21,6 +21,7 @@ from .inputs import images_beside_text, missing_decoder_inputs
 from .layers import LayerInfo, describe_layer, experts_weights, in_projection_layer
 from .meta_autocast import meta_autocast
 from .meta_inputs import clone_or_none, describe_inputs, input_shapes, inputs_on_meta, meta_shadow, replayable
+from .function_caches import clear_model_caches
 from .meta_values import KnownValues
 from ..constructs.split_norm import layer_norm_form
 from ..nn.batch_norm import is_batch_norm
@@ -39,6 +40,9 @@ class CapturedGraph:
     output_shapes: List[Tuple[int, ...]]
     shadow: nn.Module = None  # the meta model that ran
     module_inputs: Dict[str, Tuple[tuple, dict]] = field(default_factory=dict)  # first call of each module
+    # Of each module's first call, the flat positions of its inputs that a layer's call gave: a
+    # norm taking one is one node, in a trace of the module alone too (shape_trace).
+    module_layer_inputs: Dict[str, List[int]] = field(default_factory=dict)
     description: str = ""
     example_inputs: Optional[Dict[str, Any]] = None  # shapes and dtypes, to make them again
     shapes: List[Tuple[int, ...]] = field(default_factory=list)  # tensor id -> global shape
@@ -86,6 +90,7 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
     layer_by_module: Dict[int, LayerInfo] = {}
     handles = []
     module_inputs: Dict[str, Tuple[tuple, dict]] = {}
+    module_layer_inputs: Dict[str, List[int]] = {}
     module_nodes: Dict[str, Tuple[int, int]] = {}
     module_entries: Dict[str, List[Tuple[int, int]]] = {}
     module_exits: Dict[str, List[Tuple[int, int]]] = {}
@@ -103,6 +108,8 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
                 leaves = tree_flatten((tuple(a), dict(kw)))[0]
                 module_entries[name] = [(i, recorder.ids[id(t)]) for i, t in enumerate(leaves)
                                         if isinstance(t, torch.Tensor) and id(t) in recorder.ids]
+                module_layer_inputs[name] = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)
+                                             and recorder.ids.get(id(t), -1) in recorder.layer_outputs]
             else:
                 # A hook on the output of a module called again would act on every call.
                 called_again.add(name)
@@ -194,6 +201,7 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
 
     handles += norm_calls(shadow, recorder, record_norm, lambda m: describe_layer("", m, {}) is not None)
     example = describe_inputs(args, kwargs)
+    clear_model_caches(shadow)  # a cache filled before would skip ops the dry run then runs
     try:
         with torch.no_grad(), meta_autocast(), values, recorder, folder, ConsecutiveIndexLists(), attention_calls(
                 shadow, recorder, record_in_projection, functools.partial(record_attention_weights, recorder)):
@@ -241,6 +249,7 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
         output_shapes=[tuple(o.shape) for o in flat],
         shadow=shadow,
         module_inputs=module_inputs,
+        module_layer_inputs=module_layer_inputs,
         description=input_shapes(args, kwargs),
         example_inputs=example if all(a is not None for a in example["args"]) else None,
         shapes=recorder.shapes,

@@ -3,7 +3,7 @@ counts, split sizes, config fields) whose local values make the sharded module c
 shapes the plan predicts on every rank, chosen by tracing the module on meta with candidates."""
 
 import copy
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -63,10 +63,10 @@ class _LocalModule:
             done.update((layer.module, owner_name + ".out_proj"))
         return done
 
-    def trace(self, args, kwargs, attributes: Dict[str, int]):
+    def trace(self, args, kwargs, attributes: Dict[str, int], layer_inputs: Sequence[int] = ()):
         for attr, value in attributes.items():
             set_attribute(self.module, attr, value)
-        return trace_shapes(self.module, args, kwargs, is_layer_module, self.values)
+        return trace_shapes(self.module, args, kwargs, is_layer_module, self.values, layer_inputs)
 
 
 def _representative_ranks(plan, region) -> List[int]:
@@ -262,7 +262,8 @@ def _choose(plan, prediction, name, module, region, values, ranks) -> Tuple[Dict
         # cuts to its heads are given to it cut.
         want = prediction.module_nodes(name, rank, tokens=False)
         call_args, call_kwargs = _cut_heads(plan, prediction, name, args, kwargs, rank)
-        got, error = local.trace(call_args, call_kwargs, {a[0]: candidates[a][rank] for a in attrs})
+        got, error = local.trace(call_args, call_kwargs, {a[0]: candidates[a][rank] for a in attrs},
+                                 prediction.graph.module_layer_inputs.get(name, ()))
         found = first_difference(got, want)
         if error is not None:
             index = found[0] if found is not None and found[0] < len(got) else len(got)

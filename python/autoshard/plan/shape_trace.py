@@ -2,11 +2,12 @@
 the capture records them, for the dry run's check against the plan's prediction."""
 
 import contextlib
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
+from .function_caches import clear_model_caches
 from .index_lists import ConsecutiveIndexLists
 from .layers import is_linear_like
 from .meta_autocast import meta_autocast
@@ -23,6 +24,7 @@ def trace_text(module: nn.Module, args: tuple, kwargs: dict, values: Optional[Kn
     """The ATen-level graph of one module call, for comparing two variants of a module."""
     recorder = Recorder({})
     args, kwargs = replay_inputs((args, kwargs))
+    clear_model_caches(module)  # each trace runs every op its call computes (function_caches)
     with torch.no_grad(), meta_autocast(), values or contextlib.nullcontext(), recorder, ConsecutiveIndexLists(), \
             attention_calls(module, recorder, _as_layer(recorder)):
         module(*args, **kwargs)
@@ -34,10 +36,13 @@ def _as_layer(recorder: Recorder):
     return lambda name, module, x, out: recorder.nodes.append(("layer", (), (recorder.layer_output(out),)))
 
 
-def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values: Optional[KnownValues] = None):
+def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values: Optional[KnownValues] = None,
+                 layer_inputs: Sequence[int] = ()):
     """(op label, output shapes) of every node of one call of `module`, recorded as capture()
     records them: the modules for which `is_layer(module)` holds are one node each (labelled
-    "layer"); and the error that stopped the call, or None. `values` answers reads of input values."""
+    "layer"); and the error that stopped the call, or None. `values` answers reads of input values;
+    `layer_inputs`, the flat positions of the inputs a layer gave in the capture (a norm taking
+    one is one node, as capture recorded it)."""
     recorder = Recorder({})
     handles = []
     # Decided before the call: `is_layer` and `is_linear_like` read a module's weight, and a
@@ -65,6 +70,11 @@ def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values:
         ("layer", (), (recorder.tensor_id(out),))), lambda m: m is module or id(m) in layers)
     error = None
     args, kwargs = replay_inputs((args, kwargs))
+    leaves = torch.utils._pytree.tree_flatten((tuple(args), dict(kwargs)))[0]
+    for position in layer_inputs:
+        if position < len(leaves) and isinstance(leaves[position], torch.Tensor):
+            recorder.layer_outputs.add(recorder.tensor_id(leaves[position]))
+    clear_model_caches(module)  # each trace runs every op its call computes (function_caches)
     try:
         with torch.no_grad(), meta_autocast(), values or contextlib.nullcontext(), recorder, ConsecutiveIndexLists(), \
                 attention_calls(module, recorder, _as_layer(recorder)):
