@@ -3,7 +3,7 @@ the channels (statistics per channel need no communication), their running stati
 whole on every rank and all-gathered after a training forward updates them. Against the
 unsharded model in float64 (outputs, every gradient and the running statistics over training
 steps, then in eval mode), numpy's array_split, and a checkpoint saved on 3 ranks reloaded on 2
-and unsharded."""
+and unsharded, and through torch's DCP into the unsharded model."""
 
 import numpy as np
 import pytest
@@ -270,3 +270,33 @@ def test_hf_mobilenet_v2_trains_as_unsharded_with_its_running_statistics():
         # A wrong gradient or a rank's stale running statistics would be off by far more.
         assert max(errors.values()) < 1e-7, {k: v for k, v in errors.items() if v >= 1e-7}
         assert any(k.endswith("running_mean") for k in errors) and any(k.endswith("weight") for k in errors)
+
+
+# ---- torch's DCP: the split weights described by their global shapes, the statistics whole
+
+
+def _dcp_save(path):
+    import torch.distributed.checkpoint as dcp
+
+    model = _build()
+    autoshard.parallelize(model, example_inputs=(_inputs(0),))
+    opt = autoshard.optim.AdamW(model.parameters(), lr=1e-2)
+    model(_inputs(1)).square().sum().backward()
+    opt.step()
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    return {k: v.clone() for k, v in autoshard.full_state_dict(model).items()}
+
+
+def test_dcp_saves_the_global_tensors_and_reloads_into_the_unsharded_model(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "dcp")
+    full = run_on_ranks(_dcp_save, 2, path, timeout=300)[0]
+    plain = _build(seed=7)
+    state = plain.state_dict()
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    plain.load_state_dict(state)
+    assert plain.state_dict().keys() == full.keys()
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, full[name]), name
+    assert not torch.equal(full["n1.running_mean"], _build().n1.running_mean)  # the step moved them
