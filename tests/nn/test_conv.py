@@ -73,8 +73,8 @@ class AudioEncoder(nn.Module):
 
 
 class GroupedThenNorm(nn.Module):
-    """A depthwise convolution and a BatchNorm over the channels: the norm needs the channels
-    whole, so the depthwise convolution's input arrives whole and it stays whole too."""
+    """A depthwise convolution and a BatchNorm over the channels, between a column and a row
+    convolution: both split with the channels (MobileNet's block)."""
 
     def __init__(self):
         super().__init__()
@@ -135,20 +135,26 @@ def test_convolutions_equal_unsharded(world_size):
     # Whisper's idiom: the MLP after the convolutions is split too, a second pair.
     assert results[0]["audio_encoder"]["styles"]["fc1"] == "column"
     assert results[0]["audio_encoder"]["forward"]["all_reduce"] == 2
-    assert results[0]["grouped_then_norm"]["forward"] == {"all_gather": 1}
+    # The row convolution's all-reduce, and the norm's running statistics gathered in training.
+    assert results[0]["grouped_then_norm"]["styles"] == {"up": "column", "depthwise": "batch", "down": "row"}
+    assert results[0]["grouped_then_norm"]["forward"] == {"all_reduce": 1, "all_gather": 1}
 
 
-def test_grouped_convolution_and_batch_norm_stay_whole_with_reasons():
-    model = GroupedThenNorm()
-    plan = autoshard.plan(model, world_size=2, example_inputs=(torch.randn(2, 4, 6),))
+def test_grouped_convolution_and_batch_norm_split_with_the_channels():
+    plan = autoshard.plan(GroupedThenNorm(), world_size=2, example_inputs=(torch.randn(2, 4, 6),))
     styles = {layer.module: layer.style.value for layer in plan.layers}
-    # The up projection's output passes the depthwise convolution and meets the norm: no pair
-    # can form, and the depthwise convolution reads a whole input. The last convolution gives
-    # the model's output: split, its output gathered (checked exact above).
-    assert styles == {"up": "replicate", "depthwise": "replicate", "down": "column_gather"}, styles
-    assert plan.layer("depthwise").reason == "groups_input_whole"
+    assert styles == {"up": "column", "depthwise": "batch", "down": "row"}, styles
+    assert [(norm.module, norm.per_channel) for norm in plan.norms] == [("norm", True)]
+
+
+def test_a_depthwise_convolution_over_a_whole_input_stays_whole_with_its_reason():
+    # On the model's input, which arrives whole: split alone it would cut its groups' channels
+    # from it and need its output gathered back.
+    model = nn.Sequential(nn.Conv1d(4, 4, 3, padding=1, groups=4), nn.Conv1d(4, 8, 1), nn.ReLU(), nn.Conv1d(8, 4, 1))
+    plan = autoshard.plan(model, world_size=2, example_inputs=(torch.randn(2, 4, 6),))
+    assert plan.layer("0").style.value == "replicate" and plan.layer("0").reason == "groups_input_whole"
     text = str(plan)
-    assert "depthwise" in text and "grouped or depthwise" in text, text
+    assert "grouped or depthwise" in text, text
 
 
 def test_sharded_conv_refuses_what_it_cannot_split():
