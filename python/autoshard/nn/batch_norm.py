@@ -14,6 +14,7 @@ numbers) writes every rank's into each rank's buffers. An evaluating forward
 reads them and communicates nothing.
 """
 
+from dataclasses import replace
 from typing import List, Tuple
 
 import torch
@@ -58,7 +59,8 @@ class ShardedBatchNorm(nn.Module):
         self.track_running_stats = norm.track_running_stats
         self.ranges = spec.local_ranges()
         # Every rank's (start, length) runs, in rank order: where each rank's gathered values go.
-        self.rank_ranges: List[List[Tuple[int, int]]] = [spec._ranges_of(r) for r in range(spec.world_size)]
+        self.rank_ranges: List[List[Tuple[int, int]]] = [replace(spec, rank=r).local_ranges()
+                                                         for r in range(spec.world_size)]
         self.local_features = spec.local_size()
         self.shard_specs = {}
         for name in ("weight", "bias"):
