@@ -1,11 +1,14 @@
 """What sequence parallelism pays in collectives: where tensor parallelism alone all-reduces a
 row layer's (batch, seq, hidden) output, sequence parallelism reduce-scatters it over the
 tokens and later all-gathers the tokens for the next column layer. On NCCL the pair costs one
-all-reduce (a ring all-reduce is a reduce-scatter then an all-gather); on gloo it need not.
+all-reduce (a ring all-reduce is a reduce-scatter then an all-gather). On gloo torch's pair
+costs more, since gloo's reduce-scatter sums the whole tensor on every rank; autoshard's runs
+both as rings of point-to-point transfers there (csrc/comm/ring.h), along the tokens axis
+itself, without moving it to the front of a copy.
 
     python benchmarks/bench_sequence_collectives.py [--batch 2 --seq 512 --hidden 1024 --worlds 2 4]
 
-Times, per rank on gloo, the median of --repeats calls (each after a barrier) of:
+Times, per rank on gloo, the median of --repeats calls (each after a barrier, the three in turns) of:
 
     all_reduce (torch)       torch.distributed.all_reduce of the tensor (what tp alone runs)
     rs + ag (torch)          torch.distributed reduce_scatter_tensor + all_gather_into_tensor
@@ -26,15 +29,19 @@ import autoshard
 from common import run_on_gloo_ranks, save_json, save_text, table_text
 
 
-def _timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
+def _timed_in_turns(calls: dict, repeats: int) -> dict:
+    """The median seconds of each call, the calls taken in turns (each after a barrier) so that
+    a slow spell of the machine falls on all of them alike."""
+    for fn in calls.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
 def _rank_main(rank: int, world: int, args) -> dict:
@@ -52,11 +59,11 @@ def _rank_main(rank: int, world: int, args) -> dict:
         local = autoshard.comm.reduce_scatter_to_sequence(x, 1)
         autoshard.comm.all_gather_from_sequence(local, 1, args.seq)
 
-    return {
-        "all_reduce (torch)": _timed(lambda: dist.all_reduce(x.clone()), args.repeats),
-        "rs + ag (torch)": _timed(torch_pair, args.repeats),
-        "rs + ag (autoshard)": _timed(autoshard_pair, args.repeats),
-    }
+    return _timed_in_turns({
+        "all_reduce (torch)": lambda: dist.all_reduce(x.clone()),
+        "rs + ag (torch)": torch_pair,
+        "rs + ag (autoshard)": autoshard_pair,
+    }, args.repeats)
 
 
 def main() -> None:
@@ -64,7 +71,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
     for world in args.worlds:

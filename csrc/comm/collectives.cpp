@@ -7,6 +7,7 @@
 #include <torch/version.h>
 
 #include "comm/counters.h"
+#include "comm/ring.h"
 #include "split/split_rule.h"
 
 // torch 2.13 named ProcessGroup's flat collectives all_gather_single and reduce_scatter_single
@@ -65,6 +66,11 @@ at::Tensor all_gather_uneven(const at::Tensor& local, int64_t dim, const std::ve
   shape[dim] = length;
   if (c10::multiply_integers(shape) == 0) return at::empty(shape, local.options());
 
+  if (takes_ring(local, group)) {
+    at::Tensor gathered = ring_all_gather(local, dim, sizes, group);
+    count_collective(Collective::kAllGather, static_cast<int64_t>(local.nbytes()), group.getGroupName());
+    return gathered;
+  }
   const c10::DeviceGuard device_guard(local.device());
   const int64_t widest = widest_of(sizes);
   const at::Tensor padded = padded_piece(local, dim, widest);
@@ -100,6 +106,11 @@ at::Tensor reduce_scatter_uneven(const at::Tensor& flat, const std::vector<int64
   if (world == 1) return flat.clone(at::MemoryFormat::Contiguous);
   const int64_t widest = widest_of(sizes);
   if (widest == 0) return at::empty({0}, flat.options());
+  if (takes_ring(flat, group)) {
+    at::Tensor mine = ring_reduce_scatter(flat, 0, sizes, group, async_op);
+    count_collective(Collective::kReduceScatter, static_cast<int64_t>(flat.nbytes()), group.getGroupName());
+    return mine;
+  }
   const c10::DeviceGuard device_guard(flat.device());
   at::Tensor input;
   if (even(sizes)) {
@@ -125,6 +136,33 @@ at::Tensor reduce_scatter_uneven(const at::Tensor& flat, const std::vector<int64
     work->wait();
   }
   return mine;
+}
+
+at::Tensor reduce_scatter_along(const at::Tensor& x, int64_t dim, const std::vector<int64_t>& sizes,
+                                c10d::ProcessGroup& group) {
+  const int64_t rank = group.getRank();
+  std::vector<int64_t> local_shape = x.sizes().vec();
+  local_shape[dim] = sizes[rank];
+  if (group.getSize() == 1 || x.numel() == 0) {
+    return x.narrow(dim, std::accumulate(sizes.begin(), sizes.begin() + rank, int64_t{0}), sizes[rank])
+        .clone(at::MemoryFormat::Contiguous);
+  }
+  if (takes_ring(x, group)) {
+    at::Tensor mine = ring_reduce_scatter(x, dim, sizes, group, /*async_op=*/false);
+    count_collective(Collective::kReduceScatter, static_cast<int64_t>(x.nbytes()), group.getGroupName());
+    return mine;
+  }
+  // The backend's reduce-scatter takes every rank's piece as one run of a flat buffer.
+  const at::Tensor front = x.movedim(dim, 0).contiguous();
+  const int64_t per_slice = front.numel() / front.size(0);
+  std::vector<int64_t> flat_sizes = sizes;
+  for (auto& s : flat_sizes) s *= per_slice;
+  std::vector<int64_t> front_shape = front.sizes().vec();
+  front_shape[0] = sizes[rank];
+  return reduce_scatter_uneven(front.view({-1}), flat_sizes, group, /*async_op=*/false)
+      .view(front_shape)
+      .movedim(0, dim)
+      .contiguous();
 }
 
 at::Tensor all_reduce_bucket(at::TensorList tensors, c10d::ProcessGroup& group, bool async_op) {

@@ -6,7 +6,8 @@
 // A group of one issues nothing.
 //
 // Uneven pieces (rank r holding sizes[r] elements) go over the wire padded to the largest
-// one; the padding is added and dropped here, and nowhere else.
+// one; the padding is added and dropped here, and nowhere else. On gloo the reduce-scatters and
+// all-gathers go as rings of point-to-point transfers instead (ring.h), which need no padding.
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -31,6 +32,11 @@ at::Tensor all_gather_split(const at::Tensor& local, int64_t dim, int64_t length
 // started: the result is registered with c10d, to be waited for with wait_tensor.
 at::Tensor reduce_scatter_uneven(const at::Tensor& flat, const std::vector<int64_t>& sizes,
                                  c10d::ProcessGroup& group, bool async_op);
+
+// This rank's piece along `dim` (sizes[rank] there) of the sum over the group of x, whose pieces
+// along `dim` are sizes[0], sizes[1], ...; a new contiguous tensor.
+at::Tensor reduce_scatter_along(const at::Tensor& x, int64_t dim, const std::vector<int64_t>& sizes,
+                                c10d::ProcessGroup& group);
 
 // The tensors flattened into one new 1-d buffer, summed over the group (started only with
 // `async_op`, as above).

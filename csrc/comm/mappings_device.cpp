@@ -34,22 +34,11 @@ at::Tensor scatter_to_parallel(const at::Tensor& x, int64_t dim, c10::string_vie
   return x.narrow(d, piece.start, piece.length).clone(at::MemoryFormat::Contiguous);
 }
 
-// The sum over the group of x, of which this rank keeps its split_sizes piece along `dim`:
-// dim is moved to the front so that every rank's piece is one contiguous run of the buffer.
+// The sum over the group of x, of which this rank keeps its split_sizes piece along `dim`.
 at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, int64_t dim, c10::string_view group_name) {
   const auto group = resolve_group(group_name, "reduce_scatter_to_sequence");
-  const auto [d, piece] = checked_scatter_piece(x, dim, *group, "reduce_scatter_to_sequence");
-  const at::Tensor front = x.movedim(d, 0).contiguous();
-  std::vector<int64_t> local_shape = front.sizes().vec();
-  local_shape[0] = piece.length;
-  if (group->getSize() == 1 || front.numel() == 0) {
-    return front.narrow(0, piece.start, piece.length).movedim(0, d).contiguous();
-  }
-  const int64_t per_token = front.numel() / front.size(0);
-  std::vector<int64_t> sizes = split_sizes(front.size(0), group->getSize());
-  for (auto& s : sizes) s *= per_token;
-  const at::Tensor mine = reduce_scatter_uneven(front.view({-1}), sizes, *group, /*async_op=*/false);
-  return mine.view(local_shape).movedim(0, d).contiguous();
+  [[maybe_unused]] const auto [d, piece] = checked_scatter_piece(x, dim, *group, "reduce_scatter_to_sequence");
+  return reduce_scatter_along(x, d, split_sizes(x.size(d), group->getSize()), *group);
 }
 
 at::Tensor all_gather_from_sequence(const at::Tensor& x, int64_t dim, int64_t length, c10::string_view group_name) {

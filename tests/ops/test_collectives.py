@@ -154,11 +154,12 @@ def test_comm_counter_counts_by_kind_bytes_and_group():
     world = [{"all_reduce": 1, "broadcast": 1}, {"all_reduce": 16, "broadcast": 16}]
     assert results[0] == world + [{"all_reduce": 1, "broadcast": 1}]
     for r in (1, 2):
-        # Pieces of 3 and 2 elements go over the wire padded to 3: a gather sends 3 floats, a
-        # reduce-scatter 2 x 3.
+        # On gloo pieces of 3 and 2 elements go round a ring as they are, unpadded: a gather
+        # counts the rank's own piece, a reduce-scatter the 5 floats it sums.
+        gathered = 4 * (3 if r == 1 else 2)
         assert results[r] == world + [{"all_reduce": 2, "broadcast": 1, "reduce_scatter": 1, "all_gather": 1},
                                       {"all_reduce": 1, "reduce_scatter": 1, "all_gather": 1},
-                                      {"all_reduce": 16, "reduce_scatter": 24, "all_gather": 12}, 2]
+                                      {"all_reduce": 16, "reduce_scatter": 20, "all_gather": gathered}, 2]
 
 
 def _errors_on_ranks():

@@ -32,10 +32,12 @@ def _definitions(device):
         torch.testing.assert_close(got, autoshard.shard(total, rank, world, dim))
         assert got.is_contiguous()
         if world > 1 and x.numel() > 0:
-            # The whole tensor goes in, padded to the widest piece: the bytes of an all-reduce of it.
+            # The whole tensor goes in: on gloo round a ring as it is, on NCCL padded to the
+            # widest piece (the bytes of an all-reduce of it).
             per_token = x.numel() // length
+            padded_length = length if x.device.type == "cpu" else world * max(sizes)
             assert counter.counts == {"reduce_scatter": 1}
-            assert counter.bytes == {"reduce_scatter": world * max(sizes) * per_token * x.element_size()}
+            assert counter.bytes == {"reduce_scatter": padded_length * per_token * x.element_size()}
         else:
             assert counter.counts == {}
         # ... its backward gathers every rank's gradient of its tokens.

@@ -19,6 +19,13 @@ def gathered_grads(model):
     return grads
 
 
+def gathered_params(model):
+    """Every parameter's full value, by the model's own names (as gathered_grads)."""
+    shards = state_of(model).shards()
+    return {name: gather_full(p.detach(), *shards[id(p)]) if id(p) in shards else p.detach()
+            for name, p in model.named_parameters()}
+
+
 def assert_equals_unsharded(model, reference, inputs: tuple, rtol: float, atol: float):
     """The parallelized `model` against the unsharded `reference` on `inputs`: outputs, then every
     parameter's gradient of the outputs' sum of squares. Returns the gathered gradients."""
