@@ -39,7 +39,8 @@ Two phases, each in its own fresh gloo rank processes (one thread each):
   once, parameters left out) and collectives, as the c10d ops that torch's profiler records on
   the rank (c10d::allreduce_, c10d::_allgather_base_, ...; barriers left out):
   torch.distributed's calls, torch's functional collectives (DTensor) and autoshard's comm ops
-  all issue them. autoshard's own
+  all issue them (on gloo autoshard's reduce-scatters and all-gathers are rings: a send and a
+  recv per ring step). autoshard's own
   CommCounter figures are in the JSON beside them (its comm ops alone: the calls its checks make
   through torch.distributed are not in them).
 - Timing: one set of rank processes builds every configuration, runs a warm-up step of each,

@@ -37,8 +37,9 @@ int64_t wrapped(int64_t i, int64_t world) {
 // runs of memory, one per index of the axes before `dim`. Runs of at least kRunBytes each go as
 // a message of their own, sent from and received into the tensor where they lie; smaller ones go
 // as one message of a contiguous copy. Both ends derive the layout from the piece's shape, so
-// their messages match.
-constexpr int64_t kRunBytes = 64 * 1024;
+// their messages match. Posting a gloo message costs about what copying 4 MiB costs (0.3-0.4 ms
+// on a 2-core machine), so shorter runs are cheaper copied.
+constexpr int64_t kRunBytes = 4 * 1024 * 1024;
 
 int64_t message_count(const at::Tensor& piece, int64_t dim) {
   const int64_t rows = c10::multiply_integers(piece.sizes().begin(), piece.sizes().begin() + dim);
@@ -228,7 +229,8 @@ at::Tensor ring_all_gather(const at::Tensor& local, int64_t dim, const std::vect
   const int tag = reserve_tags(group, (world - 1) * per_step);
   // At step k a rank passes on piece (rank - k), its own first, then the one it last received,
   // each received where it belongs in `out` when its runs allow, else through a buffer.
-  std::vector<at::Tensor> held = messages_to_send(out.narrow(dim, starts[rank], sizes[rank]), dim);
+  std::vector<at::Tensor> held = messages_in_place(out.narrow(dim, starts[rank], sizes[rank]), dim);
+  if (held.empty()) held = messages_of_copy(local.contiguous(), dim);
   for (int64_t k = 0; k < world - 1; ++k) {
     const int64_t received = wrapped(rank - k - 1, world);
     const at::Tensor place = out.narrow(dim, starts[received], sizes[received]);

@@ -3,7 +3,7 @@
 against gloo's own collectives (AUTOSHARD_GLOO_RINGS=0).
 
 The sizes are chosen so that every way a piece goes over the wire is taken: one message of a
-contiguous piece, runs of 64 KiB and more sent from and received into the tensor where they lie
+contiguous piece, runs of 4 MiB and more sent from and received into the tensor where they lie
 (over one leading axis and over two merged ones), small runs through a contiguous copy, a
 non-contiguous input, and empty pieces."""
 
@@ -19,14 +19,16 @@ from autoshard import comm
 from multirank import run_on_ranks
 from seeded import seeded
 
-# (shape, dim): runs of 8 KiB per token, so 8 or more tokens make a run of 64 KiB.
+# (shape, dim, dtypes). A run of 4 MiB or more goes as a message of its own.
+FLOATS_AND_INTS = (torch.float32, torch.bfloat16, torch.int64)
 SEQUENCE_CASES = [
-    ((3, 40, 2048), 1),     # runs of 80-160 KiB, each its own message, where they lie
-    ((3, 5, 2048), 1),      # runs under 64 KiB: one message of a copy
-    ((2, 3, 40, 2048), 2),  # two leading axes merged into 6 runs
-    ((40, 2048), 0),        # each piece one contiguous run
-    ((1, 37, 2048), 1),     # a leading axis of 1: contiguous pieces
+    ((2, 1100, 4096), 1, (torch.float32,)),  # runs of 4.3-8.6 MiB (16 KiB a token): each its own message, in place
+    ((3, 40, 2048), 1, FLOATS_AND_INTS),     # shorter runs: one message of a copy
+    ((2, 2, 1100, 2048), 2, (torch.int64,)),  # two leading axes merged into 4 runs of 4.3-8.6 MiB
+    ((40, 2048), 0, FLOATS_AND_INTS),        # each piece one contiguous run
+    ((1, 37, 2048), 1, FLOATS_AND_INTS),     # a leading axis of 1: contiguous pieces
 ]
+CHECKS = sum(len(dtypes) for _, _, dtypes in SEQUENCE_CASES)
 
 
 @contextmanager
@@ -60,8 +62,8 @@ def _sequence_rings_match_definitions(rings: bool):
     rank, world = dist.get_rank(), dist.get_world_size()
     checked = 0
     with _gloo_rings(rings):
-        for dtype in (torch.float32, torch.bfloat16, torch.int64):
-            for shape, dim in SEQUENCE_CASES:
+        for shape, dim, dtypes in SEQUENCE_CASES:
+            for dtype in dtypes:
                 xs = _rank_tensors(shape, 10, dtype, world)
                 mine = comm.reduce_scatter_to_sequence(xs[rank], dim)
                 assert mine.is_contiguous() and mine.dtype == dtype
@@ -80,15 +82,15 @@ def _sequence_rings_match_definitions(rings: bool):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_sequence_rings_match_their_definitions(world_size):
-    assert run_on_ranks(_sequence_rings_match_definitions, world_size, True) == [3 * len(SEQUENCE_CASES)] * world_size
+    assert run_on_ranks(_sequence_rings_match_definitions, world_size, True) == [CHECKS] * world_size
 
 
 def _uneven_rings_match_definitions():
     rank, world = dist.get_rank(), dist.get_world_size()
-    # Pieces of 0, 30 (runs of 240 KiB, in place) and 2 tokens (16 KiB, through a copy), and so on.
-    sizes = ([0, 30, 2] + [9] * world)[:world]
+    # Pieces of 0, 300 (runs of 4.7 MiB, in place) and 2 tokens (32 KiB, through a copy), and so on.
+    sizes = ([0, 300, 2] + [9] * world)[:world]
     length = sum(sizes)
-    pieces = [seeded((3, n, 2048), 50 + r) for r, n in enumerate(sizes)]
+    pieces = [seeded((2, n, 4096), 50 + r) for r, n in enumerate(sizes)]
     gathered = comm.all_gather_uneven(pieces[rank], 1, sizes)
     assert torch.equal(gathered, torch.cat(pieces, 1))
     flats = _rank_tensors((length * 16,), 70, torch.float32, world)
@@ -152,4 +154,4 @@ def test_async_rings_are_bit_identical_and_keep_their_messages(world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gloo_own_collectives_when_rings_are_off(world_size):
     # The padded path every backend without rings takes (NCCL), run here on gloo.
-    assert run_on_ranks(_sequence_rings_match_definitions, world_size, False) == [3 * len(SEQUENCE_CASES)] * world_size
+    assert run_on_ranks(_sequence_rings_match_definitions, world_size, False) == [CHECKS] * world_size
