@@ -85,9 +85,13 @@ def _save_while_partial_is_taken_over(path: str):
 
     def write_then_lose_the_claim(file_path, tensors):
         record = original(file_path, tensors)
+        # Every rank's file is written before the takeover: a rank still writing could otherwise
+        # make the directory again between the other job's removal and its claim.
+        dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(path + ".partial")
             _claim_by_hand(path + ".partial")
+        dist.barrier()
         return record
 
     save_module.write_safetensors = write_then_lose_the_claim
