@@ -108,7 +108,7 @@ def test_uneven_rings_with_empty_pieces(world_size):
 def _rings_against_gloo():
     """The rings give what gloo's own collectives give: exactly for a gather, and for a sum
     within rounding (the order of the sum differs)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     x = seeded((3, 40, 2048), 90 + rank, torch.float64)
     answers = {}
     for rings in (True, False):

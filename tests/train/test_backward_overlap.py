@@ -102,7 +102,7 @@ def _edges():
     grads = gathered_grads(model)
     for name, p in reference.named_parameters():
         if p.requires_grad:
-            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"step {step}, {name}: {m}")
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
     # torch.autograd.grad of some weights only: the deferred weight gradient arrives through autograd.
     up = model.model.layers[1].mlp.up_proj
     (got,) = torch.autograd.grad(model(input_ids=ids, labels=ids).loss, [up.weight])
