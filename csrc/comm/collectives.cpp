@@ -141,8 +141,6 @@ at::Tensor reduce_scatter_uneven(const at::Tensor& flat, const std::vector<int64
 at::Tensor reduce_scatter_along(const at::Tensor& x, int64_t dim, const std::vector<int64_t>& sizes,
                                 c10d::ProcessGroup& group) {
   const int64_t rank = group.getRank();
-  std::vector<int64_t> local_shape = x.sizes().vec();
-  local_shape[dim] = sizes[rank];
   if (group.getSize() == 1 || x.numel() == 0) {
     return x.narrow(dim, std::accumulate(sizes.begin(), sizes.begin() + rank, int64_t{0}), sizes[rank])
         .clone(at::MemoryFormat::Contiguous);
