@@ -286,7 +286,11 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     const int root = pass.find(region);
     if (pass.regions[root].conflict) continue;
     const AxisFactor& f = pass.head_params.at(tensor);
-    plan.head_params.push_back({tensor, graph.tensor(tensor).param, f.axis, f.size, root});
+    const auto source = pass.head_param_sources.find(tensor);
+    const int layer = source == pass.head_param_sources.end() ? -1 : source->second;
+    // Split part by part only with a layer whose output is split into parts here.
+    const bool fused = layer >= 0 && pass.parts.count(layer) && pass.parts.at(layer).size() > 1;
+    plan.head_params.push_back({tensor, graph.tensor(tensor).param, f.axis, f.size, root, fused ? layer : -1});
   }
 
   // Every sharded tensor, named by the region the plan reports it under (an entry is held

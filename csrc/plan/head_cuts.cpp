@@ -14,17 +14,14 @@
 #include "plan/propagation.h"
 
 namespace autoshard::plan {
-namespace {
 
-// A tensor of one value throughout: made at this rank's size it holds this rank's part of it.
-bool uniform(const Node& node) {
+bool is_uniform_source(const Node& node) {
+  if (node.kind != Kind::Source) return false;
   for (const char* op : {"aten.zeros.", "aten.ones.", "aten.full."}) {
     if (node.label.rfind(op, 0) == 0) return true;
   }
   return false;
 }
-
-}  // namespace
 
 bool Propagation::request_cut(int tensor, int axis, const AxisFactor& wanted) {
   const int n = current_node_;
@@ -47,11 +44,11 @@ bool Propagation::request_cut(int tensor, int axis, const AxisFactor& wanted) {
       wanted_cuts[best] = {a, merged.outer, merged.size};
       return true;
     }
-    const int p = producer_.at(t);
+    const int p = producer_before(t, earliest);
     if (p < 0) return false;
     const Node& node = graph_.nodes[p];
     const bool embedding = node.kind == Kind::Embedding && roles[p] == Style::Replicate;
-    if ((embedding && a == static_cast<int>(out_shape.size()) - 1) || (node.kind == Kind::Source && uniform(node))) {
+    if ((embedding && a == static_cast<int>(out_shape.size()) - 1) || is_uniform_source(node)) {
       if (out_shape.at(a) != merged.outer * merged.size || dropped_node_cuts.count(p)) return false;
       wanted_node_cuts[p] = {a, merged.outer, merged.size};
       return true;

@@ -12,6 +12,8 @@
 // parameter itself: every read of it then sees it sharded, so a parameter also read where it
 // must stay whole (a reduction over its heads, a replicated tensor, another layout) conflicts,
 // the split is dropped (settle.cpp) and the attention stays whole, saying why.
+#include <algorithm>
+
 #include "plan/propagation.h"
 
 namespace autoshard::plan {
@@ -22,15 +24,15 @@ std::string parameter(int64_t index) { return "parameter #" + std::to_string(ind
 
 }  // namespace
 
-bool Propagation::request_head_param(int tensor, int axis, const AxisFactor& merged, std::string& why) {
+bool Propagation::request_head_param(int tensor, int axis, const AxisFactor& merged, int source, std::string& why) {
   const int n = current_node_;
   if (n < 0) return false;
-  int t = tensor;
+  int t = tensor, earliest = n;
   AxisFactor f{axis, merged.outer, merged.size};
   for (int step = 0; step < 16; ++step) {
     const TensorInfo& info = graph_.tensor(t);
     if (layouts[t].sharded || info.is_output) return false;
-    const int p = producer_.at(t);
+    const int p = producer_before(t, earliest);
     if (p < 0) {
       const int64_t param = info.param;
       if (param < 0) return false;  // a model input: a head cut's, if any
@@ -51,6 +53,7 @@ bool Propagation::request_head_param(int tensor, int axis, const AxisFactor& mer
         return false;
       }
       wanted_head_params[t] = f;
+      wanted_head_param_sources[t] = source;
       return true;
     }
     const Node& node = graph_.nodes[p];
@@ -70,6 +73,7 @@ bool Propagation::request_head_param(int tensor, int axis, const AxisFactor& mer
       if (full < 0) return false;
       f.axis -= static_cast<int>(out_shape.size() - graph_.tensor(full).shape.size());
       t = full;
+      earliest = p;
       continue;
     }
     const auto& in_shape = graph_.tensor(in).shape;
@@ -98,10 +102,31 @@ bool Propagation::request_head_param(int tensor, int axis, const AxisFactor& mer
         f.axis = in_axis;
         break;
       }
+      case Kind::Reduce: {
+        // A reduction over other axes (the taps of a depthwise convolution, summed per
+        // channel) keeps each head's elements to itself.
+        if (node.inputs.size() != 1) return false;
+        const bool kept = in_shape.size() == out_shape.size();
+        int in_axis = -1;
+        for (int a = 0, o = 0; a < static_cast<int>(in_shape.size()); ++a) {
+          const bool reduced = std::find(node.axes.begin(), node.axes.end(), a) != node.axes.end();
+          if (reduced && !kept) continue;
+          if (o == f.axis) {
+            if (reduced) return false;
+            in_axis = a;
+            break;
+          }
+          ++o;
+        }
+        if (in_axis < 0 || in_shape.at(in_axis) != out_shape.at(f.axis)) return false;
+        f.axis = in_axis;
+        break;
+      }
       default:
         return false;
     }
     t = in;
+    earliest = p;
   }
   return false;
 }
@@ -111,7 +136,8 @@ bool Propagation::request_head_param(int tensor, int axis, const AxisFactor& mer
 void Propagation::open_head_params() {
   for (const auto& [tensor, factor] : head_params) {
     const int region = new_region(factor.size);
-    set_sharded(tensor, factor, region);
+    const auto source = head_param_sources.find(tensor);
+    set_sharded(tensor, factor, region, source == head_param_sources.end() ? -1 : source->second);
     head_param_region[tensor] = region;
   }
 }

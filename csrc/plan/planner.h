@@ -150,6 +150,7 @@ struct HeadParam {
   int axis = -1;
   int64_t size = 0;
   int region = -1;
+  int layer = -1;  // a fused layer whose parts it is split by, as its output's features are
 };
 
 // A LoRA layer's factors: those split with its base layer (B's rows for a column layer, A's

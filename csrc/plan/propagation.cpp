@@ -50,7 +50,8 @@ void Propagation::run(const std::set<int>& vocab_embeddings, const std::map<int,
     const auto cut = node_cuts.find(current_node_);
     if (cut != node_cuts.end()) {
       const int region = new_region(cut->second.size);
-      set_sharded(graph_.nodes[n].outputs.at(0), cut->second, region);
+      const int source = is_uniform_source(graph_.nodes[n]) ? kAnySource : -1;
+      set_sharded(graph_.nodes[n].outputs.at(0), cut->second, region, source);
       node_cut_region[current_node_] = region;
       node_cut_factor[current_node_] = cut->second;
     }
@@ -95,6 +96,16 @@ void Propagation::unite(int a, int b) {
   if (!ra.conflict && rb.conflict) ra.reason = rb.reason;
   ra.conflict = ra.conflict || rb.conflict;
   ra.localize.insert(ra.localize.end(), rb.localize.begin(), rb.localize.end());
+}
+
+int Propagation::producer_before(int tensor, int before) const {
+  const int last = producer_.at(tensor);
+  if (last < before) return last;
+  for (int n = std::min(before, static_cast<int>(graph_.nodes.size())) - 1; n >= 0; --n) {
+    const auto& outs = graph_.nodes[n].outputs;
+    if (std::find(outs.begin(), outs.end(), tensor) != outs.end()) return n;
+  }
+  return -1;
 }
 
 void Propagation::conflict(int region, const std::string& why) {

@@ -17,11 +17,19 @@ namespace autoshard::plan {
 // smaller parts are held whole on every rank, its largest split.
 enum class Force { None, Replicate, Gather, WholeSmallParts };
 
+// The source of a tensor of one value throughout made at this rank's size (a node cut of zeros):
+// it holds nothing that depends on where a feature lies, so it follows any layer's layout.
+constexpr int kAnySource = -2;
+
+// A tensor of one value throughout (zeros, ones, full): made at this rank's size, it holds this
+// rank's part of it.
+bool is_uniform_source(const Node& node);
+
 struct Layout {
   bool sharded = false;
   AxisFactor factor;
   int region = -1;
-  int source = -1;  // the column layer whose output this is, unchanged (for fused splits)
+  int source = -1;  // the column layer whose output this is, unchanged (for fused splits); or kAnySource
   // The size the axis right after the sharded one was broadcast to from 1 (repeat_kv's
   // expand), so that a reshape merging the two repeats each unit that many times.
   int64_t repeat_next = 0;
@@ -132,6 +140,10 @@ class Propagation {
   std::map<int, std::string> dropped_head_params;
   std::map<int, AxisFactor> wanted_head_params;
   std::map<int, int> head_param_region;
+  // The layer whose output each head parameter meets (-1: none), set with head_params and
+  // found with wanted_head_params. A parameter per feature of a fused layer's output (a
+  // depthwise convolution's taps over fused q/k/v) is split part by part, as that layer is.
+  std::map<int, int> head_param_sources, wanted_head_param_sources;
 
   // The attention weights of an nn.MultiheadAttention whose heads are split (node -> its
   // region, and whether the model reads them): averaged, each rank's sum over its heads is
@@ -168,7 +180,7 @@ class Propagation {
   // Whether `tensor`, held whole and read by the current node on `axis` against a tensor
   // sharded like `merged`, is a parameter (or views of one) that can be split with the heads;
   // if so the split is wanted for the next pass, else `why` may say why not.
-  bool request_head_param(int tensor, int axis, const AxisFactor& merged, std::string& why);
+  bool request_head_param(int tensor, int axis, const AxisFactor& merged, int source, std::string& why);
   void open_head_params();
 
   void visit(int n, const std::set<int>& vocab_embeddings);
@@ -196,6 +208,10 @@ class Propagation {
   void set_part(int id, const Layout& x, const std::vector<int64_t>& partition, size_t part);
   void sequence_visit(int n, const Node& node, const std::set<int>& refused);
   void sequence_layer(int n, const Node& node, const std::set<int>& refused);
+
+  // The node that wrote `tensor` last before node `before`: an op writing in place (copy_ into a
+  // buffer of zeros) keeps its destination's id, so producer_ alone would name the op itself.
+  int producer_before(int tensor, int before) const;
 
   const Graph& graph_;
   const std::vector<Force>& forced_;

@@ -32,7 +32,11 @@ bool Propagation::merge_elementwise(const Node& node, Layout& merged, int skip_a
       return false;
     }
     unite(merged.region, l.region);
-    if (merged.source != l.source) merged.source = -1;
+    if (merged.source == kAnySource) {
+      merged.source = l.source;
+    } else if (l.source != kAnySource && merged.source != l.source) {
+      merged.source = -1;
+    }
     if (merged.repeat_next != l.repeat_next) merged.repeat_next = 0;
   }
   if (!merged.sharded) return true;
@@ -45,7 +49,7 @@ bool Propagation::merge_elementwise(const Node& node, Layout& merged, int skip_a
       if (s[axis] == merged.factor.outer * merged.factor.size && request_cut(id, axis, merged.factor)) continue;
       // A parameter over the heads (a per-head scale) split with them.
       std::string why;
-      if (s[axis] == merged.factor.outer * merged.factor.size && request_head_param(id, axis, merged.factor, why)) continue;
+      if (s[axis] == merged.factor.outer * merged.factor.size && request_head_param(id, axis, merged.factor, merged.source, why)) continue;
       conflict(merged.region, node.label + (why.empty() ? " combines the sharded axis with a replicated tensor" : why));
       return false;
     }
@@ -80,8 +84,9 @@ void Propagation::visit_reduce(const Node& node) {
   for (int id : node.outputs) {
     AxisFactor f = x.factor;
     if (shape(id).size() != shape(in).size()) f.axis -= removed_before;
+    // Reduced over other axes, the features stay where they were (for a split into parts).
     if (f.axis < static_cast<int>(shape(id).size()) && shape(id)[f.axis] == shape(in)[x.factor.axis]) {
-      set_sharded(id, f, x.region);
+      set_sharded(id, f, x.region, x.source);
     }
   }
 }
@@ -287,9 +292,11 @@ void Propagation::visit_slice(const Node& node) {
     if (!node.partition.empty() && !drop) return slice_part(node, x);
     return conflict(x.region, node.label + " slices the sharded axis");
   }
+  // A slice of another axis (the tokens a causal convolution's padding adds) keeps every
+  // feature of the layer's output where it was: still its output for a split into its parts.
   AxisFactor f = x.factor;
   if (drop && dim < f.axis) f.axis -= 1;
-  set_sharded(out, f, x.region, x.whole ? x.source : -1);
+  set_sharded(out, f, x.region, x.source);
   layouts[out].whole = x.whole;
 }
 

@@ -147,6 +147,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   // read where it must stay whole, or the region conflicts elsewhere), meets no split layer, or
   // holds KV heads that several ranks share.
   std::map<int, AxisFactor> head_params;
+  std::map<int, int> head_param_sources;
   std::map<int, std::string> dropped_head_params;
   auto settle_head_params = [&](Propagation& pass) {
     bool changed = false;
@@ -173,6 +174,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
     for (const auto& [tensor, factor] : pass.wanted_head_params) {
       if (!head_params.count(tensor) && !dropped_head_params.count(tensor)) {
         head_params[tensor] = factor;
+        head_param_sources[tensor] = pass.wanted_head_param_sources.at(tensor);
         changed = true;
       }
     }
@@ -196,6 +198,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
     pass.dropped_cuts = dropped_cuts;
     pass.dropped_node_cuts = dropped_node_cuts;
     pass.head_params = head_params;
+    pass.head_param_sources = head_param_sources;
     pass.dropped_head_params = dropped_head_params;
     pass.run(vocab, cuts, node_cuts);
     pass.settle_links(world_size);

@@ -118,6 +118,15 @@ TABLE = [
                                 num_attention_heads=4, num_key_value_heads=2), token_ids(), small=(3,)),
     Arch("qwen2", hf("qwen2", **LLAMA_LIKE), token_ids()),
     Arch("qwen3", hf("qwen3", **LLAMA_LIKE, head_dim=8), token_ids(), small=True, tolerance=NORM_IN_FP32),
+    # Gated-delta-net layers (linear attention) beside full attention: q, k and v from one Linear
+    # through a depthwise convolution applied with F.conv1d, 3 key heads over 6 value heads.
+    Arch("qwen3_5_gated_delta_net", hf("qwen3_5_text", **LLAMA_LIKE, head_dim=8, linear_num_key_heads=3,
+                                       linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=8,
+                                       layer_types=["linear_attention", "full_attention"]),
+         token_ids(), small=True, tolerance=NORM_IN_FP32,
+         # 3 key heads do not go round 4 ranks: the mixer stays whole there, saying why.
+         plan_says={2: r"split with their heads: .*conv1d\.weight", 3: r"split with their heads: .*conv1d\.weight",
+                    4: r"linear_attn\.in_proj_qkv +replicate .*fused output"}),
     Arch("phi", hf("phi", **LLAMA_LIKE, partial_rotary_factor=0.5), token_ids()),
     # Phi-3 slices q, k and v from its fused qkv_proj at config.num_attention_heads * head_dim.
     Arch("phi3", hf("phi3", **LLAMA_LIKE, pad_token_id=0), token_ids(), small=True),
@@ -354,6 +363,10 @@ IDIOMS = [
     # Outputs computed and dropped: the backward never reaches their layers' input copies.
     Arch("own_idiom_dropped_outputs", idiom("dropped_outputs"), token_ids(97), small=True),
     # k/v projections called on x and on the encoder's output in every block: one copy of that output.
+    # The depthwise convolution's weight and bias over the fused q/k/v channels are split part by
+    # part with in_proj; the zeros filled by copy_ are made at each rank's channels.
+    Arch("own_idiom_conv_mixer", idiom("conv_mixer"), token_ids(97), small=True,
+         plan_says=r"split with their heads: .*conv1d\.weight"),
     Arch("own_idiom_merged_attention", idiom("merged_attention"), token_ids(97), small=True),
 ]
 TABLE += IDIOMS

@@ -20,6 +20,10 @@ and that a plan must either compute exactly or keep whole with a reason naming i
 - "merged_attention": one set of k/v projections for self-attention on x and cross-attention on
   an encoder's output, called twice per block: the encoder's output, read by every block, is
   copied once.
+- "conv_mixer": a gated-delta-net style mixer: one Linear's output of q, k and v parts of
+  different widths, a depthwise convolution over all of them applied with F.conv1d on a Conv1d's
+  weight and bias (never called), a buffer of zeros filled by copy_ (a cache's conv state), a
+  triangular solve per head and a per-head decay parameter.
 
 Sizes: hidden 48, 6 heads of 8 (3 KV heads where grouped), FFN 70, vocabulary 97, 2 blocks.
 """
@@ -363,6 +367,39 @@ class MergedAttentionDecoder(nn.Module):
         return self.lm_head(self.norm(x))
 
 
+class ConvMixer(nn.Module):
+    """Gated-delta-net's shape of mixer (Qwen3.5, Qwen3-Next) in plain PyTorch: q, k and v from
+    one Linear (widths 24, 24, 48 over 6 heads), a causal depthwise convolution over the fused
+    channels applied functionally, a solve of a unit lower-triangular system per head."""
+
+    def __init__(self, heads=HEADS, qk_dim=4, v_dim=HEAD_DIM, kernel=3):
+        super().__init__()
+        self.qk_dim, self.v_dim, self.kernel = qk_dim, v_dim, kernel
+        channels = heads * (2 * qk_dim + v_dim)
+        self.in_proj = nn.Linear(HIDDEN, channels, bias=False)
+        self.conv1d = nn.Conv1d(channels, channels, kernel, groups=channels, padding=kernel - 1)
+        self.decay = nn.Parameter(torch.linspace(-1.0, -0.1, heads))
+        self.out_proj = nn.Linear(heads * v_dim, HIDDEN, bias=False)
+
+    def forward(self, x):
+        batch, tokens, _ = x.shape
+        mixed = self.in_proj(x).transpose(1, 2)
+        channels = mixed.shape[1]
+        # What a cache keeps of the last tokens, made at the size of what it holds.
+        state = torch.zeros(batch, channels, self.kernel - 1, dtype=x.dtype, device=x.device)
+        state.copy_(mixed[:, :, -(self.kernel - 1):])
+        mixed = F.conv1d(mixed, self.conv1d.weight, self.conv1d.bias, padding=self.kernel - 1, groups=channels)
+        mixed = F.silu(mixed[:, :, :tokens] + state[:, :, -1:]).transpose(1, 2)
+        q, k, v = mixed.split([channels // (2 * self.qk_dim + self.v_dim) * d
+                               for d in (self.qk_dim, self.qk_dim, self.v_dim)], dim=-1)
+        q, k = (t.reshape(batch, tokens, -1, self.qk_dim).transpose(1, 2) for t in (q, k))
+        v = v.reshape(batch, tokens, -1, self.v_dim).transpose(1, 2)
+        system = torch.eye(tokens, dtype=x.dtype, device=x.device) + 0.1 * (q @ k.transpose(-1, -2)).tril(-1)
+        out = torch.linalg.solve_triangular(system, v, upper=False, unitriangular=True)
+        out = out * self.decay.exp().view(1, -1, 1, 1)
+        return self.out_proj(out.transpose(1, 2).reshape(batch, tokens, -1))
+
+
 def trained(model: nn.Module, clear=True, **inputs) -> nn.Module:
     """`model` after one training step of its own (forward, backward, SGD), its gradients then
     cleared unless not `clear`: a plan must not depend on whether the model ran before."""
@@ -410,4 +447,6 @@ def idiom_model(idiom: str) -> nn.Module:
         return DroppedOutputsDecoder([Block(Attention()) for _ in range(2)])
     if idiom == "merged_attention":
         return MergedAttentionDecoder()
+    if idiom == "conv_mixer":
+        return Decoder([Block(ConvMixer()) for _ in range(2)])
     raise ValueError(f"idiom_model: unknown idiom {idiom!r}")

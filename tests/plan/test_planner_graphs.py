@@ -357,7 +357,7 @@ def test_per_head_parameter_on_the_heads_axis_is_split_with_them():
     doc = g.plan(3)
     assert styles(doc) == ["column", "row"] and doc["partial_gradients"] == []
     region = doc["layers"][0]["region"]
-    assert doc["head_params"] == [{"tensor": w, "param": 5, "axis": 0, "size": 3, "region": region}]
+    assert doc["head_params"] == [{"tensor": w, "param": 5, "axis": 0, "size": 3, "region": region, "layer": -1}]
 
 
 def attention_returning_weights(g, average=True, read=False):

@@ -4,6 +4,7 @@ finds them from the dataflow, meeting the heads-sharded attention only in elemen
 (csrc/plan/head_params.cpp); each rank keeps its heads' slice as a local parameter of the same
 module, under the same name (nn/head_parameters.py), with no collective."""
 
+import dataclasses
 from typing import Dict
 
 import torch
@@ -22,7 +23,14 @@ class HeadParameter(RecordConstruct):
 
     @staticmethod
     def spec(plan, record, rank: int) -> ShardSpec:
-        """The ShardSpec on `rank` of a parameter split with its heads."""
+        """The ShardSpec on `rank` of a parameter split with its heads (with the parts of the
+        fused layer it follows, as that layer's weight splits its output features)."""
+        if record.layer:
+            layer = plan.layer(record.layer).weight_spec(rank, plan.world_size)
+            if layer.full_size != record.size:
+                raise ValueError(f"parallelize: parameter {record.name!r} follows layer {record.layer!r}, whose "
+                                 f"{layer.full_size} output features differ from its {record.size}")
+            return dataclasses.replace(layer, dim=record.dim)
         return ShardSpec(record.dim, record.size, rank, plan.world_size, units=plan.regions[record.region].units)
 
     def specs(self, plan, rank: int) -> Dict[str, ShardSpec]:

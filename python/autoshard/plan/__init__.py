@@ -90,7 +90,8 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                           attention_weights=[ReturnedAttentionWeights(graph.nodes[w["node"]][0], w["used"])
                                              for w in data.get("attention_weights", [])],
                           norms=norms,
-                          head_parameters=[HeadParameter(names[p["param"]], p["axis"], p["size"], p["region"])
+                          head_parameters=[HeadParameter(names[p["param"]], p["axis"], p["size"], p["region"],
+                                                         graph.layers[p["layer"]].name if p.get("layer", -1) >= 0 else "")
                                            for p in data.get("head_params", [])],
                           adapters=[AdapterFactors(graph.layers[a["node"]].name, [names[i] for i in a["split"]],
                                                    [names[i] for i in a["whole"]]) for a in data.get("adapters", [])],

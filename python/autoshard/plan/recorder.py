@@ -36,6 +36,16 @@ def _normalize_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
+def _depthwise(args) -> bool:
+    """aten.convolution's args describe a depthwise convolution: groups equal to the input's
+    channels and the weight's, one input channel per group, not transposed."""
+    if len(args) < 9:
+        return False
+    x, weight, groups, transposed = args[0], args[1], args[8], args[6]
+    return (not transposed and x.dim() >= 3 and weight.dim() == x.dim() and weight.shape[1] == 1
+            and groups == x.shape[1] == weight.shape[0])
+
+
 @dataclass
 class ExpertReads:
     """What an experts module's call has read so far (see Recorder.follow_expert_weights)."""
@@ -249,6 +259,14 @@ class Recorder(TorchDispatchMode):
             product = self.fresh(flat_out[0])
             self.node("matmul", label, inputs[1:3], [product])
             self.node("pointwise", label, [inputs[0], product], [self.tensor_id(flat_out[0])])
+        elif packet is aten.convolution and _depthwise(args):
+            self.record_depthwise_convolution(label, args, inputs, flat_out[0])
+        elif packet is aten.linalg_solve_triangular:
+            self.record_triangular_solve(label, kwargs, inputs, flat_out[0])
+        elif packet in (aten.tril, aten.triu) and x.dim() >= 2:
+            # Which elements it keeps depends on their row and column: only the batch axes
+            # before the matrix may be split through it.
+            self.record_axes_changed(label, [x.dim() - 2, x.dim() - 1], inputs[0], flat_out[0])
         elif packet.__name__.startswith(ATTENTION_PREFIX):
             self.node("attention", label, inputs, [self.tensor_id(o) for o in flat_out])
         elif packet in SOFTMAX:
@@ -307,6 +325,44 @@ class Recorder(TorchDispatchMode):
                       {"narrowing": True} if narrowing else None)
         else:
             self.node("opaque", label, inputs, [self.tensor_id(o) for o in flat_out])
+
+    def record_depthwise_convolution(self, label, args, inputs, out) -> None:
+        """A depthwise convolution called functionally (F.conv1d(x, layer.weight, groups=C), as
+        Mamba's and gated-delta-net mixers do) pairs channel c of its input with channel c of
+        its weight alone: its taps summed per channel, multiplied into the input channel by
+        channel. Every output position reads several input positions, so each axis after the
+        channels is recorded as changed (a split token axis meets a conflict); the channels
+        pass, and the weight (and bias) may be split with them like any per-channel parameter."""
+        x, weight, bias = args[0], args[1], args[2]
+        spatial = list(range(2, x.dim()))
+        shape, source = list(x.shape), inputs[0]
+        for dim in spatial:
+            shape[dim] = out.shape[dim]
+            after = self.declare(list(shape))
+            self.node("slice", label, [source], [after], {"dim": dim, "start": 0, "stop": 0, "drop_dim": False})
+            source = after
+        channels = weight.shape[0]
+        taps = self.declare([channels])
+        self.node("reduce", label, [inputs[1]], [taps], {"axes": list(range(1, weight.dim()))})
+        operands = [source, self.declare([channels] + [1] * len(spatial))]
+        self.node("view", label, [taps], [operands[1]])
+        if bias is not None:
+            operands.append(self.declare([channels] + [1] * len(spatial)))
+            self.node("view", label, [inputs[2]], [operands[2]])
+        self.node("pointwise", label, operands, [self.tensor_id(out)])
+
+    def record_triangular_solve(self, label, kwargs, inputs, out) -> None:
+        """solve_triangular(A, B) is A's inverse times B (or B times it, left=False), batch by
+        batch: recorded as that product with A's two matrix axes changed, so that only batch
+        axes (heads) and B's free axis pass it split; a row of the solution reads every row of A."""
+        a, b = inputs[0], inputs[1]
+        shape = list(self.shapes[a])
+        for dim in (len(shape) - 2, len(shape) - 1):
+            after = self.declare(list(shape))
+            self.node("slice", label, [a], [after], {"dim": dim, "start": 0, "stop": 0, "drop_dim": False})
+            a = after
+        operands = [a, b] if kwargs.get("left", True) else [b, a]
+        self.node("matmul", label, operands, [self.tensor_id(out)])
 
     def record_stack(self, label, args, kwargs, flat_in, inputs, out) -> None:
         """stack is a cat of its inputs, each given a new axis of 1 at `dim`."""

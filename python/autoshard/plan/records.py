@@ -83,12 +83,15 @@ class SplitNorm(Sealed):
 
 @dataclass
 class HeadParameter(Sealed):
-    """A parameter over the heads split with them: dim `dim` of global length `size`."""
+    """A parameter over the heads split with them: dim `dim` of global length `size`. With
+    `layer` (a fused layer's module name), split part by part as that layer's output features
+    are: a depthwise convolution's taps over fused q/k/v channels."""
 
     name: str
     dim: int
     size: int
     region: int
+    layer: str = ""
 
 
 @dataclass
