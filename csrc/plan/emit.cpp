@@ -287,10 +287,20 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     if (pass.regions[root].conflict) continue;
     const AxisFactor& f = pass.head_params.at(tensor);
     const auto source = pass.head_param_sources.find(tensor);
-    const int layer = source == pass.head_param_sources.end() ? -1 : source->second;
-    // Split part by part only with a layer whose output is split into parts here.
-    const bool fused = layer >= 0 && pass.parts.count(layer) && pass.parts.at(layer).size() > 1;
-    plan.head_params.push_back({tensor, graph.tensor(tensor).param, f.axis, f.size, root, fused ? layer : -1});
+    const int from = source == pass.head_param_sources.end() ? -1 : source->second;
+    HeadParam param{tensor, graph.tensor(tensor).param, f.axis, f.size, root};
+    // Split part by part only with a layer (or a concatenation) whose output has parts here.
+    if (from >= 0 && pass.parts.count(from) && pass.parts.at(from).size() > 1) {
+      if (is_layer(graph.nodes[from])) {
+        param.layer = from;
+      } else {
+        param.parts = pass.parts.at(from);
+        const int64_t total = std::accumulate(param.parts.begin(), param.parts.end(), int64_t{0});
+        TORCH_CHECK(total > 0 && f.size % total == 0, "[plan.internal] parts ", total, " do not divide ", f.size);
+        for (int64_t& size : param.parts) size *= f.size / total;
+      }
+    }
+    plan.head_params.push_back(param);
   }
 
   // Every sharded tensor, named by the region the plan reports it under (an entry is held

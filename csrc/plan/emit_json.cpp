@@ -17,7 +17,7 @@
 //    "head_entries": [{"tensor", "module", "leaf", "axis", "outer", "size", "region"}],
 //    "head_outputs": [{"tensor", "module", "axis", "outer", "size", "region"}],
 //    "attention_weights": [{"node", "region", "used"}],
-//    "head_params": [{"tensor", "param", "axis", "size", "region", "layer"}],
+//    "head_params": [{"tensor", "param", "axis", "size", "region", "layer", "parts"}],
 //    "norms": [{"node", "region", "features"}],
 //    "adapters": [{"node", "split", "whole"}]}
 // A layer's "sequence" is "reduce_scatter", "gather" (inside the layer), "gathered" (where a
@@ -167,7 +167,9 @@ std::string plan_to_json(const Plan& plan) {
   for (size_t i = 0; i < plan.head_params.size(); ++i) {
     const HeadParam& p = plan.head_params[i];
     out << (i ? "," : "") << "{\"tensor\":" << p.tensor << ",\"param\":" << p.param << ",\"axis\":" << p.axis
-        << ",\"size\":" << p.size << ",\"region\":" << p.region << ",\"layer\":" << p.layer << '}';
+        << ",\"size\":" << p.size << ",\"region\":" << p.region << ",\"layer\":" << p.layer << ",\"parts\":[";
+    for (size_t k = 0; k < p.parts.size(); ++k) out << (k ? "," : "") << p.parts[k];
+    out << "]}";
   }
   out << "],\"adapters\":[";
   for (size_t i = 0; i < plan.adapters.size(); ++i) {

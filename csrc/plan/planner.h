@@ -151,6 +151,8 @@ struct HeadParam {
   int64_t size = 0;
   int region = -1;
   int layer = -1;  // a fused layer whose parts it is split by, as its output's features are
+  // Or the parts of a concatenation of split layer outputs it is split by, each like the region.
+  std::vector<int64_t> parts;
 };
 
 // A LoRA layer's factors: those split with its base layer (B's rows for a column layer, A's

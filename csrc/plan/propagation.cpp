@@ -137,8 +137,38 @@ void Propagation::set_sharded(int id, AxisFactor factor, int region, int source,
 }
 
 
+// A concatenation of split outputs along their split axis holds each part's shard, not one run
+// of the axis: only ops that keep the axis as it is (elementwise with its own parameters, views
+// and permutes that leave it alone, reductions over other axes) and the split into its parts may
+// read it. An op that would read it as one run (a row layer, a view merging it) conflicts.
+int Propagation::concatenated_parts(int tensor) const {
+  const Layout& l = layouts[tensor];
+  if (!l.sharded || l.source < 0 || is_layer(graph_.nodes[l.source]) || !parts.count(l.source)) return -1;
+  return l.source;
+}
+
 void Propagation::visit(int n, const std::set<int>& vocab_embeddings) {
   const Node& node = graph_.nodes[n];
+  int concatenated = -1;
+  for (int id : node.inputs) concatenated = std::max(concatenated, concatenated_parts(id));
+  const bool keeps_axis = node.kind == Kind::View || node.kind == Kind::Permute || node.kind == Kind::Pointwise ||
+                          node.kind == Kind::Reduce || node.kind == Kind::Expand;
+  if (concatenated >= 0 && !keeps_axis && node.kind != Kind::Split && node.kind != Kind::Slice) {
+    for (int id : node.inputs) {
+      if (layouts[id].sharded) conflict(layouts[id].region, node.label + " reads a concatenation of split outputs as one");
+    }
+  }
+  visit_kind(n, node, vocab_embeddings);
+  if (concatenated >= 0 && keeps_axis) {
+    for (int id : node.outputs) {
+      if (layouts[id].sharded && layouts[id].source != concatenated) {
+        conflict(layouts[id].region, node.label + " reads a concatenation of split outputs as one");
+      }
+    }
+  }
+}
+
+void Propagation::visit_kind(int n, const Node& node, const std::set<int>& vocab_embeddings) {
   if (node.kind != Kind::View && node.kind != Kind::Permute && node.kind != Kind::Split && node.kind != Kind::Slice) {
     for (int id : node.inputs) {
       if (layouts[id].sharded && layouts[id].whole) {

@@ -172,6 +172,10 @@ class Propagation {
   void set_sharded(int id, AxisFactor factor, int region, int source = -1, int64_t repeat_next = 0);
   void link(int coarse, int fine) { links.push_back({coarse, fine}); }
   bool merge_elementwise(const Node& node, Layout& merged, int skip_axis_check = -1);
+  bool cat_parts(const Node& node);
+  // The cat node whose parts `tensor` is laid out in (cat_parts), or -1.
+  int concatenated_parts(int tensor) const;
+  void visit_kind(int n, const Node& node, const std::set<int>& vocab_embeddings);
   // Whether `tensor`, held whole and read by the current node on `axis` against a tensor
   // sharded like `merged`, can be cut to this rank's heads where a module receives it; if so
   // the cut is wanted for the next pass.

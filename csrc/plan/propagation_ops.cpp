@@ -199,8 +199,20 @@ void Propagation::visit_split(const Node& node) {
   }
   // Splitting a fused layer's output (QKV in one Linear): each part is sharded on its own,
   // which the layer's weight layout must mirror.
-  if (x.source < 0 || x.factor.outer != 1 || parts.count(x.source)) {
+  if (x.source < 0 || x.factor.outer != 1) {
     return conflict(x.region, node.label + " splits the sharded axis of something that is not a layer's output");
+  }
+  const auto known = parts.find(x.source);
+  if (known != parts.end()) {
+    // Parts already known (a concatenation's, or a second split of a fused output): the same
+    // parts again, each sharded as before.
+    std::vector<int64_t> partition;
+    for (int id : node.outputs) partition.push_back(shape(id)[dim]);
+    if (known->second != partition) {
+      return conflict(x.region, node.label + " splits a fused output other than into its parts");
+    }
+    for (int id : node.outputs) set_sharded(id, {x.factor.axis, 1, shape(id)[dim]}, x.region);
+    return;
   }
   std::vector<int64_t>& layer_parts = parts[x.source];
   for (int id : node.outputs) {
@@ -215,12 +227,43 @@ void Propagation::visit_split(const Node& node) {
 void Propagation::visit_cat(const Node& node) {
   Layout merged;
   const int64_t dim = node.dim;
+  if (cat_parts(node)) return;
   const bool ok = merge_elementwise(node, merged, static_cast<int>(dim));
   const int out = node.outputs.at(0);
   layouts[out] = Layout{};
   if (!ok || !merged.sharded) return;
   if (merged.factor.axis == dim) return conflict(merged.region, node.label + " concatenates along the sharded axis");
   set_sharded(out, merged.factor, merged.region);
+}
+
+// Layers' outputs each split by heads, concatenated along their features (q, k and v of separate
+// projections joined for one convolution over all of them): the result is laid out as a fused
+// layer's output would be, its parts the inputs, each split alike by the region's units. The cat
+// node stands for the layer (the parts' source), so that a split into the same parts later
+// finds each part sharded again, and a parameter over all of them splits part by part.
+bool Propagation::cat_parts(const Node& node) {
+  const int64_t dim = node.dim;
+  if (node.inputs.size() < 2) return false;
+  for (int id : node.inputs) {
+    const Layout& l = layouts[id];
+    if (!l.sharded || l.factor.axis != dim || l.factor.outer != 1 || l.whole || l.sequence ||
+        l.factor.size != shape(id)[dim]) {
+      return false;
+    }
+  }
+  const int out = node.outputs.at(0);
+  const int region = layouts[node.inputs[0]].region;
+  std::vector<int64_t> sizes;
+  for (int id : node.inputs) {
+    const int64_t size = shape(id)[dim];
+    unite(region, layouts[id].region);
+    constrain(region, size);
+    regions[find(region)].localize.push_back(size);
+    sizes.push_back(size);
+  }
+  parts[current_node_] = sizes;
+  set_sharded(out, {static_cast<int>(dim), 1, shape(out)[dim]}, region, current_node_);
+  return true;
 }
 
 // Slices that together cover a fused layer's output axis in order are its parts, as a split

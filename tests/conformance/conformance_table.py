@@ -97,6 +97,10 @@ NORM_ACROSS_HEADS_IN_FP32 = dict(rtol=1e-5, atol=1e-5)
 # is checked at fp64 (mixtral_eager), where such errors are below 1e-13; defects show at 1e-3.
 MOE_FP32 = dict(rtol=1e-4, atol=5e-5)
 
+# OLMo-hybrid's gated delta rule runs in float32 inside a float64 model, and its gradients reach
+# 60: summed over the ranks in another order they differ by up to 7e-6 (1e-7 of the largest).
+GATED_DELTA_IN_FP32 = dict(rtol=1e-6, atol=1e-6, of_largest=True)
+
 L, H, KV, I = 2, 6, 3, 70  # layers, heads, KV heads, intermediate size
 LLAMA_LIKE = dict(hidden_size=48, intermediate_size=I, num_hidden_layers=L, num_attention_heads=H,
                   num_key_value_heads=KV)
@@ -127,6 +131,22 @@ TABLE = [
          # 3 key heads do not go round 4 ranks: the mixer stays whole there, saying why.
          plan_says={2: r"split with their heads: .*conv1d\.weight", 3: r"split with their heads: .*conv1d\.weight",
                     4: r"linear_attn\.in_proj_qkv +replicate .*fused output"}),
+    # Qwen3-Next's mixer: q, k, v and z of each key head's group interleaved in one Linear, taken
+    # apart per group, then q, k and v concatenated for the convolution and split again.
+    Arch("qwen3_next_gated_delta_net", hf("qwen3_next", **LLAMA_LIKE, head_dim=8, linear_num_key_heads=3,
+                                          linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=8,
+                                          layer_types=["linear_attention", "full_attention"], num_experts=3,
+                                          num_experts_per_tok=2, moe_intermediate_size=I,
+                                          shared_expert_intermediate_size=I, experts_implementation="eager"),
+         token_ids(), tolerance=NORM_IN_FP32,
+         plan_says={2: r"split with their heads: .*conv1d\.weight", 3: r"split with their heads: .*conv1d\.weight"}),
+    # OLMo-hybrid's: separate q, k and v projections concatenated for one convolution over all
+    # of them (the convolution's weight split part by part as the concatenation's).
+    Arch("olmo_hybrid_gated_delta_net", hf("olmo_hybrid", **{**LLAMA_LIKE, "num_key_value_heads": H},
+                                           linear_num_key_heads=H, linear_num_value_heads=H, linear_key_head_dim=4,
+                                           linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"],
+                                           pad_token_id=0),
+         token_ids(), small=True, tolerance=GATED_DELTA_IN_FP32, plan_says=r"split with their heads: .*conv1d\.weight"),
     Arch("phi", hf("phi", **LLAMA_LIKE, partial_rotary_factor=0.5), token_ids()),
     # Phi-3 slices q, k and v from its fused qkv_proj at config.num_attention_heads * head_dim.
     Arch("phi3", hf("phi3", **LLAMA_LIKE, pad_token_id=0), token_ids(), small=True),

@@ -64,7 +64,7 @@ def test_bias_of_all_head_size_is_split_with_the_heads(world_size):
     assert doc["layers"][0]["units"] == 3
     # The whole axis (6 = 3 heads x 2) split in the region's 3 units: a rank's heads' features.
     assert doc["head_params"] == [{"tensor": found["p"], "param": 5, "axis": 0, "size": 6, "region": region,
-                                   "layer": -1}]
+                                   "layer": -1, "parts": []}]
     assert {"tensor": found["p"], "axis": 0, "size": 6} in [{k: t[k] for k in ("tensor", "axis", "size")}
                                                           for t in doc["tensors"]]
     # A local parameter: no partial gradient to sum, nothing more than the region's own collectives.

@@ -284,9 +284,45 @@ def test_ops_that_need_the_axis_whole(kind, fields, why):
     g = G()
     x, h, a, y = mlp(g)
     out = g.tensor(2, 12 if kind == "cat" else 2 if kind == "slice" else 6)
-    g.node(kind, [h, h] if kind == "cat" else [h], [out], **fields)
+    # A cat of the sharded output with a tensor held whole, along the split axis.
+    g.node(kind, [h, g.tensor(2, 6)] if kind == "cat" else [h], [out], **fields)
     doc = g.plan(2)
     assert styles(doc)[0] == "replicate" and why in doc["layers"][0]["note"], doc["layers"][0]
+
+
+def concatenated_projections(g, read_as_one=False, per_channel=None):
+    """Two column layers (widths 6 and 12, 3 heads each) concatenated along their features, an
+    elementwise op (with a parameter over all 18 channels: `per_channel`), then either split into
+    the same parts, the second part read by a row layer, or read as one by a row layer."""
+    x = g.tensor(2, 8)
+    _, q = g.linear(x, 8, 6, 0, out_shape=(2, 6))
+    _, v = g.linear(x, 8, 12, 1, out_shape=(2, 12))
+    joined = g.tensor(2, 18)
+    g.node("cat", [q, v], [joined], dim=1)
+    mixed = g.tensor(2, 18)
+    g.node("pointwise", [joined] + ([g.tensor(18, param=per_channel)] if per_channel is not None else []), [mixed])
+    if read_as_one:
+        return g.linear(mixed, 18, 8, 2, out_shape=(2, 8), output=True)
+    q_part, v_part = g.tensor(2, 6), g.tensor(2, 12)
+    g.node("split", [mixed], [q_part, v_part], dim=1)
+    return g.linear(v_part, 12, 8, 2, out_shape=(2, 8), output=True)
+
+
+def test_concatenated_outputs_split_into_their_parts_stay_split():
+    g = G()
+    concatenated_projections(g, per_channel=5)
+    doc = g.plan(2)
+    assert styles(doc) == ["column", "column", "row"], doc["layers"]
+    # The parameter over the concatenation splits part by part: each rank holds its heads of both.
+    assert [(p["param"], p["parts"]) for p in doc["head_params"]] == [(5, [6, 12])]
+
+
+def test_concatenated_outputs_read_as_one_keep_the_layers_whole():
+    g = G()
+    concatenated_projections(g, read_as_one=True)
+    doc = g.plan(2)
+    assert styles(doc)[:2] == ["replicate", "replicate"], doc["layers"]
+    assert "reads a concatenation of split outputs as one" in doc["layers"][0]["note"], doc["layers"][0]
 
 
 def heads_block(g, scale_shape=None, scale_param=None, matmul_param=None):
@@ -357,7 +393,8 @@ def test_per_head_parameter_on_the_heads_axis_is_split_with_them():
     doc = g.plan(3)
     assert styles(doc) == ["column", "row"] and doc["partial_gradients"] == []
     region = doc["layers"][0]["region"]
-    assert doc["head_params"] == [{"tensor": w, "param": 5, "axis": 0, "size": 3, "region": region, "layer": -1}]
+    assert doc["head_params"] == [{"tensor": w, "param": 5, "axis": 0, "size": 3, "region": region, "layer": -1,
+                                  "parts": []}]
 
 
 def attention_returning_weights(g, average=True, read=False):

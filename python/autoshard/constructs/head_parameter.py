@@ -31,6 +31,9 @@ class HeadParameter(RecordConstruct):
                 raise ValueError(f"parallelize: parameter {record.name!r} follows layer {record.layer!r}, whose "
                                  f"{layer.full_size} output features differ from its {record.size}")
             return dataclasses.replace(layer, dim=record.dim)
+        if record.parts:
+            return ShardSpec(record.dim, record.size, rank, plan.world_size, units=plan.regions[record.region].units,
+                             parts=tuple(record.parts))
         return ShardSpec(record.dim, record.size, rank, plan.world_size, units=plan.regions[record.region].units)
 
     def specs(self, plan, rank: int) -> Dict[str, ShardSpec]:

@@ -91,7 +91,8 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                                              for w in data.get("attention_weights", [])],
                           norms=norms,
                           head_parameters=[HeadParameter(names[p["param"]], p["axis"], p["size"], p["region"],
-                                                         graph.layers[p["layer"]].name if p.get("layer", -1) >= 0 else "")
+                                                         graph.layers[p["layer"]].name if p.get("layer", -1) >= 0 else "",
+                                                         list(p.get("parts", [])))
                                            for p in data.get("head_params", [])],
                           adapters=[AdapterFactors(graph.layers[a["node"]].name, [names[i] for i in a["split"]],
                                                    [names[i] for i in a["whole"]]) for a in data.get("adapters", [])],

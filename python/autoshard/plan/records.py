@@ -92,6 +92,9 @@ class HeadParameter(Sealed):
     size: int
     region: int
     layer: str = ""
+    # Or the parts of a concatenation of split layer outputs (q, k and v of separate projections
+    # joined for one convolution), each split like the region.
+    parts: List[int] = field(default_factory=list)
 
 
 @dataclass
