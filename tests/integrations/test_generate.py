@@ -23,6 +23,19 @@ CONFIGS = {
     "qwen2_6_heads": ("qwen2", dict(hidden_size=48, intermediate_size=70, num_attention_heads=6,
                                     num_key_value_heads=3)),
 }
+# Gated-delta-net layers beside full attention: decoding steps go through the mixers' cached
+# path (the conv state and the recurrent state, made at each rank's heads), which the plan's
+# trace of a whole prompt never ran. 3 key heads over 6 value heads.
+LINEAR_ATTENTION = dict(hidden_size=48, intermediate_size=70, num_attention_heads=6, num_key_value_heads=3, head_dim=8,
+                        linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=8,
+                        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
+LINEAR_CONFIGS = {
+    "qwen3_5_text": ("qwen3_5_text", LINEAR_ATTENTION),
+    # An expert FFN of 64 float32 features: split in groups of 16 bytes, as the grouped matmul needs.
+    "qwen3_next": ("qwen3_next", dict(LINEAR_ATTENTION, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=64,
+                                      shared_expert_intermediate_size=64)),
+}
+CONFIGS.update(LINEAR_CONFIGS)
 PROMPT = 7  # tokens: no rank count here divides it
 
 
@@ -61,7 +74,15 @@ def _check(name: str) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(LINEAR_CONFIGS))
+def test_generate_through_linear_attention_matches_the_unsharded_model(name, world_size):
+    result = run_on_ranks(_check, world_size, name, timeout=600)[0]
+    # The mixers are split: their convolution's taps with their heads.
+    assert "linear_attn.conv1d.weight" in result["plan"], result["plan"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("name", [name for name in CONFIGS if name not in LINEAR_CONFIGS])
 def test_generate_matches_the_unsharded_model(name, world_size):
     result = run_on_ranks(_check, world_size, name, timeout=600)[0]
     # The case this is about is really planned: tokens split between the layers, and the
