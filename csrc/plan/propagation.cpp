@@ -58,6 +58,17 @@ void Propagation::run(const std::set<int>& vocab_embeddings, const std::map<int,
   }
   open_cuts(static_cast<int>(graph_.nodes.size()), cuts);
   current_node_ = -1;
+  // A fused layer's output split into parts somewhere (its weight then split part by part) and
+  // read whole by a row layer, which would split its input features as one run: known only once
+  // every split is seen, so checked after the pass.
+  for (size_t n = 0; n < graph_.nodes.size(); ++n) {
+    if (roles[n] != Style::Row) continue;
+    const Layout& x = layouts[graph_.nodes[n].inputs.at(0)];
+    const auto known = x.sharded && x.source >= 0 ? parts.find(x.source) : parts.end();
+    if (known != parts.end() && known->second.size() > 1) {
+      conflict(x.region, graph_.nodes[n].label + " reads a fused output split into parts as one run");
+    }
+  }
   for (size_t t = 0; t < graph_.tensors.size(); ++t) {
     const Layout& l = layouts[t];
     if (graph_.tensors[t].is_output && l.sharded) {

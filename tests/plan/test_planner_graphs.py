@@ -857,3 +857,20 @@ def test_region_modules_are_the_smallest_module_holding_their_layers():
     g.nodes[-1]["label"] = "blocks.0.mlp.down"
     (region,) = g.plan(2)["regions"]
     assert region["module"] == "blocks.0.mlp" and region["part_modules"] == []
+
+
+def test_fused_output_split_into_parts_and_read_whole_by_a_row_layer_stays_whole():
+    # The split makes the layer's weight split part by part ([4, 8]); a row layer reading the
+    # same output whole would split its input features as one run, meeting other features.
+    g = G()
+    x = g.tensor(2, 8)
+    _, h = g.linear(x, 8, 12, 0, out_shape=(2, 12))
+    a, b = g.tensor(2, 4), g.tensor(2, 8)
+    g.node("split", [h], [a, b], dim=1)
+    scaled = g.tensor(2, 4)
+    g.node("pointwise", [a], [scaled])
+    g.linear(scaled, 4, 8, 2, out_shape=(2, 8), output=True)
+    g.linear(h, 12, 8, 3, out_shape=(2, 8), output=True)
+    doc = g.plan(2)
+    assert styles(doc)[0] == "replicate", doc["layers"]
+    assert all(layer["style"] != "row" for layer in doc["layers"]), doc["layers"]
