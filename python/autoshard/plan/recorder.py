@@ -335,12 +335,7 @@ class Recorder(TorchDispatchMode):
         pass, and the weight (and bias) may be split with them like any per-channel parameter."""
         x, weight, bias = args[0], args[1], args[2]
         spatial = list(range(2, x.dim()))
-        shape, source = list(x.shape), inputs[0]
-        for dim in spatial:
-            shape[dim] = out.shape[dim]
-            after = self.declare(list(shape))
-            self.node("slice", label, [source], [after], {"dim": dim, "start": 0, "stop": 0, "drop_dim": False})
-            source = after
+        source = self.changed(label, spatial, inputs[0], out.shape)
         channels = weight.shape[0]
         taps = self.declare([channels])
         self.node("reduce", label, [inputs[1]], [taps], {"axes": list(range(1, weight.dim()))})
@@ -355,14 +350,22 @@ class Recorder(TorchDispatchMode):
         """solve_triangular(A, B) is A's inverse times B (or B times it, left=False), batch by
         batch: recorded as that product with A's two matrix axes changed, so that only batch
         axes (heads) and B's free axis pass it split; a row of the solution reads every row of A."""
-        a, b = inputs[0], inputs[1]
-        shape = list(self.shapes[a])
-        for dim in (len(shape) - 2, len(shape) - 1):
-            after = self.declare(list(shape))
-            self.node("slice", label, [a], [after], {"dim": dim, "start": 0, "stop": 0, "drop_dim": False})
-            a = after
+        shape = self.shapes[inputs[0]]
+        a, b = self.changed(label, [len(shape) - 2, len(shape) - 1], inputs[0], shape), inputs[1]
         operands = [a, b] if kwargs.get("left", True) else [b, a]
         self.node("matmul", label, operands, [self.tensor_id(out)])
+
+    def changed(self, label, axes, source, shape) -> int:
+        """`source` with each of `axes` recorded as changed to `shape`'s length, one slice per
+        axis (a split axis among them meets a conflict, as record_axes_changed's do); the id of
+        the result."""
+        current = list(self.shapes[source])
+        for dim in axes:
+            current[dim] = int(shape[dim])
+            after = self.declare(list(current))
+            self.node("slice", label, [source], [after], {"dim": dim, "start": 0, "stop": 0, "drop_dim": False})
+            source = after
+        return source
 
     def record_stack(self, label, args, kwargs, flat_in, inputs, out) -> None:
         """stack is a cat of its inputs, each given a new axis of 1 at `dim`."""
