@@ -158,6 +158,7 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
         const int input = node.inputs.at(0);
         auto [it, fresh] = copy_groups.emplace(input, static_cast<int>(copy_groups.size()));
         d.copy_group = it->second;
+        d.deferred_copy = pass.deferred_copies.count(static_cast<int>(n)) > 0;
         const int64_t in_elements = numel(graph.tensor(input).shape);
         const bool backward = flow.requires_grad[input] && copy_read[input];
         if (fresh && d.sequence == "gathered") {
@@ -165,7 +166,7 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
         } else if (fresh && seq == SequenceRole::Gather) {
           comm("forward", "all_gather", in_elements);
           if (backward) comm("backward", "reduce_scatter", in_elements);
-        } else if (fresh && producer[input] >= 0 && backward) {
+        } else if (fresh && producer[input] >= 0 && backward && !d.deferred_copy) {
           comm("backward", "all_reduce", in_elements);
         }
         break;
@@ -279,6 +280,12 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
       comm("forward", "all_reduce", numel(out) / out.back());
       comm("backward", "all_reduce", numel(out) / out.back());
     }
+  }
+
+  // Outputs whose gradient is summed where their replicated layer returns them.
+  for (const auto& [node, elements] : pass.summed_outputs) {
+    plan.summed_outputs.emplace_back(node, elements);
+    comm("backward", "all_reduce", elements);
   }
 
   // Parameters split with their heads: local parameters, no communication.

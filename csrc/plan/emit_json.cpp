@@ -2,7 +2,7 @@
 //
 // The document (version 2), every record with named fields:
 //   {"version": 2,
-//    "layers": [{"node", "style", "region", "units", "copy_group", "parts", "whole_parts", "summed_parts", "letter", "repeat",
+//    "layers": [{"node", "style", "region", "units", "copy_group", "deferred_copy", "parts", "whole_parts", "summed_parts", "letter", "repeat",
 //                "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",
 //                "sequence_note"}],
 //    "regions": [{"id", "units", "localize", "repeat", "coarse_units", "coarse_localize", "module",
@@ -19,7 +19,8 @@
 //    "attention_weights": [{"node", "region", "used"}],
 //    "head_params": [{"tensor", "param", "axis", "size", "region", "layer", "parts"}],
 //    "norms": [{"node", "region", "features"}],
-//    "adapters": [{"node", "split", "whole"}]}
+//    "adapters": [{"node", "split", "whole"}],
+//    "summed_outputs": [{"node", "elements"}]}
 // A layer's "sequence" is "reduce_scatter", "gather" (inside the layer), "gathered" (where a
 // module receives or returns its input) or "". Version 1 left the gathers before ops indexing
 // the token axis (sequence_exits) and the module inputs whose length may be read to the Python
@@ -67,7 +68,7 @@ std::string plan_to_json(const Plan& plan) {
     const LayerDecision& d = plan.layers[i];
     out << (i ? "," : "") << "{\"node\":" << d.node << ",\"style\":\"" << styles[static_cast<int>(d.style)]
         << "\",\"region\":" << d.region << ",\"units\":" << d.units << ",\"copy_group\":" << d.copy_group
-        << ",\"parts\":";
+        << ",\"deferred_copy\":" << (d.deferred_copy ? "true" : "false") << ",\"parts\":";
     write_ints(out, d.parts);
     out << ",\"whole_parts\":";
     write_ints(out, d.whole_parts);
@@ -179,6 +180,11 @@ std::string plan_to_json(const Plan& plan) {
     out << ",\"whole\":";
     write_ints(out, a.whole);
     out << '}';
+  }
+  out << "],\"summed_outputs\":[";
+  for (size_t i = 0; i < plan.summed_outputs.size(); ++i) {
+    out << (i ? "," : "") << "{\"node\":" << plan.summed_outputs[i].first << ",\"elements\":"
+        << plan.summed_outputs[i].second << '}';
   }
   out << "]}";
   return out.str();

@@ -21,13 +21,23 @@ namespace {
 struct GradState {
   bool whole = false;
   std::set<int> partial;  // regions whose shards make it partial
+  // Column layers whose input copy sums this gradient: whole, unless a replicated layer upstream
+  // sums it instead (then the copy sums nothing and their part is partial).
+  std::set<int> copies;
 
-  bool any() const { return whole || !partial.empty(); }
+  bool any() const { return whole || !partial.empty() || !copies.empty(); }
   void join(const GradState& other) {
     whole = whole || other.whole;
     partial.insert(other.partial.begin(), other.partial.end());
+    copies.insert(other.copies.begin(), other.copies.end());
   }
 };
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t count = 1;
+  for (int64_t size : shape) count *= size;
+  return count;
+}
 
 }  // namespace
 
@@ -43,6 +53,8 @@ void Propagation::settle_gradients() {
       for (int id : node.outputs) needs_grad[id] = true;
     }
   }
+  summed_outputs.clear();
+  deferred_copies.clear();
   std::vector<GradState> grad(tensor_count);
   for (size_t t = 0; t < tensor_count; ++t) grad[t].whole = graph_.tensors[t].is_output;
   std::map<int64_t, GradState> param_grad;
@@ -76,7 +88,12 @@ void Propagation::settle_gradients() {
         // output's gradient is cut to this rank's piece, which must be whole to begin with.
         if (role == Style::ColumnGather) refuse(out, "gives a partial gradient to " + node.label + "'s output");
         GradState whole;
-        whole.whole = true;
+        const bool plain_copy = role == Style::Column && node.kind == Kind::Linear && !sequence_roles.count(i);
+        if (plain_copy) {
+          whole.copies.insert(static_cast<int>(i));
+        } else {
+          whole.whole = true;
+        }
         grad[node.inputs.at(0)].join(whole);
       } else if (role == Style::Batch) {
         // Input, output and parameters split alike: each rank's gradients are its own
@@ -90,6 +107,19 @@ void Propagation::settle_gradients() {
           state.partial.insert(sharded_region);
           param_grad[bias].join(state);
           param_elements[bias] = node.out_features;
+        }
+      } else if (!out.partial.empty() && !out.whole && node.kind == Kind::Linear && !sequence_roles.count(i) &&
+                 node.outputs.size() == 1) {
+        // Every reader of this replicated layer's output gives it a partial gradient, or a whole
+        // one only through a column layer's input copy: the gradient is summed once where the
+        // layer returns its output, and those copies sum nothing. Its input and weight then get
+        // whole gradients.
+        summed_outputs[static_cast<int>(i)] = static_cast<int64_t>(numel_of(graph_.tensor(node.outputs[0]).shape));
+        deferred_copies.insert(out.copies.begin(), out.copies.end());
+        GradState whole;
+        whole.whole = true;
+        for (int id : node.inputs) {
+          if (!layouts[id].sharded) grad[id].join(whole);
         }
       } else {
         // A replicated layer passes its output's gradient on to its input and parameters; a
@@ -118,6 +148,36 @@ void Propagation::settle_gradients() {
     }
   }
 
+  // A column layer's copy is whole unless a summed output upstream takes its sum over: then the
+  // gradient it passes is partial, in its region.
+  auto settled = [&](GradState state) {
+    for (int c : state.copies) {
+      if (deferred_copies.count(c)) {
+        state.partial.insert(find(node_region[c]));
+      } else {
+        state.whole = true;
+      }
+    }
+    state.copies.clear();
+    return state;
+  };
+  for (GradState& state : grad) state = settled(state);
+  for (auto& [layer, state] : whole_part_grad) state = settled(state);
+  // A copy deferred for one summed output also leaves partial what it gave along other paths:
+  // a layer other than a column one (and other than the summed ones) must still receive a whole
+  // gradient on its output.
+  if (!deferred_copies.empty()) {
+    for (size_t i = 0; i < graph_.nodes.size(); ++i) {
+      const Node& node = graph_.nodes[i];
+      const Style role = roles[i];
+      if (!is_layer(node) || role == Style::Column || role == Style::Batch || summed_outputs.count(static_cast<int>(i))) {
+        continue;
+      }
+      for (int id : node.outputs) {
+        if (!layouts[id].sharded && needs_grad[id]) refuse(grad[id], "gives a partial gradient to " + node.label + "'s output");
+      }
+    }
+  }
   for (size_t t = 0; t < tensor_count; ++t) {
     const GradState& state = grad[t];
     if (!needs_grad[t] || layouts[t].sharded || !state.any()) continue;

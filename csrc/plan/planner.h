@@ -39,6 +39,9 @@ struct LayerDecision {
   std::vector<int64_t> whole_parts;
   bool summed_parts = false;
   int copy_group = -1;         // column layers reading the same input share one input copy
+  // Its input copy sums nothing in backward: a replicated layer upstream sums the gradient
+  // where it returns its output (Plan::summed_outputs).
+  bool deferred_copy = false;
   int64_t letter = 0;          // einsum layers: the weight letter split (a character code)
   // A KV projection whose KV heads are fewer than the ranks need: each of its `units` serves
   // `repeat` consecutive units of its region, and a rank holds the units its share uses.
@@ -181,6 +184,9 @@ struct Plan {
   std::vector<NormDecision> norms;
   std::vector<HeadParam> head_params;
   std::vector<AdapterDecision> adapters;
+  // Replicated Linear layers whose output's gradient is all-reduced where they return it
+  // (gradients.cpp): node, and the output's elements.
+  std::vector<std::pair<int, int64_t>> summed_outputs;
 };
 
 // One settled plan of `graph` (settle.cpp).

@@ -111,6 +111,12 @@ class Propagation {
   // Parameters (by index) whose gradient is partial on every rank, with their number of
   // elements, set by settle_gradients.
   std::map<int64_t, int64_t> partial_params;
+  // Replicated Linear layers whose output's gradient is partial on every rank, set by
+  // settle_gradients: all of its readers either meet heads-split tensors (MLA's k_pe broadcast to
+  // the split heads) or are column layers whose input copy then sums nothing (deferred_copies).
+  // The gradient is all-reduced where the layer returns its output: node -> its output's elements.
+  std::map<int, int64_t> summed_outputs;
+  std::set<int> deferred_copies;
   // Layers meeting a sequence region: their role there, the token axis (of the output for
   // ReduceScatter and Slice, of the input for Gather) and the region.
   std::map<int, SequenceRole> sequence_roles;

@@ -22,6 +22,7 @@ from .input_copies import InputCopyPerCall, SharedInputCopy
 from .parallel_state import ParallelState, state_of
 from .constructs import Surgery, record_constructs
 from .constructs.base import set_submodule
+from .constructs.summed_output import keep_input
 from .nn import sequence
 from .optimizer_views import install_global_optimizer_hook
 from .optimizer_partition import partition_replicated
@@ -132,6 +133,12 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> sequenc
             else:
                 replaced[id(original)] = getattr(sharded, name)
         input_copy = _input_copy(calls[layer.module], copies, tokens, group.group_name) if layer.module in calls else None
+        deferred = [call.deferred_copy for call in calls.get(layer.module, [])]
+        if any(deferred) and not all(deferred):
+            raise ValueError(f"parallelize: layer {layer.module!r} is called more than once and the plan sums its input's "
+                             "gradient upstream in only some of its calls; every call must copy its input alike")
+        if deferred and all(deferred):
+            input_copy = keep_input  # its input's gradient is summed upstream (constructs/summed_output.py)
         if input_copy is not None:
             sharded.input_copy = input_copy
         if layer.sequence is TokenRole.REDUCE_SCATTER:

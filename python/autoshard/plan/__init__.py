@@ -18,7 +18,7 @@ from .parameter_reasons import whole_reasons
 from .local_attributes import localize_attributes
 from .prediction import Prediction, ShapeMismatch
 from .records import (AdapterFactors, Collective, HeadCut, HeadParameter, PartialGradientBucket, ReturnedAttentionWeights, SplitNorm,
-                      TokenCut)
+                      SummedOutput, TokenCut)
 from .sharding_plan import LayerPlan, RegionPlan, ShardingPlan
 
 __all__ = ["LayerPlan", "RegionPlan", "ShardingPlan", "plan"]
@@ -51,7 +51,8 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
             bias=names[info.bias_param] if info.bias_param >= 0 else None, weight_shape=shape,
             transposed=info.transposed, units=units, parts=parts,
             whole_parts=record["whole_parts"], summed_parts=record["summed_parts"],
-            region=record["region"], copy_group=record["copy_group"], note=named(record["note"]),
+            region=record["region"], copy_group=record["copy_group"],
+            deferred_copy=record.get("deferred_copy", False), note=named(record["note"]),
             equation=info.equation, letter=record["letter"], repeat=record["repeat"], reason=record["reason"],
             bias_axes=info.bias_axes,
             sequence=record["sequence"], sequence_dim=record["sequence_dim"],
@@ -96,6 +97,8 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                                            for p in data.get("head_params", [])],
                           adapters=[AdapterFactors(graph.layers[a["node"]].name, [names[i] for i in a["split"]],
                                                    [names[i] for i in a["whole"]]) for a in data.get("adapters", [])],
+                          summed_outputs=[SummedOutput(graph.layers[s["node"]].name, s["elements"])
+                                          for s in data.get("summed_outputs", [])],
                           example={"description": graph.description, "inputs": graph.example_inputs,
                                    "output_shapes": [list(s) for s in graph.output_shapes]})
     result._prediction = Prediction(graph, data["tensors"], data["sequence_entries"], data["sequence_gathers"],

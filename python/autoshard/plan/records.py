@@ -128,8 +128,18 @@ def from_dict(cls, data: dict):
     return cls(**data)
 
 
+@dataclass
+class SummedOutput(Sealed):
+    """A replicated layer whose output's gradient is partial on every rank (MLA's compressed kv
+    and k_pe, read by a column layer and by the split heads): all-reduced in backward where the
+    layer returns it, while the column layers reading it (LayerPlan.deferred_copy) sum nothing."""
+
+    module: str
+    elements: int
+
+
 # The ShardingPlan fields holding lists of these records, with the record type of each.
 PLAN_FIELDS = {"comm": Collective, "partial_gradients": PartialGradientBucket, "sequence_entries": TokenCut,
                "sequence_gathers": TokenCut, "sequence_exits": TokenCut, "head_entries": HeadCut,
                "head_outputs": HeadCut, "attention_weights": ReturnedAttentionWeights, "norms": SplitNorm,
-               "head_parameters": HeadParameter, "adapters": AdapterFactors}
+               "head_parameters": HeadParameter, "adapters": AdapterFactors, "summed_outputs": SummedOutput}

@@ -9,7 +9,7 @@ from ..styles import Style, TokenRole
 from . import holdings, plan_json, printout
 from .sealed import Sealed, SealedList
 from .records import (PLAN_FIELDS, AdapterFactors, Collective, HeadCut, HeadParameter, ParameterRecord, PartialGradientBucket,
-                      ReturnedAttentionWeights, SplitNorm, TokenCut)
+                      ReturnedAttentionWeights, SplitNorm, SummedOutput, TokenCut)
 
 # vocab_parallel_cross_entropy's forward: the rows' maxima, their sums of exponentials and their
 # target logits (csrc/loss/cross_entropy_common.cpp).
@@ -33,6 +33,9 @@ class LayerPlan(Sealed):
     summed_parts: bool = False
     region: int = -1
     copy_group: int = -1  # column layers reading the same input copy it once
+    # Its input copy sums nothing in backward: a replicated layer upstream sums the gradient
+    # where it returns its output (ShardingPlan.summed_outputs).
+    deferred_copy: bool = False
     note: str = ""
     equation: str = ""  # einsum layers: the equation and the weight letter split
     letter: str = ""
@@ -162,6 +165,8 @@ class ShardingPlan(Sealed):
     head_parameters: List[HeadParameter] = field(default_factory=list)
     # LoRA layers (see csrc/plan/adapters.cpp).
     adapters: List[AdapterFactors] = field(default_factory=list)
+    # Replicated layers whose output's gradient is summed where they return it (csrc/plan/gradients.cpp).
+    summed_outputs: List[SummedOutput] = field(default_factory=list)
     # Why sequence parallelism is on or off, where sequence_parallel="auto" chose (sequence_choice.py).
     sequence_choice: str = ""
 

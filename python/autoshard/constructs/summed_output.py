@@ -1,0 +1,48 @@
+"""Replicated layers whose output's gradient is a partial sum on every rank
+(``ShardingPlan.summed_outputs``, csrc/plan/gradients.cpp): multi-head latent attention's
+kv_a_proj, whose output feeds the column layer kv_b_proj and, as k_pe, a key part broadcast to
+the rank's heads. Each reader's gradient is this rank's part, so the sum over the ranks is taken
+once, where the layer returns its output (identity forward, all-reduce in backward), and the
+column layers reading it (``LayerPlan.deferred_copy``) copy their input without summing."""
+
+import torch
+from torch import nn
+
+from .. import ops
+from .base import RecordConstruct, register_records
+
+
+def keep_input(x: torch.Tensor) -> torch.Tensor:
+    """A deferred column layer's input copy: the gradient it passes back stays this rank's part,
+    summed where the replicated layer upstream returns its output."""
+    return x
+
+
+class _SumGradientOnReturn:
+    def __init__(self, group_name: str):
+        self.group_name = group_name
+
+    def __call__(self, module: nn.Module, args, output):
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"parallelize: {type(module).__name__} returns {type(output).__name__}; the plan sums "
+                            "the gradient of the one tensor it returns")
+        return ops.copy_to_parallel(output, self.group_name)
+
+
+@register_records
+class SummedOutput(RecordConstruct):
+    kind = "summed_output"
+    fields = ("summed_outputs",)
+    order = 30
+
+    def check(self, model, plan, params) -> None:
+        names = dict(model.named_modules())
+        for record in plan.summed_outputs:
+            if record.module not in names:
+                raise ValueError(f"parallelize: the plan sums the output gradient of module {record.module!r}, "
+                                 "which the model lacks")
+
+    def apply(self, model, plan, surgery) -> None:
+        hook = _SumGradientOnReturn(surgery.group.group_name)
+        for record in plan.summed_outputs:
+            model.get_submodule(record.module).register_forward_hook(hook)
