@@ -42,6 +42,24 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
 }  // namespace
 
 void Propagation::settle_gradients() {
+  // A summed output whose deferred copies leave a partial gradient where a whole one is needed
+  // (the copy's input read elsewhere too) is not summed after all, and the pass is made again:
+  // its copies then sum as before, and only its own partial gradient is refused.
+  std::set<int> unsummable;
+  for (;;) {
+    std::vector<std::pair<int, std::string>> refused;
+    std::set<int> leaked;
+    gradients_pass(unsummable, refused, leaked);
+    if (leaked.empty()) {
+      for (const auto& [region, why] : refused) conflict(region, why);
+      return;
+    }
+    unsummable.insert(leaked.begin(), leaked.end());
+  }
+}
+
+void Propagation::gradients_pass(const std::set<int>& unsummable, std::vector<std::pair<int, std::string>>& refused,
+                                 std::set<int>& leaked) {
   const size_t tensor_count = graph_.tensors.size();
   // Which tensors carry a gradient at all: parameters and whatever is computed from one.
   std::vector<bool> needs_grad(tensor_count, false);
@@ -62,8 +80,9 @@ void Propagation::settle_gradients() {
   // Fused layers with parts held whole: what the gradient of those parts is on every rank.
   std::map<int, GradState> whole_part_grad;
   auto refuse = [&](const GradState& state, const std::string& why) {
-    for (int r : state.partial) conflict(r, why);
+    for (int r : state.partial) refused.emplace_back(r, why);
   };
+  std::map<int, int> deferred_by;  // deferred copy -> the summed output that took its sum over
 
   for (size_t i = graph_.nodes.size(); i-- > 0;) {
     const Node& node = graph_.nodes[i];
@@ -109,13 +128,16 @@ void Propagation::settle_gradients() {
           param_elements[bias] = node.out_features;
         }
       } else if (!out.partial.empty() && !out.whole && node.kind == Kind::Linear && !sequence_roles.count(i) &&
-                 node.outputs.size() == 1) {
+                 node.outputs.size() == 1 && !unsummable.count(static_cast<int>(i))) {
         // Every reader of this replicated layer's output gives it a partial gradient, or a whole
         // one only through a column layer's input copy: the gradient is summed once where the
         // layer returns its output, and those copies sum nothing. Its input and weight then get
         // whole gradients.
         summed_outputs[static_cast<int>(i)] = static_cast<int64_t>(numel_of(graph_.tensor(node.outputs[0]).shape));
-        deferred_copies.insert(out.copies.begin(), out.copies.end());
+        for (int c : out.copies) {
+          deferred_copies.insert(c);
+          deferred_by[c] = static_cast<int>(i);
+        }
         GradState whole;
         whole.whole = true;
         for (int id : node.inputs) {
@@ -161,6 +183,18 @@ void Propagation::settle_gradients() {
     state.copies.clear();
     return state;
   };
+  // What each gradient held before settling: the copies behind a refused partial gradient name
+  // the summed outputs that leak.
+  const std::vector<GradState> raw = grad;
+  const std::map<int, GradState> raw_parts = whole_part_grad;
+  std::map<int64_t, std::set<int>> param_copies;
+  auto refuse_settled = [&](const std::set<int>& copies, const GradState& state, const std::string& why) {
+    if (state.partial.empty()) return;
+    for (int c : copies) {
+      if (deferred_copies.count(c)) leaked.insert(deferred_by.at(c));
+    }
+    refuse(state, why);
+  };
   for (GradState& state : grad) state = settled(state);
   for (auto& [layer, state] : whole_part_grad) state = settled(state);
   // A copy deferred for one summed output also leaves partial what it gave along other paths:
@@ -174,7 +208,9 @@ void Propagation::settle_gradients() {
         continue;
       }
       for (int id : node.outputs) {
-        if (!layouts[id].sharded && needs_grad[id]) refuse(grad[id], "gives a partial gradient to " + node.label + "'s output");
+        if (!layouts[id].sharded && needs_grad[id]) {
+          refuse_settled(raw[id].copies, grad[id], "gives a partial gradient to " + node.label + "'s output");
+        }
       }
     }
   }
@@ -184,18 +220,19 @@ void Propagation::settle_gradients() {
     const int64_t param = graph_.tensors[t].param;
     if (param >= 0) {
       param_grad[param].join(state);
+      param_copies[param].insert(raw[t].copies.begin(), raw[t].copies.end());
       int64_t elements = 1;
       for (int64_t size : graph_.tensors[t].shape) elements *= size;
       param_elements[param] = elements;
     } else if (state.whole && !state.partial.empty()) {
-      refuse(state, "would make a gradient partly partial (a replicated activation meets its shards)");
+      refuse_settled(raw[t].copies, state, "would make a gradient partly partial (a replicated activation meets its shards)");
     }
   }
   summed_parts.clear();
   for (const auto& [layer, state] : whole_part_grad) {
     if (state.partial.empty()) continue;
     if (state.whole) {
-      refuse(state, "would make the gradient of a fused layer's whole parts partly partial");
+      refuse_settled(raw_parts.at(layer).copies, state, "would make the gradient of a fused layer's whole parts partly partial");
       continue;
     }
     const Node& node = graph_.nodes[layer];
@@ -206,7 +243,8 @@ void Propagation::settle_gradients() {
   for (const auto& [param, state] : param_grad) {
     if (state.partial.empty()) continue;
     if (state.whole) {
-      refuse(state, "would make a parameter's gradient partly partial (it is also used outside the region)");
+      refuse_settled(param_copies[param], state,
+                     "would make a parameter's gradient partly partial (it is also used outside the region)");
       continue;
     }
     partial_params[param] = param_elements.at(param);

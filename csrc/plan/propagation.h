@@ -80,6 +80,10 @@ class Propagation {
   // gradient is a partial sum on each rank, and refuses regions that would make a gradient
   // partly whole and partly partial.
   void settle_gradients();
+  // One backward walk of settle_gradients, outputs that must not be summed given: the conflicts it
+  // finds (applied once no summed output leaks) and the summed outputs that leak.
+  void gradients_pass(const std::set<int>& unsummable, std::vector<std::pair<int, std::string>>& refused,
+                      std::set<int>& leaked);
   // Splits the token axis between the layers that end a tensor-parallel region (row layers,
   // vocabulary-parallel embeddings) and those that start the next (column layers), where
   // every op in between is per token (sequence.cpp); `refused` layers start no such region.

@@ -76,8 +76,9 @@ def test_document_is_versioned_with_named_records():
     assert doc["version"] == 2
     assert set(doc) == {"version", "layers", "regions", "comm", "partial_gradients", "tensors", "sequence_entries",
                         "sequence_gathers", "sequence_exits", "head_entries", "head_outputs", "attention_weights",
-                        "head_params", "norms", "adapters"}
-    assert set(doc["layers"][0]) == {"node", "style", "region", "units", "copy_group", "parts", "whole_parts",
+                        "head_params", "norms", "adapters", "summed_outputs"}
+    assert set(doc["layers"][0]) == {"node", "style", "region", "units", "copy_group", "deferred_copy", "parts",
+                                     "whole_parts",
                                      "summed_parts", "letter", "repeat",
                                      "reason", "note", "whole_units", "sequence", "sequence_dim", "sequence_region",
                                      "sequence_note"}
@@ -874,3 +875,51 @@ def test_fused_output_split_into_parts_and_read_whole_by_a_row_layer_stays_whole
     doc = g.plan(2)
     assert styles(doc)[0] == "replicate", doc["layers"]
     assert all(layer["style"] != "row" for layer in doc["layers"]), doc["layers"]
+
+
+def latent_attention(g, also_read_whole=False):
+    """MLA's shape: a replicated projection (a norm reduces all of its features) whose output is
+    read by a column layer split on 3 heads and, as one key head, broadcast to the split heads
+    (made at the rank's heads there). With `also_read_whole`, the column layer's input is also a
+    model output, so its copy's gradient must stay whole."""
+    x = g.tensor(2, 8)
+    _, latent = g.linear(x, 8, 4, 0, out_shape=(2, 4))
+    normed = g.tensor(2, 4)
+    g.node("reduce", [latent], [g.tensor(2, 1)], axes=[1])  # the norm's mean: keeps `latent` whole
+    g.node("pointwise", [latent], [normed])
+    if also_read_whole:
+        g.output(normed)
+    _, kv = g.linear(normed, 4, 6, 1, out_shape=(2, 6))
+    heads = g.tensor(2, 3, 2)
+    g.node("view", [kv], [heads])
+    one = g.tensor(2, 1, 2)
+    g.node("view", [g.tensor(2, 2)], [one])
+    key = g.tensor(2, 1, 2)
+    g.node("slice", [latent], [g.tensor(2, 2)], dim=1, start=0, stop=2, drop_dim=False)
+    g.node("view", [g.tensors.__len__() - 1], [key])
+    broadcast = g.tensor(2, 3, 2)
+    g.node("expand", [key], [broadcast])
+    mixed = g.tensor(2, 3, 2)
+    g.node("pointwise", [heads, broadcast], [mixed])
+    flat = g.tensor(2, 6)
+    g.node("view", [mixed], [flat])
+    g.linear(flat, 6, 8, 2, out_shape=(2, 8), output=True)
+
+
+def test_replicated_output_with_only_partial_gradients_is_summed_where_it_returns():
+    g = G()
+    latent_attention(g)
+    doc = g.plan(3)
+    assert styles(doc) == ["replicate", "column", "row"], doc["layers"]
+    assert doc["summed_outputs"] == [{"node": 0, "elements": 8}], doc["summed_outputs"]
+    assert doc["layers"][1]["deferred_copy"] is True
+    # The summed output's all-reduce replaces the column layer's input copy's.
+    assert comm(doc, "backward")["all_reduce"] == 1, doc["comm"]
+
+
+def test_a_deferred_copy_whose_input_is_read_whole_elsewhere_is_not_deferred():
+    g = G()
+    latent_attention(g, also_read_whole=True)
+    doc = g.plan(3)
+    assert doc["summed_outputs"] == [], doc["summed_outputs"]
+    assert not any(layer["deferred_copy"] for layer in doc["layers"]), doc["layers"]
