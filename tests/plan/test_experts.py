@@ -16,6 +16,7 @@ from transformers.utils import logging
 
 import autoshard
 from autoshard.plan.meta_values import KnownValues
+from checkpoint_round_trip import load, train_and_save
 from multirank import run_on_ranks
 
 logging.set_verbosity_error()
@@ -161,34 +162,14 @@ def _ids(step: int) -> torch.Tensor:
     return torch.randint(1, 101, (2, 8), generator=torch.Generator().manual_seed(step))
 
 
-def _train_and_save(path: str, name: str = "mixtral_eager") -> dict:
-    model = autoshard.parallelize(_build(name))
-    optimizer = autoshard.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = _ids(0)
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    autoshard.checkpoint.save(path, model, optimizer)
-    return {n: v.clone() for n, v in autoshard.full_state_dict(model).items()}
-
-
-def _load(path: str, sharded: bool = True, name: str = "mixtral_eager") -> dict:
-    torch.manual_seed(1)
-    model = _build(name)
-    for p in model.parameters():
-        torch.nn.init.normal_(p)  # other weights than the checkpoint's
-    if sharded:
-        autoshard.parallelize(model)
-    autoshard.checkpoint.load(path, model)
-    return {n: v.clone() for n, v in (autoshard.full_state_dict(model) if sharded else model.state_dict()).items()}
-
-
 def test_expert_slices_checkpoint_on_two_ranks_reload_on_three_and_unsharded(tmp_path):
     path = str(tmp_path / "ckpt")
-    saved = run_on_ranks(_train_and_save, 2, path, timeout=600)[0]
+    saved = run_on_ranks(train_and_save, 2, path, _build, "mixtral_eager", timeout=600)[0]
     before = {n: p.detach() for n, p in _build("mixtral_eager").state_dict().items()}
     assert not torch.equal(saved["model.layers.0.mlp.experts.gate_up_proj"],
                            before["model.layers.0.mlp.experts.gate_up_proj"])  # the step changed them
-    for loaded in (run_on_ranks(_load, 3, path, timeout=600)[0], _load(path, sharded=False)):
+    for loaded in (run_on_ranks(load, 3, path, _build, "mixtral_eager", timeout=600)[0],
+                   load(path, _build, "mixtral_eager", sharded=False)):
         assert loaded.keys() == saved.keys()
         for name, value in saved.items():
             assert torch.equal(loaded[name], value), name
@@ -223,13 +204,13 @@ def test_interleaved_expert_slices_checkpoint_on_two_ranks_reload_on_three_and_u
     """The full tensors reassembled from interleaved slices are the model's own: saved on 2 ranks
     after a step, reloaded on 3 and unsharded, every value equal."""
     path = str(tmp_path / "ckpt")
-    saved = run_on_ranks(_train_and_save, 2, path, "gpt_oss", timeout=600)[0]
+    saved = run_on_ranks(train_and_save, 2, path, _build, "gpt_oss", timeout=600)[0]
     before = _build("gpt_oss").state_dict()
     for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj_bias"):
         key = f"model.layers.0.mlp.experts.{name}"
         assert not torch.equal(saved[key], before[key])  # the step changed them
-    for loaded in (run_on_ranks(_load, 3, path, True, "gpt_oss", timeout=600)[0],
-                   _load(path, sharded=False, name="gpt_oss")):
+    for loaded in (run_on_ranks(load, 3, path, _build, "gpt_oss", timeout=600)[0],
+                   load(path, _build, "gpt_oss", sharded=False)):
         assert loaded.keys() == saved.keys()
         for name, value in saved.items():
             assert torch.equal(loaded[name], value), name

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging
 
 import autoshard
+from checkpoint_round_trip import load, train_and_save
 from multirank import run_on_ranks
 
 logging.set_verbosity_error()
@@ -52,38 +53,13 @@ def test_the_ranks_slices_make_the_unsharded_model_again(name, world_size):
             assert torch.equal(result["full"][key], value), key
 
 
-def _ids(step: int) -> torch.Tensor:
-    return torch.randint(1, 101, (2, 8), generator=torch.Generator().manual_seed(step))
-
-
-def _train_and_save(path: str, name: str) -> dict:
-    model = autoshard.parallelize(_build(name))
-    optimizer = autoshard.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = _ids(0)
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    autoshard.checkpoint.save(path, model, optimizer)
-    return {n: v.clone() for n, v in autoshard.full_state_dict(model).items()}
-
-
-def _load(path: str, name: str, sharded: bool = True) -> dict:
-    torch.manual_seed(1)
-    model = _build(name)
-    for p in model.parameters():
-        torch.nn.init.normal_(p)  # other weights than the checkpoint's
-    if sharded:
-        autoshard.parallelize(model)
-    autoshard.checkpoint.load(path, model)
-    return {n: v.clone() for n, v in (autoshard.full_state_dict(model) if sharded else model.state_dict()).items()}
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_checkpoint_on_two_ranks_reloads_on_three_and_unsharded(tmp_path, name):
     path = str(tmp_path / "ckpt")
-    saved = run_on_ranks(_train_and_save, 2, path, name, timeout=600)[0]
+    saved = run_on_ranks(train_and_save, 2, path, _build, name, timeout=600)[0]
     conv = next(n for n in saved if n.endswith("linear_attn.conv1d.weight"))
     assert not torch.equal(saved[conv], _build(name).state_dict()[conv])  # the step changed it
-    for loaded in (run_on_ranks(_load, 3, path, name, timeout=600)[0], _load(path, name, sharded=False)):
+    for loaded in (run_on_ranks(load, 3, path, _build, name, timeout=600)[0], load(path, _build, name, sharded=False)):
         assert loaded.keys() == saved.keys()
         for key, value in saved.items():
             assert torch.equal(loaded[key], value), key
