@@ -133,7 +133,7 @@ void Propagation::gradients_pass(const std::set<int>& unsummable, std::vector<st
         // one only through a column layer's input copy: the gradient is summed once where the
         // layer returns its output, and those copies sum nothing. Its input and weight then get
         // whole gradients.
-        summed_outputs[static_cast<int>(i)] = static_cast<int64_t>(numel_of(graph_.tensor(node.outputs[0]).shape));
+        summed_outputs[static_cast<int>(i)] = numel_of(graph_.tensor(node.outputs[0]).shape);
         for (int c : out.copies) {
           deferred_copies.insert(c);
           deferred_by[c] = static_cast<int>(i);
@@ -221,9 +221,7 @@ void Propagation::gradients_pass(const std::set<int>& unsummable, std::vector<st
     if (param >= 0) {
       param_grad[param].join(state);
       param_copies[param].insert(raw[t].copies.begin(), raw[t].copies.end());
-      int64_t elements = 1;
-      for (int64_t size : graph_.tensors[t].shape) elements *= size;
-      param_elements[param] = elements;
+      param_elements[param] = numel_of(graph_.tensors[t].shape);
     } else if (state.whole && !state.partial.empty()) {
       refuse_settled(raw[t].copies, state, "would make a gradient partly partial (a replicated activation meets its shards)");
     }
