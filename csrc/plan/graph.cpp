@@ -86,6 +86,7 @@ Node parse_node(const JsonValue& record, const std::string& where) {
   node.centered = boolean_or(record, "centered", false, where);
   node.per_channel = boolean_or(record, "per_channel", false, where);
   node.running_stats = boolean_or(record, "running_stats", false, where);
+  node.weight_elements = integer_or(record, "weight_elements", 0, where);
   switch (node.kind) {
     case Kind::Linear:
       node.in_features = integer(record, "in_features", where);
@@ -209,6 +210,7 @@ Graph parse_graph(const std::string& document) {
       graph.forced.emplace_back(static_cast<int>(integer(record, "node", where)), style);
     }
   }
+  graph.gather_unpaired = integer_or(root, "gather_unpaired", 0, "the graph");
   if (const JsonValue* sequence = root.find("sequence_parallel")) {
     TORCH_CHECK_VALUE(sequence->type == Type::Bool, "[plan.bad_graph] plan: 'sequence_parallel' must be true or false");
     graph.sequence_parallel = sequence->boolean;

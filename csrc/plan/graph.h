@@ -74,6 +74,7 @@ struct Node {
   int64_t weight_param = -1, bias_param = -1;     // every layer kind (an Embedding has no bias)
   std::vector<EinsumLetter> letters;              // Einsum
   std::vector<AdapterFactors> adapters;           // Linear: its LoRA adapters (split with it)
+  int64_t weight_elements = 0;                    // a layer: its weight's elements (0: not told)
   // Ops.
   std::vector<int64_t> permutation;  // Permute
   std::vector<int64_t> axes;         // Reduce
@@ -134,6 +135,9 @@ struct Graph {
   std::vector<std::pair<int, std::string>> forced;
   // Whether the planner may split the token axis between row and column layers.
   bool sequence_parallel = true;
+  // The weight elements from which a layer that cannot be paired is split and its output
+  // gathered (settle.cpp) rather than held whole on every rank; 0: never.
+  int64_t gather_unpaired = 0;
   std::vector<ModuleEntry> entries;
   // In the order the calls returned, each call's outputs in order (modules called more than
   // once have none: a gather at their output would act on every call).
@@ -154,9 +158,11 @@ struct Graph {
 //               "summed_bias": int (optional, 0), "convolution": bool (optional, false; einsum),
 //               "centered", "per_channel", "running_stats": bool (optional, false; norm),
 //               "adapters": [{"a", "b", "a_shape", "b_shape", "a_trainable", "b_trainable"}] (optional; linear),
+//               "weight_elements": int (optional, 0; layers),
 //               and the fields of its kind named in Kind above}, ...],
 //    "forced": [{"node": index, "style": "replicate" | "column_gather"}, ...] (optional),
 //    "sequence_parallel": bool (optional, true),
+//    "gather_unpaired": int (optional, 0: Graph::gather_unpaired),
 //    "entries": [{"tensor": id, "first": node, "end": node, "leaf": index, "module": "..."}, ...]
 //               (optional: ModuleEntry),
 //    "exits": [{"tensor": id, "first": node, "end": node, "leaf": index, "module": "..."}, ...]

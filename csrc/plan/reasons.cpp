@@ -47,6 +47,10 @@ const std::vector<std::pair<std::string, std::string>>& reason_table() {
       {"gathered_alone",
        "(split) a convolution alone over an input no gradient flows to, whose output must be whole: its output "
        "channels are gathered, one all-gather in forward and none in backward"},
+      {"gathered_unpaired",
+       "(split) a large layer that cannot be paired, its output needed whole, in a plan that would otherwise leave a "
+       "rank more than 1/N + 10% of the parameters: split on its output features and gathered, one all-gather in "
+       "forward and one all-reduce of its input's gradient in backward"},
       {"not_called",
        "a layer the traced forward never calls (cross-attention traced without encoder_hidden_states, a head the "
        "example inputs do not reach): example inputs that reach it let it be split"},

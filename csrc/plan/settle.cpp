@@ -79,6 +79,12 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
                           : Why{"override_gather", "gathered: by override"};
   }
 
+  // The size a layer that cannot be paired is measured by: its weight's elements (every expert's
+  // for an experts layer; in * out where the graph does not tell).
+  auto weight_size = [](const Node& node) {
+    return node.weight_elements > 0 || node.kind != Kind::Linear ? node.weight_elements
+                                                                 : node.in_features * node.out_features;
+  };
   // Which layers hold each parameter, and which parameters other ops read directly.
   std::map<int64_t, std::vector<int>> layers_of_param;
   std::set<int64_t> params_read_elsewhere;
@@ -296,6 +302,26 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
       }
       return true;
     };
+    // With gather_unpaired (asked for where the fewest collectives leave a rank much more than
+    // its share: python/autoshard/plan/__init__.py), a layer that cannot be paired (its output
+    // must be whole) and whose weight holds at least that many elements is split on its output
+    // features and gathered, as Megatron's gather_output does, rather than held whole on every
+    // rank: one all-gather in forward and one all-reduce of its input's gradient in backward.
+    // Smaller layers (a router, a gate of a few features) stay whole: their gather would cost a
+    // collective for little memory.
+    auto gathers_unpaired = [&](int node) {
+      const Node& layer = graph.nodes[node];
+      if (graph.gather_unpaired <= 0 || layer.kind == Kind::Embedding || forced[node] != Force::None ||
+          pass.roles[node] != Style::Column) {
+        return false;
+      }
+      if (std::any_of(layer.letters.begin(), layer.letters.end(),
+                      [](const EinsumLetter& l) { return l.role == EinsumLetter::Batch && l.size > 0; })) {
+        return false;  // a grouped convolution splits only with its input
+      }
+      if (pass.kv_fine.count(pass.find(pass.node_region[node])) || pass.parts.count(node)) return false;
+      return weight_size(layer) >= graph.gather_unpaired;
+    };
     size_t flip = count;
     for (size_t n = 0; n < count && flip == count; ++n) {
       if (pass.roles[n] != Style::Row && pass.roles[n] != Style::Batch) continue;
@@ -311,6 +337,8 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
       if (region.conflict && gathers_alone(node)) {
         changed |= force(node, Force::Gather,
                          {"gathered_alone", "gathered: its output " + region.reason + "; its input carries no gradient"});
+      } else if (region.conflict && gathers_unpaired(node)) {
+        changed |= force(node, Force::Gather, {"gathered_unpaired", "gathered: its output " + region.reason});
       } else if (region.conflict) {
         changed |= force(node, Force::Replicate, {"conflict", "replicated: its output " + region.reason});
       } else if (region.units < world_size) {

@@ -250,6 +250,14 @@ TABLE = [
          plan_says=r"BatchNorms split with their channels"),
     Arch("regnet", hf("regnet", "base", embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=4),
          pixels(3, 16), plan_says=r"BatchNorms split with their channels"),
+    # ResNet's bottlenecks: the last convolution of each and the shortcut add into the residual
+    # stream, which stays whole. On 3 and 4 ranks that would leave a rank more than 1/N + 10% of
+    # the parameters: the large ones are split on their output channels and gathered (their input
+    # gradient summed in backward), the small ones held whole.
+    Arch("resnet", hf("resnet", "base", embedding_size=8, hidden_sizes=[16, 40], depths=[1, 2],
+                      layer_type="bottleneck"),
+         pixels(3, 16), small=True,
+         plan_says={n: r"convolution +column_gather .*gathered: its output aten\.add" for n in (3, 4)}),
     Arch("vit_example_inputs", hf("vit", "base", **BERT_LIKE, image_size=8, patch_size=4, num_channels=3),
          pixels(3, 8)),
     # ---- Hugging Face encoder-decoders

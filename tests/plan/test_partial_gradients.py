@@ -59,6 +59,8 @@ def test_partial_gradients_equal_unsharded(world_size):
         assert results[name]["styles"]["attn.q"] == "column", results[name]["plan"]
         assert set(results[name]["partial"]) == partial, results[name]["plan"]
         assert "partial gradients" in results[name]["plan"]
-    # ... unless a parameter is also used outside the sharded region: then it is replicated.
-    assert results["shared_temperature"]["styles"]["attn.q"] == "replicate"
+    # ... unless a parameter is also used outside the sharded region: then the attention is not
+    # split by heads (its projections held whole, or gathered where the plan would otherwise
+    # leave a rank much more than its share).
+    assert results["shared_temperature"]["styles"]["attn.q"] in ("replicate", "column_gather")
     assert results["shared_temperature"]["partial"] == []

@@ -3,6 +3,7 @@ on 2 and 3 gloo ranks (local numel, tied parameters once), and the warning for a
 stays mostly whole."""
 
 import json
+import re
 import warnings
 
 import pytest
@@ -99,10 +100,12 @@ def test_printout_shows_fractions_and_reasons():
     assert "LayerNorm" in text and "1.00" in text
     held = text.split("held whole on every rank, by reason:")[1]
     assert "a position or type table" in held and "bert.embeddings.position_embeddings" in held
-    assert "its output reaches an op that needs the whole axis" in held  # the MLM head's dense
     assert "the bias of a row-parallel layer" in held
     reasons = {item.reason for item in plan.replicated()}
-    assert {"position_table", "conflict", "row_bias", "not_a_layer"} <= reasons
+    assert {"position_table", "row_bias", "not_a_layer"} <= reasons
+    # The masked-LM head's dense, which cannot be paired, is split and gathered instead.
+    assert plan.layer("cls.predictions.transform.dense").reason == "gathered_unpaired"
+    assert re.search(r"cls\.predictions\.transform\.dense +column_gather .* gathered: its output", text)
     # Round trip: the figures survive to_json / from_json.
     again = ShardingPlan.from_json(plan.to_json())
     assert again.held_parameters(1) == plan.held_parameters(1)
@@ -122,9 +125,9 @@ def test_held_fraction_bad_input():
 
 
 class MostlyWhole(nn.Module):
-    """A wide layer whose activated output goes through a LayerNorm over its features (kept whole:
-    a norm is split with a layer only where it takes the layer's own output), and a depthwise
-    convolution: only the small output layer can be split."""
+    """A wide layer whose activated output goes through a LayerNorm over its features (so it
+    cannot be paired) and whose weight the forward also reads (so it cannot be gathered either),
+    and a depthwise convolution: only the small output layer can be split."""
 
     def __init__(self):
         super().__init__()
@@ -135,7 +138,7 @@ class MostlyWhole(nn.Module):
 
     def forward(self, x):
         h = self.conv(x.transpose(1, 2)).transpose(1, 2)
-        return self.out(self.norm(torch.tanh(self.wide(h))))
+        return self.out(self.norm(torch.tanh(self.wide(h)))) * self.wide.weight.norm()
 
 
 def test_warns_once_when_a_rank_would_hold_most_of_the_model():

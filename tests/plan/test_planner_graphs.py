@@ -37,12 +37,13 @@ class G:
                       bias_param=bias)
         return n, y
 
-    def document(self, sequence_parallel=True):
+    def document(self, sequence_parallel=True, gather_unpaired=0):
         return json.dumps({"version": 1, "tensors": self.tensors, "nodes": self.nodes, "forced": self.forced,
-                           "entries": self.entries, "exits": self.exits, "sequence_parallel": sequence_parallel})
+                           "entries": self.entries, "exits": self.exits, "sequence_parallel": sequence_parallel,
+                           "gather_unpaired": gather_unpaired})
 
-    def plan(self, world_size, sequence_parallel=True):
-        return json.loads(torch.ops.autoshard.plan_graph(self.document(sequence_parallel), world_size))
+    def plan(self, world_size, sequence_parallel=True, gather_unpaired=0):
+        return json.loads(torch.ops.autoshard.plan_graph(self.document(sequence_parallel, gather_unpaired), world_size))
 
 
 def letters(*spec):
@@ -922,3 +923,37 @@ def test_a_deferred_copy_whose_input_is_read_whole_elsewhere_is_not_deferred():
     doc = g.plan(3)
     assert doc["summed_outputs"] == [], doc["summed_outputs"]
     assert not any(layer["deferred_copy"] for layer in doc["layers"]), doc["layers"]
+
+
+def _unpaired_layers(g):
+    """A free parameter read by a large and a small Linear, each output reduced over its features
+    (an op that needs the whole axis): neither can be paired with a row layer."""
+    p = g.tensor(2, 8, param=4)
+    x = g.tensor(2, 8)
+    g.node("pointwise", [p], [x])
+    for weight, features in ((0, 64), (1, 2)):
+        y = g.tensor(2, features)
+        g.node("linear", [x], [y], in_features=8, out_features=features, weight_param=weight,
+               weight_elements=8 * features)
+        r = g.tensor(2, output=True)
+        g.node("reduce", [y], [r], axes=[1])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_unpaired_layer_is_gathered_from_the_size_asked_for(world_size):
+    g = G()
+    _unpaired_layers(g)
+    doc = g.plan(world_size, gather_unpaired=64)
+    large, small = doc["layers"]
+    assert (large["style"], large["reason"]) == ("column_gather", "gathered_unpaired")
+    assert large["units"] == 64 and "reduces over the sharded axis" in large["note"]
+    # Smaller than asked for (16 elements): a gather would buy little memory, it stays whole.
+    assert (small["style"], small["reason"]) == ("replicate", "conflict")
+    # The gather in forward; the gathered layer's input gradient summed in backward.
+    assert comm(doc, "forward") == {"all_gather": 1}
+    assert comm(doc, "backward") == {"all_reduce": 1}
+    assert doc["tensors"] == []  # every tensor whole outside the layer
+    # Without gather_unpaired (the document's default: 0) both stay whole; with 1 both gather.
+    assert styles(g.plan(world_size)) == ["replicate", "replicate"]
+    assert styles(g.plan(world_size, gather_unpaired=1)) == ["column_gather", "column_gather"]
+    assert comm(g.plan(world_size, gather_unpaired=1), "backward") == {"all_reduce": 1}  # one input, one sum

@@ -188,6 +188,8 @@ class ConvConstruct(ConvolutionConstruct):
     weight_dim = LinearConstruct.weight_dim
 
     def stand_in(self, layer, module: nn.Module, rank: int, world_size: int) -> Optional[nn.Module]:
+        if layer.style is Style.COLUMN_GATHER:
+            return module  # its output gathered: every channel, as the unsharded layer gives
         return self.meta_copy(module, layer.weight_spec(rank, world_size), with_bias=layer.style.is_column)
 
     def shard(self, layer, module: nn.Module, group) -> nn.Module:

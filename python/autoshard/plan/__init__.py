@@ -13,7 +13,7 @@ from ..nn.multihead_attention import IN_PROJECTION
 from ..styles import OVERRIDE_STYLES, Style
 from . import sequence_choice
 from .capture import CapturedGraph, capture
-from .holdings import imbalance_warning, inventory
+from .holdings import IMBALANCE, fullest_fraction, imbalance_warning, inventory
 from .parameter_reasons import whole_reasons
 from .local_attributes import localize_attributes
 from .prediction import Prediction, ShapeMismatch
@@ -190,38 +190,52 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
             forced.append({"node": node, "style": style})
     # Layers replicated because their region's module computes other shapes than the plan
     # predicts on some rank (a size written into the model as a constant): node -> why.
-    mismatched: Dict[int, str] = {node: why for node, info in graph.layers.items()
+    held_whole: Dict[int, str] = {node: why for node, info in graph.layers.items()
                                   for pattern, why in whole.items() if within(info.name, pattern)}
-    from_dry_run = set(mismatched)
     together = _split_together(graph)
-    while True:
-        replicated = [{"node": node, "style": Style.REPLICATE.value} for node in mismatched]
-        document = torch.ops.autoshard.plan_graph(
-            json.dumps({**graph.document, "forced": forced + replicated,
-                        "sequence_parallel": sequence_parallel, "together": together}),
-            world_size)
-        result = _parse(document, graph, world_size, _element_size(model))
-        too_small = [layer for layer in result.layers if layer.reason == "too_few_units"]
-        if too_small and not any(layer.style.is_split for layer in result.layers):
-            raise ValueError(f"plan: world_size={world_size} is larger than every dimension autoshard could split "
-                             f"(e.g. {too_small[0].module}: only {too_small[0]._whole_units} whole unit(s) (heads) "
-                             f"to split across {world_size} ranks)")
-        if world_size <= 1:
-            break
-        failures: Dict[int, ShapeMismatch] = {}
-        localize_attributes(result, result._prediction, failures=failures)
-        if not failures:
-            break
-        found = {node: str(failures[layer.region]) for node, info in graph.layers.items()
-                 for layer in [result.layer(info.name)]
-                 if layer.style.is_split and layer.region in failures and node not in mismatched}
-        if not found:
-            raise next(iter(failures.values()))
-        mismatched.update(found)
-    for node, why in mismatched.items():
-        layer = result.layer(graph.layers[node].name)
-        layer.reason = "dry_run_mismatch" if node in from_dry_run else "shape_mismatch"
-        layer.note = "replicated: " + why.removeprefix("plan: ")
+
+    def settled(gather_unpaired: int) -> ShardingPlan:
+        mismatched = dict(held_whole)
+        while True:
+            replicated = [{"node": node, "style": Style.REPLICATE.value} for node in mismatched]
+            document = torch.ops.autoshard.plan_graph(
+                json.dumps({**graph.document, "forced": forced + replicated, "sequence_parallel": sequence_parallel,
+                            "together": together, "gather_unpaired": gather_unpaired}),
+                world_size)
+            result = _parse(document, graph, world_size, _element_size(model))
+            too_small = [layer for layer in result.layers if layer.reason == "too_few_units"]
+            if too_small and not any(layer.style.is_split for layer in result.layers):
+                raise ValueError(f"plan: world_size={world_size} is larger than every dimension autoshard could "
+                                 f"split (e.g. {too_small[0].module}: only {too_small[0]._whole_units} whole unit(s) "
+                                 f"(heads) to split across {world_size} ranks)")
+            if world_size <= 1:
+                break
+            failures: Dict[int, ShapeMismatch] = {}
+            localize_attributes(result, result._prediction, failures=failures)
+            if not failures:
+                break
+            found = {node: str(failures[layer.region]) for node, info in graph.layers.items()
+                     for layer in [result.layer(info.name)]
+                     if layer.style.is_split and layer.region in failures and node not in mismatched}
+            if not found:
+                raise next(iter(failures.values()))
+            mismatched.update(found)
+        for node, why in mismatched.items():
+            layer = result.layer(graph.layers[node].name)
+            layer.reason = "dry_run_mismatch" if node in held_whole else "shape_mismatch"
+            layer.note = "replicated: " + why.removeprefix("plan: ")
+        result.parameters = inventory(graph.shadow)
+        whole_reasons(result.parameters, graph)
+        return result
+
+    # The fewest collectives first (Megatron's pairs, what cannot be paired held whole). Where
+    # that leaves a rank more than its share plus 10% of the parameters, the large layers that
+    # cannot be paired are split and their outputs gathered instead (reason gathered_unpaired).
+    result = settled(gather_unpaired=0)
+    if fullest_fraction(result) > 1 / world_size + IMBALANCE:
+        gathered = settled(gather_unpaired=_gathered_layer_elements(model))
+        if fullest_fraction(gathered) < fullest_fraction(result):
+            result = gathered
     # The modules' recorded inputs are views of the model's own tensors (its buffers): kept, they
     # would hold those tensors' use counts up, and load_pretrained could not give them storage in
     # place. Only the attribute choice above replays them.
@@ -230,11 +244,18 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     result._input_values = graph.input_values  # the dry run in parallelize() replays these
     result.overrides = dict(overrides or {})
     result.sequence_choice = sequence_choice
-    result.parameters = inventory(graph.shadow)
-    whole_reasons(result.parameters, graph)
     result._seal()
     _warn_if_mostly_whole(result)
     return result
+
+
+def _gathered_layer_elements(model: nn.Module) -> int:
+    """The weight elements from which a layer that cannot be paired is gathered rather than held
+    whole: an eighth of the model's largest parameter outside its vocabulary (its token tables,
+    and a head over them, which the plan splits anyway). A router or a small gate stays whole."""
+    vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=0)
+    largest = max((p.numel() for p in model.parameters() if p.dim() >= 2 and p.shape[0] != vocab), default=0)
+    return max(1, largest // 8)
 
 
 def within(name: str, pattern: str) -> bool:

@@ -186,16 +186,31 @@ def held_fraction(plan) -> float:
     return max(sum(local_counts(plan, r).values()) / total for r in range(plan.world_size))
 
 
+# How much more than 1/N of the parameters a rank may hold before the plan is said to be
+# imbalanced: warned of, and planned again with the layers that cannot be paired gathered.
+IMBALANCE = 0.10
+
+
+def _fractions(plan) -> List[float]:
+    """Each rank's fraction of the model's parameters ([] without an inventory)."""
+    total = sum(_numel(r.shape) for r in (plan.parameters or {}).values())
+    return [sum(local_counts(plan, r).values()) / total for r in range(plan.world_size)] if total else []
+
+
+def fullest_fraction(plan) -> float:
+    """The largest fraction of the model's parameters one rank holds (0 without an inventory)."""
+    return max(_fractions(plan), default=0.0)
+
+
 def imbalance_warning(plan) -> str:
     """A warning's text when some rank holds more than 1/N + 10% of the parameters, else ""."""
-    if plan.world_size <= 1 or not plan.parameters:
+    if plan.world_size <= 1:
         return ""
-    total = sum(_numel(r.shape) for r in plan.parameters.values())
-    if not total:
+    fractions = _fractions(plan)
+    if not fractions:
         return ""
-    fractions = [sum(local_counts(plan, r).values()) / total for r in range(plan.world_size)]
     worst = max(range(plan.world_size), key=lambda r: fractions[r])
-    if fractions[worst] <= 1 / plan.world_size + 0.10:
+    if fractions[worst] <= 1 / plan.world_size + IMBALANCE:
         return ""
     largest = "; ".join(f"{i.module or '<model>'} ({i.module_class}, {i.params:,} params): {REASONS.get(i.reason, i.reason)}"
                         + (f" ({i.note})" if i.note else "") for i in replicated(plan)[:3])

@@ -5,6 +5,7 @@ input from in_features to out_features; an Embedding looks rows up by index. Whe
 split by rows or columns is decided by the planner from the dataflow, never from its name.
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional
 
@@ -76,7 +77,8 @@ class LayerInfo:
 
     def planner_fields(self, inputs: torch.Tensor, output: torch.Tensor) -> Dict[str, object]:
         """The fields of this layer's node in the planner's graph document (csrc/plan/graph.h)."""
-        return self.construct.planner_fields(self, inputs, output)
+        shape = self.weight_shape or (self.in_features, self.out_features)
+        return {**self.construct.planner_fields(self, inputs, output), "weight_elements": math.prod(shape)}
 
     def record_call(self, inputs: torch.Tensor, output: torch.Tensor) -> "LayerInfo":
         self.input_shape = tuple(inputs.shape)
