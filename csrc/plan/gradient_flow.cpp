@@ -50,6 +50,9 @@ GradientFlow gradient_flow(const Graph& graph) {
   while (!pending.empty()) {
     const int tensor = pending.back();
     pending.pop_back();
+    // No gradient flows back through an integer or bool tensor (top-k indices, a mask): what it
+    // is computed from is not reached through it.
+    if (!graph.tensors[tensor].floating) continue;
     for (int other : linked[tensor]) reach(other);
     for (int n : producers[tensor]) {
       for (int id : graph.nodes[n].inputs) reach(id);

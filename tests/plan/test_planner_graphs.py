@@ -957,3 +957,23 @@ def test_unpaired_layer_is_gathered_from_the_size_asked_for(world_size):
     assert styles(g.plan(world_size)) == ["replicate", "replicate"]
     assert styles(g.plan(world_size, gather_unpaired=1)) == ["column_gather", "column_gather"]
     assert comm(g.plan(world_size, gather_unpaired=1), "backward") == {"all_reduce": 1}  # one input, one sum
+
+
+def test_gathered_layer_read_only_through_indices_sums_no_gradient():
+    # Scores whose top-k indices are all the model keeps of them (DeepSeek's sparse-attention
+    # indexer): no gradient flows back through the indices, so none reaches the gathered layer's
+    # input, and the plan counts no backward collective for it (autograd runs none).
+    g = G()
+    p = g.tensor(2, 8, param=4)
+    x = g.tensor(2, 8)
+    g.node("pointwise", [p], [x])
+    _, scores = g.linear(x, 8, 64, 0, out_shape=(2, 64))
+    indices = g.tensor(2, 4, output=True)
+    g.tensors[indices]["floating"] = False
+    g.node("opaque", [scores], [indices], label="topk")
+    doc = g.plan(2, gather_unpaired=1)
+    assert styles(doc) == ["column_gather"]
+    assert comm(doc, "forward") == {"all_gather": 1} and comm(doc, "backward") == {}
+    # The same layer whose scores reach the output themselves: its input's gradient is summed.
+    g.output(scores)
+    assert comm(g.plan(2, gather_unpaired=1), "backward") == {"all_reduce": 1}
