@@ -385,9 +385,11 @@ IDIOMS = [
     Arch("own_idiom_adaptive_norm", idiom("adaptive_norm"), token_ids(97), small=True,
          plan_says=r"blocks\.0(-1)?\.modulation\.1 .*replicated: .*adaptive-norm modulation"),
     # The stem is a layer of its own, whose output passes the grouped positional convolution
-    # and meets the blocks' norm: both whole, each with its reason.
+    # and meets the blocks' norm: it cannot be paired, and is gathered (held whole where the rest
+    # splits evenly enough); the positional convolution stays whole. Each with its reason.
     Arch("own_idiom_conv", idiom("conv"), pixels(3, 8), small=True,
-         plan_says=r"stem .*replicate .*its output aten\.native_layer_norm(?s:.*)a grouped or depthwise convolution "
+         plan_says=r"stem +(replicate|column_gather) .*its output aten\.native_layer_norm(?s:.*)a grouped or depthwise "
+                   r"convolution "
                    r"whose input channels arrive whole.*position \(Conv1d"),
     # Its cross attention norms x and the memory itself and reshapes q with x's length: both kept whole.
     Arch("own_idiom_two_input_attention", idiom("two_input_attention"), token_ids(97), small=True,
