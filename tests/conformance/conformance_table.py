@@ -309,10 +309,11 @@ TABLE = [
     Arch("own_qk_norm", own(qk_norm=True), token_ids(97), small=(2, 3, 4)),
     Arch("own_partial_rotary", own(heads=12, kv_heads=4, rotary_dim=4), token_ids(97), small=True),
     # A LayerNorm over every head's features of q and of k (ESM-C): split with the heads, its mean
-    # and variance summed over the ranks; at 4 ranks the 3 KV heads are shared and it stays whole.
+    # and variance summed over the ranks; at 4 ranks the 3 KV heads are shared and it stays whole,
+    # the query projection, unpaired then, gathered (the plan would otherwise be imbalanced).
     Arch("own_qk_layer_norm", own(qk_layer_norm=True), token_ids(97), small=(2, 3),
-         plan_says={2: r"q_proj +column", 3: r"q_proj +column",
-                    4: r"q_proj +replicate .*k_layer_norm normalises over KV heads that several ranks hold"}),
+         plan_says={2: r"q_proj +column ", 3: r"q_proj +column ",
+                    4: r"q_proj +column_gather .*k_layer_norm normalises over KV heads that several ranks hold"}),
     # ESM-C: LayerNorms (its own subclass, returning the input's dtype) over every head's features
     # of q and k, split with the heads.
     Arch("esmc", hf("esmc", "base", hidden_size=48, intermediate_size=70, num_hidden_layers=2, num_attention_heads=6,
