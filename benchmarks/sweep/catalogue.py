@@ -266,17 +266,37 @@ def _image_layouts(model: torch.nn.Module, generator) -> List[Dict[str, torch.Te
              for k, v in layout.items()} for layout in image_layouts(model, config, BATCH)]
 
 
+# Config fields that may give the width of an audio encoder's input features.
+_FEATURE_SIZES = ("num_mel_bins", "feature_size", "input_feat_per_channel", "feature_projection_input_dim",
+                  "input_dim")
+
+
 def _audio_layouts(model: torch.nn.Module, generator) -> List[Dict[str, torch.Tensor]]:
-    """Log-mel features (batch, mel bins, frames), with a mask of every frame where the forward takes one."""
+    """Log-mel features, with a mask of every frame where the forward takes one: first Whisper's
+    layout (batch, mel bins, frames); then (batch, features, frames) and (batch, frames, features)
+    for each width the config names (a speech encoder reading frames of 160 stacked features),
+    over 2 x max_source_positions frames and, where the encoder cuts its input in windows, one
+    window of frames (n_window)."""
     if "input_features" not in _accepted(model):
         return []
-    bins, frames = _first(model.config, "num_mel_bins") or 16, 2 * (_first(model.config, "max_source_positions") or 32)
+    config = model.config
+    bins, frames = _first(config, "num_mel_bins") or 16, 2 * (_first(config, "max_source_positions") or 32)
+    window = _first(config, "n_window")
+    shapes = [(bins, frames, frames)]  # (features axis 1, frames axis 2, the frame count)
+    for size in dict.fromkeys([bins] + [v for v in (_first(config, k) for k in _FEATURE_SIZES) if v]):
+        for count in dict.fromkeys([frames] + ([2 * window] if window else [])):
+            for shape in ((size, count, count), (count, size, count)):
+                if shape not in shapes:
+                    shapes.append(shape)
     dtype = next(model.parameters()).dtype  # as for images
-    layout = {"input_features": torch.randn(BATCH, bins, frames, generator=generator).to(dtype)}
-    for mask in ("input_features_mask", "feature_attention_mask"):
-        if mask in _accepted(model):
-            layout[mask] = torch.ones(BATCH, frames, dtype=torch.long)
-    return [layout]
+    layouts = []
+    for first, second, count in shapes:
+        layout = {"input_features": torch.randn(BATCH, first, second, generator=generator).to(dtype)}
+        for mask in ("input_features_mask", "feature_attention_mask"):
+            if mask in _accepted(model):
+                layout[mask] = torch.ones(BATCH, count, dtype=torch.long)
+        layouts.append(layout)
+    return layouts
 
 
 def media_inputs(model: torch.nn.Module, generator: torch.Generator) -> Dict[str, torch.Tensor]:

@@ -138,6 +138,8 @@ def shrink(fields: Dict[str, Any]) -> Dict[str, Any]:
             fields[key] = tiny
     new_layers = _first_count(fields, _LAYER_COUNT_FIELDS)
     heads = _first_count(fields, _HEAD_COUNT_FIELDS)
+    vision = fields.get("vision_config") if isinstance(fields.get("vision_config"), dict) else {}
+    old_image = vision.get("image_size")
     for key, value in list(fields.items()):
         # Per-layer lists (layer_types, block sizes, ...) follow the layer count.
         if isinstance(value, list) and old_layers and new_layers < old_layers and value and all(
@@ -148,6 +150,8 @@ def shrink(fields: Dict[str, Any]) -> Dict[str, Any]:
             fields[key] = value[:new_layers]
         elif isinstance(value, dict) and "model_type" in value:
             fields[key] = shrink(value)
+    if vision:
+        _vision_fields_follow(fields, old_image, fields["vision_config"])
     if _is_count(kv):
         # Grouped-query attention stays grouped; multi-query stays multi-query.
         fields["num_key_value_heads"] = 1 if kv == 1 else (heads if kv >= old_heads else min(KV_HEADS, heads))
@@ -212,6 +216,29 @@ def shrink(fields: Dict[str, Any]) -> Dict[str, Any]:
         _special_tokens_inside(fields, fields["text_config"]["vocab_size"])
     fields.update(OVERRIDES.get(fields.get("model_type", ""), {}))
     return fields
+
+
+def _vision_fields_follow(fields: Dict[str, Any], old_image, vision: Dict[str, Any]) -> None:
+    """The top config's fields about its vision tower follow the shrunk tower: the grid of an
+    any-resolution model (LLaVA-NeXT's pinpoints, multiples of the image size) scaled with the
+    image size, and the tower layers whose features the projector reads kept among its layers
+    (VipLLaVA reads five of them, counted from either end)."""
+    new_image = vision.get("image_size")
+    pinpoints = fields.get("image_grid_pinpoints")
+    if _is_count(old_image) and _is_count(new_image) and isinstance(pinpoints, list) and all(
+            isinstance(p, list) and all(_is_count(v) and v % old_image == 0 for v in p) for p in pinpoints):
+        fields["image_grid_pinpoints"] = [[v // old_image * new_image for v in p] for p in pinpoints]
+    layers = _first_count(vision, _LAYER_COUNT_FIELDS)
+    if not layers:
+        return
+    # hidden_states holds the embeddings and each layer's output: indices in [-(layers + 1), layers]
+    keep = lambda i: max(-(layers + 1), min(layers, i)) if _is_count(i) else i
+    for key in ("vision_feature_layer", "vision_feature_layers"):
+        value = fields.get(key)
+        if isinstance(value, list):
+            fields[key] = [keep(i) for i in value]
+        elif _is_count(value):
+            fields[key] = keep(value)
 
 
 def _declares_mrope(model_type) -> bool:

@@ -322,6 +322,24 @@ def test_known_values_follow_in_place_writes():
             torch.empty(3, device="meta").tolist()
 
 
+def test_unknown_values_indexed_by_a_known_mask_give_the_selected_shape():
+    # A multimodal model's placeholder check: `inputs_embeds[mask]`, the embeddings (from weights)
+    # unknown on meta, the mask made from the ids' media tokens known.
+    values = KnownValues()
+    embeds = torch.empty(2, 5, 4, device="meta")
+    with values:
+        ids = values.to_meta(torch.tensor([[1, 9, 9, 2, 3], [9, 1, 2, 3, 4]]))
+        mask = (ids == 9).unsqueeze(-1).expand_as(embeds)
+        picked = embeds[mask]
+        assert picked.shape == (12,) and picked.device.type == "meta"  # 3 tokens x 4 features
+        assert embeds[:, ids[0] == 9].shape == (2, 2, 4)  # positions picked by a mask over one axis
+        with pytest.raises(RuntimeError, match="depend on more than the example inputs"):
+            picked.tolist()  # the selected values themselves stay unknown
+        # A mask computed from the unknown values is no answer either.
+        with pytest.raises(RuntimeError, match="depend on more than the example inputs"):
+            embeds[embeds > 0]
+
+
 class _Passthrough(KnownValues):
     """KnownValues doing nothing: the capture as it was before reads of values were answered."""
 

@@ -7,7 +7,9 @@ The images take the layout the model's forward asks for:
   size) where it takes a `pixel_attention_mask` (Idefics3);
 - flattened patches with `image_grid_thw` (Qwen2-VL and the models built like it): one image per
   sample of (1, h, w) patches, h and w twice the spatial merge, each patch of channels x
-  temporal_patch_size x patch_size^2 values.
+  temporal_patch_size x patch_size^2 values;
+- flattened patches with `spatial_shapes` and a `pixel_attention_mask` (SigLIP 2's NaFlex layout,
+  LFM2-VL): one image per sample of 4 x 4 patches of channels x patch_size^2 values.
 
 A model that puts its image features in place of image tokens in `input_ids` checks that their
 counts agree (`get_placeholder_mask`). The count is found by running the forward on meta copies
@@ -97,10 +99,17 @@ def image_layouts(model: nn.Module, config, batch: int) -> List[Dict[str, torch.
     channels = _channels(vision)
     if "image_grid_thw" in accepted:
         patch, merge = _patch(vision), _merge(vision)
-        temporal = _get(vision, hf.TEMPORAL_PATCH_SIZE) or 1
+        temporal = _get(vision, *hf.TEMPORAL_PATCH_SIZE) or 1
         side = 2 * merge
         return [{"pixel_values": torch.zeros(batch * side * side, channels * temporal * patch * patch),
                  "image_grid_thw": torch.tensor([[1, side, side]] * batch)}]
+    if "spatial_shapes" in accepted:
+        # Patches flattened, with each image's grid of patches and a mask of the real ones
+        # (SigLIP 2's NaFlex layout, LFM2-VL): one image per sample of side x side patches.
+        patch, side = _patch(vision), 4
+        return [{"pixel_values": torch.zeros(batch, side * side, channels * patch * patch),
+                 "spatial_shapes": torch.tensor([[side, side]] * batch),
+                 "pixel_attention_mask": torch.ones(batch, side * side, dtype=torch.bool)}]
     size = _image_size(vision)
     layouts = [{"pixel_values": torch.zeros(batch, channels, size, size)},
                {"pixel_values": torch.zeros(batch, 1, channels, size, size)}]

@@ -8,8 +8,10 @@ twins, exactly as the real forward would on the same inputs. Nothing else change
 that meta computes runs on meta as before, and a twin is only consulted when meta fails, so a
 model that ran on meta without it traces the same ops. A value computed from weights or
 buffers (which meta does not hold) stays unknown, and reading it fails with an error that says
-so, with one exception: `nonzero` of such a value (mixture-of-experts routing, which tokens
-reach an expert) answers as if every element were nonzero, so that every expert is followed.
+so, with two exceptions: `nonzero` of such a value (mixture-of-experts routing, which tokens
+reach an expert) answers as if every element were nonzero, so that every expert is followed; and
+such a value indexed by known indices (`inputs_embeds[mask]`, the mask of a model's image or
+audio tokens in the ids) answers with the shape those indices select, its values unknown.
 """
 
 from typing import Dict, Optional, Tuple
@@ -189,6 +191,9 @@ class KnownValues(TorchDispatchMode):
             # token is assumed to reach every expert, so that the capture follows each expert.
             replaced = (torch.ones(args[0].shape, dtype=torch.bool),), {}
         if replaced is None:
+            selected = self._selected_shape(func, args, kwargs)
+            if selected is not None:
+                return selected
             unknown = [tuple(a.shape) for a in tree_flatten((args, kwargs))[0]
                        if _is_meta(a) and self.twin(a) is None]
             if not unknown or not _reads_values(error):
@@ -201,6 +206,28 @@ class KnownValues(TorchDispatchMode):
             result = func(*replaced[0], **replaced[1])
         except Exception:  # noqa: BLE001 - the twins cannot compute it either: meta's own error
             raise error from None
+        return self._back_to_meta(func, args, kwargs, result)
+
+    def _selected_shape(self, func, args, kwargs) -> Optional[torch.Tensor]:
+        """Indexing an unknown tensor by known indices (`inputs_embeds[mask]`, the mask made from the
+        ids' image or audio tokens): the result's shape follows from the indices alone, so it is
+        answered with a meta tensor of that shape whose values stay unknown. None otherwise."""
+        if func.overloadpacket is not torch.ops.aten.index or kwargs or len(args) != 2 or not _is_meta(args[0]):
+            return None
+        indices = [None if i is None else self.twin(i) for i in args[1]]
+        if any(t is None for t, i in zip(indices, args[1]) if i is not None):
+            return None
+        # Every element alike (a zero-stride view): only which are selected matters, not their values.
+        stand_in = torch.zeros((), dtype=args[0].dtype).expand(args[0].shape)
+        try:
+            result = func(stand_in, indices)
+        except Exception:  # noqa: BLE001 - indices that do not fit: meta's own error follows
+            return None
+        return torch.empty(result.shape, dtype=result.dtype, device="meta")
+
+    def _back_to_meta(self, func, args, kwargs, result):
+        """The twins' result as meta tensors whose values are known (or, for an explicit copy off
+        meta, the values themselves)."""
 
         def back_to_meta(value):
             if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
