@@ -46,7 +46,9 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
   std::map<int, int> copy_groups;  // input tensor -> group
   std::map<int, RegionSummary> regions;
   auto comm = [&](const char* phase, const char* kind, int64_t elements) {
-    if (world_size == 1) return;  // a group of one rank communicates nothing
+    // A group of one rank communicates nothing; nor does a collective over no elements (a layer
+    // called on the tokens a mask selects, none of them: csrc/comm returns at once).
+    if (world_size == 1 || elements == 0) return;
     count_collective(plan, phase, kind, elements);
   };
   // A model input needs no gradient, so the copy of one issues no backward all-reduce; nor

@@ -977,3 +977,17 @@ def test_gathered_layer_read_only_through_indices_sums_no_gradient():
     # The same layer whose scores reach the output themselves: its input's gradient is summed.
     g.output(scores)
     assert comm(g.plan(2, gather_unpaired=1), "backward") == {"all_reduce": 1}
+
+
+def test_collectives_over_no_elements_are_not_counted():
+    # Higgs-Audio's audio MLP, called on the tokens an audio mask selects: none in a text batch.
+    # The comm ops return at once on an empty tensor, so the plan counts nothing for it.
+    g = G()
+    x = g.tensor(0, 8)
+    _, h = g.linear(x, 8, 6, 0, 1, out_shape=(0, 6))
+    a = g.tensor(0, 6)
+    g.node("pointwise", [h], [a])
+    _, y = g.linear(a, 6, 8, 2, 3, out_shape=(0, 8), output=True)
+    doc = g.plan(2)
+    assert styles(doc) == ["column", "row"]
+    assert doc["comm"] == []

@@ -70,11 +70,20 @@ class ForwardCollectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = FORWARD_KINDS.get(func)
-        if kind is not None:
+        if kind is not None and _elements(args[0] if args else None) > 0:  # the comm ops skip empty tensors
             self.counts[kind] = self.counts.get(kind, 0) + 1
             if self._running:
                 self.by_layer[self._running[-1]] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _elements(value) -> int:
+    """The elements of a collective's tensor (of a bucket's tensors)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if isinstance(value, (list, tuple)):
+        return sum(_elements(v) for v in value)
+    return 0
 
 
 def watched_layers(plan) -> List[str]:
