@@ -194,7 +194,9 @@ def placeholder_count(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -
     patched = []
     for module in model.modules():
         for attribute in dir(type(module)):
-            if not (attribute.startswith("get_") and attribute.endswith("placeholder_mask")):
+            # get_placeholder_mask, get_audio_placeholder_mask, ...; Idefics3 checks in inputs_merger
+            if not (attribute.startswith("get_") and attribute.endswith("placeholder_mask")) and \
+                    attribute != "inputs_merger":
                 continue
             check = getattr(module, attribute)
             signature = inspect.signature(check)
@@ -202,7 +204,8 @@ def placeholder_count(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -
             def counting(*args, check=check, signature=signature, **kwargs):
                 bound = signature.bind_partial(*args, **kwargs).arguments
                 embeds = bound.get("inputs_embeds")
-                features = [v for k, v in bound.items() if k.endswith("_features") and v is not None]
+                features = [v for k, v in bound.items()
+                            if (k.endswith("_features") or k.endswith("_hidden_states")) and v is not None]
                 if not features or not isinstance(embeds, torch.Tensor):
                     return check(*args, **kwargs)
                 tensors = [t for f in features for t in (f if isinstance(f, (list, tuple)) else [f])]

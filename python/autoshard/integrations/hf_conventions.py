@@ -67,8 +67,10 @@ IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes")
 # decoder_input_ids by the model itself).
 DECODER_INPUTS = frozenset({"decoder_input_ids", "decoder_inputs_embeds", "labels"})
 
-# The method that checks the image features fill as many image tokens as input_ids holds.
-PLACEHOLDER_CHECK = "get_placeholder_mask"
+# The methods that check the image features fill as many image tokens as input_ids holds.
+PLACEHOLDER_CHECKS = ("get_placeholder_mask", "inputs_merger")  # Idefics2/3 merge and check in one
+# The check's argument holding the image features, under each architecture's name for it.
+IMAGE_FEATURES = ("image_features", "image_hidden_states")
 
 
 # --- Config attributes ---------------------------------------------------------------------

@@ -128,21 +128,23 @@ def _count_at_check(model: nn.Module, kwargs: dict) -> Optional[int]:
     the forward ends without one. Raises what the forward raises before it."""
     patched = []
     for module in model.modules():
-        check = getattr(module, hf.PLACEHOLDER_CHECK, None)
-        if check is None or not callable(check) or hf.PLACEHOLDER_CHECK in vars(module):
-            continue
-        signature = inspect.signature(check)
+        for name in hf.PLACEHOLDER_CHECKS:
+            check = getattr(module, name, None)
+            if check is None or not callable(check) or name in vars(module):
+                continue
+            signature = inspect.signature(check)
 
-        def counting(*args, check=check, signature=signature, **kw):
-            bound = signature.bind_partial(*args, **kw).arguments
-            features, embeds = bound.get("image_features"), bound.get("inputs_embeds")
-            if features is None or not isinstance(embeds, torch.Tensor):
-                return check(*args, **kw)
-            tensors = features if isinstance(features, (list, tuple)) else [features]
-            raise _Counted(sum(t.numel() for t in tensors) // embeds.shape[-1])
+            def counting(*args, check=check, signature=signature, **kw):
+                bound = signature.bind_partial(*args, **kw).arguments
+                features = next((bound[k] for k in hf.IMAGE_FEATURES if bound.get(k) is not None), None)
+                embeds = bound.get("inputs_embeds")
+                if features is None or not isinstance(embeds, torch.Tensor):
+                    return check(*args, **kw)
+                tensors = features if isinstance(features, (list, tuple)) else [features]
+                raise _Counted(sum(t.numel() for t in tensors) // embeds.shape[-1])
 
-        setattr(module, hf.PLACEHOLDER_CHECK, counting)
-        patched.append(module)
+            setattr(module, name, counting)
+            patched.append((module, name))
     values = KnownValues()
     meta = values.to_meta(kwargs)
     try:
@@ -151,8 +153,8 @@ def _count_at_check(model: nn.Module, kwargs: dict) -> Optional[int]:
     except _Counted as counted:
         return counted.count
     finally:
-        for module in patched:
-            delattr(module, hf.PLACEHOLDER_CHECK)
+        for module, name in patched:
+            delattr(module, name)
     return None
 
 
