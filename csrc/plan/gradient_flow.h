@@ -12,8 +12,9 @@
 // reached, nor one whose output reaches the model's outputs only through integer or bool
 // tensors (scores whose top-k indices pick what attention reads). Reaching is taken without
 // regard to the order of the ops, and a view and its base reach alike (an in-place op on either
-// changes what the other holds, which the recorded ops do not show). Ops are taken as differentiable, so that a tensor is found to need no
-// gradient only where none can reach it: counts drop only where nothing runs.
+// changes what the other holds, which the recorded ops do not show). Ops are taken as
+// differentiable, so that a tensor is found to need no gradient only where none can reach it:
+// counts drop only where nothing runs.
 #include <vector>
 
 #include "plan/graph.h"
