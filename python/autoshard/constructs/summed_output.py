@@ -5,6 +5,8 @@ the rank's heads. Each reader's gradient is this rank's part, so the sum over th
 once, where the layer returns its output (identity forward, all-reduce in backward), and the
 column layers reading it (``LayerPlan.deferred_copy``) copy their input without summing."""
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -43,6 +45,32 @@ class SummedOutput(RecordConstruct):
                                  "which the model lacks")
 
     def apply(self, model, plan, surgery) -> None:
+        if not plan.summed_outputs:
+            return
         hook = _SumGradientOnReturn(surgery.group.group_name)
         for record in plan.summed_outputs:
             model.get_submodule(record.module).register_forward_hook(hook)
+        model.register_forward_pre_hook(_HooksInPlace(model, [r.module for r in plan.summed_outputs], hook))
+
+
+class _HooksInPlace:
+    """Refuses a forward once a module whose output gradient the plan sums has been replaced (a
+    tool swapping Linear layers after parallelize) or lost the hook that sums it: its readers would
+    get this rank's part of the gradient only, a silently wrong result."""
+
+    def __init__(self, model: nn.Module, names, hook: _SumGradientOnReturn):
+        self.modules = [(name, weakref.ref(model.get_submodule(name))) for name in names]
+        self.hook = hook
+
+    def __call__(self, model: nn.Module, args) -> None:
+        for name, original in self.modules:
+            try:
+                current = model.get_submodule(name)
+            except AttributeError:
+                current = None
+            if current is not original() or not any(h is self.hook for h in current._forward_hooks.values()):
+                raise RuntimeError(
+                    f"autoshard: module {name!r} was replaced, or its forward hook removed, after parallelize; the "
+                    "plan sums the gradient of its output in that hook (its readers each get this rank's part), so "
+                    "the gradients would be wrong. Change the model before parallelize, or keep this module as "
+                    "parallelize left it")
