@@ -112,6 +112,22 @@ def test_printout_shows_fractions_and_reasons():
     assert str(again) == str(plan)
 
 
+def test_gather_unpaired_false_keeps_unpaired_layers_whole():
+    model = build("bert", device="meta")
+    gathered = autoshard.plan(model, world_size=2)
+    kept = autoshard.plan(model, world_size=2, gather_unpaired=False)
+    dense = "cls.predictions.transform.dense"
+    assert gathered.layer(dense).style == "column_gather" and gathered.layer(dense).reason == "gathered_unpaired"
+    assert kept.layer(dense).style == "replicate" and kept.layer(dense).reason == "conflict"
+    assert not [layer for layer in kept.layers if layer.reason == "gathered_unpaired"]
+    # One all-gather fewer in forward, one all-reduce fewer in backward; more held per rank.
+    assert kept.collectives("forward")["all_gather"] == gathered.collectives("forward")["all_gather"] - 1
+    assert kept.collectives("backward")["all_reduce"] == gathered.collectives("backward")["all_reduce"] - 1
+    assert kept.held_fraction(0) > 0.6 >= gathered.held_fraction(0)
+    with pytest.raises(ValueError, match="gather_unpaired must be True or False, got 'no'"):
+        autoshard.plan(model, world_size=2, gather_unpaired="no")
+
+
 def test_held_fraction_bad_input():
     plan = autoshard.plan(build("llama", device="meta"), world_size=2)
     with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\)"):

@@ -137,7 +137,7 @@ def _attention_copies(region_plans: Dict[int, RegionPlan], records, graph: Captu
 
 def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None,
          overrides: Optional[Dict[str, str]] = None, sequence_parallel: Union[bool, str] = True,
-         memory_budget: Optional[int] = None) -> ShardingPlan:
+         memory_budget: Optional[int] = None, gather_unpaired: bool = True) -> ShardingPlan:
     """The sharding plan for `model` on `world_size` ranks, derived from its dataflow.
 
     With world_size given no process group is needed, so plans can be inspected offline.
@@ -147,7 +147,10 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
     op there is per token (see csrc/plan/sequence.cpp). With `sequence_parallel="auto"` the plan
     splits them where it pays: on a backend whose reduce-scatter + all-gather cost what the
     all-reduce costs (NCCL), or where the step's predicted peak without it exceeds
-    `memory_budget` (bytes per rank); the plan says why (see plan/sequence_choice.py)."""
+    `memory_budget` (bytes per rank); the plan says why (see plan/sequence_choice.py). Where the
+    fewest collectives would leave a rank more than 1/N + 10% of the parameters, the large layers
+    that cannot be paired are split and their outputs gathered (reason gathered_unpaired);
+    `gather_unpaired=False` keeps them whole, for the fewest collectives whatever the memory."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
     if world_size is None:
@@ -159,17 +162,20 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
     if type(world_size) is not int or world_size <= 0:
         raise ValueError(f"plan: world_size must be a positive int, got {world_size!r}")
     sequence_choice.check_arguments("plan", sequence_parallel, memory_budget)
+    if not isinstance(gather_unpaired, bool):
+        raise ValueError(f"plan: gather_unpaired must be True or False, got {gather_unpaired!r}")
     choice = ""
     if sequence_parallel == "auto":
         sequence_parallel, choice = sequence_choice.choose(model, world_size, example_inputs, overrides, memory_budget,
-                                                           sequence_choice.backend_of(model))
+                                                           sequence_choice.backend_of(model),
+                                                           gather_unpaired=gather_unpaired)
     return plan_keeping_whole(model, world_size, example_inputs, overrides, sequence_parallel, {},
-                              sequence_choice=choice)
+                              sequence_choice=choice, gather_unpaired=gather_unpaired)
 
 
 def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overrides: Optional[Dict[str, str]],
                        sequence_parallel: bool, whole: Dict[str, str], fold_blocks: bool = True,
-                       sequence_choice: str = "") -> ShardingPlan:
+                       sequence_choice: str = "", gather_unpaired: bool = True) -> ShardingPlan:
     """plan() with the layers under each module pattern of `whole` (fnmatch on module names)
     held whole for the reason given: modules whose sharded forward did not compute what the
     plan predicted on a meta copy (see parallelize), planned again without them. With
@@ -232,7 +238,7 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     # that leaves a rank more than its share plus 10% of the parameters, the large layers that
     # cannot be paired are split and their outputs gathered instead (reason gathered_unpaired).
     result = settled(gather_unpaired=0)
-    if fullest_fraction(result) > 1 / world_size + IMBALANCE:
+    if gather_unpaired and fullest_fraction(result) > 1 / world_size + IMBALANCE:
         gathered = settled(gather_unpaired=_gathered_layer_elements(model))
         if fullest_fraction(gathered) < fullest_fraction(result):
             result = gathered

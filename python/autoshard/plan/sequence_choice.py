@@ -64,14 +64,15 @@ def _size(n: int) -> str:
 
 
 def choose(model: nn.Module, world_size: int, example_inputs, overrides, memory_budget: Optional[int],
-           backend: str, memory_options: Optional[dict] = None) -> Tuple[bool, str]:
+           backend: str, memory_options: Optional[dict] = None, gather_unpaired: bool = True) -> Tuple[bool, str]:
     """(whether to split the tokens, why) for `model` on `world_size` ranks (see the module).
     `memory_options` are ShardingPlan.memory's (batch, seq, optimizer, dtype, ...) for the peak
     compared with the budget."""
     options = dict(memory_options or {})
     from . import plan_keeping_whole
 
-    with_tokens_split = plan_keeping_whole(model, world_size, example_inputs, overrides, True, {})
+    with_tokens_split = plan_keeping_whole(model, world_size, example_inputs, overrides, True, {},
+                                           gather_unpaired=gather_unpaired)
     if not any(layer.sequence for layer in with_tokens_split.layers):
         return False, "sequence parallelism: none possible (no token-wise region between a row and a column layer)"
     cost = PAIR_COST.get(backend, UNKNOWN_BACKEND_COST)
@@ -81,7 +82,8 @@ def choose(model: nn.Module, world_size: int, example_inputs, overrides, memory_
     if memory_budget is None:
         return False, (f"sequence parallelism off: {pair} (benchmarks/bench_sequence_collectives.py); give "
                        "memory_budget= to have it where memory needs it")
-    without = plan_keeping_whole(model, world_size, example_inputs, overrides, False, {})
+    without = plan_keeping_whole(model, world_size, example_inputs, overrides, False, {},
+                                 gather_unpaired=gather_unpaired)
     peak_without = without.memory(example_inputs, model=model, **options).largest().peak
     budget = f"the memory budget of {_size(memory_budget)} per rank"
     if peak_without <= memory_budget:
