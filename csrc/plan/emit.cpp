@@ -312,6 +312,10 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     plan.head_params.push_back(param);
   }
 
+  // Large parameters outside the layers: one all-gather each where its module's call begins.
+  plan.gathered_params = gathered_params(graph, pass, world_size);
+  for (const GatheredParam& param : plan.gathered_params) comm("forward", "all_gather", param.elements);
+
   // Every sharded tensor, named by the region the plan reports it under (an entry is held
   // whole where it is made).
   std::map<int, int> coarse_to_fine;

@@ -22,6 +22,10 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
 // One more collective of `kind` in `phase`, of `elements` elements, in the plan's counts.
 void count_collective(Plan& plan, const char* phase, const char* kind, int64_t elements);
 
+// Large parameters outside the layers, stored split and gathered whole for the forward
+// (gathered_params.cpp).
+std::vector<GatheredParam> gathered_params(const Graph& graph, const Propagation& pass, int64_t world_size);
+
 // Names each region's module and, where its layers sit in several attentions, each
 // attention's (region_modules.cpp).
 void name_region_modules(const Graph& graph, Plan& plan);

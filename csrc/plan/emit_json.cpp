@@ -18,6 +18,7 @@
 //    "head_outputs": [{"tensor", "module", "axis", "outer", "size", "region"}],
 //    "attention_weights": [{"node", "region", "used"}],
 //    "head_params": [{"tensor", "param", "axis", "size", "region", "layer", "parts"}],
+//    "gathered_params": [{"tensor", "param", "axis", "size", "elements"}],
 //    "norms": [{"node", "region", "features"}],
 //    "adapters": [{"node", "split", "whole"}],
 //    "summed_outputs": [{"node", "elements"}]}
@@ -171,6 +172,12 @@ std::string plan_to_json(const Plan& plan) {
         << ",\"size\":" << p.size << ",\"region\":" << p.region << ",\"layer\":" << p.layer << ",\"parts\":[";
     for (size_t k = 0; k < p.parts.size(); ++k) out << (k ? "," : "") << p.parts[k];
     out << "]}";
+  }
+  out << "],\"gathered_params\":[";
+  for (size_t i = 0; i < plan.gathered_params.size(); ++i) {
+    const GatheredParam& p = plan.gathered_params[i];
+    out << (i ? "," : "") << "{\"tensor\":" << p.tensor << ",\"param\":" << p.param << ",\"axis\":" << p.axis
+        << ",\"size\":" << p.size << ",\"elements\":" << p.elements << '}';
   }
   out << "],\"adapters\":[";
   for (size_t i = 0; i < plan.adapters.size(); ++i) {

@@ -211,6 +211,9 @@ Graph parse_graph(const std::string& document) {
     }
   }
   graph.gather_unpaired = integer_or(root, "gather_unpaired", 0, "the graph");
+  if (root.find("gatherable_params")) {
+    for (int64_t param : integers<int64_t>(root, "gatherable_params", "the graph")) graph.gatherable.insert(param);
+  }
   if (const JsonValue* sequence = root.find("sequence_parallel")) {
     TORCH_CHECK_VALUE(sequence->type == Type::Bool, "[plan.bad_graph] plan: 'sequence_parallel' must be true or false");
     graph.sequence_parallel = sequence->boolean;

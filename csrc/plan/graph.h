@@ -4,6 +4,7 @@
 // Python side records it (on meta tensors) and writes it as the versioned JSON document
 // parsed here (see parse_graph).
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -138,6 +139,9 @@ struct Graph {
   // The weight elements from which a layer that cannot be paired is split and its output
   // gathered (settle.cpp) rather than held whole on every rank; 0: never.
   int64_t gather_unpaired = 0;
+  // Parameters (by index) whose every read lies inside one call of the module holding them, so
+  // that they can be gathered whole where that call begins (gathered_params.cpp).
+  std::set<int64_t> gatherable;
   std::vector<ModuleEntry> entries;
   // In the order the calls returned, each call's outputs in order (modules called more than
   // once have none: a gather at their output would act on every call).
@@ -163,6 +167,7 @@ struct Graph {
 //    "forced": [{"node": index, "style": "replicate" | "column_gather"}, ...] (optional),
 //    "sequence_parallel": bool (optional, true),
 //    "gather_unpaired": int (optional, 0: Graph::gather_unpaired),
+//    "gatherable_params": [parameter indices] (optional: Graph::gatherable),
 //    "entries": [{"tensor": id, "first": node, "end": node, "leaf": index, "module": "..."}, ...]
 //               (optional: ModuleEntry),
 //    "exits": [{"tensor": id, "first": node, "end": node, "leaf": index, "module": "..."}, ...]

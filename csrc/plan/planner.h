@@ -158,6 +158,16 @@ struct HeadParam {
   std::vector<int64_t> parts;
 };
 
+// A parameter outside the layers stored split over the ranks on axis `axis` (of length `size`)
+// and all-gathered whole where the model's forward begins (gathered_params.cpp).
+struct GatheredParam {
+  int tensor = -1;
+  int64_t param = -1;
+  int axis = -1;
+  int64_t size = 0;
+  int64_t elements = 0;
+};
+
 // A LoRA layer's factors: those split with its base layer (B's rows for a column layer, A's
 // columns for a row layer) and those held whole, parameter indices (adapters.cpp).
 struct AdapterDecision {
@@ -183,6 +193,7 @@ struct Plan {
   std::vector<AttentionWeightsDecision> attention_weights;
   std::vector<NormDecision> norms;
   std::vector<HeadParam> head_params;
+  std::vector<GatheredParam> gathered_params;
   std::vector<AdapterDecision> adapters;
   // Replicated Linear layers whose output's gradient is all-reduced where they return it
   // (gradients.cpp): node, and the output's elements.

@@ -32,6 +32,9 @@ const std::vector<std::pair<std::string, std::string>>& reason_table() {
        "again with it whole"},
       // Parameters outside the layers the planner splits.
       {"position_table", "a position or type table (only the token table is split)"},
+      {"split_table",
+       "(split) a position or type table as large as an eighth of the largest layer, in a plan that would otherwise "
+       "leave a rank more than 1/N + 10% of the parameters: split by its rows, one more all-reduce in forward"},
       {"unsplit", "the planner found no axis to split"},
       {"row_bias", "the bias of a row-parallel layer, added once after the all-reduce"},
       {"not_a_layer", "not a Linear, Embedding, einsum or convolution layer (norms, free parameters)"},

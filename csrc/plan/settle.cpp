@@ -16,16 +16,28 @@
 namespace autoshard::plan {
 namespace {
 
-// The largest embedding tables are the token tables; position and type tables stay replicated.
-std::set<int> token_tables(const Graph& graph) {
+// The largest embedding tables are the token tables, split by their rows. Position and type
+// tables stay replicated, unless the graph asks for unpaired layers to be gathered (where the
+// fewest collectives leave a rank far more than its share): then a table added to the token
+// embeddings (as wide as the token table) whose weight holds at least graph.gather_unpaired
+// elements (BERT's or OPT's learned positions in a small model) is split by its rows too, for
+// one more all-reduce of its output in forward and none in backward.
+std::set<int> split_tables(const Graph& graph) {
   int64_t largest = 0;
   for (const Node& node : graph.nodes) {
     if (node.kind == Kind::Embedding) largest = std::max(largest, node.num_embeddings);
   }
+  std::set<int64_t> token_widths;
+  for (const Node& node : graph.nodes) {
+    if (node.kind == Kind::Embedding && node.num_embeddings == largest) token_widths.insert(node.embedding_dim);
+  }
   std::set<int> chosen;
   for (size_t n = 0; n < graph.nodes.size(); ++n) {
     const Node& node = graph.nodes[n];
-    if (node.kind == Kind::Embedding && node.num_embeddings == largest) chosen.insert(static_cast<int>(n));
+    if (node.kind != Kind::Embedding) continue;
+    const bool large_table = graph.gather_unpaired > 0 && token_widths.count(node.embedding_dim) &&
+                             node.num_embeddings * node.embedding_dim >= graph.gather_unpaired;
+    if (node.num_embeddings == largest || large_table) chosen.insert(static_cast<int>(n));
   }
   return chosen;
 }
@@ -69,7 +81,14 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   const size_t count = graph.nodes.size();
   std::vector<Force> forced(count, Force::None);
   std::vector<Why> why(count);
-  const std::set<int> vocab = token_tables(graph);
+  const std::set<int> vocab = split_tables(graph);
+  int64_t token_rows = 0;
+  for (int n : vocab) token_rows = std::max(token_rows, graph.nodes[n].num_embeddings);
+  for (int n : vocab) {
+    if (graph.nodes[n].num_embeddings < token_rows) {
+      why[n] = {"split_table", "split by rows: held whole, it would leave a rank far more than its share"};
+    }
+  }
   for (const auto& [node, style] : graph.forced) {
     TORCH_CHECK_VALUE(node >= 0 && static_cast<size_t>(node) < count && is_layer(graph.nodes[node]),
                       "[plan.override_not_layer] plan: override names node ", node, ", which is not a layer");

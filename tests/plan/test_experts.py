@@ -242,8 +242,11 @@ def test_experts_of_other_forms_are_not_read_as_interleaved_or_biased():
 class _Experts(torch.nn.Module):
     """Experts of our own (no transformers): each token through every expert, weighted."""
 
-    def __init__(self, normalized: bool = False, transposed: bool = False):
+    def __init__(self, normalized: bool = False, transposed: bool = False, zero_experts: int = 0):
         super().__init__()
+        # Routed slots past the weights' experts return their input (LongCat-Flash's
+        # zero-computation experts): a term every rank would add to the partial sums.
+        self.zero_experts = zero_experts
         # Stored transposed for x @ w (Llama 4's and Aria's layout): [E, H, 2F] and [E, F, H].
         self.transposed = transposed
         self.gate_up = torch.nn.Parameter(torch.randn((3, 8, 2 * 10) if transposed else (3, 2 * 10, 8)))
@@ -259,15 +262,17 @@ class _Experts(torch.nn.Module):
             w_in, w_out = (gate_up[e], self.down[e]) if self.transposed else (gate_up[e].t(), self.down[e].t())
             gate, up = (x @ w_in).chunk(2, dim=-1)
             out = out + weights[:, e:e + 1] * ((torch.nn.functional.silu(gate) * up) @ w_out)
+        for e in range(gate_up.shape[0], gate_up.shape[0] + self.zero_experts):
+            out = out + weights[:, e:e + 1] * x
         return out
 
 
 class _MoE(torch.nn.Module):
-    def __init__(self, normalized: bool = False, transposed: bool = False):
+    def __init__(self, normalized: bool = False, transposed: bool = False, zero_experts: int = 0):
         super().__init__()
         self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8))  # the experts' input needs a gradient
-        self.router = torch.nn.Linear(8, 3)
-        self.experts = _Experts(normalized, transposed)
+        self.router = torch.nn.Linear(8, 3 + zero_experts)
+        self.experts = _Experts(normalized, transposed, zero_experts)
 
     def forward(self, x):
         x = x * self.scale
@@ -284,6 +289,10 @@ def test_experts_of_our_own_are_split_and_other_uses_of_their_weights_kept_whole
     plan = autoshard.plan(_MoE(normalized=True), world_size=2, example_inputs=(x,))
     assert [(l.module, l.style) for l in plan.layers] == [("router", "replicate")]
     assert plan.held_fraction(0) == 1.0
+    # Experts that return their input beside those computed by the weights: the input would be
+    # summed over the ranks with the split experts' partial outputs.
+    plan = autoshard.plan(_MoE(zero_experts=2), world_size=2, example_inputs=(x,))
+    assert [(l.module, l.style) for l in plan.layers] == [("router", "replicate")]
 
 
 def test_experts_stored_transposed_split_on_the_ffn_axis():
@@ -299,10 +308,10 @@ def test_experts_stored_transposed_split_on_the_ffn_axis():
     assert [(l.module, l.style) for l in plan.layers] == [("router", "replicate")]
 
 
-def _own_experts_on_ranks(normalized: bool = False, transposed: bool = False):
+def _own_experts_on_ranks(normalized: bool = False, transposed: bool = False, zero_experts: int = 0):
     torch.manual_seed(0)
-    model = _MoE(normalized, transposed).double()
-    reference = _MoE(normalized, transposed).double()
+    model = _MoE(normalized, transposed, zero_experts).double()
+    reference = _MoE(normalized, transposed, zero_experts).double()
     reference.load_state_dict(model.state_dict())
     x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     autoshard.parallelize(model, example_inputs=(x,))
@@ -328,11 +337,12 @@ def _own_experts_on_ranks(normalized: bool = False, transposed: bool = False):
 @pytest.mark.parametrize("transposed", [False, True], ids=["stored_for_w_x", "stored_for_x_w"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_experts_of_our_own_compute_the_unsharded_result(world_size, transposed):
-    for result in run_on_ranks(_own_experts_on_ranks, world_size, True, transposed, timeout=300):
-        torch.testing.assert_close(*result["out"], rtol=1e-12, atol=1e-12)  # kept whole: the same ops
-        for name, (got, want) in result["grads"].items():
-            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=name)
-        assert result["comm"] == ({}, {}, {}, {})
+    for whole in ((True, transposed), (False, transposed, 2)):  # a norm of the weights; zero experts
+        for result in run_on_ranks(_own_experts_on_ranks, world_size, *whole, timeout=300):
+            torch.testing.assert_close(*result["out"], rtol=1e-12, atol=1e-12)  # kept whole: the same ops
+            for name, (got, want) in result["grads"].items():
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=name)
+            assert result["comm"] == ({}, {}, {}, {})
     for result in run_on_ranks(_own_experts_on_ranks, world_size, False, transposed, timeout=300):
         torch.testing.assert_close(*result["out"], rtol=1e-12, atol=1e-12)
         for name, (got, want) in result["grads"].items():

@@ -33,10 +33,13 @@ def test_plan_reaches_megatron_minimum(kind, world_size):
     assert split.get("all_reduce", 0) + split.get("reduce_scatter", 0) == forward.get("all_reduce", 0)
     # Two all-reduces per block and one for the token embedding; the head gathers once. A model
     # whose plan would leave a rank much more than its share gathers its large unpaired layers
-    # (BERT's masked-LM transform), one all-gather each, none of them inside the blocks.
+    # (BERT's masked-LM transform), one all-gather each, none of them inside the blocks, and
+    # splits its large position tables by rows, one all-reduce each.
     unpaired = [layer.module for layer in p.layers if layer.reason == "gathered_unpaired"]
     assert not [name for name in unpaired if re.search(r"\.(layer|layers|h)\.\d+\.", name)]
-    assert forward.get("all_reduce", 0) + forward.get("all_gather", 0) <= 2 * blocks + 2 + len(unpaired)
+    tables = [layer.module for layer in p.layers if layer.reason == "split_table"]
+    assert all(p.layer(name).style == "vocab" for name in tables)
+    assert forward.get("all_reduce", 0) + forward.get("all_gather", 0) <= 2 * blocks + 2 + len(unpaired) + len(tables)
     # A KV projection whose heads are shared by several ranks adds the all-reduce of its gradient.
     shared_kv = sum(1 for layer in p.layers if layer.repeat)
     assert shared_kv == 0 or world_size == 4  # 3 KV heads: shared only on 4 ranks

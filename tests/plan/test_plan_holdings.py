@@ -99,7 +99,11 @@ def test_printout_shows_fractions_and_reasons():
     assert f"{plan.held_fraction(0):.2f}" in text.split("parameters held per rank")[1]
     assert "LayerNorm" in text and "1.00" in text
     held = text.split("held whole on every rank, by reason:")[1]
-    assert "a position or type table" in held and "bert.embeddings.position_embeddings" in held
+    assert "a position or type table" in held and "bert.embeddings.token_type_embeddings" in held
+    # The position table, large beside this small model's layers, is split by rows instead.
+    assert "bert.embeddings.position_embeddings" not in held
+    positions = plan.layer("bert.embeddings.position_embeddings")
+    assert (positions.style, positions.reason) == ("vocab", "split_table")
     assert "the bias of a row-parallel layer" in held
     reasons = {item.reason for item in plan.replicated()}
     assert {"position_table", "row_bias", "not_a_layer"} <= reasons
@@ -119,9 +123,13 @@ def test_gather_unpaired_false_keeps_unpaired_layers_whole():
     dense = "cls.predictions.transform.dense"
     assert gathered.layer(dense).style == "column_gather" and gathered.layer(dense).reason == "gathered_unpaired"
     assert kept.layer(dense).style == "replicate" and kept.layer(dense).reason == "conflict"
-    assert not [layer for layer in kept.layers if layer.reason == "gathered_unpaired"]
-    # One all-gather fewer in forward, one all-reduce fewer in backward; more held per rank.
+    assert not [layer for layer in kept.layers if layer.reason in ("gathered_unpaired", "split_table")]
+    positions = "bert.embeddings.position_embeddings"
+    assert (gathered.layer(positions).style, kept.layer(positions).style) == ("vocab", "replicate")
+    # One all-gather and one all-reduce (the position table's) fewer in forward, one all-reduce
+    # fewer in backward; more held per rank.
     assert kept.collectives("forward")["all_gather"] == gathered.collectives("forward")["all_gather"] - 1
+    assert kept.collectives("forward")["all_reduce"] == gathered.collectives("forward")["all_reduce"] - 1
     assert kept.collectives("backward")["all_reduce"] == gathered.collectives("backward")["all_reduce"] - 1
     assert kept.held_fraction(0) > 0.6 >= gathered.held_fraction(0)
     with pytest.raises(ValueError, match="gather_unpaired must be True or False, got 'no'"):

@@ -16,8 +16,9 @@ from torch import nn
 
 from .spec import ShardSpec
 
-# The attribute naming a module's shard_specs entries that are head parameters, so that a module
-# holding only those (an attention module, not a layer) is still traced op by op.
+# The attribute naming a module's shard_specs entries that are head parameters (or gathered
+# parameters: nn/gathered_parameters.py), so that a module holding only those (an attention
+# module, a vision tower's embeddings, not a layer) is still traced op by op.
 HEAD_PARAMETERS = "head_parameters"
 
 
@@ -27,21 +28,23 @@ def holds_only_head_parameters(module: nn.Module) -> bool:
     return specs is not None and set(specs) <= set(getattr(module, HEAD_PARAMETERS, ()))
 
 
-def shard_head_parameter(owner: nn.Module, attr: str, spec: ShardSpec, group: Optional[object]) -> nn.Parameter:
+def shard_head_parameter(owner: nn.Module, attr: str, spec: ShardSpec, group: Optional[object],
+                         what: str = "head parameter") -> nn.Parameter:
     """Replaces `owner`'s parameter `attr` with the slice `spec` gives this rank (an empty meta
-    tensor of its local shape for a parameter on meta) and records it; returns the new parameter."""
+    tensor of its local shape for a parameter on meta) and records it; returns the new parameter.
+    `what` names the kind of parameter in errors."""
     full = owner._parameters.get(attr)
     if not isinstance(full, torch.Tensor):
-        raise ValueError(f"head parameter: module {type(owner).__name__} has no parameter {attr!r}")
+        raise ValueError(f"{what}: module {type(owner).__name__} has no parameter {attr!r}")
     if full.dim() <= spec.dim or full.shape[spec.dim] != spec.full_size:
-        raise ValueError(f"head parameter: {attr!r} has shape {tuple(full.shape)}, the plan expects {spec.full_size} "
+        raise ValueError(f"{what}: {attr!r} has shape {tuple(full.shape)}, the plan expects {spec.full_size} "
                          f"on dim {spec.dim}")
     if full.device.type == "meta":
         local = torch.empty(spec.local_shape(full.shape), dtype=full.dtype, device="meta")
     else:
         local = spec.take_owned(full)
     if getattr(owner, "group", None) not in (None, group):
-        raise ValueError(f"head parameter: module {type(owner).__name__} already has an attribute 'group' "
+        raise ValueError(f"{what}: module {type(owner).__name__} already has an attribute 'group' "
                          f"({owner.group!r}), where autoshard records the process group of its parameter {attr!r}")
     param = nn.Parameter(local, requires_grad=full.requires_grad)
     owner._parameters[attr] = param

@@ -17,8 +17,8 @@ from .holdings import IMBALANCE, fullest_fraction, imbalance_warning, inventory
 from .parameter_reasons import whole_reasons
 from .local_attributes import localize_attributes
 from .prediction import Prediction, ShapeMismatch
-from .records import (AdapterFactors, Collective, HeadCut, HeadParameter, PartialGradientBucket, ReturnedAttentionWeights, SplitNorm,
-                      SummedOutput, TokenCut)
+from .records import (AdapterFactors, Collective, GatheredParameter, HeadCut, HeadParameter, PartialGradientBucket,
+                      ReturnedAttentionWeights, SplitNorm, SummedOutput, TokenCut)
 from .sharding_plan import LayerPlan, RegionPlan, ShardingPlan
 
 __all__ = ["LayerPlan", "RegionPlan", "ShardingPlan", "plan"]
@@ -95,6 +95,9 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                                                          graph.layers[p["layer"]].name if p.get("layer", -1) >= 0 else "",
                                                          list(p.get("parts", [])))
                                            for p in data.get("head_params", [])],
+                          gathered_parameters=[GatheredParameter(names[p["param"]], p["axis"], p["size"],
+                                                                 p["elements"])
+                                               for p in data.get("gathered_params", [])],
                           adapters=[AdapterFactors(graph.layers[a["node"]].name, [names[i] for i in a["split"]],
                                                    [names[i] for i in a["whole"]]) for a in data.get("adapters", [])],
                           summed_outputs=[SummedOutput(graph.layers[s["node"]].name, s["elements"])

@@ -136,6 +136,8 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
             if recorder.layer_depth == 0:
                 info.input = inputs[0] if inputs else None
                 info.inputs = tuple(inputs)
+                if info.kind == "embedding" and not isinstance(info.input, torch.Tensor):
+                    recorder.lookup_weight, recorder.lookup_indices = id(mod.weight), None
                 if info.kind == "experts":
                     where = experts_weights(mod)
                     out_weight = getattr(mod, where.second)
@@ -149,6 +151,10 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
 
         def post(mod, inputs, output, info=info):
             recorder.layer_depth -= 1
+            if recorder.layer_depth == 0 and recorder.lookup_weight is not None:
+                # Its node reads the indices its forward made and looked up (see Recorder).
+                info.input = recorder.lookup_indices
+                recorder.lookup_weight, recorder.lookup_indices = None, None
             if info.kind == "experts" and recorder.layer_depth == 0:
                 refusals = recorder.experts_reads.refusals
                 recorder.experts_reads = None
@@ -239,6 +245,7 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
              for name, returned in module_exits.items() if name and name not in called_again
              for leaf, tensor in returned]
     document = recorder.document([recorder.tensor_id(o) for o in flat])
+    document["gatherable_params"] = _read_in_one_call(recorder, param_names, module_nodes, called_again)
     _record_gradient_facts(document, layers, shadow, [t is None or t.is_floating_point() or t.is_complex()
                                                        for t in recorder.keep])
     _record_adapters(document, layers, shadow)
@@ -261,6 +268,25 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
         inner_nodes=recorder.inner_nodes,
         layer_calls=recorder.layer_calls,
     )
+
+
+def _read_in_one_call(recorder, param_names: List[str], module_nodes: Dict[str, Tuple[int, int]],
+                       called_again) -> List[int]:
+    """The parameters (by index) whose every recorded read lies inside the one call of the module
+    holding them: a parameter stored split can be gathered whole where that call begins."""
+    reads: Dict[int, List[int]] = {}
+    for node, (_, inputs, _) in enumerate(recorder.nodes):
+        for tensor in inputs:
+            param = recorder.tensors[tensor].get("param", -1)
+            if param >= 0:
+                reads.setdefault(param, []).append(node)
+    found = []
+    for param, nodes in sorted(reads.items()):
+        owner = param_names[param].rpartition(".")[0]
+        first, end = module_nodes.get(owner, (0, -1))
+        if owner not in called_again and all(first <= node < end for node in nodes):
+            found.append(param)
+    return found
 
 
 def _record_gradient_facts(document: dict, layers: dict, shadow: nn.Module, floating: List[bool]) -> None:

@@ -66,6 +66,9 @@ def text(plan) -> str:
                      f"each one's running statistics): {_listed(channel_norms)}")
     if plan.head_parameters:
         lines.append(f"  parameters split with their heads: {_listed([r.name for r in plan.head_parameters])}")
+    if plan.gathered_parameters:
+        lines.append("  parameters stored split and gathered whole for each call of their module (one all-gather "
+                     f"each in forward): {_listed([r.name for r in plan.gathered_parameters])}")
     if plan.sequence_choice:
         lines.append(f"  {plan.sequence_choice}")
     lines += _sequence_lines(plan)

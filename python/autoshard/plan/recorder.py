@@ -8,13 +8,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..nn.gathered_parameters import gathering
 from .layers import LayerInfo
 from .op_classes import (
     ATTENTION_PREFIX,
     COPIES,
     EXPERT_WEIGHT_PRODUCTS,
     EXPERT_WEIGHT_VIEWS,
+    KEEP_VALUES,
     LINEAR_IN_PARTIAL_SUMS,
+    SUMS_OF_TERMS,
+    ZERO_MAKERS,
     NORMS,
     PERMUTES,
     PRODUCTS_OF_TWO,
@@ -55,6 +59,7 @@ class ExpertReads:
     # Each bias and its views, by side ("in" or "out"): gpt-oss's per-expert biases.
     biases: Dict[int, str] = field(default_factory=dict)
     refusals: List[str] = field(default_factory=list)
+    zeros: Dict[int, torch.Tensor] = field(default_factory=dict)  # tensors of zeros made in the call
 
 
 class Recorder(TorchDispatchMode):
@@ -80,6 +85,11 @@ class Recorder(TorchDispatchMode):
         self.experts_reads = None
         # Tensors a layer's call gave: an RMS norm called on one is one node (see norm_calls).
         self.layer_outputs = set()
+        # Within the call of an embedding whose forward takes no index tensor (a learned position
+        # table given the input's shape, making its positions itself): the id of its weight, and
+        # the indices it looks up, the input of its node.
+        self.lookup_weight: Optional[int] = None
+        self.lookup_indices: Optional[torch.Tensor] = None
 
     def layer_output(self, t: torch.Tensor, linear: bool = True) -> int:
         """t's id, remembered as a Linear-like layer's output where `linear` (not an embedding's)."""
@@ -168,8 +178,13 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.layer_depth == 0:
+        if gathering():
+            pass  # a parameter gathered whole for a call: the plan traced it whole (nn/gathered_parameters.py)
+        elif self.layer_depth == 0:
             self.record(func, args, kwargs, out)
+        elif self.lookup_weight is not None and func is torch.ops.aten.embedding.default \
+                and id(args[0]) == self.lookup_weight:
+            self.lookup_indices = args[1]
         elif self.experts_reads is not None:
             self.follow_expert_weights(func, args, kwargs, out)
         return out
@@ -203,11 +218,17 @@ class Recorder(TorchDispatchMode):
             elif of_out_weight:
                 reads.partial.update((id(o), o) for o in outs)
             return
+        if packet in ZERO_MAKERS or (packet in KEEP_VALUES and flat and all(id(t) in reads.zeros for t in flat)):
+            reads.zeros.update((id(o), o) for o in outs)
         partial = [t for t in flat if id(t) in reads.partial]
         if not partial:
             return
         if packet not in LINEAR_IN_PARTIAL_SUMS or (packet in PRODUCTS_OF_TWO and len(partial) > 1):
             reads.refusals.append(f"{func} of an expert's output before the experts' outputs are summed")
+            return
+        if packet in SUMS_OF_TERMS and any(t.is_floating_point() and id(t) not in reads.partial
+                                           and id(t) not in reads.zeros for t in flat):
+            reads.refusals.append(f"{func} sums an expert's output with a term that is not one")
             return
         reads.partial.update((id(o), o) for o in outs)
 

@@ -98,6 +98,18 @@ class HeadParameter(Sealed):
 
 
 @dataclass
+class GatheredParameter(Sealed):
+    """A large parameter outside the layers, stored split on dim `dim` (of global length `size`)
+    and all-gathered whole where the model's forward begins (nn/gathered_parameters.py): one
+    all-gather of `elements` elements per forward, none in backward."""
+
+    name: str
+    dim: int
+    size: int
+    elements: int
+
+
+@dataclass
 class AdapterFactors(Sealed):
     """A LoRA layer's factor weights: those split with the base layer, and those held whole."""
 
@@ -142,4 +154,5 @@ class SummedOutput(Sealed):
 PLAN_FIELDS = {"comm": Collective, "partial_gradients": PartialGradientBucket, "sequence_entries": TokenCut,
                "sequence_gathers": TokenCut, "sequence_exits": TokenCut, "head_entries": HeadCut,
                "head_outputs": HeadCut, "attention_weights": ReturnedAttentionWeights, "norms": SplitNorm,
-               "head_parameters": HeadParameter, "adapters": AdapterFactors, "summed_outputs": SummedOutput}
+               "head_parameters": HeadParameter, "gathered_parameters": GatheredParameter,
+               "adapters": AdapterFactors, "summed_outputs": SummedOutput}

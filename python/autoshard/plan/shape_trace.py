@@ -59,10 +59,10 @@ def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values:
 
         def post(mod, inputs, output):
             recorder.layer_depth -= 1
-            # As capture records a layer: a call whose first input is a tensor (a position table
-            # called with a shape makes its own positions, which capture does not follow).
-            if (recorder.layer_depth == 0 and isinstance(output, torch.Tensor) and inputs
-                    and isinstance(inputs[0], torch.Tensor)):
+            # As capture records a layer: a call whose first input is a tensor, or an embedding's
+            # (a position table called with a shape looks up the positions it makes).
+            if (recorder.layer_depth == 0 and isinstance(output, torch.Tensor)
+                    and (isinstance(mod, nn.Embedding) or (inputs and isinstance(inputs[0], torch.Tensor)))):
                 recorder.nodes.append(("layer", (), (recorder.layer_output(output, linear_like[id(mod)]),)))
 
         handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]

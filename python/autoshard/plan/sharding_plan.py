@@ -8,8 +8,9 @@ from ..split import split_sizes
 from ..styles import Style, TokenRole
 from . import holdings, plan_json, printout
 from .sealed import Sealed, SealedList
-from .records import (PLAN_FIELDS, AdapterFactors, Collective, HeadCut, HeadParameter, ParameterRecord, PartialGradientBucket,
-                      ReturnedAttentionWeights, SplitNorm, SummedOutput, TokenCut)
+from .records import (PLAN_FIELDS, AdapterFactors, Collective, GatheredParameter, HeadCut, HeadParameter,
+                      ParameterRecord, PartialGradientBucket, ReturnedAttentionWeights, SplitNorm, SummedOutput,
+                      TokenCut)
 
 # vocab_parallel_cross_entropy's forward: the rows' maxima, their sums of exponentials and their
 # target logits (csrc/loss/cross_entropy_common.cpp).
@@ -163,6 +164,9 @@ class ShardingPlan(Sealed):
     # Parameters over the heads split with them (a per-head scale, a bias of all_head_size; see
     # nn/head_parameters.py); each rank holds its heads' slice as a local parameter.
     head_parameters: List[HeadParameter] = field(default_factory=list)
+    # Large parameters outside the layers stored split and gathered whole for the forward (see
+    # nn/gathered_parameters.py).
+    gathered_parameters: List[GatheredParameter] = field(default_factory=list)
     # LoRA layers (see csrc/plan/adapters.cpp).
     adapters: List[AdapterFactors] = field(default_factory=list)
     # Replicated layers whose output's gradient is summed where they return it (csrc/plan/gradients.cpp).

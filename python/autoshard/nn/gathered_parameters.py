@@ -1,0 +1,78 @@
+"""Large parameters outside the layers (``ShardingPlan.gathered_parameters``): a position
+embedding held as a Parameter, experts the plan keeps whole. Each rank stores its piece of the
+parameter on its longest axis, as a plain local parameter of the same module under the same name
+(recorded in ``shard_specs``, so that loading, saving, clipping and the optimizers read it as a
+layer's), and the parameter is all-gathered whole where each call of that module begins, and put
+back to the piece where the call returns, as a fully sharded data-parallel parameter is.
+
+The plan gathers only a parameter that every read of which lies inside its module's call and
+computes on tensors held whole (csrc/plan/gathered_params.cpp): its gradient is then the same
+on every rank, and the gather's backward keeps this rank's piece of it, with no collective.
+"""
+
+from typing import Dict, List, Tuple
+
+from torch import nn
+
+from .. import ops
+from .spec import ShardSpec
+
+
+_gathering = 0  # > 0 while a GatherOnCall gathers: traces skip those ops (the plan traced none)
+
+
+def gathering() -> bool:
+    """Whether a module's gathered parameters are being gathered now (see GatherOnCall)."""
+    return _gathering > 0
+
+
+class GatherOnCall:
+    """A module's forward pre-hook and forward hook: its gathered parameters whole for the call."""
+
+    def __init__(self, module: nn.Module, group_name: str):
+        self.group_name = group_name
+        self.pieces: Dict[str, Tuple[nn.Parameter, ShardSpec]] = {}
+        self.depth = 0
+        module.register_forward_pre_hook(self.gather)
+        module.register_forward_hook(self.release, always_call=True)
+
+    def add(self, attr: str, piece: nn.Parameter, spec: ShardSpec) -> None:
+        self.pieces[attr] = (piece, spec)
+
+    def gather(self, module: nn.Module, args) -> None:
+        global _gathering
+        self.depth += 1
+        if self.depth > 1:  # called again inside its own call: already whole
+            return
+        for attr, (piece, spec) in self.pieces.items():
+            if module._parameters.get(attr) is not piece:
+                self.depth -= 1
+                raise RuntimeError(f"autoshard: parameter {attr!r} of {type(module).__name__} was replaced after "
+                                   "parallelize; the plan stores this rank's piece of it there and gathers it whole "
+                                   "for each call")
+        _gathering += 1
+        try:
+            for attr, (piece, spec) in self.pieces.items():
+                module._parameters[attr] = ops.gather_from_parallel(piece, spec.dim, spec.full_size, self.group_name)
+        finally:
+            _gathering -= 1
+
+    def release(self, module: nn.Module, args, output) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            for attr, (piece, _) in self.pieces.items():
+                module._parameters[attr] = piece
+
+
+def gather_on_call(module: nn.Module, attr: str, piece: nn.Parameter, spec: ShardSpec, group_name: str,
+                   hooks: List[GatherOnCall]) -> None:
+    """Has `module` gather its parameter `attr` (stored as this rank's `piece`) for each call, with
+    one pair of hooks per module, kept in `hooks`."""
+    for hook in hooks:
+        if hook.module_id == id(module):
+            hook.add(attr, piece, spec)
+            return
+    hook = GatherOnCall(module, group_name)
+    hook.module_id = id(module)
+    hook.add(attr, piece, spec)
+    hooks.append(hook)

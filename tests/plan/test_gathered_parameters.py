@@ -1,0 +1,184 @@
+"""Large parameters outside the layers, stored split and gathered whole for each call of their
+module (csrc/plan/gathered_params.cpp, nn/gathered_parameters.py), and position tables split by
+their rows (csrc/plan/settle.cpp's split_tables): the planner on graphs written by hand, then a
+model of our own on 2 and 3 gloo ranks against the unsharded model."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.unsharded import full_state_dict
+from multirank import run_on_ranks
+from test_planner_graphs import G, comm, styles
+
+
+def _plan(g, world_size, gather_unpaired, gatherable=()):
+    document = json.loads(g.document(gather_unpaired=gather_unpaired))
+    document["gatherable_params"] = list(gatherable)
+    return json.loads(torch.ops.autoshard.plan_graph(json.dumps(document), world_size))
+
+
+def _positions_then_mlp(g, position_reader="pointwise"):
+    """Token ids through a table, a position parameter (param 9, [5, 8]) added, then an MLP."""
+    ids = g.tensor(2, 5)
+    e = g.tensor(2, 5, 8)
+    g.node("embedding", [ids], [e], num_embeddings=11, embedding_dim=8, weight_param=0)
+    positions = g.tensor(5, 8, param=9)
+    x = g.tensor(2, 5, 8)
+    g.node(position_reader, [e, positions], [x], label="aten.add.Tensor")
+    _, h = g.linear(x, 8, 6, 1, out_shape=(2, 5, 6))
+    a = g.tensor(2, 5, 6)
+    g.node("pointwise", [h], [a])
+    g.linear(a, 6, 8, 2, out_shape=(2, 5, 8), output=True)
+    return positions
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_large_parameter_read_whole_inside_its_module_is_gathered(world_size):
+    g = G()
+    positions = _positions_then_mlp(g)
+    doc = _plan(g, world_size, gather_unpaired=40, gatherable=[9])
+    # Stored split on its longest axis (8 features), one all-gather of its 40 elements in forward.
+    assert doc["gathered_params"] == [{"tensor": positions, "param": 9, "axis": 1, "size": 8, "elements": 40}]
+    kept = _plan(g, world_size, gather_unpaired=0, gatherable=[9])
+    assert kept["gathered_params"] == []
+    assert comm(doc, "forward")["all_gather"] == comm(kept, "forward").get("all_gather", 0) + 1
+    assert comm(doc, "backward") == comm(kept, "backward")  # each rank keeps its piece of the gradient
+    assert styles(doc) == styles(kept) == ["vocab", "column", "row"]
+
+
+def test_a_parameter_is_gathered_only_where_it_is_large_and_read_inside_its_module():
+    g = G()
+    _positions_then_mlp(g)
+    assert _plan(g, 2, gather_unpaired=41, gatherable=[9])["gathered_params"] == []  # smaller than asked
+    assert _plan(g, 2, gather_unpaired=40, gatherable=[])["gathered_params"] == []  # read outside its module
+
+
+def test_a_parameter_meeting_a_sharded_tensor_is_not_gathered():
+    # A scale over the column layer's split features: its gradient is this rank's features' only.
+    g = G()
+    x = g.tensor(2, 8)
+    _, h = g.linear(x, 8, 6, 0, out_shape=(2, 6))
+    scale = g.tensor(2, 6, param=5)
+    a = g.tensor(2, 6)
+    g.node("pointwise", [h, scale], [a], label="aten.mul.Tensor")
+    g.linear(a, 6, 8, 1, out_shape=(2, 8), output=True)
+    doc = _plan(g, 2, gather_unpaired=1, gatherable=[5])
+    assert doc["gathered_params"] == []
+
+
+def test_a_position_table_as_wide_as_the_token_table_is_split_by_rows():
+    g = G()
+    ids = g.tensor(2, 5)
+    tokens, positions, bias = g.tensor(2, 5, 8), g.tensor(2, 5, 8), g.tensor(2, 5, 3)
+    g.node("embedding", [ids], [tokens], num_embeddings=11, embedding_dim=8, weight_param=0)
+    g.node("embedding", [ids], [positions], num_embeddings=5, embedding_dim=8, weight_param=1)
+    # A table of another width (a relative position bias over 3 heads) stays whole.
+    g.node("embedding", [ids], [bias], num_embeddings=5, embedding_dim=3, weight_param=2)
+    x = g.tensor(2, 5, 8)
+    g.node("pointwise", [tokens, positions], [x])
+    y = g.tensor(2, 5, 8, output=True)
+    g.node("pointwise", [x, bias], [y])
+    doc = _plan(g, 2, gather_unpaired=40)
+    assert styles(doc) == ["vocab", "vocab", "replicate"]
+    assert [layer["reason"] for layer in doc["layers"]] == ["", "split_table", ""]
+    assert comm(doc, "forward") == {"all_reduce": 2}  # one more for the position table
+    assert styles(_plan(g, 2, gather_unpaired=41)) == ["vocab", "replicate", "replicate"]  # smaller than asked
+    assert styles(_plan(g, 2, gather_unpaired=0)) == ["vocab", "replicate", "replicate"]
+
+
+class _Embeddings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 16)
+        self.positions = nn.Parameter(torch.randn(1, 64, 16))
+
+    def forward(self, x):
+        return self.proj(x) + self.positions
+
+
+class _Model(nn.Module):
+    """A patch embedding with a large position parameter, then an MLP block and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embeddings = _Embeddings()
+        self.norm = nn.LayerNorm(16)
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.embeddings(x)
+        h = h + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(h))))
+        return self.head(h)
+
+
+def _gathered_on_ranks():
+    torch.manual_seed(0)
+    model, reference = _Model().double(), _Model().double()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(2, 64, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    autoshard.parallelize(model, example_inputs=(x,))
+    plan = autoshard.parallel_state.state_of(model).plan
+    with autoshard.CommCounter() as forward:
+        out = model(x)
+    out.pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    shards = autoshard.parallel_state.state_of(model).shards()
+    grads = {}
+    for name, p in model.named_parameters():
+        want = reference.get_parameter(name).grad
+        if id(p) in shards:
+            spec = shards[id(p)][0]
+            want = torch.cat([want.narrow(spec.dim, s, n) for s, n in spec.local_ranges()], spec.dim)
+        grads[name] = (p.grad, want)
+    piece = tuple(model.embeddings.positions.shape)  # the call put the piece back
+    again = model(x).detach()
+    whole = full_state_dict(model)["embeddings.positions"]
+    model.embeddings.positions = nn.Parameter(torch.zeros(1, 64, 16, dtype=torch.float64))
+    try:
+        model(x)
+        replaced = ""
+    except RuntimeError as error:
+        replaced = str(error)
+    return {"gathered": [(r.name, r.dim, r.size) for r in plan.gathered_parameters],
+            "out": (out.detach(), reference(x).detach(), again), "grads": grads, "piece": piece,
+            "comm": ({k: v for k, v in forward.counts.items() if v}, plan.collectives("forward")),
+            "whole": (whole, reference.embeddings.positions.detach()), "replaced": replaced}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_gathered_parameter_gives_the_unsharded_outputs_and_gradients(world_size):
+    for rank, result in enumerate(run_on_ranks(_gathered_on_ranks, world_size, timeout=300)):
+        assert result["gathered"] == [("embeddings.positions", 1, 64)]
+        assert result["piece"] == (1, autoshard.split_sizes(64, world_size)[rank], 16)
+        want = result["out"][1]
+        torch.testing.assert_close(result["out"][0], want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(result["out"][2], want, rtol=1e-12, atol=1e-12)
+        for name, (got, expected) in result["grads"].items():
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12, msg=name)
+        counted, predicted = result["comm"]
+        assert counted == predicted and counted["all_gather"] >= 1
+        torch.testing.assert_close(*result["whole"], rtol=0, atol=0)
+        assert "'positions'" in result["replaced"] and "replaced after parallelize" in result["replaced"]
+
+
+def test_the_plan_names_its_gathered_parameters_and_keeps_them_through_json():
+    x = torch.randn(2, 64, 4)
+    plan = autoshard.plan(_Model(), example_inputs=(x,), world_size=2)
+    assert [(r.name, r.dim, r.size, r.elements) for r in plan.gathered_parameters] == [
+        ("embeddings.positions", 1, 64, 1024)]
+    assert "gathered whole for each call of their module (one all-gather each in forward): embeddings.positions" \
+        in str(plan)
+    # Stored split: counted as this rank's piece, not among the parameters held whole.
+    held_whole = lambda p: [r.params for r in p.replicated() if r.module == "embeddings"]  # noqa: E731
+    assert held_whole(plan) == []
+    assert plan.held_fraction(0) <= 0.6
+    again = autoshard.ShardingPlan.from_json(plan.to_json())
+    assert again.gathered_parameters == plan.gathered_parameters and again.to_json() == plan.to_json()
+    kept = autoshard.plan(_Model(), example_inputs=(x,), world_size=2, gather_unpaired=False)
+    assert kept.gathered_parameters == [] and kept.held_fraction(0) > 0.6 and held_whole(kept) == [1024]
+    assert kept.collectives("forward")["all_gather"] == plan.collectives("forward")["all_gather"] - 1
