@@ -133,11 +133,19 @@ def shrink(fields: Dict[str, Any]) -> Dict[str, Any]:
     old_layers = _first_count(fields, _LAYER_COUNT_FIELDS)
     old_heads = _first_count(fields, _HEAD_COUNT_FIELDS)
     kv = fields.get("num_key_value_heads")
+    original_depth = fields.get("depth")
     for key, tiny in SHRINK.items():
         if _is_count(fields.get(key)) and fields[key] > tiny:
             fields[key] = tiny
     new_layers = _first_count(fields, _LAYER_COUNT_FIELDS)
     heads = _first_count(fields, _HEAD_COUNT_FIELDS)
+    # Layers whose features a later module reads (Qwen3-VL's deepstack mergers, one per index)
+    # are kept among the tower's remaining blocks, spread as they were: otherwise the mergers of
+    # the indices past the last block are never called.
+    indexes, depth = fields.get("deepstack_visual_indexes"), fields.get("depth")
+    if isinstance(indexes, list) and indexes and all(_is_count(i) for i in indexes) and _is_count(depth) \
+            and _is_count(original_depth) and max(indexes) >= depth:
+        fields["deepstack_visual_indexes"] = list(dict.fromkeys(i * depth // original_depth for i in indexes))
     vision = fields.get("vision_config") if isinstance(fields.get("vision_config"), dict) else {}
     old_image = vision.get("image_size")
     for key, value in list(fields.items()):

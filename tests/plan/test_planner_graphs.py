@@ -77,7 +77,7 @@ def test_document_is_versioned_with_named_records():
     assert doc["version"] == 2
     assert set(doc) == {"version", "layers", "regions", "comm", "partial_gradients", "tensors", "sequence_entries",
                         "sequence_gathers", "sequence_exits", "head_entries", "head_outputs", "attention_weights",
-                        "head_params", "norms", "adapters", "summed_outputs"}
+                        "head_params", "gathered_params", "norms", "adapters", "summed_outputs"}
     assert set(doc["layers"][0]) == {"node", "style", "region", "units", "copy_group", "deferred_copy", "parts",
                                      "whole_parts",
                                      "summed_parts", "letter", "repeat",
