@@ -182,3 +182,58 @@ def test_the_plan_names_its_gathered_parameters_and_keeps_them_through_json():
     kept = autoshard.plan(_Model(), example_inputs=(x,), world_size=2, gather_unpaired=False)
     assert kept.gathered_parameters == [] and kept.held_fraction(0) > 0.6 and held_whole(kept) == [1024]
     assert kept.collectives("forward")["all_gather"] == plan.collectives("forward")["all_gather"] - 1
+
+
+class _Positions(nn.Embedding):
+    """A learned position table called with the input's shape (BART's, Blenderbot's): its forward
+    makes the positions it looks up."""
+
+    def forward(self, shape, past: int = 0):
+        return super().forward(torch.arange(past, past + shape[1], device=self.weight.device))
+
+
+class _PositionsModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(96, 16), _Positions(64, 16)
+        self.fc1, self.fc2 = nn.Linear(16, 24), nn.Linear(24, 16)
+        self.head = nn.Linear(16, 96)
+
+    def forward(self, ids):
+        h = self.tokens(ids) + self.positions(ids.shape)
+        return self.head(h + self.fc2(torch.relu(self.fc1(h))))
+
+
+def _positions_on_ranks():
+    torch.manual_seed(0)
+    model, reference = _PositionsModel().double(), _PositionsModel().double()
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(2))
+    autoshard.parallelize(model, example_inputs=(ids,))
+    plan = autoshard.parallel_state.state_of(model).plan
+    with autoshard.CommCounter() as forward:
+        out = model(ids)
+    out.pow(2).sum().backward()
+    reference(ids).pow(2).sum().backward()
+    shards = autoshard.parallel_state.state_of(model).shards()
+    grads = {}
+    for name, p in model.named_parameters():
+        want = reference.get_parameter(name).grad
+        if id(p) in shards:
+            spec = shards[id(p)][0]
+            want = torch.cat([want.narrow(spec.dim, s, n) for s, n in spec.local_ranges()], spec.dim)
+        grads[name] = (p.grad, want)
+    positions = plan.layer("positions")
+    return {"positions": (positions.style.value, positions.reason), "out": (out.detach(), reference(ids).detach()),
+            "grads": grads, "comm": ({k: v for k, v in forward.counts.items() if v}, plan.collectives("forward"))}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_position_table_called_with_a_shape_is_traced_and_split_by_rows(world_size):
+    for result in run_on_ranks(_positions_on_ranks, world_size, timeout=300):
+        assert result["positions"] == ("vocab", "split_table")
+        torch.testing.assert_close(*result["out"], rtol=1e-12, atol=1e-12)
+        for name, (got, expected) in result["grads"].items():
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12, msg=name)
+        counted, predicted = result["comm"]
+        assert counted == predicted and counted["all_reduce"] >= 3  # tokens, positions, the MLP

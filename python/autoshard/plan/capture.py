@@ -245,7 +245,7 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
              for name, returned in module_exits.items() if name and name not in called_again
              for leaf, tensor in returned]
     document = recorder.document([recorder.tensor_id(o) for o in flat])
-    document["gatherable_params"] = _read_in_one_call(recorder, param_names, module_nodes, called_again)
+    document["gatherable_params"] = _read_in_one_call(recorder, param_names, module_nodes, called_again, shadow)
     _record_gradient_facts(document, layers, shadow, [t is None or t.is_floating_point() or t.is_complex()
                                                        for t in recorder.keep])
     _record_adapters(document, layers, shadow)
@@ -271,9 +271,11 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
 
 
 def _read_in_one_call(recorder, param_names: List[str], module_nodes: Dict[str, Tuple[int, int]],
-                       called_again) -> List[int]:
+                       called_again, shadow: nn.Module) -> List[int]:
     """The parameters (by index) whose every recorded read lies inside the one call of the module
-    holding them: a parameter stored split can be gathered whole where that call begins."""
+    holding them: a parameter stored split can be gathered whole where that call begins. Not an
+    nn.MultiheadAttention's: its forward takes another path (the fused one) for weights that are
+    not parameters requiring a gradient, which a dry run without gradients would see."""
     reads: Dict[int, List[int]] = {}
     for node, (_, inputs, _) in enumerate(recorder.nodes):
         for tensor in inputs:
@@ -284,6 +286,8 @@ def _read_in_one_call(recorder, param_names: List[str], module_nodes: Dict[str, 
     for param, nodes in sorted(reads.items()):
         owner = param_names[param].rpartition(".")[0]
         first, end = module_nodes.get(owner, (0, -1))
+        if isinstance(shadow.get_submodule(owner), nn.MultiheadAttention):
+            continue
         if owner not in called_again and all(first <= node < end for node in nodes):
             found.append(param)
     return found
