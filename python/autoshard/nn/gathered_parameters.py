@@ -12,6 +12,7 @@ on every rank, and the gather's backward keeps this rank's piece of it, with no 
 
 from typing import Dict, List, Tuple
 
+import torch
 from torch import nn
 
 from .. import ops
@@ -52,8 +53,13 @@ class GatherOnCall:
                                    "for each call")
         _gathering += 1
         try:
-            for attr, (piece, spec) in self.pieces.items():
-                module._parameters[attr] = ops.gather_from_parallel(piece, spec.dim, spec.full_size, self.group_name)
+            # Gradient mode on even under no_grad: the whole tensor requires a gradient as the
+            # parameter does, so that ops choosing their path by it (matmul's folding, an
+            # attention's fused path) take the path they take for the parameter.
+            with torch.enable_grad():
+                for attr, (piece, spec) in self.pieces.items():
+                    module._parameters[attr] = ops.gather_from_parallel(piece, spec.dim, spec.full_size,
+                                                                        self.group_name)
         finally:
             _gathering -= 1
 
