@@ -11,6 +11,7 @@ from torch import nn
 
 import autoshard
 from autoshard.unsharded import full_state_dict
+from gathered import forward_backward_as_planned, gathered_grads
 from multirank import run_on_ranks
 from test_planner_graphs import G, comm, styles
 
@@ -116,28 +117,27 @@ class _Model(nn.Module):
         return self.head(h)
 
 
+def _equal_to_unsharded(model, reference, inputs):
+    """`model` parallelized on `inputs` against `reference`: outputs, the collectives the plan
+    predicts, every gradient (gathered). Returns the plan."""
+    autoshard.parallelize(model, example_inputs=inputs)
+    plan = autoshard.parallel_state.state_of(model).plan
+    forward_backward_as_planned(model, reference, plan, lambda m: m(*inputs), rtol=1e-12, atol=1e-12)
+    grads = gathered_grads(model)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    return plan
+
+
 def _gathered_on_ranks():
     torch.manual_seed(0)
     model, reference = _Model().double(), _Model().double()
     reference.load_state_dict(model.state_dict())
     x = torch.randn(2, 64, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    autoshard.parallelize(model, example_inputs=(x,))
-    plan = autoshard.parallel_state.state_of(model).plan
-    with autoshard.CommCounter() as forward:
-        out = model(x)
-    out.pow(2).sum().backward()
-    reference(x).pow(2).sum().backward()
-    shards = autoshard.parallel_state.state_of(model).shards()
-    grads = {}
-    for name, p in model.named_parameters():
-        want = reference.get_parameter(name).grad
-        if id(p) in shards:
-            spec = shards[id(p)][0]
-            want = torch.cat([want.narrow(spec.dim, s, n) for s, n in spec.local_ranges()], spec.dim)
-        grads[name] = (p.grad, want)
+    plan = _equal_to_unsharded(model, reference, (x,))
     piece = tuple(model.embeddings.positions.shape)  # the call put the piece back
     with torch.no_grad():
-        again = model(x)
+        torch.testing.assert_close(model(x), reference(x), rtol=1e-12, atol=1e-12)
     whole = full_state_dict(model)["embeddings.positions"]
     model.embeddings.positions = nn.Parameter(torch.zeros(1, 64, 16, dtype=torch.float64))
     try:
@@ -145,10 +145,9 @@ def _gathered_on_ranks():
         replaced = ""
     except RuntimeError as error:
         replaced = str(error)
-    return {"gathered": [(r.name, r.dim, r.size) for r in plan.gathered_parameters],
-            "out": (out.detach(), reference(x).detach(), again), "grads": grads, "piece": piece,
-            "comm": ({k: v for k, v in forward.counts.items() if v}, plan.collectives("forward")),
-            "whole": (whole, reference.embeddings.positions.detach()), "replaced": replaced}
+    return {"gathered": [(r.name, r.dim, r.size) for r in plan.gathered_parameters], "piece": piece,
+            "forward": plan.collectives("forward"), "whole": (whole, reference.embeddings.positions.detach()),
+            "replaced": replaced}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -156,13 +155,7 @@ def test_a_gathered_parameter_gives_the_unsharded_outputs_and_gradients(world_si
     for rank, result in enumerate(run_on_ranks(_gathered_on_ranks, world_size, timeout=300)):
         assert result["gathered"] == [("embeddings.positions", 1, 64)]
         assert result["piece"] == (1, autoshard.split_sizes(64, world_size)[rank], 16)
-        want = result["out"][1]
-        torch.testing.assert_close(result["out"][0], want, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(result["out"][2], want, rtol=1e-12, atol=1e-12)
-        for name, (got, expected) in result["grads"].items():
-            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12, msg=name)
-        counted, predicted = result["comm"]
-        assert counted == predicted and counted["all_gather"] >= 1
+        assert result["forward"]["all_gather"] >= 1
         torch.testing.assert_close(*result["whole"], rtol=0, atol=0)
         assert "'positions'" in result["replaced"] and "replaced after parallelize" in result["replaced"]
 
@@ -210,31 +203,13 @@ def _positions_on_ranks():
     model, reference = _PositionsModel().double(), _PositionsModel().double()
     reference.load_state_dict(model.state_dict())
     ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(2))
-    autoshard.parallelize(model, example_inputs=(ids,))
-    plan = autoshard.parallel_state.state_of(model).plan
-    with autoshard.CommCounter() as forward:
-        out = model(ids)
-    out.pow(2).sum().backward()
-    reference(ids).pow(2).sum().backward()
-    shards = autoshard.parallel_state.state_of(model).shards()
-    grads = {}
-    for name, p in model.named_parameters():
-        want = reference.get_parameter(name).grad
-        if id(p) in shards:
-            spec = shards[id(p)][0]
-            want = torch.cat([want.narrow(spec.dim, s, n) for s, n in spec.local_ranges()], spec.dim)
-        grads[name] = (p.grad, want)
+    plan = _equal_to_unsharded(model, reference, (ids,))
     positions = plan.layer("positions")
-    return {"positions": (positions.style.value, positions.reason), "out": (out.detach(), reference(ids).detach()),
-            "grads": grads, "comm": ({k: v for k, v in forward.counts.items() if v}, plan.collectives("forward"))}
+    return {"positions": (positions.style.value, positions.reason), "forward": plan.collectives("forward")}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_position_table_called_with_a_shape_is_traced_and_split_by_rows(world_size):
     for result in run_on_ranks(_positions_on_ranks, world_size, timeout=300):
         assert result["positions"] == ("vocab", "split_table")
-        torch.testing.assert_close(*result["out"], rtol=1e-12, atol=1e-12)
-        for name, (got, expected) in result["grads"].items():
-            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12, msg=name)
-        counted, predicted = result["comm"]
-        assert counted == predicted and counted["all_reduce"] >= 3  # tokens, positions, the MLP
+        assert result["forward"]["all_reduce"] >= 3  # tokens, positions, the MLP

@@ -173,6 +173,28 @@ class RecordConstruct:
         raise NotImplementedError(f"{type(self).__name__} (kind {self.kind!r}) must define apply")
 
 
+class ParameterRecords(RecordConstruct):
+    """Records each naming one parameter (`name`) split on dim `dim` of global length `size`,
+    with the ShardSpec `spec(plan, record, rank)` gives; `how` says in errors how it is split."""
+
+    how: str = ""
+
+    @staticmethod
+    def spec(plan, record, rank: int) -> ShardSpec:
+        raise NotImplementedError
+
+    def specs(self, plan, rank: int) -> Dict[str, ShardSpec]:
+        return {record.name: self.spec(plan, record, rank) for record in self.records(plan)}
+
+    def check(self, model: nn.Module, plan, params: Dict[str, nn.Parameter]) -> None:
+        for record in self.records(plan):
+            param = params.get(record.name)
+            if param is None or param.dim() <= record.dim or param.shape[record.dim] != record.size:
+                got = None if param is None else list(param.shape)
+                raise ValueError(f"parallelize: the plan splits parameter {record.name!r} {self.how} ({record.size} "
+                                 f"on dim {record.dim}); the model's has shape {got}")
+
+
 _RECORDS: Dict[str, RecordConstruct] = {}
 
 

@@ -5,21 +5,21 @@ finds them from the dataflow, meeting the heads-sharded attention only in elemen
 module, under the same name (nn/head_parameters.py), with no collective."""
 
 import dataclasses
-from typing import Dict
 
 import torch
 from torch import nn
 
 from ..nn.head_parameters import shard_head_parameter
 from ..nn.spec import ShardSpec
-from .base import RecordConstruct, named_owner, register_records
+from .base import ParameterRecords, named_owner, register_records
 
 
 @register_records
-class HeadParameter(RecordConstruct):
+class HeadParameter(ParameterRecords):
     kind = "head_parameter"
     fields = ("head_parameters",)
     order = 20
+    how = "with its heads"
 
     @staticmethod
     def spec(plan, record, rank: int) -> ShardSpec:
@@ -35,17 +35,6 @@ class HeadParameter(RecordConstruct):
             return ShardSpec(record.dim, record.size, rank, plan.world_size, units=plan.regions[record.region].units,
                              parts=tuple(record.parts))
         return ShardSpec(record.dim, record.size, rank, plan.world_size, units=plan.regions[record.region].units)
-
-    def specs(self, plan, rank: int) -> Dict[str, ShardSpec]:
-        return {record.name: self.spec(plan, record, rank) for record in plan.head_parameters}
-
-    def check(self, model, plan, params) -> None:
-        for record in plan.head_parameters:
-            param = params.get(record.name)
-            if param is None or param.dim() <= record.dim or param.shape[record.dim] != record.size:
-                got = None if param is None else list(param.shape)
-                raise ValueError(f"parallelize: the plan splits parameter {record.name!r} with its heads "
-                                 f"({record.size} on dim {record.dim}); the model's has shape {got}")
 
     def stand_in(self, copy: nn.Module, prefix: str, plan, rank: int) -> None:
         for record in plan.head_parameters:
