@@ -213,3 +213,41 @@ def test_a_position_table_called_with_a_shape_is_traced_and_split_by_rows(world_
     for result in run_on_ranks(_positions_on_ranks, world_size, timeout=300):
         assert result["positions"] == ("vocab", "split_table")
         assert result["forward"]["all_reduce"] >= 3  # tokens, positions, the MLP
+
+
+def _example() -> torch.Tensor:
+    return torch.randn(2, 64, 4, generator=torch.Generator().manual_seed(1))
+
+
+def _save_gathered(path: str) -> dict:
+    torch.manual_seed(0)
+    model = autoshard.parallelize(_Model(), example_inputs=(_example(),))
+    assert [r.name for r in autoshard.parallel_state.state_of(model).plan.gathered_parameters] == [
+        "embeddings.positions"]
+    optimizer = autoshard.optim.AdamW(model.parameters(), lr=1e-2)
+    model(_example()).pow(2).mean().backward()
+    optimizer.step()
+    autoshard.checkpoint.save(path, model, optimizer)
+    return {n: v.clone() for n, v in full_state_dict(model).items()}
+
+
+def _load_gathered(path: str, sharded: bool = True) -> dict:
+    torch.manual_seed(1)
+    model = _Model()
+    for p in model.parameters():
+        torch.nn.init.normal_(p)  # other weights than the checkpoint's
+    if sharded:
+        autoshard.parallelize(model, example_inputs=(_example(),))
+    autoshard.checkpoint.load(path, model)
+    return {n: v.clone() for n, v in (full_state_dict(model) if sharded else model.state_dict()).items()}
+
+
+def test_gathered_parameters_checkpoint_on_two_ranks_reload_on_three_and_unsharded(tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = run_on_ranks(_save_gathered, 2, path, timeout=300)[0]
+    torch.manual_seed(0)
+    assert not torch.equal(saved["embeddings.positions"], _Model().embeddings.positions.detach())  # stepped
+    for loaded in (run_on_ranks(_load_gathered, 3, path, timeout=300)[0], _load_gathered(path, sharded=False)):
+        assert loaded.keys() == saved.keys()
+        for name, value in saved.items():
+            assert torch.equal(loaded[name], value), name
