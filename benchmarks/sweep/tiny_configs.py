@@ -186,6 +186,10 @@ def shrink(fields: Dict[str, Any]) -> Dict[str, Any]:
         # (the stage names from the stages, the last stage's output).
         for key in ("out_features", "out_indices", "stage_names"):
             fields.pop(key, None)
+        # A module inserted after one layer (MiniCPM-V's window-attention merger after vision layer
+        # 6) stays after a layer that remains, as far along the tower as it was.
+        if _is_count(fields.get("insert_layer_id")) and fields["insert_layer_id"] >= new_layers:
+            fields["insert_layer_id"] = fields["insert_layer_id"] * new_layers // old_layers
         # Settings of single layers by index keep those of the layers that remain.
         if isinstance(fields.get("per_layer_config"), dict):
             fields["per_layer_config"] = {k: v for k, v in fields["per_layer_config"].items()
@@ -231,6 +235,8 @@ def _vision_fields_follow(fields: Dict[str, Any], old_image, vision: Dict[str, A
     any-resolution model (LLaVA-NeXT's pinpoints, multiples of the image size) scaled with the
     image size, and the tower layers whose features the projector reads kept among its layers
     (VipLLaVA reads five of them, counted from either end)."""
+    if _is_count(fields.get("insert_layer_id")) and _is_count(vision.get("insert_layer_id")):
+        fields["insert_layer_id"] = vision["insert_layer_id"]  # the top config repeats the tower's
     new_image = vision.get("image_size")
     pinpoints = fields.get("image_grid_pinpoints")
     if _is_count(old_image) and _is_count(new_image) and isinstance(pinpoints, list) and all(
