@@ -5,7 +5,8 @@ defaults, shrunk), with the sweep's example inputs.
 SMALL entries also run in the matrix `make test` runs (at the world sizes given); the rest with
 `make conformance`. The sample spans decoders, encoders, encoder-decoders, vision and audio
 models, mixtures of experts and latent attention, and the architectures a fix of the sweep made
-exact (the learned position tables of Blenderbot, called with a shape)."""
+exact (the learned position tables of Blenderbot, called with a shape; YOLOS's position
+embeddings, gathered; OPT's position table split by rows on 3 ranks)."""
 
 import functools
 import os
@@ -26,6 +27,11 @@ SAMPLE = {
     "muse_spark_text:base": (2,),
     # Its attention reads its input's length: the dry run differed, the plan was made again.
     "ctrl:causal": (2,),
+    # Its position embeddings, parameters outside any layer most of the tiny tower holds, stored
+    # split and gathered for each call of their module.
+    "yolos:base": (2, 3),
+    # On 3 ranks its learned position table is split by rows (one more all-reduce).
+    "opt:causal": (3,),
     **dict.fromkeys((
         # decoders
         "apertus:causal", "arcee:causal", "cohere2:causal", "cwm:causal", "ernie4_5:causal", "exaone4:causal",
