@@ -179,9 +179,9 @@ class ParameterRecords(RecordConstruct):
 
     how: str = ""
 
-    @staticmethod
-    def spec(plan, record, rank: int) -> ShardSpec:
-        raise NotImplementedError
+    def spec(self, plan, record, rank: int) -> ShardSpec:
+        """The ShardSpec of `record`'s parameter on `rank`."""
+        raise NotImplementedError(f"{type(self).__name__} (kind {self.kind!r}) must define spec")
 
     def specs(self, plan, rank: int) -> Dict[str, ShardSpec]:
         return {record.name: self.spec(plan, record, rank) for record in self.records(plan)}
