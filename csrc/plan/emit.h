@@ -22,7 +22,7 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
 // One more collective of `kind` in `phase`, of `elements` elements, in the plan's counts.
 void count_collective(Plan& plan, const char* phase, const char* kind, int64_t elements);
 
-// Large parameters outside the layers, stored split and gathered whole for the forward
+// Large parameters outside the layers, stored split and gathered whole for each call of their module
 // (gathered_params.cpp).
 std::vector<GatheredParam> gathered_params(const Graph& graph, const Propagation& pass, int64_t world_size);
 

@@ -159,7 +159,7 @@ struct HeadParam {
 };
 
 // A parameter outside the layers stored split over the ranks on axis `axis` (of length `size`)
-// and all-gathered whole where the model's forward begins (gathered_params.cpp).
+// and all-gathered whole where each call of the module holding it begins (gathered_params.cpp).
 struct GatheredParam {
   int tensor = -1;
   int64_t param = -1;

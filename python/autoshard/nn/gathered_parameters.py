@@ -31,6 +31,7 @@ class GatherOnCall:
     """A module's forward pre-hook and forward hook: its gathered parameters whole for the call."""
 
     def __init__(self, module: nn.Module, group_name: str):
+        self.module_id = id(module)
         self.group_name = group_name
         self.pieces: Dict[str, Tuple[nn.Parameter, ShardSpec]] = {}
         self.depth = 0
@@ -79,6 +80,5 @@ def gather_on_call(module: nn.Module, attr: str, piece: nn.Parameter, spec: Shar
             hook.add(attr, piece, spec)
             return
     hook = GatherOnCall(module, group_name)
-    hook.module_id = id(module)
     hook.add(attr, piece, spec)
     hooks.append(hook)

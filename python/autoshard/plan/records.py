@@ -100,8 +100,8 @@ class HeadParameter(Sealed):
 @dataclass
 class GatheredParameter(Sealed):
     """A large parameter outside the layers, stored split on dim `dim` (of global length `size`)
-    and all-gathered whole where the model's forward begins (nn/gathered_parameters.py): one
-    all-gather of `elements` elements per forward, none in backward."""
+    and all-gathered whole where each call of the module holding it begins
+    (nn/gathered_parameters.py): one all-gather of `elements` elements per call, none in backward."""
 
     name: str
     dim: int

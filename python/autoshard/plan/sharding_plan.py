@@ -164,8 +164,8 @@ class ShardingPlan(Sealed):
     # Parameters over the heads split with them (a per-head scale, a bias of all_head_size; see
     # nn/head_parameters.py); each rank holds its heads' slice as a local parameter.
     head_parameters: List[HeadParameter] = field(default_factory=list)
-    # Large parameters outside the layers stored split and gathered whole for the forward (see
-    # nn/gathered_parameters.py).
+    # Large parameters outside the layers stored split and gathered whole for each call of their
+    # module (see nn/gathered_parameters.py).
     gathered_parameters: List[GatheredParameter] = field(default_factory=list)
     # LoRA layers (see csrc/plan/adapters.cpp).
     adapters: List[AdapterFactors] = field(default_factory=list)
