@@ -295,6 +295,29 @@ def test_experts_of_our_own_are_split_and_other_uses_of_their_weights_kept_whole
     assert [(l.module, l.style) for l in plan.layers] == [("router", "replicate")]
 
 
+class _ExpertsMixingWhole(_Experts):
+    """Experts whose output takes the input itself where a token is masked, or fills it with a
+    constant: either way a whole tensor every rank would add to the sum of the partial outputs."""
+
+    def __init__(self, fill: bool):
+        super().__init__()
+        self.fill = fill
+
+    def forward(self, x, weights):
+        out = super().forward(x, weights)
+        masked = x[:, :1] > 0
+        return out.masked_fill(masked, 1.0) if self.fill else torch.where(masked, x, out)
+
+
+@pytest.mark.parametrize("fill", [False, True], ids=["where", "masked_fill"])
+def test_experts_taking_a_whole_tensor_into_their_output_stay_whole(fill):
+    x = torch.randn(5, 8)
+    moe = _MoE()
+    moe.experts = _ExpertsMixingWhole(fill)
+    plan = autoshard.plan(moe, world_size=2, example_inputs=(x,))
+    assert [(l.module, l.style) for l in plan.layers] == [("router", "replicate")]
+
+
 def test_experts_stored_transposed_split_on_the_ffn_axis():
     x = torch.randn(5, 8)
     plan = autoshard.plan(_MoE(transposed=True), world_size=2, example_inputs=(x,))

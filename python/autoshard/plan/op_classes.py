@@ -38,13 +38,13 @@ LINEAR_IN_PARTIAL_SUMS = EXPERT_WEIGHT_VIEWS | PRODUCTS_OF_TWO | {
     aten.empty_like, aten.new_zeros, aten.masked_fill, aten.where, aten.split, aten.split_with_sizes, aten.chunk,
     aten.flatten, aten.unflatten, aten.as_strided, aten.view_as, aten.sub, aten.sub_, aten.narrow,
 }
-# Ops summing their tensor operands (or writing some into another): where one is a partial sum of
-# the experts' outputs, every other must be one too, or zeros (a whole tensor added on every rank
-# would be summed over the ranks with the partial sums: LongCat-Flash's zero-computation experts
-# index_add their input beside the experts' products).
+# Ops summing their tensor operands, or taking elements from each (cat, where): where one is a
+# partial sum of the experts' outputs, every other must be one too, or zeros (a whole tensor added
+# on every rank would be summed over the ranks with the partial sums: LongCat-Flash's
+# zero-computation experts index_add their input beside the experts' products).
 SUMS_OF_TERMS = {
     aten.add, aten.add_, aten.sub, aten.sub_, aten.index_add, aten.index_add_, aten.scatter_add, aten.scatter_add_,
-    aten.index_put, aten.index_put_, aten.cat, aten.stack,
+    aten.index_put, aten.index_put_, aten.cat, aten.stack, aten.where,
 }
 ZERO_MAKERS = {aten.zeros, aten.zeros_like, aten.new_zeros}
 # Ops whose output holds what their input holds: zeros stay zeros.

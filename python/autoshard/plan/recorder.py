@@ -230,6 +230,13 @@ class Recorder(TorchDispatchMode):
                                            and id(t) not in reads.zeros for t in flat):
             reads.refusals.append(f"{func} sums an expert's output with a term that is not one")
             return
+        if packet is aten.masked_fill and len(args) > 2 and id(args[0]) in reads.partial:
+            value = args[2]
+            whole = id(value) not in reads.partial and id(value) not in reads.zeros if isinstance(value, torch.Tensor) \
+                else value != 0
+            if whole:
+                reads.refusals.append(f"{func} fills an expert's output with a value every rank would add")
+                return
         reads.partial.update((id(o), o) for o in outs)
 
     def follow_expert_bias(self, func, flat, read, sides, outs) -> None:
