@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <map>
 #include <numeric>
+#include <set>
 
 #include <c10/util/Exception.h>
 
@@ -81,6 +82,10 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     d.style = pass.roles[n];
     d.reason = why[n].reason;
     d.note = why[n].note;
+    if (node.functional && d.style == Style::Column && d.note.empty()) {
+      d.note = "the model multiplies its weight itself: its rows here give this rank's channels, and its "
+               "input's gradient is summed upstream";
+    }
     d.whole_units = why[n].whole_units;
     const bool has_batch_letter = std::any_of(node.letters.begin(), node.letters.end(), [](const EinsumLetter& l) {
       return l.role == EinsumLetter::Batch && l.size > 0;
@@ -160,7 +165,8 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
         const int input = node.inputs.at(0);
         auto [it, fresh] = copy_groups.emplace(input, static_cast<int>(copy_groups.size()));
         d.copy_group = it->second;
-        d.deferred_copy = pass.deferred_copies.count(static_cast<int>(n)) > 0;
+        // A layer whose weight the model multiplies itself makes no input copy at all.
+        d.deferred_copy = pass.deferred_copies.count(static_cast<int>(n)) > 0 || node.functional;
         const int64_t in_elements = numel(graph.tensor(input).shape);
         const bool backward = flow.requires_grad[input] && copy_read[input];
         if (fresh && d.sequence == "gathered") {
@@ -290,10 +296,16 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     comm("backward", "all_reduce", elements);
   }
 
-  // Parameters split with their heads: local parameters, no communication.
+  // Parameters split with their heads: local parameters, no communication. The bias of a
+  // column layer whose weight the model multiplies itself is split by the layer already.
+  std::set<int64_t> split_by_layer;
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    if (is_layer(node) && node.functional && pass.roles[n] == Style::Column) split_by_layer.insert(node.bias_param);
+  }
   for (const auto& [tensor, region] : pass.head_param_region) {
     const int root = pass.find(region);
-    if (pass.regions[root].conflict) continue;
+    if (pass.regions[root].conflict || split_by_layer.count(graph.tensor(tensor).param)) continue;
     const AxisFactor& f = pass.head_params.at(tensor);
     const auto source = pass.head_param_sources.find(tensor);
     const int from = source == pass.head_param_sources.end() ? -1 : source->second;

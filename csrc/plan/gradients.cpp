@@ -102,7 +102,28 @@ void Propagation::gradients_pass(const std::set<int>& unsummable, std::vector<st
     }
     if (is_layer(node)) {
       const Style role = roles[i];
-      if (role == Style::Column || role == Style::ColumnGather) {
+      // A summed output: every reader of the layer's replicated output gives it a partial
+      // gradient, or a whole one only through a column layer's input copy. The gradient is
+      // summed once where the layer returns its output, and those copies sum nothing.
+      auto sums_output = [&]() {
+        return !out.partial.empty() && !out.whole && node.kind == Kind::Linear && !sequence_roles.count(i) &&
+               node.outputs.size() == 1 && !unsummable.count(static_cast<int>(i));
+      };
+      auto sum_output = [&]() {
+        summed_outputs[static_cast<int>(i)] = numel_of(graph_.tensor(node.outputs[0]).shape);
+        for (int c : out.copies) {
+          deferred_copies.insert(c);
+          deferred_by[c] = static_cast<int>(i);
+        }
+      };
+      if (role == Style::Column && node.functional) {
+        // The model multiplies the layer's local rows itself: no input copy sums the input's
+        // gradient, which is this rank's part, partial in the layer's region.
+        GradState part;
+        part.partial.insert(sharded_region);
+        const int input = node.inputs.at(0);
+        if (!layouts[input].sharded && needs_grad[input]) grad[input].join(part);
+      } else if (role == Style::Column || role == Style::ColumnGather) {
         // The input copy sums the input's gradient over the ranks: whole again. A gathered
         // output's gradient is cut to this rank's piece, which must be whole to begin with.
         if (role == Style::ColumnGather) refuse(out, "gives a partial gradient to " + node.label + "'s output");
@@ -117,6 +138,10 @@ void Propagation::gradients_pass(const std::set<int>& unsummable, std::vector<st
       } else if (role == Style::Batch) {
         // Input, output and parameters split alike: each rank's gradients are its own
         // entries', whole, and its input's gradient stays split as its input is.
+      } else if (role == Style::Row && sums_output()) {
+        // Its output, all-reduced in forward, meets this rank's shards only (Mamba's x_proj,
+        // whose B and C the rank's channels read): its gradient is summed in backward too.
+        sum_output();
       } else if (role == Style::Row || role == Style::Vocab) {
         refuse(out, "gives a partial gradient to " + node.label + "'s output");
         // A row layer's bias added to this rank's tokens only: a partial gradient.
@@ -127,17 +152,10 @@ void Propagation::gradients_pass(const std::set<int>& unsummable, std::vector<st
           param_grad[bias].join(state);
           param_elements[bias] = node.out_features;
         }
-      } else if (!out.partial.empty() && !out.whole && node.kind == Kind::Linear && !sequence_roles.count(i) &&
-                 node.outputs.size() == 1 && !unsummable.count(static_cast<int>(i))) {
-        // Every reader of this replicated layer's output gives it a partial gradient, or a whole
-        // one only through a column layer's input copy: the gradient is summed once where the
-        // layer returns its output, and those copies sum nothing. Its input and weight then get
+      } else if (sums_output()) {
+        // A replicated layer whose output's gradient is summed: its input and weight then get
         // whole gradients.
-        summed_outputs[static_cast<int>(i)] = numel_of(graph_.tensor(node.outputs[0]).shape);
-        for (int c : out.copies) {
-          deferred_copies.insert(c);
-          deferred_by[c] = static_cast<int>(i);
-        }
+        sum_output();
         GradState whole;
         whole.whole = true;
         for (int id : node.inputs) {

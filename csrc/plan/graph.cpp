@@ -83,6 +83,8 @@ Node parse_node(const JsonValue& record, const std::string& where) {
   }
   node.summed_bias = integer_or(record, "summed_bias", 0, where);
   node.convolution = boolean_or(record, "convolution", false, where);
+  node.functional = boolean_or(record, "functional", false, where);
+  node.functional_bias = boolean_or(record, "functional_bias", false, where);
   node.centered = boolean_or(record, "centered", false, where);
   node.per_channel = boolean_or(record, "per_channel", false, where);
   node.running_stats = boolean_or(record, "running_stats", false, where);

@@ -97,6 +97,12 @@ struct Node {
   int64_t summed_bias = 0;
   // An Einsum layer that is a convolution (its output channels may be gathered: settle.cpp).
   bool convolution = false;
+  // A Linear layer's weight multiplied by the model itself, outside the layer's call
+  // (`self.dt_proj.weight @ x`): only a column split is exact, its local rows read by the
+  // model's own product, and no input copy sums its input's gradient (gradients.cpp).
+  // `functional_bias`: the product adds the layer's bias too (F.linear(x, w, layer.bias)).
+  bool functional = false;
+  bool functional_bias = false;
   // A Norm that is a LayerNorm: its mean and its variance each need every rank's features.
   bool centered = false;
   // A Norm per channel (axis 1) over the batch and positions, a BatchNorm: split with its
@@ -160,6 +166,7 @@ struct Graph {
 //    "nodes": [{"kind": "linear", "label": "...", "inputs": [ids], "outputs": [ids],
 //               "trainable": bool (optional, true; layers), "routing_floating": [bool, ...] (optional),
 //               "summed_bias": int (optional, 0), "convolution": bool (optional, false; einsum),
+//               "functional", "functional_bias": bool (optional, false; linear),
 //               "centered", "per_channel", "running_stats": bool (optional, false; norm),
 //               "adapters": [{"a", "b", "a_shape", "b_shape", "a_trainable", "b_trainable"}] (optional; linear),
 //               "weight_elements": int (optional, 0; layers),

@@ -43,7 +43,9 @@ bool Propagation::request_head_param(int tensor, int axis, const AxisFactor& mer
         return false;
       }
       for (const Node& node : graph_.nodes) {
-        if (is_layer(node) && (node.weight_param == param || node.bias_param == param)) {
+        // A bias the model adds apart from its layer's product is split with the layer's channels.
+        const bool functional_bias = node.functional && !node.functional_bias && node.bias_param == param;
+        if (is_layer(node) && (node.weight_param == param || node.bias_param == param) && !functional_bias) {
           why = name + ", which is also the parameter of layer " + node.label;
           return false;
         }

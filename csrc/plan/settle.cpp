@@ -118,6 +118,15 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
       }
     }
   }
+  // The biases of layers whose weight the model multiplies itself and whose bias it adds
+  // outside that product (Mamba's dt_proj): split with the layer as a parameter of its channels
+  // (head_params.cpp) where every read of it meets them, or the layer stays whole (below).
+  std::set<int64_t> functional_biases;
+  for (const Node& node : graph.nodes) {
+    if (is_layer(node) && node.functional && !node.functional_bias && node.bias_param >= 0) {
+      functional_biases.insert(node.bias_param);
+    }
+  }
 
   // Head cuts (head_cuts.cpp): those in use, and those dropped because the scores they would
   // meet are not sharded after all (never asked for again, so the passes settle).
@@ -209,6 +218,12 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
   // Layers forced to WholeSmallParts, with their parts as found when forced.
   std::map<int, std::vector<int64_t>> known_parts;
   auto force = [&](int n, Force f, Why w) {
+    if (graph.nodes[n].functional && f != Force::Replicate) {
+      // Gathered, or with parts held whole, its split would need its call, which never runs.
+      f = Force::Replicate;
+      w = Why{"functional_layer", "replicated: the model multiplies its weight itself, so it is split only as a "
+                                  "column layer (" + w.note + ")"};
+    }
     reason_text(w.reason);  // every code has its words in reasons.cpp
     if (forced[n] == f || forced[n] == Force::Replicate) return false;
     forced[n] = f;
@@ -378,7 +393,7 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
     // shards it on the same dimension into the same pieces: a token table and a column layer
     // over the vocabulary. A parameter read outside its layers stays whole.
     for (const auto& [param, layers] : layers_of_param) {
-      bool agree = !params_read_elsewhere.count(param);
+      bool agree = !params_read_elsewhere.count(param) || functional_biases.count(param);
       std::set<int64_t> units;
       size_t rows = 0, batches = 0;
       for (int n : layers) {
@@ -419,6 +434,29 @@ Plan make_plan(const Graph& graph, int64_t world_size) {
                                                    "(column, then row), which this model's dataflow does not allow"};
       changed |= force(first, Force::Replicate, unpaired);
       changed |= force(second, Force::Replicate, unpaired);
+    }
+    // A layer whose weight the model multiplies itself is exact only as a column layer: its
+    // local rows give this rank's channels. As a row layer (its input split) the sum over the
+    // ranks its call would take never runs. Its bias, added by the model apart, must be split
+    // with those channels wherever it is read.
+    for (size_t n = 0; n < count; ++n) {
+      const Node& node = graph.nodes[n];
+      if (!is_layer(node) || !node.functional) continue;
+      const Style role = pass.roles[n];
+      const int layer = static_cast<int>(n);
+      if (role != Style::Column && role != Style::Replicate) {
+        changed |= force(layer, Force::Replicate,
+                         {"functional_layer", "replicated: the model multiplies its weight itself, so it is split "
+                                              "only as a column layer, and its input is split"});
+      } else if (role == Style::Column && functional_biases.count(node.bias_param)) {
+        for (size_t t = 0; t < graph.tensors.size(); ++t) {
+          if (graph.tensors[t].param != node.bias_param || head_params.count(static_cast<int>(t))) continue;
+          changed |= force(layer, Force::Replicate,
+                           {"functional_layer", "replicated: the model multiplies its weight itself and adds its "
+                                                "bias apart, which is read where it cannot be split with the "
+                                                "layer's channels"});
+        }
+      }
     }
     if (!changed) {
       if (!graph.sequence_parallel || world_size == 1) return emit_plan(graph, pass, why, world_size);

@@ -60,7 +60,10 @@ class LinearConstruct(LayerConstruct):
         # feed-forward) must trace the same ops as it did in the capture.
         original = getattr(module, "weight", None)
         dtype = original.dtype if isinstance(original, torch.Tensor) else None
-        return nn.Linear(in_features, out_features, bias=False, device="meta", dtype=dtype)
+        # With its bias (this rank's slice for a column layer): a model that reads the bias apart
+        # from the layer's call (Mamba's dt_proj, whose weight it multiplies itself) reads it here.
+        bias = isinstance(getattr(module, "bias", None), torch.Tensor)
+        return nn.Linear(in_features, out_features, bias=bias, device="meta", dtype=dtype)
 
     def shard(self, layer, module: nn.Module, group) -> nn.Module:
         split = layer.weight_shape[self.weight_dim(layer)]

@@ -116,8 +116,11 @@ def _split_together(graph: CapturedGraph) -> List[List[int]]:
     """The planner's "together" pairs (csrc/plan/graph.h): the q/k/v projection and out_proj of
     each nn.MultiheadAttention, which ParallelMultiheadAttention splits only by heads together."""
     nodes = {info.name: node for node, info in graph.layers.items()}
+    modules = dict(graph.shadow.named_modules())
+    # By the module's class, not the layers' names: Mamba's mixer has an in_proj and an out_proj too.
     return [[node, nodes[owner + ".out_proj"]] for name, node in nodes.items()
-            for owner, _, child in [name.rpartition(".")] if child == IN_PROJECTION and owner + ".out_proj" in nodes]
+            for owner, _, child in [name.rpartition(".")] if child == IN_PROJECTION and owner + ".out_proj" in nodes
+            and isinstance(modules.get(owner), nn.MultiheadAttention)]
 
 
 def _attention_copies(region_plans: Dict[int, RegionPlan], records, graph: CapturedGraph) -> None:

@@ -86,7 +86,7 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
         param_names.append(name)
 
     recorder = Recorder(param_index)
-    layers: Dict[int, LayerInfo] = {}
+    layers: Dict[int, LayerInfo] = recorder.layers
     layer_by_module: Dict[int, LayerInfo] = {}
     handles = []
     module_inputs: Dict[str, Tuple[tuple, dict]] = {}
@@ -131,6 +131,8 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
         if id(module) in layer_by_module:  # a module reachable under two names is one layer
             continue
         layer_by_module[id(module)] = info
+        if info.kind == "linear" and not info.transposed:
+            recorder.linear_weights[id(module.weight)] = info
 
         def pre(mod, inputs, info=info):
             if recorder.layer_depth == 0:

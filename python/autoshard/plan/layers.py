@@ -178,6 +178,18 @@ def is_linear_like(module: nn.Module) -> bool:
     return info is not None and construct_of(info.kind).last_axis_features
 
 
+def plain_linear_weight(module: nn.Module) -> Optional[torch.Tensor]:
+    """The weight of a Linear layer stored [out, in] (nn.Linear, or a column- or row-parallel
+    one made from it), which a model may multiply itself; None for any other module."""
+    from ..nn.linear import _ParallelLinear
+
+    if isinstance(module, _ParallelLinear) and not module.transposed_weight:
+        return module.weight
+    if isinstance(module, nn.Linear) and isinstance(module.weight, torch.Tensor) and module.weight.dim() == 2:
+        return module.weight
+    return None
+
+
 def in_projection_layer(name: str, module: nn.MultiheadAttention, param_index: Dict[int, int]) -> LayerInfo:
     """The q/k/v projection of an nn.MultiheadAttention named `name` as the layer
     `name + ".in_proj"` (see constructs/attention.py)."""

@@ -1,7 +1,8 @@
 """The reason codes of parameters no layer of the plan holds, where the module holding them
 says more than "not a layer": a convolution no construct recognises ("convolution"), and a
-Linear the model never calls, its weight applied by the forward itself
-(`F.linear(x, self.qkv.weight, torch.cat((q_bias, k_bias, v_bias)))`: "functional_layer"), and a
+Linear the model never calls, its weight applied by the forward itself in a product the capture
+does not take for the layer's call (`F.linear(x, self.qkv.weight, torch.cat((q_bias, k_bias,
+v_bias)))`: "functional_layer"; `self.dt_proj.weight @ x` is such a call: recorder.py), and a
 layer the traced forward never calls nor reads ("not_called": a decoder's cross-attention traced
 without encoder_hidden_states).
 The codes and their words are the planner's (csrc/plan/reasons.cpp); what is recorded here is

@@ -77,9 +77,9 @@ def text(plan) -> str:
                      f"{bucket.bytes / 2**20:.3f} MiB): {', '.join(fold_names(bucket.params))}")
     if plan.summed_outputs:
         deferred = [layer.module for layer in plan.layers if layer.deferred_copy]
-        lines.append(f"  output gradients summed where their replicated layer returns them (one all-reduce each in "
+        lines.append(f"  output gradients summed where their layer returns them (one all-reduce each in "
                      f"backward): {', '.join(fold_names([r.module for r in plan.summed_outputs]))}; the column layers "
-                     f"reading them copy their input without summing: {', '.join(fold_names(deferred))}")
+                     f"reading them sum nothing themselves: {', '.join(fold_names(deferred))}")
     shape = plan.example.get("description", "the example inputs")
     lines.append(f"collectives per step on {shape}:")
     for c in sorted(plan.comm, key=lambda c: c.phase != "forward"):

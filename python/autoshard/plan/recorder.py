@@ -90,6 +90,14 @@ class Recorder(TorchDispatchMode):
         # the indices it looks up, the input of its node.
         self.lookup_weight: Optional[int] = None
         self.lookup_indices: Optional[torch.Tensor] = None
+        # Linear layers by their weight's id, whose weight the model may multiply itself (Mamba's
+        # `self.dt_proj.weight @ x`; None in a trace, which records such a product as a "layer"
+        # node as it records a layer's call); the capture's layer of each recorded node; and
+        # the transposes of such a weight not yet read by anything but that product (see
+        # record_weight_product), recorded only once something else reads them.
+        self.linear_weights: Dict[int, Optional[LayerInfo]] = {}
+        self.layers: Dict[int, LayerInfo] = {}
+        self.weight_transposes: Dict[int, tuple] = {}
 
     def layer_output(self, t: torch.Tensor, linear: bool = True) -> int:
         """t's id, remembered as a Linear-like layer's output where `linear` (not an embedding's)."""
@@ -100,6 +108,9 @@ class Recorder(TorchDispatchMode):
 
     def tensor_id(self, t: torch.Tensor) -> int:
         key = id(t)
+        if key not in self.ids and key in self.weight_transposes:
+            func, weight, label, _ = self.weight_transposes.pop(key)
+            self.node("permute", label, [self.tensor_id(weight)], [self.tensor_id(t)], {"permutation": [1, 0]})
         if key not in self.ids:
             self.ids[key] = self.declare(t.shape)
             self.keep[-1] = t
@@ -269,6 +280,8 @@ class Recorder(TorchDispatchMode):
             return
         packet = func.overloadpacket
         label = str(func).replace(" ", "")
+        if self.record_weight_product(func, args, flat_out, label):
+            return
         inputs = [self.tensor_id(t) for t in flat_in]
         if not inputs:
             self.node("source", label, [], [self.tensor_id(o) for o in flat_out])
@@ -353,6 +366,36 @@ class Recorder(TorchDispatchMode):
                       {"narrowing": True} if narrowing else None)
         else:
             self.node("opaque", label, inputs, [self.tensor_id(o) for o in flat_out])
+
+    def record_weight_product(self, func, args, flat_out, label) -> bool:
+        """A Linear layer's weight multiplied by the model itself, outside the layer's call
+        (`self.dt_proj.weight @ x`, `F.linear(x, layer.weight, layer.bias)`): ATen sees the
+        weight transposed, then `mm(x, w.t())` (`addmm(layer.bias, x, w.t())`). The transpose is
+        held back, and the product recorded as a call of the layer marked `functional`: the
+        planner may split it as a column layer only, whose local rows the model's own product
+        then reads, and knows that no input copy sums its input's gradient. Whether handled."""
+        packet = func.overloadpacket
+        if packet in (aten.t, aten.transpose) and id(args[0]) in self.linear_weights and args[0].dim() == 2:
+            # The transpose itself is kept alive, so that its id stays its own.
+            self.weight_transposes[id(flat_out[0])] = (func, args[0], label, flat_out[0])
+            return True
+        if packet not in (aten.mm, aten.addmm):
+            return False
+        x, transposed = (args[0], args[1]) if packet is aten.mm else (args[1], args[2])
+        held = self.weight_transposes.get(id(transposed))
+        if held is None or id(x) in self.weight_transposes:
+            return False
+        info = self.linear_weights[id(held[1])]
+        bias = args[0] if packet is aten.addmm else None
+        if info is None:
+            self.nodes.append(("layer", (), (self.layer_output(flat_out[0]),)))
+            return True
+        if bias is not None and (info.bias_param < 0 or self.param_index.get(id(bias)) != info.bias_param):
+            return False  # another bias (a concatenation of several): the product is followed as it is
+        fields = {**info.planner_fields(x, flat_out[0]), "functional": True, "functional_bias": bias is not None}
+        node = self.node("linear", info.name, [self.tensor_id(x)], [self.layer_output(flat_out[0])], fields)
+        self.layers[node] = info.record_call(x, flat_out[0])
+        return True
 
     def record_depthwise_convolution(self, label, args, inputs, out) -> None:
         """A depthwise convolution called functionally (F.conv1d(x, layer.weight, groups=C), as

@@ -9,7 +9,7 @@ from torch import nn
 
 from .function_caches import clear_model_caches
 from .index_lists import ConsecutiveIndexLists
-from .layers import is_linear_like
+from .layers import is_linear_like, plain_linear_weight
 from .meta_autocast import meta_autocast
 from .meta_inputs import replay_inputs
 from .meta_values import KnownValues
@@ -50,6 +50,11 @@ def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values:
     # call would be traced as ops of the model's own, outside its layer.
     layers = {id(sub) for sub in module.modules() if sub is not module and is_layer(sub)}
     linear_like = {id(sub): is_linear_like(sub) for sub in module.modules() if id(sub) in layers}
+    # A layer's weight the model multiplies itself: one node, as the capture records it.
+    for sub in module.modules():
+        weight = plain_linear_weight(sub) if id(sub) in layers else None
+        if weight is not None:
+            recorder.linear_weights[id(weight)] = None
     for sub in module.modules():
         if id(sub) not in layers:
             continue
