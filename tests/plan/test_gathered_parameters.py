@@ -178,6 +178,49 @@ def test_the_plan_names_its_gathered_parameters_and_keeps_them_through_json():
     assert kept.collectives("forward")["all_gather"] == plan.collectives("forward")["all_gather"] - 1
 
 
+class _TableEmbeddings(nn.Module):
+    """A position table the module never calls: its forward slices the table's weight itself
+    (as vision towers do to interpolate their positions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 16)
+        self.position_embedding = nn.Embedding(80, 16)
+
+    def forward(self, x):
+        return self.proj(x) + self.position_embedding.weight[1:x.shape[1] + 1]
+
+
+class _TableModel(_Model):
+    def __init__(self):
+        super().__init__()
+        self.embeddings = _TableEmbeddings()
+
+
+def _table_on_ranks():
+    torch.manual_seed(0)
+    model, reference = _TableModel().double(), _TableModel().double()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(2, 64, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    plan = _equal_to_unsharded(model, reference, (x,))
+    return {"gathered": [(r.name, r.dim, r.size, r.module) for r in plan.gathered_parameters],
+            "piece": tuple(model.embeddings.position_embedding.weight.shape),
+            "whole": (full_state_dict(model)["embeddings.position_embedding.weight"],
+                      reference.embeddings.position_embedding.weight.detach())}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_table_never_called_is_gathered_for_the_call_that_reads_it(world_size):
+    for rank, result in enumerate(run_on_ranks(_table_on_ranks, world_size, timeout=300)):
+        assert result["gathered"] == [("embeddings.position_embedding.weight", 0, 80, "embeddings")]
+        assert result["piece"] == (autoshard.split_sizes(80, world_size)[rank], 16)
+        torch.testing.assert_close(*result["whole"], rtol=0, atol=0)
+    plan = autoshard.plan(_TableModel(), example_inputs=(torch.randn(2, 64, 4),), world_size=2)
+    again = autoshard.ShardingPlan.from_json(plan.to_json())
+    assert again.gathered_parameters == plan.gathered_parameters
+    assert again.gathered_parameters[0].module == "embeddings"
+
+
 class _Positions(nn.Embedding):
     """A learned position table called with the input's shape (BART's, Blenderbot's): its forward
     makes the positions it looks up."""

@@ -35,4 +35,5 @@ class GatheredParameter(ParameterRecords):
                                  "gathers it for the calls of one module only")
             spec = self.spec(plan, record, surgery.rank)
             piece = shard_head_parameter(owner, attr, spec, surgery.group, what="gathered parameter")
-            gather_on_call(owner, attr, piece, spec, surgery.group.group_name, hooks)
+            caller = model.get_submodule(record.module) if record.module else owner
+            gather_on_call(caller, owner, attr, piece, spec, surgery.group.group_name, hooks)

@@ -10,7 +10,7 @@ computes on tensors held whole (csrc/plan/gathered_params.cpp): its gradient is 
 on every rank, and the gather's backward keeps this rank's piece of it, with no collective.
 """
 
-from typing import Dict, List, Tuple
+from typing import List, Tuple
 
 import torch
 from torch import nn
@@ -28,57 +28,59 @@ def gathering() -> bool:
 
 
 class GatherOnCall:
-    """A module's forward pre-hook and forward hook: its gathered parameters whole for the call."""
+    """A module's forward pre-hook and forward hook: the gathered parameters read in its call
+    whole for the call. Each is held by this module or by a submodule the model never calls,
+    whose weight this module's forward reads itself (a position table interpolated)."""
 
     def __init__(self, module: nn.Module, group_name: str):
         self.module_id = id(module)
         self.group_name = group_name
-        self.pieces: Dict[str, Tuple[nn.Parameter, ShardSpec]] = {}
+        self.pieces: List[Tuple[nn.Module, str, nn.Parameter, ShardSpec]] = []
         self.depth = 0
         module.register_forward_pre_hook(self.gather)
         module.register_forward_hook(self.release, always_call=True)
 
-    def add(self, attr: str, piece: nn.Parameter, spec: ShardSpec) -> None:
-        self.pieces[attr] = (piece, spec)
+    def add(self, owner: nn.Module, attr: str, piece: nn.Parameter, spec: ShardSpec) -> None:
+        self.pieces.append((owner, attr, piece, spec))
 
     def gather(self, module: nn.Module, args) -> None:
         global _gathering
         self.depth += 1
         if self.depth > 1:  # called again inside its own call: already whole
             return
-        for attr, (piece, spec) in self.pieces.items():
-            if module._parameters.get(attr) is not piece:
+        for owner, attr, piece, spec in self.pieces:
+            if owner._parameters.get(attr) is not piece:
                 self.depth -= 1
-                raise RuntimeError(f"autoshard: parameter {attr!r} of {type(module).__name__} was replaced after "
+                raise RuntimeError(f"autoshard: parameter {attr!r} of {type(owner).__name__} was replaced after "
                                    "parallelize; the plan stores this rank's piece of it there and gathers it whole "
-                                   "for each call")
+                                   f"for each call of {type(module).__name__}")
         _gathering += 1
         try:
             # Gradient mode on even under no_grad: the whole tensor requires a gradient as the
             # parameter does, so that ops choosing their path by it (matmul's folding, an
             # attention's fused path) take the path they take for the parameter.
             with torch.enable_grad():
-                for attr, (piece, spec) in self.pieces.items():
-                    module._parameters[attr] = ops.gather_from_parallel(piece, spec.dim, spec.full_size,
-                                                                        self.group_name)
+                for owner, attr, piece, spec in self.pieces:
+                    owner._parameters[attr] = ops.gather_from_parallel(piece, spec.dim, spec.full_size,
+                                                                       self.group_name)
         finally:
             _gathering -= 1
 
     def release(self, module: nn.Module, args, output) -> None:
         self.depth -= 1
         if self.depth == 0:
-            for attr, (piece, _) in self.pieces.items():
-                module._parameters[attr] = piece
+            for owner, attr, piece, _ in self.pieces:
+                owner._parameters[attr] = piece
 
 
-def gather_on_call(module: nn.Module, attr: str, piece: nn.Parameter, spec: ShardSpec, group_name: str,
-                   hooks: List[GatherOnCall]) -> None:
-    """Has `module` gather its parameter `attr` (stored as this rank's `piece`) for each call, with
-    one pair of hooks per module, kept in `hooks`."""
+def gather_on_call(module: nn.Module, owner: nn.Module, attr: str, piece: nn.Parameter, spec: ShardSpec,
+                   group_name: str, hooks: List[GatherOnCall]) -> None:
+    """Has `module` gather the parameter `attr` of `owner` (itself or a submodule; stored as this
+    rank's `piece`) for each of its calls, with one pair of hooks per module, kept in `hooks`."""
     for hook in hooks:
         if hook.module_id == id(module):
-            hook.add(attr, piece, spec)
+            hook.add(owner, attr, piece, spec)
             return
     hook = GatherOnCall(module, group_name)
-    hook.add(attr, piece, spec)
+    hook.add(owner, attr, piece, spec)
     hooks.append(hook)

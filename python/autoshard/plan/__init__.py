@@ -96,7 +96,7 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                                                          list(p.get("parts", [])))
                                            for p in data.get("head_params", [])],
                           gathered_parameters=[GatheredParameter(names[p["param"]], p["axis"], p["size"],
-                                                                 p["elements"])
+                                                                 p["elements"], graph.gather_calls.get(p["param"], ""))
                                                for p in data.get("gathered_params", [])],
                           adapters=[AdapterFactors(graph.layers[a["node"]].name, [names[i] for i in a["split"]],
                                                    [names[i] for i in a["whole"]]) for a in data.get("adapters", [])],

@@ -55,6 +55,8 @@ class CapturedGraph:
     folded: Dict[str, str] = field(default_factory=dict)  # block recorded without running -> the block it copies
     inner_nodes: set = field(default_factory=set)  # nodes inside a layer, which no trace sees
     layer_calls: set = field(default_factory=set)  # nodes a trace sees as a layer's call
+    # Gatherable parameters whose module is never called: the module whose call reads them.
+    gather_calls: Dict[int, str] = field(default_factory=dict)
 
 
 def capture(model: nn.Module, example_inputs=None, fold_blocks: bool = True) -> CapturedGraph:
@@ -247,7 +249,9 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
              for name, returned in module_exits.items() if name and name not in called_again
              for leaf, tensor in returned]
     document = recorder.document([recorder.tensor_id(o) for o in flat])
-    document["gatherable_params"] = _read_in_one_call(recorder, param_names, module_nodes, called_again, shadow)
+    gather_calls: Dict[int, str] = {}
+    document["gatherable_params"] = _read_in_one_call(recorder, param_names, module_nodes, called_again, shadow,
+                                                      gather_calls)
     _record_gradient_facts(document, layers, shadow, [t is None or t.is_floating_point() or t.is_complex()
                                                        for t in recorder.keep])
     _record_adapters(document, layers, shadow)
@@ -269,15 +273,19 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool =
         folded={name: folder.folds[name] for name in folder.folded},
         inner_nodes=recorder.inner_nodes,
         layer_calls=recorder.layer_calls,
+        gather_calls=gather_calls,
     )
 
 
 def _read_in_one_call(recorder, param_names: List[str], module_nodes: Dict[str, Tuple[int, int]],
-                       called_again, shadow: nn.Module) -> List[int]:
+                       called_again, shadow: nn.Module, gather_calls: Dict[int, str]) -> List[int]:
     """The parameters (by index) whose every recorded read lies inside the one call of the module
-    holding them: a parameter stored split can be gathered whole where that call begins. Not an
-    nn.MultiheadAttention's: its forward takes another path (the fused one) for weights that are
-    not parameters requiring a gradient, which a dry run without gradients would see."""
+    holding them: a parameter stored split can be gathered whole where that call begins. Where
+    that module is never called (a position table whose weight its parent's forward slices and
+    interpolates itself), the call is the innermost called ancestor's, recorded in
+    `gather_calls`. Not an nn.MultiheadAttention's: its forward takes another path (the fused
+    one) for weights that are not parameters requiring a gradient, which a dry run without
+    gradients would see."""
     reads: Dict[int, List[int]] = {}
     for node, (_, inputs, _) in enumerate(recorder.nodes):
         for tensor in inputs:
@@ -287,11 +295,16 @@ def _read_in_one_call(recorder, param_names: List[str], module_nodes: Dict[str, 
     found = []
     for param, nodes in sorted(reads.items()):
         owner = param_names[param].rpartition(".")[0]
-        first, end = module_nodes.get(owner, (0, -1))
         if isinstance(shadow.get_submodule(owner), nn.MultiheadAttention):
             continue
-        if owner not in called_again and all(first <= node < end for node in nodes):
+        caller = owner
+        while caller not in module_nodes and caller:
+            caller = caller.rpartition(".")[0]
+        first, end = module_nodes.get(caller, (0, -1))
+        if caller not in called_again and all(first <= node < end for node in nodes):
             found.append(param)
+            if caller != owner:
+                gather_calls[param] = caller
     return found
 
 

@@ -101,12 +101,15 @@ class HeadParameter(Sealed):
 class GatheredParameter(Sealed):
     """A large parameter outside the layers, stored split on dim `dim` (of global length `size`)
     and all-gathered whole where each call of the module holding it begins
-    (nn/gathered_parameters.py): one all-gather of `elements` elements per call, none in backward."""
+    (nn/gathered_parameters.py): one all-gather of `elements` elements per call, none in backward.
+    `module`: where the module holding it is never called and its parent's forward reads it
+    itself (a position table interpolated), the module whose call gathers it; "" for its own."""
 
     name: str
     dim: int
     size: int
     elements: int
+    module: str = ""
 
 
 @dataclass
