@@ -273,6 +273,57 @@ def test_images_that_do_not_fit_leave_the_text():
     assert plan.example["description"] == "input_ids (2, 8)"
 
 
+_TEXT = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, intermediate_size=70,
+             vocab_size=101, max_position_embeddings=64)
+_VISION = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=6, intermediate_size=70, image_size=16,
+               patch_size=4)
+# Each takes an input beside pixel_values that the layout makes from its config (None: it has none).
+_IMAGE_EXTRAS = {
+    # Tiles of each image, with the id of their aspect ratio and a mask of the real ones.
+    "mllama": (dict(text_config=dict(_TEXT, cross_attention_layers=[1], pad_token_id=0), image_token_index=100,
+                    vision_config=dict(_VISION, attention_heads=6, num_global_layers=1, max_num_tiles=2,
+                                       supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]],
+                                       intermediate_layers_indices=[0], vision_output_dim=96)),
+               {"pixel_values": (2, 1, 2, 3, 16, 16), "aspect_ratio_ids": (2, 1), "aspect_ratio_mask": (2, 1, 2)}),
+    # A second view of each image for the high-resolution tower, at that tower's size.
+    "deepseek_vl_hybrid": (dict(text_config=_TEXT, image_token_id=100, vision_config=_VISION,
+                                high_res_vision_config=dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                                                            mlp_dim=70, image_size=32, patch_size=8,
+                                                            output_channels=16, global_attn_indexes=[1])),
+                           {"pixel_values": (2, 3, 16, 16), "high_res_pixel_values": (2, 3, 32, 32)}),
+    # Flattened patches on a grid, with the spatial merge of each image.
+    "video_llama_3": (dict(text_config=_TEXT, image_token_id=100, vision_config=_VISION),
+                      {"pixel_values": (8, 48), "image_grid_thw": (2, 3), "image_merge_sizes": (2,)}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_IMAGE_EXTRAS))
+def test_images_come_with_the_inputs_the_forward_needs_beside_them(kind):
+    """The layout made from the config runs the model, and its images change the output (its
+    vision tower is used, not skipped)."""
+    fields, shapes = _IMAGE_EXTRAS[kind]
+    config = AutoConfig.for_model(kind, **fields)
+    config._attn_implementation = "eager"
+    with torch.device("meta"):
+        meta = AutoModel.from_config(config)
+    _, kwargs = example_inputs_for(meta)  # raises where no layout of images runs the forward
+    assert {k: tuple(v.shape) for k, v in kwargs.items() if k != "input_ids"} == shapes
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("gate") and parameter.numel() == 1:
+                parameter.fill_(0.5)  # Mllama's cross-attention gates start at 0: no image would count
+    generator = torch.Generator().manual_seed(0)
+
+    def run():
+        images = {k: torch.randn(v.shape, generator=generator) for k, v in kwargs.items() if v.is_floating_point()}
+        with torch.no_grad():
+            return model(**{**kwargs, **images}).last_hidden_state
+
+    assert not torch.allclose(run(), run())
+
+
 def test_encoder_decoder_without_decoder_inputs_names_them():
     model = _meta("t5", AutoModelForSeq2SeqLM, **SEQ2SEQ)
     with pytest.raises(RuntimeError, match="example_inputs has no decoder_input_ids"):

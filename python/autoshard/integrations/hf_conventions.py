@@ -70,7 +70,7 @@ DECODER_INPUTS = frozenset({"decoder_input_ids", "decoder_inputs_embeds", "label
 # The methods that check the image features fill as many image tokens as input_ids holds.
 PLACEHOLDER_CHECKS = ("get_placeholder_mask", "inputs_merger")  # Idefics2/3 merge and check in one
 # The check's argument holding the image features, under each architecture's name for it.
-IMAGE_FEATURES = ("image_features", "image_hidden_states")
+IMAGE_FEATURES = ("image_features", "image_hidden_states", "features")  # Inkling2: one check for every kind
 
 
 # --- Config attributes ---------------------------------------------------------------------

@@ -7,9 +7,17 @@ The images take the layout the model's forward asks for:
   size) where it takes a `pixel_attention_mask` (Idefics3);
 - flattened patches with `image_grid_thw` (Qwen2-VL and the models built like it): one image per
   sample of (1, h, w) patches, h and w twice the spatial merge, each patch of channels x
-  temporal_patch_size x patch_size^2 values;
+  temporal_patch_size x patch_size^2 values; then each patch as an image of its own (channels,
+  patch_size, patch_size), then each merged token's block of pixels, channels last, on a grid of
+  tokens; with `image_merge_sizes` and `images_per_sample` where the forward takes them;
 - flattened patches with `spatial_shapes` and a `pixel_attention_mask` (SigLIP 2's NaFlex layout,
-  LFM2-VL): one image per sample of 4 x 4 patches of channels x patch_size^2 values.
+  LFM2-VL): one image per sample of 4 x 4 patches of channels x patch_size^2 values;
+- after the layouts above, those of forwards that need more beside the images: a mask of real
+  tiles (`pixel_attention_mask` of (batch, tiles)), images of as many patches as a projector of
+  fixed query counts takes (`*patch_to_query_dict`), tiles with their aspect ratio
+  (`aspect_ratio_ids`, `aspect_ratio_mask`), patches pooled into tokens by index
+  (`image_token_pooling`, `image_grids`), and a second view of each image for a tower of its own
+  (`<name>_pixel_values` beside a `<name>_vision_config`).
 
 A model that puts its image features in place of image tokens in `input_ids` checks that their
 counts agree (`get_placeholder_mask`). The count is found by running the forward on meta copies
@@ -19,6 +27,7 @@ the vision start and end tokens where the config has them.
 """
 
 import inspect
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -98,11 +107,7 @@ def image_layouts(model: nn.Module, config, batch: int) -> List[Dict[str, torch.
     accepted = set(inspect.signature(model.forward).parameters)
     channels = _channels(vision)
     if "image_grid_thw" in accepted:
-        patch, merge = _patch(vision), _merge(vision)
-        temporal = _get(vision, *hf.TEMPORAL_PATCH_SIZE) or 1
-        side = 2 * merge
-        return [{"pixel_values": torch.zeros(batch * side * side, channels * temporal * patch * patch),
-                 "image_grid_thw": torch.tensor([[1, side, side]] * batch)}]
+        return _grid_layouts(vision, accepted, channels, batch)
     if "spatial_shapes" in accepted:
         # Patches flattened, with each image's grid of patches and a mask of the real ones
         # (SigLIP 2's NaFlex layout, LFM2-VL): one image per sample of side x side patches.
@@ -120,7 +125,105 @@ def image_layouts(model: nn.Module, config, batch: int) -> List[Dict[str, torch.
                    {**layouts[0], "image_sizes": torch.tensor([[size, size]] * batch)}] + layouts
     if "pixel_attention_mask" in accepted:
         layouts.reverse()  # Idefics3: (batch, images, channels, height, width)
+        # A mask of the real tiles among each sample's (Granite-Docling), not of pixels.
+        layouts.append({"pixel_values": torch.zeros(batch, 1, channels, size, size),
+                        "pixel_attention_mask": torch.ones(batch, 1, dtype=torch.bool)})
+    queried = _projector_image_size(config, vision)
+    if queried is not None:
+        layouts.append({"pixel_values": torch.zeros(batch, channels, queried, queried)})
+    if "aspect_ratio_ids" in accepted:
+        layouts.append(_tiles(vision, channels, size, batch))
+    if "image_token_pooling" in accepted:
+        layouts.append(_pooled_patches(vision, channels, batch))
+    # Images that each need a second view of themselves for another tower (DeepSeek-VL's high
+    # resolution one), at that tower's own size.
+    companions = _companion_images(config, accepted, batch)
+    if companions:
+        layouts += [{**layout, **companions} for layout in layouts]
     return layouts
+
+
+def _grid_layouts(vision, accepted, channels: int, batch: int) -> List[Dict[str, torch.Tensor]]:
+    """One image per sample of side x side patches, side twice the spatial merge, its patches in
+    each of the layouts a patch embedding takes; with the merge of each image where the forward
+    takes it."""
+    patch, merge = _patch(vision), _merge(vision)
+    temporal = _get(vision, *hf.TEMPORAL_PATCH_SIZE) or 1
+    side = 2 * merge
+    patches = batch * side * side
+    grid = torch.tensor([[1, side, side]] * batch)
+    depth = [temporal] if temporal > 1 else []
+    layouts = [
+        # Qwen2-VL: each patch flattened, its channels, frames and pixels in one row.
+        {"pixel_values": torch.zeros(patches, channels * temporal * patch * patch), "image_grid_thw": grid},
+        # Each patch an image of its own, for a patch embedding that convolves it (Kimi-K2.5).
+        {"pixel_values": torch.zeros(patches, channels, *depth, patch, patch), "image_grid_thw": grid},
+        # Each merged token's block of merge x merge patches, channels last, the grid counting
+        # tokens (Inkling2).
+        {"pixel_values": torch.zeros(batch * 4, merge * patch, merge * patch, channels),
+         "image_grid_thw": torch.tensor([[1, 2, 2]] * batch)}]
+    extra = {}
+    if "image_merge_sizes" in accepted:
+        extra["image_merge_sizes"] = torch.tensor([merge] * batch)
+    if "images_per_sample" in accepted:
+        # A model that makes images (GLM-Image) reads each sample's grids as its source images
+        # followed by the grid of the image it is to make: the same grid again, after each image.
+        extra["images_per_sample"] = torch.tensor([2] * batch)
+        layouts = [{**layout, "image_grid_thw": layout["image_grid_thw"].repeat_interleave(2, dim=0)}
+                   for layout in layouts]
+    return [{**layout, **extra} for layout in layouts]
+
+
+def _projector_image_size(config, vision) -> Optional[int]:
+    """The side of an image whose patches a projector of fixed query counts takes (Aria: queries
+    by number of patches), or None where the config names no such counts."""
+    counts = next((value for name, value in vars(config).items()
+                   if name.endswith("patch_to_query_dict") and isinstance(value, dict) and value), None)
+    if counts is None:
+        return None
+    patches = min(int(k) for k in counts)
+    per_side = math.isqrt(patches)
+    return per_side * _patch(vision) if per_side * per_side == patches else None
+
+
+def _tiles(vision, channels: int, size: int, batch: int) -> Dict[str, torch.Tensor]:
+    """One image per sample cut into the vision config's max_num_tiles tiles (Mllama), of its
+    first supported aspect ratio (ids count from one, 0 being padding), the tiles it spans real."""
+    tiles = _get(vision, "max_num_tiles") or 1
+    ratios = _get(vision, "supported_aspect_ratios") or [[1, 1]]
+    real = min(tiles, math.prod(ratios[0]))
+    mask = torch.zeros(batch, 1, tiles, dtype=torch.long)
+    mask[..., :real] = 1
+    return {"pixel_values": torch.zeros(batch, 1, tiles, channels, size, size),
+            "aspect_ratio_ids": torch.ones(batch, 1, dtype=torch.long), "aspect_ratio_mask": mask}
+
+
+def _pooled_patches(vision, channels: int, batch: int) -> Dict[str, torch.Tensor]:
+    """One crop per sample of flattened patches, as many as the tower's position table, pooled
+    into image tokens by the indices of the patches each token pools (Molmo2): 4 tokens a crop,
+    each of 4 patches, and each image's grids of tokens (its whole and its crops: 2 x 2 and none)."""
+    patch = _patch(vision)
+    positions = _get(vision, "num_position_embeddings")
+    if not isinstance(positions, int):
+        positions = (_image_size(vision) // patch) ** 2
+    tokens, pooled = 4, 4
+    pooling = torch.stack([image * positions + torch.arange(tokens * pooled).view(tokens, pooled)
+                           for image in range(batch)]).view(-1, pooled)
+    return {"pixel_values": torch.zeros(batch, positions, channels * patch * patch),
+            "image_token_pooling": pooling, "image_grids": torch.tensor([[2, 2, 0, 0]] * batch)}
+
+
+def _companion_images(config, accepted, batch: int) -> Dict[str, torch.Tensor]:
+    """Images for each `<name>_pixel_values` the forward takes whose config has a
+    `<name>_vision_config`, at that config's image size and channels."""
+    images = {}
+    for argument in sorted(accepted):
+        prefix = argument[:-len("pixel_values")]
+        tower = getattr(config, prefix + "vision_config", None) if argument.endswith("_pixel_values") else None
+        if tower is not None:
+            size = _image_size(tower)
+            images[argument] = torch.zeros(batch, _channels(tower), size, size)
+    return images
 
 
 def _count_at_check(model: nn.Module, kwargs: dict) -> Optional[int]:
