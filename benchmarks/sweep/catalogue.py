@@ -4,6 +4,7 @@ from the config and the model's main input (for a model of text and images or au
 its images or audio first, their tokens placed in the ids)."""
 
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Set
 
@@ -161,7 +162,7 @@ def example_inputs(model: torch.nn.Module, generator: torch.Generator, kind: int
 
 # The inputs a model's forward may take beside its input_ids, which put a tower of their own to work.
 IMAGE_INPUTS = ("pixel_values", "pixel_values_videos")
-AUDIO_INPUTS = ("input_features",)
+AUDIO_INPUTS = ("input_features", "input_values")
 
 
 def _accepted(model: torch.nn.Module) -> Set[str]:
@@ -172,7 +173,8 @@ def _accepted(model: torch.nn.Module) -> Set[str]:
 
 
 def takes_media_beside_text(model: torch.nn.Module) -> bool:
-    """Whether the model reads input_ids first and takes images, videos or audio features beside them."""
+    """Whether the model reads input_ids first and takes images, videos or audio (features or a
+    waveform) beside them."""
     return (getattr(model, "main_input_name", "input_ids") == "input_ids"
             and bool(_accepted(model) & set(IMAGE_INPUTS + AUDIO_INPUTS)))
 
@@ -204,8 +206,9 @@ def placeholder_count(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -
             def counting(*args, check=check, signature=signature, **kwargs):
                 bound = signature.bind_partial(*args, **kwargs).arguments
                 embeds = bound.get("inputs_embeds")
-                features = [v for k, v in bound.items()
-                            if (k.endswith("_features") or k.endswith("_hidden_states")) and v is not None]
+                # Inkling2's one check for every kind names its argument `features`.
+                features = [v for k, v in bound.items() if (k.endswith("_features") or k.endswith("_hidden_states")
+                                                            or k == "features") and v is not None]
                 if not features or not isinstance(embeds, torch.Tensor):
                     return check(*args, **kwargs)
                 tensors = [t for f in features for t in (f if isinstance(f, (list, tuple)) else [f])]
@@ -274,60 +277,133 @@ _FEATURE_SIZES = ("num_mel_bins", "feature_size", "input_feat_per_channel", "fea
                   "input_dim")
 
 
+def _tower_input_width(model: torch.nn.Module) -> Optional[int]:
+    """The width of features the first weighted layer of the model's audio tower (the first module
+    below it whose forward takes input_features) reads: a convolution's input channels, a
+    projection's or a norm's input width. Some encoders read a width no config field names
+    (Fun-ASR-Nano: num_mel_bins x num_stacked_frames stacked frames)."""
+    tower = next((m for name, m in model.named_modules() if name and "input_features" in _accepted(m)), None)
+    for layer in tower.modules() if tower is not None else ():
+        if isinstance(layer, torch.nn.Conv1d):
+            return layer.in_channels
+        if isinstance(layer, torch.nn.Linear):
+            return layer.in_features
+        if isinstance(layer, torch.nn.LayerNorm):
+            return layer.normalized_shape[-1]
+    return None
+
+
+def _waveform_layouts(model: torch.nn.Module, generator) -> List[Dict[str, torch.Tensor]]:
+    """Raw audio for a model that reads its waveform beside its text (OmniASR): (batch, samples)
+    and (batch, 1 channel, samples), with a mask of every sample where the forward takes one."""
+    dtype = next(model.parameters()).dtype  # as for images
+    layouts = []
+    for shape in ((BATCH, AUDIO_SAMPLES), (BATCH, 1, AUDIO_SAMPLES)):
+        layout = {"input_values": torch.randn(*shape, generator=generator).to(dtype)}
+        if "padding_mask" in _accepted(model):
+            layout["padding_mask"] = torch.ones(BATCH, AUDIO_SAMPLES, dtype=torch.long)
+        layouts.append(layout)
+    return layouts
+
+
 def _audio_layouts(model: torch.nn.Module, generator) -> List[Dict[str, torch.Tensor]]:
     """Log-mel features, with a mask of every frame where the forward takes one: first Whisper's
     layout (batch, mel bins, frames); then (batch, features, frames) and (batch, frames, features)
-    for each width the config names (a speech encoder reading frames of 160 stacked features),
-    over 2 x max_source_positions frames and, where the encoder cuts its input in windows, one
-    window of frames (n_window)."""
+    for each width the config names (a speech encoder reading frames of 160 stacked features) and
+    the width the audio tower's first layer reads, over 2 x max_source_positions frames and, where
+    the encoder cuts its input in windows, one window of frames (n_window). For a model that reads
+    a waveform instead, _waveform_layouts."""
     if "input_features" not in _accepted(model):
-        return []
+        return _waveform_layouts(model, generator) if "input_values" in _accepted(model) else []
     config = model.config
     bins, frames = _first(config, "num_mel_bins") or 16, 2 * (_first(config, "max_source_positions") or 32)
     window = _first(config, "n_window")
     shapes = [(bins, frames, frames)]  # (features axis 1, frames axis 2, the frame count)
-    for size in dict.fromkeys([bins] + [v for v in (_first(config, k) for k in _FEATURE_SIZES) if v]):
+    # The tower's width comes last: a model that runs with an earlier layout keeps it.
+    sizes = [bins] + [v for v in (_first(config, k) for k in _FEATURE_SIZES) if v] + [_tower_input_width(model)]
+    for size in dict.fromkeys(v for v in sizes if v):
         for count in dict.fromkeys([frames] + ([2 * window] if window else [])):
             for shape in ((size, count, count), (count, size, count)):
                 if shape not in shapes:
                     shapes.append(shape)
     dtype = next(model.parameters()).dtype  # as for images
+    # A mask the model's get_audio_features does not take beside the features it names is not
+    # over their frames (Granite Speech's selects its projector's outputs, and one of the frames
+    # indexes them as rows): it is left out.
+    encoder = getattr(model, "get_audio_features", None)
+    encodes = set(inspect.signature(encoder).parameters) if callable(encoder) else set()
+    masks = [m for m in ("input_features_mask", "feature_attention_mask")
+             if m in _accepted(model) and (m in encodes or "input_features" not in encodes)]
     layouts = []
     for first, second, count in shapes:
         layout = {"input_features": torch.randn(BATCH, first, second, generator=generator).to(dtype)}
-        for mask in ("input_features_mask", "feature_attention_mask"):
-            if mask in _accepted(model):
-                layout[mask] = torch.ones(BATCH, count, dtype=torch.long)
+        for mask in masks:
+            layout[mask] = torch.ones(BATCH, count, dtype=torch.long)
         layouts.append(layout)
     return layouts
 
 
+# The message with which transformers' multimodal models refuse features and placeholder tokens
+# of different counts ("Audio features and audio tokens do not match, tokens: 0, features: 64"):
+# the count of features is the number of tokens they fill. MusicFlamingo checks it before the
+# placeholder check, building the audio's timestamps from the tokens.
+_MISMATCH = r"{} features and {} tokens do not match[,:] tokens: \S+, features:? (\d+)"
+
+
+def _mismatch_count(error: Exception, kind: str) -> Optional[int]:
+    found = re.search(_MISMATCH.format(kind, kind), str(error), re.IGNORECASE)
+    return int(found.group(1)) if found else None
+
+
+def _with_tokens(model: torch.nn.Module, inputs: Dict[str, torch.Tensor], ids: torch.Tensor, token: int,
+                 count: int, kind: str) -> Dict[str, torch.Tensor]:
+    inputs = {**inputs, "input_ids": _ids_with_tokens(ids, model.config, token, count, kind)}
+    if kind == "image" and "mm_token_type_ids" in _accepted(model):
+        inputs["mm_token_type_ids"] = (inputs["input_ids"] == token).long()  # 1 where an image is
+    return inputs
+
+
 def media_inputs(model: torch.nn.Module, generator: torch.Generator) -> Dict[str, torch.Tensor]:
     """Text with the images (or else the audio) the model takes beside it: each layout of images
-    autoshard makes, then the sweep's audio features, run up to the model's placeholder check for
-    the number of tokens they fill, and that many image (audio) tokens placed in the ids; the first
-    layout that gets there (or runs through without one) is the model's. Raises NoSuchInputs where
-    the model takes no such inputs, NoMediaLayoutRuns where none of the layouts runs."""
+    autoshard makes, then the sweep's audio features, run up to the model's placeholder check (or
+    its refusal of features and tokens of different counts) for the number of tokens they fill,
+    and that many image (audio) tokens placed in the ids; the first layout that gets there (or runs
+    through without one) is the model's. Where none does, each layout again with two of the
+    model's tokens in each sample's ids. Raises NoSuchInputs where the model takes no such inputs,
+    NoMediaLayoutRuns where none of the layouts runs."""
     if not takes_media_beside_text(model):
         raise NoSuchInputs("the model takes no images or audio beside its input_ids")
     text = {"input_ids": _token_ids(model.config, (BATCH, SEQ), generator)}
     if getattr(model.config, "is_encoder_decoder", False):
         text["decoder_input_ids"] = _token_ids(model.config, (BATCH, DECODER_SEQ), generator)
+    ids = text["input_ids"]
+    media = (("image", _image_layouts(model, generator)), ("audio", _audio_layouts(model, generator)))
     failures = []
-    for kind, layouts in (("image", _image_layouts(model, generator)), ("audio", _audio_layouts(model, generator))):
-        for layout in layouts:
-            tried = {**text, **layout}
-            try:
-                count = placeholder_count(model, tried)
-            except Exception as error:  # noqa: BLE001 - the model's own error, kept for the record
-                failures.append(f"{_shapes(layout)}: {type(error).__name__}: {str(error)[:200]}")
-                continue
+    # The second pass, with tokens already in the ids, is for a forward that tells ids a processor
+    # expanded from a legacy prompt by a run of media tokens in them (Qwen2-Audio merges a prompt
+    # without such a run the legacy way, which needs an attention mask); it comes after every
+    # layout without tokens, so that a model that runs with one of those keeps it.
+    for seeded in (False, True):
+        for kind, layouts in media:
             token = _media_token(model.config, kind)
-            if count is not None and token is not None:
-                tried["input_ids"] = _ids_with_tokens(text["input_ids"], model.config, token, count, kind)
-                if kind == "image" and "mm_token_type_ids" in _accepted(model):
-                    tried["mm_token_type_ids"] = (tried["input_ids"] == token).long()  # 1 where an image is
-            return tried
+            if seeded and token is None:
+                continue
+            for layout in layouts:
+                tried = {**text, **layout}
+                if seeded:
+                    tried = _with_tokens(model, tried, ids, token, 2 * BATCH, kind)
+                try:
+                    count = placeholder_count(model, tried)
+                except Exception as error:  # noqa: BLE001 - the model's own error, kept for the record
+                    count = _mismatch_count(error, kind)
+                    if count is None:
+                        why = f"{type(error).__name__}: {str(error)[:200]}"
+                        if f"{_shapes(layout)}: {why}" not in failures:  # else the tokens changed nothing
+                            failures.append(f"{_shapes(layout)}{' with its tokens in the ids' if seeded else ''}: {why}")
+                        continue
+                if count is not None and token is not None:
+                    tried = _with_tokens(model, tried, ids, token, count, kind)
+                return tried
     raise NoMediaLayoutRuns("; ".join(failures) or "the sweep makes no images or audio for its config")
 
 

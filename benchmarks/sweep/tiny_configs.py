@@ -49,7 +49,7 @@ SHRINK: Dict[str, int] = {
     "hidden_size_per_layer_input": 16,
     # experts
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
-    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"), 2),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k"), 2),
     **dict.fromkeys(("n_group", "topk_group"), 1),
     # multi-head latent attention
     "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
@@ -64,6 +64,14 @@ SHRINK: Dict[str, int] = {
 
 # model_type -> fields set after the generic rules (for models whose defaults the rules get wrong).
 OVERRIDES: Dict[str, Dict[str, Any]] = {
+    # Configs whose defaults leave a size unset (None), which their model cannot be built with:
+    # the experts routed and chosen, the vocabulary (ESM's is its tokenizer's).
+    "deepseek_v2": dict(num_experts_per_tok=2),
+    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),
+    "esm": dict(vocab_size=VOCAB, pad_token_id=1),
+    # Mamba-2 heads times their width must be the expanded width (2 x 64); one attention layer of
+    # the two (the default indices lie past them, and a cache of Mamba layers alone is refused)
+    "bamba": dict(mamba_n_heads=4, mamba_d_head=2 * WIDTH // 4, mamba_d_state=16, attn_layer_indices=[1]),
     "whisper": dict(max_source_positions=32),  # the encoder's frames are 2 x this
     # transformers 5.24 builds BLT's cache from the top config, which has no layer count
     # (AttributeError in DynamicCache); the sweep's forward needs no cache.
@@ -88,6 +96,46 @@ OVERRIDES: Dict[str, Dict[str, Any]] = {
     "gemma3": dict(mm_tokens_per_image=4),
     # the last stage's channels are the hidden size
     "efficientloftr": dict(out_features=[16, 16, 32, WIDTH]),
+    # The projector normalises the vision tower's features before merging them: its width is the
+    # tower's (1152 by default), not shrunk with it.
+    "kimi_k25": dict(projection_hidden_size=WIDTH),
+    # The projector reads the tower's output after its 2 x 2 pixel shuffle, 4 x the tower's width
+    # (6144 = 4 x 1536 by default); the generic rule makes it the text width.
+    **dict.fromkeys(("muse_spark", "muse_glimmer"), dict(out_hidden_size=4 * WIDTH)),
+    # The projector reads the last layer's features beside those of the layers named here (of 32
+    # by default, counted from 0, past the tiny tower's 2), vision_output_dim wide in all.
+    "mllama_vision_model": dict(intermediate_layers_indices=[0, LAYERS - 1], vision_output_dim=3 * WIDTH,
+                                num_global_layers=LAYERS),
+    # SAM's feature map, after its last downsampling, is the vision encoder's patch embedding.
+    "unlimited_ocr_sam_vision_model": dict(downsample_channels=[WIDTH, WIDTH]),
+    # The VQ encoder reads the vision tower's features (1536 wide by default), and its codes are
+    # placed in the ids as tokens of the text model, below its special tokens (16384 codes, the
+    # image start token 16384 by default; the tiny config keeps those in the vocabulary's top 8).
+    "glm_image_vqmodel": dict(latent_channels=WIDTH, num_embeddings=VOCAB // 2),
+    # The image token is the first of the extra vocabulary past vocab_size (151938 by default),
+    # an id the sweep's text never draws.
+    "molmo2": dict(image_patch_id=VOCAB + 2),
+    # The high-resolution tower's features are read after its first global-attention layer
+    # (global_attn_indexes[0], 2 of 12 by default: past the tiny tower's 2). The whole sub-config
+    # is replaced, so it is given tiny here.
+    "deepseek_vl_hybrid": dict(high_res_vision_config=dict(
+        model_type="sam_vision_model", hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        mlp_dim=FFN, image_size=32, patch_size=8, global_attn_indexes=[LAYERS - 1])),
+    # Voxtral and GLM-ASR stack 4 of the audio encoder's output frames into one vector of the
+    # encoder's intermediate_size (5120 = 4 x 1280) before the projector: 96 stacks no whole
+    # number of frames, and their audio never ran
+    "voxtral_encoder": dict(intermediate_size=4 * WIDTH), "glmasr_encoder": dict(intermediate_size=4 * WIDTH),
+    # the released checkpoint's audio token; the default (None) gives the audio features no place in the ids
+    "voxtral": dict(audio_token_id=24),
+    # The encoder's positions count from one (2049 by default, for 2048 frames): 64 leave the
+    # sweep's 64 frames one position short
+    "fun_asr_nano_encoder": dict(max_position_embeddings=65),
+    # The Q-Former projector cross-attends to the encoder's states, hidden_dim wide (1024 in the
+    # released checkpoints); the default config leaves its encoder_hidden_size at BLIP-2's 1408.
+    # The whole projector_config is replaced, so it is given tiny here.
+    **dict.fromkeys(("granite_speech", "granite_speech_plus"), dict(projector_config=dict(
+        model_type="blip_2_qformer", hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        intermediate_size=FFN, max_position_embeddings=64, vocab_size=VOCAB, encoder_hidden_size=FFN))),
 }
 
 _LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
