@@ -14,7 +14,7 @@ from transformers.models.auto import modeling_auto
 from transformers.utils import logging
 
 from tiny_configs import tiny_config
-from autoshard.plan.inputs import encoder_states_width
+from autoshard.plan.inputs import encoder_states_argument, encoder_states_width
 
 logging.set_verbosity_error()
 
@@ -156,7 +156,7 @@ def example_inputs(model: torch.nn.Module, generator: torch.Generator, kind: int
     # A decoder alone with cross-attention (BartForCausalLM) reads an encoder's states there.
     width = encoder_states_width(model)
     if width is not None:
-        inputs["encoder_hidden_states"] = torch.randn(BATCH, SEQ, width, generator=generator)
+        inputs[encoder_states_argument(model)] = torch.randn(BATCH, SEQ, width, generator=generator)
     return inputs
 
 

@@ -22,7 +22,7 @@ SHRINK: Dict[str, int] = {
     # widths of the residual stream
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_embed_proj_dim",
                      "projection_dim", "text_embed_dim", "vision_embed_dim", "output_hidden_size",
-                     "embedding_size", "hidden_dim_out", "hidden_size_global",
+                     "embedding_size", "entity_emb_size", "hidden_dim_out", "hidden_size_global",
                      # widths that must equal another (sub-)config's width (the vision tower's output
                      # and the text width, a flow head's condition and the backbone, ...)
                      "text_hidden_size", "audio_hidden_size", "condition_dim",
@@ -45,7 +45,7 @@ SHRINK: Dict[str, int] = {
     **dict.fromkeys(("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length",
                      "max_source_positions", "max_target_positions", "n_ctx", "seq_length"), 64),
     **dict.fromkeys(("vocab_size", "decoder_vocab_size", "vocab_size_per_layer_input",
-                     "encoder_hash_byte_group_vocab"), VOCAB),
+                     "encoder_hash_byte_group_vocab", "entity_vocab_size"), VOCAB),
     "hidden_size_per_layer_input": 16,
     # experts
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),

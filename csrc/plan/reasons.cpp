@@ -45,10 +45,11 @@ const std::vector<std::pair<std::string, std::string>>& reason_table() {
        "a grouped or depthwise convolution whose input channels arrive whole: it is split only with its input, by "
        "whole groups"},
       {"functional_layer",
-       "a Linear whose weight the model multiplies itself (F.linear(x, layer.weight, bias), weight @ x): it is "
-       "split only as a column layer whose input's gradient is summed upstream (a row layer's output, as Mamba's "
-       "x_proj) and whose bias, where added apart, meets only its channels; here it is not, or the product adds "
-       "another bias"},
+       "a layer whose weight the model applies itself (F.linear(x, layer.weight, bias), weight @ x, "
+       "F.conv1d(x, conv.weight)): a Linear is split only as a column layer whose input's gradient is summed "
+       "upstream (a row layer's output, as Mamba's x_proj) and whose bias, where added apart, meets only its "
+       "channels, a depthwise convolution's weight only with the channels it meets; here they are not, or the "
+       "product adds another bias"},
       {"gathered_alone",
        "(split) a convolution alone over an input no gradient flows to, whose output must be whole: its output "
        "channels are gathered, one all-gather in forward and none in backward"},

@@ -380,9 +380,11 @@ IDIOMS = [
     # q, k and v taken apart by unbind: the fused projection is split by heads in its 3 parts.
     Arch("own_idiom_unbind_qkv", idiom("unbind_qkv"), token_ids(97), small=True,
          plan_says=r"blocks\.0(?:-1)?\.attn\.qkv +column .* in parts \((\d+), \1, \1\)"),
+    # F.linear on the fused weight with a concatenated bias: not the layer's call, so the weight,
+    # read inside its attention's one call, is stored split and gathered for that call.
     Arch("own_idiom_functional_qkv_bias", idiom("functional_qkv_bias"), token_ids(97), small=True,
-         plan_says=r"a Linear the model never calls: its forward applies the weight itself \(F\.linear.*"
-                   r"blocks\.0(-1)?\.attn\.qkv"),
+         plan_says=r"parameters stored split and gathered whole for each call of their module .*"
+                   r"blocks\.0(-1)?\.attn\.qkv\.weight"),
     Arch("own_idiom_adaptive_norm", idiom("adaptive_norm"), token_ids(97), small=True,
          plan_says=r"blocks\.0(-1)?\.modulation\.1 .*replicated: .*adaptive-norm modulation"),
     # The stem is a layer of its own, whose output passes the grouped positional convolution

@@ -330,6 +330,24 @@ def test_encoder_decoder_without_decoder_inputs_names_them():
         autoshard.plan(model, world_size=2, example_inputs={"input_ids": torch.ones(2, 5, dtype=torch.long)})
 
 
+def test_a_decoder_alone_taking_encoder_outputs_gets_them():
+    """WhisperForCausalLM cross-attends in every layer to states it takes as `encoder_outputs`
+    (no `encoder_hidden_states`): they are made, so its cross-attention is traced and split."""
+    from transformers import WhisperConfig, WhisperForCausalLM
+
+    config = WhisperConfig(vocab_size=96, pad_token_id=1, bos_token_id=2, eos_token_id=3, decoder_start_token_id=2,
+                           d_model=32, decoder_layers=1, encoder_layers=1, decoder_attention_heads=4,
+                           encoder_attention_heads=4, decoder_ffn_dim=48, encoder_ffn_dim=48,
+                           max_target_positions=32, max_source_positions=16)
+    model = WhisperForCausalLM(config)
+    _, kwargs = example_inputs_for(model)
+    assert kwargs["encoder_outputs"].shape[-1] == 32 and "encoder_hidden_states" not in kwargs
+    plan = autoshard.plan(model, world_size=2)
+    styles = {layer.module: layer.style.value for layer in plan.layers}
+    assert styles["model.decoder.layers.0.encoder_attn.k_proj"] == "column"
+    assert styles["model.decoder.layers.0.encoder_attn.out_proj"] == "row"
+
+
 class PaddingCheck(nn.Module):
     """Reads its input's values in forward, as Hugging Face's padding checks do."""
 

@@ -177,7 +177,7 @@ def example_inputs_for(model: nn.Module, images: bool = True) -> Tuple[tuple, Di
             kwargs["decoder_input_ids"] = _token_ids(config, *hf.DECODER_POSITION_LIMITS)
         width = encoder_states_width(model)
         if width is not None:
-            kwargs["encoder_hidden_states"] = torch.zeros(BATCH, SEQUENCE, width)
+            kwargs[encoder_states_argument(model)] = torch.zeros(BATCH, SEQUENCE, width)
         # A model of text and images reads both: its images have a config of their own.
         beside_text = images_beside_text(model)
         for extra in _required(model):
@@ -208,13 +208,26 @@ def example_inputs_for(model: nn.Module, images: bool = True) -> Tuple[tuple, Di
 def encoder_states_width(model: nn.Module) -> Optional[int]:
     """The features of the encoder_hidden_states that a decoder alone (BartForCausalLM, a BERT
     decoder with cross-attention) reads in its cross-attention, or None where it has none: the
-    trace of a forward without them never calls those layers, which then stay whole."""
+    trace of a forward without them never calls those layers, which then stay whole. A decoder
+    alone that takes `encoder_outputs` (WhisperForCausalLM, whose layers all cross-attend) reads
+    them there (encoder_states_argument)."""
     config = getattr(model, "config", None)
-    if (config is None or getattr(config, "is_encoder_decoder", False) or not getattr(config, "is_decoder", False)
-            or getattr(config, "add_cross_attention", None) is False
-            or "encoder_hidden_states" not in _accepted(model)):
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return None
+    takes_outputs = encoder_states_argument(model) == "encoder_outputs"
+    if not takes_outputs and (not getattr(config, "is_decoder", False)
+                              or getattr(config, "add_cross_attention", None) is False
+                              or "encoder_hidden_states" not in _accepted(model)):
         return None
     return _config_value(config, "cross_attention_hidden_size", "encoder_hidden_size", "d_model", "hidden_size")
+
+
+def encoder_states_argument(model: nn.Module) -> str:
+    """The argument through which a decoder alone takes its encoder's states: encoder_hidden_states,
+    or encoder_outputs where its forward takes only that."""
+    accepted = _accepted(model)
+    return "encoder_outputs" if "encoder_outputs" in accepted and "encoder_hidden_states" not in accepted \
+        else "encoder_hidden_states"
 
 
 def missing_decoder_inputs(model: nn.Module, kwargs: Optional[dict]) -> bool:
