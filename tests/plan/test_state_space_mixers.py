@@ -96,16 +96,21 @@ def test_the_mixer_is_split_over_its_channels():
     assert "output gradients summed where their layer returns them" in str(plan)
 
 
-def _exact_on_ranks(world_size):
-    model, reference = _stack(), _stack()
-    x = _inputs()
-    autoshard.parallelize(model, example_inputs=(x,))
+def _equal_to_unsharded(model, reference, inputs, run, tolerance=1e-10):
+    """`model` parallelized on `inputs` against `reference`: outputs, the collectives the plan
+    predicts, every gradient (gathered). Returns each layer's style."""
+    autoshard.parallelize(model, example_inputs=inputs)
     plan = autoshard.parallel_state.state_of(model).plan
-    forward_backward_as_planned(model, reference, plan, lambda m: m(x), rtol=1e-10, atol=1e-10)
+    forward_backward_as_planned(model, reference, plan, run, rtol=tolerance, atol=tolerance)
     grads = gathered_grads(model)
     for name, p in reference.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[name], p.grad, rtol=tolerance, atol=tolerance, msg=lambda m: f"{name}: {m}")
     return {layer.module: layer.style.value for layer in plan.layers}
+
+
+def _exact_on_ranks(world_size):
+    x = _inputs()
+    return _equal_to_unsharded(_stack(), _stack(), (x,), lambda m: m(x))
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -124,15 +129,9 @@ def _hf_mamba():
 
 
 def _hf_mamba_exact():
-    model, reference = _hf_mamba(), _hf_mamba()
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(3))
-    autoshard.parallelize(model, example_inputs={"input_ids": ids})
-    plan = autoshard.parallel_state.state_of(model).plan
-    forward_backward_as_planned(model, reference, plan, lambda m: m(input_ids=ids).logits, rtol=1e-9, atol=1e-9)
-    grads = gathered_grads(model)
-    for name, p in reference.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
-    return {layer.module: layer.style.value for layer in plan.layers if "mixer" in layer.module}
+    return _equal_to_unsharded(_hf_mamba(), _hf_mamba(), {"input_ids": ids}, lambda m: m(input_ids=ids).logits,
+                               tolerance=1e-9)
 
 
 def test_hugging_face_mamba_split_equals_the_unsharded_model():
@@ -191,14 +190,8 @@ def test_a_weight_product_is_split_only_where_its_input_gradient_is_summed(block
 
 
 def _block_exact(block_name):
-    model, reference = _block_model(block_name), _block_model(block_name)
     x = _inputs()
-    autoshard.parallelize(model, example_inputs=(x,))
-    plan = autoshard.parallel_state.state_of(model).plan
-    forward_backward_as_planned(model, reference, plan, lambda m: m(x), rtol=1e-10, atol=1e-10)
-    grads = gathered_grads(model)
-    for name, p in reference.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    return _equal_to_unsharded(_block_model(block_name), _block_model(block_name), (x,), lambda m: m(x))
 
 
 @pytest.mark.parametrize("block_name", list(BLOCKS))
