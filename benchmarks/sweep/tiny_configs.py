@@ -5,17 +5,25 @@ field below that exists in a config is shrunk to a small value, in every sub-con
 (`text_config`, `vision_config`, `encoder`, ...). Sizes that must agree are derived together:
 `head_dim` from the width and the head count, grouped-query KV heads kept fewer than the query
 heads, per-layer lists cut to the new layer count, blocks per stage (`depths`) capped at the layer
-count with the stages kept, special token ids kept inside the vocabulary.
+count with the stages kept, special token ids kept inside the vocabulary. A feed-forward width keeps
+its ratio to the residual width in the released model (4x in BERT and BART, 2.7x in Llama, 8x in
+Gemma), so that attention and feed-forward weigh in the tiny model as they do in the real one.
 
 A model that needs more than the generic rules gets a line of `OVERRIDES` (fields only, no code).
 """
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 WIDTH, HEADS, KV_HEADS, FFN, LAYERS, VOCAB = 64, 4, 2, 96, 2, 128
+
+FFN_FIELDS = ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff",
+              "hidden_dim", "ffn_hidden_size", "mlp_dim", "inner_dim")
+_WIDTH_FIELDS = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim")
+# A released model's feed-forward is 0.5x to 16x its width; outside [1/4, 8] it is kept at the ends.
+_FFN_RATIO_RANGE = (0.25, 8.0)
 
 # field -> tiny value, applied only where the config's value is an int larger than it.
 SHRINK: Dict[str, int] = {
@@ -31,9 +39,8 @@ SHRINK: Dict[str, int] = {
                      # and 4096 by default, which made the image features fill ~50x more tokens
                      # than the grid's positions, and the merger most of the tiny model)
                      "out_hidden_size"), WIDTH),
-    # feed-forward widths
-    **dict.fromkeys(("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff",
-                     "hidden_dim", "ffn_hidden_size", "mlp_dim", "inner_dim"), FFN),
+    # feed-forward widths (where the config has no residual width to keep their ratio to)
+    **dict.fromkeys(FFN_FIELDS, FFN),
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32),
     # depth
     **dict.fromkeys(("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
@@ -175,6 +182,22 @@ def _first_count(fields: Dict[str, Any], keys) -> int:
     return next((fields[k] for k in keys if _is_count(fields.get(k))), 0)
 
 
+def _ffn_ratios(fields: Dict[str, Any]) -> Dict[str, Tuple[int, float]]:
+    """Each feed-forward width of a (sub-)config, and its ratio to the residual width there."""
+    width = _first_count(fields, _WIDTH_FIELDS)
+    low, high = _FFN_RATIO_RANGE
+    return {key: (fields[key], min(high, max(low, fields[key] / width))) for key in FFN_FIELDS
+            if width and _is_count(fields.get(key))}
+
+
+def _keep_ffn_ratios(fields: Dict[str, Any], ratios: Dict[str, Tuple[int, float]]) -> None:
+    """Feed-forward widths set from the shrunk residual width and their released ratios, in
+    multiples of 8 (never wider than they were)."""
+    width = _first_count(fields, _WIDTH_FIELDS)
+    for key, (released, ratio) in ratios.items():
+        fields[key] = min(released, max(8, 8 * round(width * ratio / 8)))
+
+
 def shrink(fields: Dict[str, Any]) -> Dict[str, Any]:
     """A config's fields (`to_dict()`) shrunk, sub-configs included; the input is not changed."""
     fields = dict(fields)
@@ -182,9 +205,11 @@ def shrink(fields: Dict[str, Any]) -> Dict[str, Any]:
     old_heads = _first_count(fields, _HEAD_COUNT_FIELDS)
     kv = fields.get("num_key_value_heads")
     original_depth = fields.get("depth")
+    ffn_ratios = _ffn_ratios(fields)
     for key, tiny in SHRINK.items():
         if _is_count(fields.get(key)) and fields[key] > tiny:
             fields[key] = tiny
+    _keep_ffn_ratios(fields, ffn_ratios)
     new_layers = _first_count(fields, _LAYER_COUNT_FIELDS)
     heads = _first_count(fields, _HEAD_COUNT_FIELDS)
     # Layers whose features a later module reads (Qwen3-VL's deepstack mergers, one per index)
