@@ -29,7 +29,8 @@ from .optimizer_partition import partition_replicated
 from .replica_check import DEFAULT_EVERY
 from .pending_gradients import check_no_pending_gradients
 from .plan import LayerPlan, ShardingPlan
-from .plan.local_attributes import set_attribute
+from .plan.local_attributes import region_view_sizes, set_attribute
+from .nn.view_sizes import ViewSizeHooks
 from .plan import plan_json, sequence_choice
 from .plan_until_it_runs import plan_until_it_runs
 from .replaced_modules import check_no_hooks_lost
@@ -157,6 +158,8 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> sequenc
         owner = model.get_submodule(region.module)
         for attr in region.attributes:
             set_attribute(owner, attr, region.local_attribute(attr, rank, world))
+        if region.view_sizes:
+            owner.autoshard_view_sizes = ViewSizeHooks(owner, region_view_sizes(region, rank, world))
     return tokens
 
 

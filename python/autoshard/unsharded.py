@@ -52,7 +52,8 @@ def has_state_dict_hooks(model: nn.Module) -> bool:
 @contextmanager
 def unsharded_view(model: nn.Module, whole: Dict[int, torch.Tensor]):
     """While inside: each sharded parameter (by id in `whole`) holds its whole tensor, and the
-    attributes the plan made local hold their global values again."""
+    attributes the plan made local hold their global values again, and the view calls it made
+    local (nn/view_sizes.py) are left as the model writes them."""
     from .parallel_state import state_of
     from .plan.local_attributes import set_attribute
 
@@ -67,6 +68,7 @@ def unsharded_view(model: nn.Module, whole: Dict[int, torch.Tensor]):
         for region in regions:
             for attr, value in region.attributes.items():
                 set_attribute(model.get_submodule(region.module), attr, value)
+            _view_sizes_enabled(model.get_submodule(region.module), False)
         yield
     finally:
         for key, tensor in local.items():
@@ -74,6 +76,13 @@ def unsharded_view(model: nn.Module, whole: Dict[int, torch.Tensor]):
         for region in regions:
             for attr in region.attributes:
                 set_attribute(model.get_submodule(region.module), attr, region.local_attribute(attr, rank, world))
+            _view_sizes_enabled(model.get_submodule(region.module), True)
+
+
+def _view_sizes_enabled(module: nn.Module, enabled: bool) -> None:
+    hooks = getattr(module, "autoshard_view_sizes", None)
+    if hooks is not None:
+        hooks.enabled = enabled
 
 
 def _hooked_state_dict(model: nn.Module, sharded) -> Dict[str, torch.Tensor]:

@@ -11,10 +11,11 @@ from torch import nn
 from ..constructs import record_constructs
 from ..nn.head_cuts import cut_leaf
 from ..nn.spec import ShardSpec
+from ..nn.view_sizes import ViewSize, ViewSizeHooks, local_sizes
 from ..split import split_sizes
 from .attribute_pairs import widen_by_pairs
 from .layers import is_layer_module
-from .prediction import Prediction, ShapeMismatch, first_difference
+from .prediction import Prediction, ShapeMismatch, first_difference, op_kind
 from .shape_trace import trace_shapes
 
 
@@ -27,12 +28,14 @@ class _LocalModule:
         prefix = module_name + "." if module_name else ""
         world = plan.world_size
         # Regions nested inside this module (an attention inside a block) with their attributes
-        # already made local, as the sharded model will have them.
+        # and view sizes already made local, as the sharded model will have them.
         for region in plan.regions.values():
-            if region.module.startswith(prefix) and region.module != module_name and region.attributes:
+            if region.module.startswith(prefix) and region.module != module_name:
                 owner = self.module.get_submodule(region.module[len(prefix):])
                 for attr in region.attributes:
                     set_attribute(owner, attr, region.local_attribute(attr, rank, world))
+                if region.view_sizes:
+                    ViewSizeHooks(owner, region_view_sizes(region, rank, world))
         # Split norms, parameters split with their heads, embeddings whose output is cut to the
         # heads: as this rank holds them.
         for construct in record_constructs():
@@ -63,10 +66,22 @@ class _LocalModule:
             done.update((layer.module, owner_name + ".out_proj"))
         return done
 
-    def trace(self, args, kwargs, attributes: Dict[str, int], layer_inputs: Sequence[int] = ()):
+    def trace(self, args, kwargs, attributes: Dict[str, int], layer_inputs: Sequence[int] = (),
+              view_sizes: Optional[dict] = None, seen: Optional[list] = None):
+        """The module's trace (trace_shapes) with `attributes` set and its calls' `view_sizes`
+        (as LocalViewSizes takes them) made local; `seen` gets its view calls."""
         for attr, value in attributes.items():
             set_attribute(self.module, attr, value)
-        return trace_shapes(self.module, args, kwargs, is_layer_module, self.values, layer_inputs)
+        hooks = ViewSizeHooks(self.module, view_sizes or {}, seen)
+        try:
+            return trace_shapes(self.module, args, kwargs, is_layer_module, self.values, layer_inputs)
+        finally:
+            hooks.remove()
+
+
+def region_view_sizes(region, rank: int, world_size: int) -> dict:
+    """A region's view sizes on `rank`, as nn/view_sizes.LocalViewSizes takes them."""
+    return local_sizes(region.view_sizes, lambda size: region.local_value(size, rank, world_size))
 
 
 def _representative_ranks(plan, region) -> List[int]:
@@ -185,7 +200,7 @@ def localize_attributes(plan, prediction: Prediction, cache: Optional[dict] = No
             raise error
         failed[id(region)] = failures[region_ids[id(region)]] = error
     for region in plan.regions.values():
-        region.attributes, region.repeat_attributes = {}, []
+        region.attributes, region.repeat_attributes, region.view_sizes = {}, [], []
     by_module = {region.module: region for region in plan.regions.values()}
     members: Dict[str, list] = {}  # a region's module -> the planned layers inside it
     for layer in plan.layers:
@@ -202,6 +217,7 @@ def localize_attributes(plan, prediction: Prediction, cache: Optional[dict] = No
         if first is not None and id(first) in done and _same_region(members, first, region):
             # A folded block's region: its first block's choice.
             region.attributes, region.repeat_attributes = dict(first.attributes), list(first.repeat_attributes)
+            region.view_sizes = [list(v) for v in first.view_sizes]
             done.add(id(region))
             if id(first) in failed:
                 fail(region, failed[id(first)])
@@ -218,14 +234,16 @@ def localize_attributes(plan, prediction: Prediction, cache: Optional[dict] = No
                 fail(region, cache[key])
             else:
                 region.attributes, region.repeat_attributes = dict(cache[key][0]), list(cache[key][1])
+                region.view_sizes = [list(v) for v in cache[key][2]]
             continue
         try:
-            region.attributes, region.repeat_attributes = _choose(plan, prediction, name, module, region, values, ranks)
+            region.attributes, region.repeat_attributes, region.view_sizes = _choose(plan, prediction, name, module,
+                                                                                    region, values, ranks)
         except ShapeMismatch as error:
             cache[key] = error
             fail(region, error)
             continue
-        cache[key] = (dict(region.attributes), list(region.repeat_attributes))
+        cache[key] = (dict(region.attributes), list(region.repeat_attributes), [list(v) for v in region.view_sizes])
 
 
 def _in_first_block(folded: Dict[str, str], name: str) -> Optional[str]:
@@ -248,57 +266,99 @@ def _same_region(members: Dict[str, list], a, b) -> bool:
             and layers(a) == layers(b))
 
 
-def _choose(plan, prediction, name, module, region, values, ranks) -> Tuple[Dict[str, int], List[str]]:
-    """The attributes to make local (name -> global value) and those of them that count query
-    heads per KV head."""
+def _choose(plan, prediction, name, module, region, values,
+            ranks) -> Tuple[Dict[str, int], List[str], List[ViewSize]]:
+    """The attributes to make local (name -> global value), those of them that count query
+    heads per KV head, and the sizes of view calls to make local (nn/view_sizes.py)."""
     args, kwargs = prediction.graph.module_inputs[name]
     candidates = _candidates(module, name, plan, region, values)
     chosen: Dict[Tuple[str, str], int] = {}
+    views: List[ViewSize] = []
 
-    def attempt(rank: int, attrs: Dict[str, int]):
+    def attempt(rank: int, attrs: Dict[str, int], seen: Optional[list] = None):
+        """None where the trace matches the prediction, else (ops matched, why, the predicted
+        op there)."""
         local = _LocalModule(plan, name, module, rank, prediction.graph.values)
         # Head counts are chosen on the tensor-parallel shapes: a region's module is traced from
         # its recorded, whole inputs, so split tokens would only differ there; the inputs it
         # cuts to its heads are given to it cut.
         want = prediction.module_nodes(name, rank, tokens=False)
         call_args, call_kwargs = _cut_heads(plan, prediction, name, args, kwargs, rank)
+        sizes = local_sizes(views, lambda size: region.local_value(size, rank, plan.world_size))
         got, error = local.trace(call_args, call_kwargs, {a[0]: candidates[a][rank] for a in attrs},
-                                 prediction.graph.module_layer_inputs.get(name, ()))
+                                 prediction.graph.module_layer_inputs.get(name, ()), sizes, seen)
         found = first_difference(got, want)
         if error is not None:
             index = found[0] if found is not None and found[0] < len(got) else len(got)
-            return index, f"{type(error).__name__}: {error}"
-        return None if found is None else found[:2]
+            return index, f"{type(error).__name__}: {error}", found[2] if found is not None else len(want)
+        return found
 
     # Einsum layers have no local stand-in: they keep the former rule.
     if not _LocalModule(plan, name, module, ranks[0]).supported:
-        return _fallback(prediction.graph, name, module, candidates)
+        return (*_fallback(prediction.graph, name, module, candidates), [])
     progress = lambda result: float("inf") if result is None else result[0]
-    # A candidate is kept when it lets the trace match further on some rank and no less far
-    # on any: one that only happens to equal a global size changes shapes the plan keeps.
-    current = [progress(attempt(r, chosen)) for r in ranks]
-    improved = True
-    while any(p != float("inf") for p in current) and improved:
-        improved = False
-        for attr in candidates:
-            if any(attr[0] == taken[0] for taken in chosen):
-                continue
-            trial = [progress(attempt(r, {**chosen, attr: 0})) for r in ranks]
-            if all(t >= c for t, c in zip(trial, current)) and any(t > c for t, c in zip(trial, current)):
-                chosen[attr] = 0
-                current, improved = trial, True
-    chosen, current = widen_by_pairs(candidates, chosen, current,
-                                     lambda attrs: [progress(attempt(r, attrs)) for r in ranks])
+    for _ in range(_MAX_VIEW_SIZES + 1):
+        # A candidate is kept when it lets the trace match further on some rank and no less far
+        # on any: one that only happens to equal a global size changes shapes the plan keeps.
+        current = [progress(attempt(r, chosen)) for r in ranks]
+        improved = True
+        while any(p != float("inf") for p in current) and improved:
+            improved = False
+            for attr in candidates:
+                if any(attr[0] == taken[0] for taken in chosen):
+                    continue
+                trial = [progress(attempt(r, {**chosen, attr: 0})) for r in ranks]
+                if all(t >= c for t, c in zip(trial, current)) and any(t > c for t, c in zip(trial, current)):
+                    chosen[attr] = 0
+                    current, improved = trial, True
+        chosen, current = widen_by_pairs(candidates, chosen, current,
+                                         lambda attrs: [progress(attempt(r, attrs)) for r in ranks])
+        # What attributes cannot reach: a view call given a size read from a whole tensor.
+        found = _view_size(plan, prediction, name, region, ranks, chosen, attempt) if any(
+            p != float("inf") for p in current) else None
+        if found is None:
+            break
+        views.extend(found)
     for r in ranks:
         result = attempt(r, chosen)
         if result is not None:
-            index, why = result
+            index, why = result[:2]
             where = f"op {index} of its call"
             raise ShapeMismatch(f"plan: on rank {r} of {plan.world_size}, module {name!r} does not compute the shapes "
                                 f"the plan predicts ({where}: {why}); local attributes tried: "
                                 f"{sorted(a for a, _ in chosen)}")
     globals_ = dict(_integer_attributes(module, name, plan, values))
-    return {a: globals_[a] for a, _ in chosen}, sorted(a for a, role in chosen if role == "repeat")
+    return ({a: globals_[a] for a, _ in chosen}, sorted(a for a, role in chosen if role == "repeat"),
+            [list(v) for v in views])
+
+
+# The most view calls one module call may have made local: each is found by one more search.
+_MAX_VIEW_SIZES = 16
+
+
+def _view_size(plan, prediction, name, region, ranks, chosen, attempt) -> Optional[List[ViewSize]]:
+    """The sizes to make local in the view call where the module's trace fails on the first of
+    `ranks`: where that call asks for a global shape that does not fit its local input, and the
+    plan's predicted output of the call differs from it only in sizes that are global sizes of
+    the region (their local value, on every rank, is the predicted one). None where the trace
+    fails otherwise."""
+    seen: list = []
+    result = attempt(ranks[0], chosen, seen)
+    failed = next((call for call in seen if not call[3]), None)
+    if result is None or failed is None:
+        return None
+    ordinal, _, sizes, _ = failed
+    want = prediction.module_nodes(name, ranks[0], tokens=False)
+    predicted = next((outs[0] for label, outs, _ in want[result[2]:result[2] + 3]
+                      if op_kind(label) == "view" and outs and len(outs[0]) == len(sizes)), None)
+    if predicted is None:
+        return None
+    positions = [p for p, size in enumerate(sizes) if size != -1 and size != predicted[p]]
+    if not positions or any(region.local_value(sizes[p], ranks[0], plan.world_size) != predicted[p]
+                            for p in positions):
+        return None
+    return [(ordinal, p, sizes[p]) for p in positions]
+
 
 
 def _cut_heads(plan, prediction: Prediction, name: str, args, kwargs, rank: int):

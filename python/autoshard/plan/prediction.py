@@ -180,11 +180,11 @@ class Prediction:
         start = shape_of(inputs[0])
         if shape_of(outputs[0]) == start:
             return index + 1  # any op giving its input's own local shape (a no-op reshape)
-        if _op(label) not in _SHAPE_ONLY:
+        if op_kind(label) not in _SHAPE_ONLY:
             return None
         for j in range(index, end):
             label, inputs, outputs = self.graph.nodes[j]
-            if j > index and (len(inputs) != 1 or len(outputs) != 1 or _op(label) not in _SHAPE_ONLY
+            if j > index and (len(inputs) != 1 or len(outputs) != 1 or op_kind(label) not in _SHAPE_ONLY
                               or inputs[0] != self.graph.nodes[j - 1][2][0]):
                 return None
             if shape_of(outputs[0]) == start:
@@ -221,7 +221,7 @@ _LAYOUT_COPIES = {"clone", "contiguous", "_to_copy", "alias", "detach"}
 _SHAPE_ONLY = {"view", "unsqueeze", "squeeze", "expand", "flatten", "unflatten", "slice"} | _LAYOUT_COPIES
 
 
-def _op(label: str) -> str:
+def op_kind(label: str) -> str:
     """An op label up to what the tensor's memory layout decides (reshape gives a view of a
     contiguous tensor and a copy of another): the sharded model may differ there."""
     parts = label.split(".")
@@ -237,12 +237,12 @@ def first_difference(got, want) -> Optional[Tuple[int, str]]:
     while i < len(want) and j < len(got):
         label, shapes, skip = want[i]
         traced_label, traced = got[j]
-        same_op = _op(label) == _op(traced_label)
+        same_op = op_kind(label) == op_kind(traced_label)
         if same_op and [tuple(s) for s in shapes] == [tuple(s) for s in traced]:
             i, j = i + 1, j + 1
         elif skip is not None:
             i = skip
-        elif not same_op and _op(traced_label) in ("clone", "contiguous"):
+        elif not same_op and op_kind(traced_label) in ("clone", "contiguous"):
             j += 1  # a copy the layout needs here (reshape of a non-contiguous local tensor)
         elif not same_op:
             return j, f"op {traced_label} where the plan traced {label}", i

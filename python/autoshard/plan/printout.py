@@ -45,6 +45,11 @@ def text(plan) -> str:
             local = {k: "/".join(str(region.local_attribute(k, r, plan.world_size)) for r in range(plan.world_size))
                      for k in region.attributes}
             attributes.append((region.module, f"local attributes {local}"))
+        if region.view_sizes:
+            calls = ", ".join(f"call {ordinal} size {position}: {size} -> "
+                              + "/".join(str(region.local_value(size, r, plan.world_size)) for r in range(plan.world_size))
+                              for ordinal, position, size in region.view_sizes)
+            attributes.append((region.module, f"view and reshape sizes read from whole tensors, made local ({calls})"))
     lines += [f"  {module}: {text}" for module, _, text in fold(attributes)]
     if plan.head_entries:
         lines.append(f"  bias over the heads cut to each rank's heads on entering "

@@ -102,6 +102,10 @@ class RegionPlan(Sealed):
     # that count equals a KV-side size (4 query heads over 2 KV heads), only the model's shapes
     # tell which one an attribute holds, and uneven splits give the two different local values.
     repeat_attributes: List[str] = field(default_factory=list)
+    # Sizes the module reads from a whole tensor and reshapes a sharded one with (nanoGPT's
+    # `y.view(B, T, C)`): [ordinal of the view or reshape call in one call of the module,
+    # position in its sizes, global size], made local while the module runs (nn/view_sizes.py).
+    view_sizes: List[List[int]] = field(default_factory=list)
 
     def local_value(self, value: int, rank: int, world_size: int) -> int:
         local_units = split_sizes(self.units, world_size)[rank]
