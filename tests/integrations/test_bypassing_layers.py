@@ -44,10 +44,24 @@ class ScaledEmbedding(nn.Embedding):
 
 
 class IndexingEmbedding(nn.Embedding):
-    """Indexes its weight: each rank would index its own rows with global ids."""
+    """Indexes its weight by ids: a lookup, made vocab-parallel as F.embedding is."""
 
     def forward(self, ids):
         return self.weight[ids]
+
+
+class SlicedEmbedding(nn.Embedding):
+    """Whisper's positions: rows of the table for the positions, `weight[start:start + length]`."""
+
+    def forward(self, ids):
+        return self.weight[1:1 + ids.shape[1]].expand(ids.shape[0], -1, -1)
+
+
+class ColumnReadingEmbedding(nn.Embedding):
+    """Reads a column of its weight: each rank would read its own rows of it."""
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight) * self.weight[:, :1].sum()
 
 
 # ---- Linear subclasses and instances
@@ -110,6 +124,8 @@ EXACT = {
     "F.embedding": dict(embedding=DirectEmbedding),
     "torch.embedding": dict(embedding=TorchEmbedding),
     "super().forward": dict(embedding=ScaledEmbedding),
+    "weight[ids]": dict(embedding=IndexingEmbedding),
+    "weight[start:end]": dict(embedding=SlicedEmbedding),
     "matmul": dict(linear=MatmulLinear),
     "own scale": dict(linear=OwnScaleLinear),
     "instance scale": dict(linear=attribute_scaled),
@@ -171,7 +187,7 @@ def _exact_cases():
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_bypassing_layers_equal_unsharded(world_size):
     styles = run_on_ranks(_exact_cases, world_size, timeout=600)[0]
-    for case in ("F.embedding", "torch.embedding", "super().forward"):
+    for case in ("F.embedding", "torch.embedding", "super().forward", "weight[ids]", "weight[start:end]"):
         assert styles[case]["emb"] == "vocab", (case, styles[case])  # split, and exact
     assert styles["matmul"]["up"] == "column" and styles["matmul"]["down"] == "row", styles["matmul"]
     for case in ("own scale", "instance scale", "instance forward"):
@@ -179,14 +195,14 @@ def test_bypassing_layers_equal_unsharded(world_size):
         assert "up" not in styles[case] and "down" not in styles[case], (case, styles[case])
 
 
-def _indexing_planned_by_parallelize():
-    return _check_exact(lambda: LanguageModel(embedding=IndexingEmbedding), IDS, own_plan=True)
+def _column_read_planned_by_parallelize():
+    return _check_exact(lambda: LanguageModel(embedding=ColumnReadingEmbedding), IDS, own_plan=True)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_an_embedding_reading_its_table_is_kept_whole_where_parallelize_plans_itself(world_size):
     # The plan given by hand is refused (below); the plan parallelize makes itself holds it whole.
-    styles = run_on_ranks(_indexing_planned_by_parallelize, world_size)[0]
+    styles = run_on_ranks(_column_read_planned_by_parallelize, world_size)[0]
     style, note = styles["emb"]
     assert style == "replicate" and "other than by a lookup" in note, styles["emb"]
     assert styles["up"][0] == "column" and styles["down"][0] == "row", styles
@@ -245,7 +261,7 @@ def _without_whole_table_lookups():
 
 def _refusals():
     return {
-        "indexing": _refused(lambda: LanguageModel(embedding=IndexingEmbedding)),
+        "column read": _refused(lambda: LanguageModel(embedding=ColumnReadingEmbedding)),
         "hooked": _refused(lambda: LanguageModel(linear=hooked)),
         "miscounted": _refused(LanguageModel, tamper=_one_more_all_reduce),
         "silent layer": _without_whole_table_lookups(),
@@ -262,8 +278,8 @@ def test_what_cannot_be_exact_is_refused_before_any_change(world_size):
         assert text is not None, f"{case}: not refused"
         assert unchanged, f"{case}: the model changed"
         assert "left unchanged" in text, (case, text)
-    text = found["indexing"][0]
-    assert "'emb' (IndexingEmbedding)" in text and "other than by a lookup" in text, text
+    text = found["column read"][0]
+    assert "'emb' (ColumnReadingEmbedding)" in text and "other than by a lookup" in text, text
     assert "overrides={'emb': 'replicate'}" in text, text
     text = found["hooked"][0]
     assert "'up' (Linear: forward_hook)" in text and "'down'" in text, text

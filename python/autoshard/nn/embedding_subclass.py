@@ -4,8 +4,9 @@ The forward is kept as written: it may scale the lookup (Gemma), add to it, call
 nn.Embedding.forward or call F.embedding (or torch.embedding) itself. While it runs, every
 lookup in the module's own weight, whichever of those paths (or aten.embedding) reaches it, becomes the
 vocab-parallel lookup of this rank's rows followed by their sum over the ranks, so the
-forward goes on with the whole table's rows, as unsharded. Any other read of the weight (its
-shape, an index into it, a product with it) would see this rank's rows only: it is refused,
+forward goes on with the whole table's rows, as unsharded; so does a read of rows by index
+(`weight[start:end]`, Whisper's positions, or `weight[ids]`). Any other read of the weight (its
+shape, a product with it) would see this rank's rows only: it is refused,
 on the meta copy parallelize tries the plan on, before any weight changes (a plan parallelize
 makes itself is then made again with the embedding whole; see plan_until_it_runs.py).
 """
@@ -83,11 +84,26 @@ class WholeTableLookups(TorchFunctionMode):
             padding_idx = kwargs.get("padding_idx", -1 if rest[0] is None else rest[0])
             self._check_flags(None, kwargs.get("scale_grad_by_freq", rest[1] or False), kwargs.get("sparse", rest[2] or False))
             return _sharded_lookup(self.module, args[1], None if padding_idx == -1 else padding_idx)
+        elif func is torch.Tensor.__getitem__ and args[0] is weight:
+            ids = self._rows_indexed(args[1])
+            if ids is not None:
+                return _sharded_lookup(self.module, ids, None)
         if getattr(func, "__self__", None) not in _SAME_ON_EVERY_RANK and \
                 any(a is weight for a in tree_flatten((args, kwargs))[0]):
             name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
             raise _refusal(self.module, f"reads its weight other than by a lookup ({name}) in its forward")
         return func(*args, **kwargs)
+
+    def _rows_indexed(self, index):
+        """The ids of the rows `weight[index]` reads where that is a lookup (Whisper's positions
+        `weight[start:start + length]`, a table indexed by an integer tensor); else None."""
+        if isinstance(index, tuple) and len(index) == 1:
+            index = index[0]
+        if isinstance(index, slice):
+            return torch.arange(*index.indices(self.module.num_embeddings), device=self.module.weight.device)
+        if isinstance(index, torch.Tensor) and not index.is_floating_point() and index.dtype != torch.bool:
+            return index
+        return None
 
     def _check_flags(self, max_norm, scale_grad_by_freq, sparse) -> None:
         if max_norm is not None or scale_grad_by_freq or sparse:
