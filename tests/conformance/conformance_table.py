@@ -380,6 +380,9 @@ IDIOMS = [
     # q, k and v taken apart by unbind: the fused projection is split by heads in its 3 parts.
     Arch("own_idiom_unbind_qkv", idiom("unbind_qkv"), token_ids(97), small=True,
          plan_says=r"blocks\.0(?:-1)?\.attn\.qkv +column .* in parts \((\d+), \1, \1\)"),
+    # Sizes read from the whole input (nanoGPT's `y.view(B, T, C)`): the views made local by call.
+    Arch("own_idiom_size_views", idiom("size_views"), token_ids(97), small=True,
+         plan_says=r"blocks\.0(-1)?\.attn: view and reshape sizes read from whole tensors, made local"),
     # F.linear on the fused weight with a concatenated bias: not the layer's call, so the weight,
     # read inside its attention's one call, is stored split and gathered for that call.
     Arch("own_idiom_functional_qkv_bias", idiom("functional_qkv_bias"), token_ids(97), small=True,

@@ -6,6 +6,8 @@ and that a plan must either compute exactly or keep whole with a reason naming i
 - "config_heads": the head counts read from a config object the attention holds;
 - "grouped_heads": the head split written as `num_kv_heads * (num_heads // num_kv_heads)`;
 - "unbind_qkv": a fused qkv split by `reshape(...).permute(...).unbind(0)`;
+- "size_views": nanoGPT's attention: `B, T, C = x.size()`, q, k and v viewed with `C // n_head`
+  and the heads' output with `view(B, T, C)`, C read from the whole input;
 - "functional_qkv_bias": `F.linear(x, self.qkv.weight, torch.cat((q_bias, k_bias, v_bias)))`;
 - "adaptive_norm": a Linear's output chunked into shift, scale and gate, multiplied into the stream;
 - "conv": a patch stem and a positional convolution;
@@ -118,6 +120,25 @@ class UnbindAttention(nn.Module):
         q, k, v = qkv.reshape(b, t, 3, self.num_heads, HEAD_DIM).permute(2, 0, 3, 1, 4).unbind(0)
         out = _attend(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(b, t, self.num_heads * HEAD_DIM))
+
+
+class SizeViewAttention(nn.Module):
+    """nanoGPT's CausalSelfAttention, as its model.py writes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.c_attn = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.c_proj = nn.Linear(HIDDEN, HIDDEN)
+        self.n_head, self.n_embd = HEADS, HIDDEN
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = _attend(q, k, v)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
 class Block(nn.Module):
@@ -424,6 +445,8 @@ def idiom_model(idiom: str) -> nn.Module:
         return Decoder([Block(Attention(config=config, grouped=idiom == "grouped_heads")) for _ in range(2)])
     if idiom == "unbind_qkv":
         return Decoder([Block(UnbindAttention()) for _ in range(2)])
+    if idiom == "size_views":
+        return Decoder([Block(SizeViewAttention()) for _ in range(2)])
     if idiom == "functional_qkv_bias":
         return Decoder([Block(UnbindAttention(functional_bias=True)) for _ in range(2)])
     if idiom == "adaptive_norm":
