@@ -125,11 +125,11 @@ class UnbindAttention(nn.Module):
 class SizeViewAttention(nn.Module):
     """nanoGPT's CausalSelfAttention, as its model.py writes it."""
 
-    def __init__(self):
+    def __init__(self, n_embd: int = HIDDEN, n_head: int = HEADS):
         super().__init__()
-        self.c_attn = nn.Linear(HIDDEN, 3 * HIDDEN)
-        self.c_proj = nn.Linear(HIDDEN, HIDDEN)
-        self.n_head, self.n_embd = HEADS, HIDDEN
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd = n_head, n_embd
 
     def forward(self, x):
         B, T, C = x.size()

@@ -5,6 +5,9 @@ sharded module gets the local ones (nn/view_sizes.py). Checked against the unsha
 3 and 4 gloo ranks, with heads that split unevenly, through the plan's JSON, and against
 Hugging Face's TrOCR, which reshapes to `hidden_states.size()`'s width."""
 
+import os
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,34 +19,17 @@ from autoshard.nn.view_sizes import LocalViewSizes, ViewSizeHooks
 from gathered import forward_backward_as_planned, gathered_grads
 from multirank import run_on_ranks
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conformance"))
+from idiom_models import SizeViewAttention  # noqa: E402
+
 WIDTH, VOCAB = 24, 40
-
-
-class CausalSelfAttention(nn.Module):
-    """nanoGPT's attention, as its model.py writes it."""
-
-    def __init__(self, n_embd=WIDTH, n_head=6):
-        super().__init__()
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
-        self.c_proj = nn.Linear(n_embd, n_embd)
-        self.n_head, self.n_embd = n_head, n_embd
-
-    def forward(self, x):
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
 
 
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
         self.ln_1, self.ln_2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.attn = CausalSelfAttention()
+        self.attn = SizeViewAttention(WIDTH, n_head=6)  # nanoGPT's attention, 6 heads: uneven at 4 ranks
         self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
 
     def forward(self, x):
