@@ -16,7 +16,7 @@ from transformers.utils import logging
 
 import autoshard
 from autoshard.plan import plan_json
-from autoshard.plan.inputs import example_inputs_for
+from autoshard.plan.inputs import MissingInputs, example_inputs_for
 from autoshard.plan.meta_values import KnownValues
 from hf_models import build
 from multirank import run_on_ranks
@@ -488,3 +488,50 @@ def test_a_decoder_without_cross_attention_gets_no_encoder_states():
             "bert", hidden_size=48, num_hidden_layers=1, num_attention_heads=6, intermediate_size=70,
             vocab_size=101, is_decoder=True, add_cross_attention=False))
     assert "encoder_hidden_states" not in example_inputs_for(model)[1]
+
+
+def _released(kind):
+    """A model of the released size on meta (nothing allocated): its config's defaults."""
+    with torch.device("meta"):
+        return AutoModel.from_config(AutoConfig.for_model(kind))
+
+
+@pytest.mark.parametrize("kind, shape", [
+    ("dac", (2, 1, None)),  # an audio codec's waveform: its first convolution's one channel
+    ("moonshine", (2, None)),  # a waveform the forward unsqueezes itself before its first convolution
+])
+def test_a_waveform_no_config_field_sizes_is_inferred_from_the_first_layer(kind, shape):
+    model = _released(kind)
+    _, kwargs = example_inputs_for(model)
+    values = kwargs["input_values"]
+    assert values.dim() == len(shape) and values.is_floating_point()
+    assert all(want is None or got == want for got, want in zip(values.shape, shape))
+    # Long enough for every stride of the encoder: the forward runs on meta and the plan is made.
+    plan = autoshard.plan(model, world_size=2)
+    assert plan.layers
+
+
+def test_a_time_series_gets_its_configs_context_and_channels():
+    model = _released("patchtst")
+    _, kwargs = example_inputs_for(model)
+    config = model.config
+    assert kwargs["past_values"].shape == (2, config.context_length, config.num_input_channels)
+
+
+def test_a_main_input_neither_made_nor_inferred_names_both_reasons():
+    class Waveform(nn.Module):
+        main_input_name = "input_values"
+
+        def __init__(self):
+            super().__init__()
+            self.config = type("Config", (), {})()
+            self.conv = nn.Conv1d(3, 4, 1)
+
+        def forward(self, input_values=None):
+            return self.conv(input_values.transpose(1, 2))  # (batch, samples, 3): reaches its layer transposed
+
+    with pytest.raises(MissingInputs) as error:
+        example_inputs_for(Waveform())
+    message = str(error.value)
+    assert "no conv_kernel and conv_stride" in message and "inferring it from the first layer failed" in message
+    assert "'input_values' reaches its first layer, conv (Conv1d), changed" in message

@@ -131,8 +131,29 @@ def _main_input(model: nn.Module, config, name: str) -> torch.Tensor:
         return _input_features(model, config)
     if name == "input_values":
         return _input_values(config)
+    if name == "past_values" and isinstance(_config_value(config, "context_length"), int):
+        # A time series (PatchTST, PatchTSMixer): batch x context x channels.
+        channels = _config_value(config, "num_input_channels")
+        context = _config_value(config, "context_length")
+        return torch.zeros((BATCH, context, channels) if isinstance(channels, int) else (BATCH, context))
     raise MissingInputs(f"autoshard makes input_ids, pixel_values, pixel_values_videos, input_features and input_values, "
                         f"not its main input {name!r}")
+
+
+def _main_or_inferred(model: nn.Module, config, name: str) -> torch.Tensor:
+    """The main input made from the config, or where the config does not say its shape (an audio
+    codec's waveform, an encoder's features of a width no field names), inferred from the first
+    layer it reaches, as for a plain module; MissingInputs with both reasons where neither works."""
+    try:
+        return _main_input(model, config, name)
+    except MissingInputs as from_config:
+        from .module_inputs import example_inputs_for_module
+
+        try:
+            return example_inputs_for_module(model, argument=name)[1][name]
+        except MissingInputs as inferred:
+            reason = str(inferred).split(f"of a {type(model).__name__}: ", 1)[-1].split("; " + HOW_TO_PASS)[0]
+            raise MissingInputs(f"{from_config}, and inferring it from the first layer failed ({reason})") from None
 
 
 def _accepted(model: nn.Module):
@@ -172,7 +193,7 @@ def example_inputs_for(model: nn.Module, images: bool = True) -> Tuple[tuple, Di
 
         return example_inputs_for_module(model)
     try:
-        kwargs = {name: _main_input(model, config, name)}
+        kwargs = {name: _main_or_inferred(model, config, name)}
         if getattr(config, "is_encoder_decoder", False):
             kwargs["decoder_input_ids"] = _token_ids(config, *hf.DECODER_POSITION_LIMITS)
         width = encoder_states_width(model)

@@ -151,13 +151,14 @@ def _required(model: nn.Module) -> Tuple[List[inspect.Parameter], bool]:
     return required, any(p.kind is p.VAR_POSITIONAL for p in parameters)
 
 
-def _call(parameter: inspect.Parameter, tensor) -> Tuple[tuple, dict]:
-    if parameter.kind is parameter.KEYWORD_ONLY:
+def _call(parameter: inspect.Parameter, tensor, by_keyword: bool = False) -> Tuple[tuple, dict]:
+    if by_keyword or parameter.kind is parameter.KEYWORD_ONLY:
         return (), {parameter.name: tensor}
     return (tensor,), {}
 
 
-def _probe(model: nn.Module, parameter: inspect.Parameter, tensor: torch.Tensor) -> Optional[_Reached]:
+def _probe(model: nn.Module, parameter: inspect.Parameter, tensor: torch.Tensor,
+           by_keyword: bool = False) -> Optional[_Reached]:
     """Runs the forward on a meta copy of `tensor` up to the first recognised layer called: that
     layer and what it received, or None if the forward ends without calling one."""
     handles = []
@@ -168,7 +169,7 @@ def _probe(model: nn.Module, parameter: inspect.Parameter, tensor: torch.Tensor)
 
             handles.append(module.register_forward_pre_hook(stop, with_kwargs=True))
     values = KnownValues()
-    args, kwargs = values.to_meta(_call(parameter, tensor))
+    args, kwargs = values.to_meta(_call(parameter, tensor, by_keyword))
     try:
         with torch.no_grad(), meta_autocast(), values:
             model(*args, **kwargs)
@@ -188,9 +189,13 @@ def _refuse(model: nn.Module, why: str) -> MissingInputs:
     return MissingInputs(f"plan: cannot infer the example inputs of a {type(model).__name__}: {why}; {HOW_TO_PASS}")
 
 
-def example_inputs_for_module(model: nn.Module) -> Tuple[tuple, Dict[str, torch.Tensor]]:
+def example_inputs_for_module(model: nn.Module, argument: Optional[str] = None) -> Tuple[tuple, Dict[str, torch.Tensor]]:
     """(args, kwargs) for one forward of a plain module: one tensor shaped for the first layer
-    its one required argument reaches. Raises MissingInputs naming the argument(s) otherwise."""
+    its one required argument reaches. Raises MissingInputs naming the argument(s) otherwise.
+    With `argument` (a Hugging Face model's main input, which its forward leaves optional) that
+    argument is the one inferred, passed by keyword."""
+    if argument is not None:
+        return _inferred(model, _parameter(model, argument), by_keyword=True)
     required, var_positional = _required(model)
     if not required:
         if var_positional:
@@ -200,7 +205,23 @@ def example_inputs_for_module(model: nn.Module) -> Tuple[tuple, Dict[str, torch.
     if len(required) > 1:
         raise _refuse(model, f"its forward requires {len(required)} arguments ({names}); autoshard infers one "
                              "input tensor only")
-    parameter = required[0]
+    return _inferred(model, required[0])
+
+
+def _parameter(model: nn.Module, argument: str) -> inspect.Parameter:
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    if argument not in parameters:
+        raise _refuse(model, f"its forward takes no argument {argument!r}")
+    return parameters[argument]
+
+
+def _inferred(model: nn.Module, parameter: inspect.Parameter,
+              by_keyword: bool = False) -> Tuple[tuple, Dict[str, torch.Tensor]]:
+    """One tensor for `parameter`, shaped for the first layer it reaches."""
+    names = repr(parameter.name)
     layers = [(name, module) for name, module in model.named_modules() if _recognised(module)]
     if not layers:
         raise _refuse(model, f"its forward requires {names}, and the model has no layer that says the shape of its "
@@ -212,7 +233,7 @@ def example_inputs_for_module(model: nn.Module) -> Tuple[tuple, Dict[str, torch.
     while True:
         tensor = _tensor_for(layer, model)
         try:
-            reached = _probe(model, parameter, tensor)
+            reached = _probe(model, parameter, tensor, by_keyword)
         except Exception as error:  # noqa: BLE001 - the model's own error, told in the refusal
             raise _refuse(model, f"{names} was inferred as {tuple(tensor.shape)} {str(tensor.dtype)[6:]} from "
                                  f"{_describe(layer, name)}, and the forward failed before reaching a layer "
@@ -227,6 +248,21 @@ def example_inputs_for_module(model: nn.Module) -> Tuple[tuple, Dict[str, torch.
         seen.add(id(layer))
         name, layer = reached.name, reached.module
     if not _fits(layer, reached.received):
-        raise _refuse(model, f"{names} reaches its first layer, {_describe(layer, name)}, changed (reshaped, "
-                             "sliced or combined), so the layer does not say its shape")
-    return _call(parameter, tensor)
+        # A waveform of one channel given as (batch, samples) that the forward unsqueezes itself.
+        single = tensor.squeeze(1) if isinstance(layer, _CONV) and layer.in_channels == 1 else None
+        if single is None or not _fits(layer, _received_by(layer, model, parameter, single, by_keyword)):
+            raise _refuse(model, f"{names} reaches its first layer, {_describe(layer, name)}, changed (reshaped, "
+                                 "sliced or combined), so the layer does not say its shape")
+        tensor = single
+    return _call(parameter, tensor, by_keyword)
+
+
+def _received_by(layer: nn.Module, model: nn.Module, parameter: inspect.Parameter, tensor: torch.Tensor,
+                 by_keyword: bool) -> Tuple:
+    """What `layer` received as the first layer reached, or () where the forward fails first or
+    reaches another layer first."""
+    try:
+        reached = _probe(model, parameter, tensor, by_keyword)
+    except Exception:  # noqa: BLE001 - this layout does not run: the caller refuses
+        return ()
+    return reached.received if reached is not None and reached.module is layer else ()
