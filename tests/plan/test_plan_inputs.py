@@ -535,3 +535,22 @@ def test_a_main_input_neither_made_nor_inferred_names_both_reasons():
     message = str(error.value)
     assert "no conv_kernel and conv_stride" in message and "inferring it from the first layer failed" in message
     assert "'input_values' reaches its first layer, conv (Conv1d), changed" in message
+
+
+def test_a_waveform_its_first_convolution_cannot_take_is_inferred_again():
+    """The wav2vec2 config fields (conv_kernel, conv_stride) make (batch, samples); a model that
+    hands its waveform straight to a one-channel convolution (OmniASR) takes (batch, 1, samples)."""
+    class OneChannelWaveform(nn.Module):
+        main_input_name = "input_values"
+
+        def __init__(self):
+            super().__init__()
+            self.config = type("Config", (), {"conv_kernel": [10, 3], "conv_stride": [5, 2]})()
+            self.conv = nn.Conv1d(1, 4, 10, stride=5)
+
+        def forward(self, input_values=None):
+            return self.conv(input_values)
+
+    _, kwargs = example_inputs_for(OneChannelWaveform())
+    assert kwargs["input_values"].dim() == 3 and kwargs["input_values"].shape[:2] == (2, 1)
+    assert OneChannelWaveform()(kwargs["input_values"]).shape[:2] == (2, 4)

@@ -140,20 +140,33 @@ def _main_input(model: nn.Module, config, name: str) -> torch.Tensor:
                         f"not its main input {name!r}")
 
 
+# Main inputs whose layout the config does not settle: the same config fields serve waveforms
+# taken as (batch, samples) and as (batch, 1, samples).
+_AUDIO_MAIN_INPUTS = ("input_values", "input_features")
+
+
 def _main_or_inferred(model: nn.Module, config, name: str) -> torch.Tensor:
     """The main input made from the config, or where the config does not say its shape (an audio
     codec's waveform, an encoder's features of a width no field names), inferred from the first
-    layer it reaches, as for a plain module; MissingInputs with both reasons where neither works."""
-    try:
-        return _main_input(model, config, name)
-    except MissingInputs as from_config:
-        from .module_inputs import example_inputs_for_module
+    layer it reaches, as for a plain module; MissingInputs with both reasons where neither works.
+    An audio input made from the config that its first layer cannot take (OmniASR's waveform of
+    one channel) is inferred instead, where inferring works."""
+    from .module_inputs import example_inputs_for_module, fits_first_layer
 
+    try:
+        made = _main_input(model, config, name)
+    except MissingInputs as from_config:
         try:
             return example_inputs_for_module(model, argument=name)[1][name]
         except MissingInputs as inferred:
             reason = str(inferred).split(f"of a {type(model).__name__}: ", 1)[-1].split("; " + HOW_TO_PASS)[0]
             raise MissingInputs(f"{from_config}, and inferring it from the first layer failed ({reason})") from None
+    if name not in _AUDIO_MAIN_INPUTS or fits_first_layer(model, name, made):
+        return made
+    try:
+        return example_inputs_for_module(model, argument=name)[1][name]
+    except MissingInputs:
+        return made  # the model's own error then names what it expected
 
 
 def _accepted(model: nn.Module):

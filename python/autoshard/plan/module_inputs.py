@@ -257,6 +257,17 @@ def _inferred(model: nn.Module, parameter: inspect.Parameter,
     return _call(parameter, tensor, by_keyword)
 
 
+def fits_first_layer(model: nn.Module, argument: str, tensor: torch.Tensor) -> bool:
+    """Whether `tensor`, given as `argument`, reaches the first layer it reaches unchanged enough
+    for that layer to take it (see _fits); False where the forward fails first."""
+    parameter = _parameter(model, argument)
+    try:
+        reached = _probe(model, parameter, tensor, by_keyword=True)
+    except Exception:  # noqa: BLE001 - a layout that does not run does not fit
+        return False
+    return reached is not None and _fits(reached.module, reached.received)
+
+
 def _received_by(layer: nn.Module, model: nn.Module, parameter: inspect.Parameter, tensor: torch.Tensor,
                  by_keyword: bool) -> Tuple:
     """What `layer` received as the first layer reached, or () where the forward fails first or
