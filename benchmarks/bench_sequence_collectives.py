@@ -13,6 +13,10 @@ Times, per rank on gloo, the median of --repeats calls (each after a barrier, th
     all_reduce (torch)       torch.distributed.all_reduce of the tensor (what tp alone runs)
     rs + ag (torch)          torch.distributed reduce_scatter_tensor + all_gather_into_tensor
     rs + ag (autoshard)      autoshard.comm.reduce_scatter_to_sequence + all_gather_from_sequence
+    rs + ag (autoshard, batch x tokens)
+                             the same two on the tensor viewed as (batch x tokens, hidden), each
+                             rank's piece one run of memory: what the pair costs on a contiguous
+                             axis (a reference: sequence parallelism cuts the tokens axis today)
 
 and the ratios against the all-reduce. Prints a table and writes
 benchmarks/results/bench_sequence_collectives_cpu.json and .txt.
@@ -59,10 +63,19 @@ def _rank_main(rank: int, world: int, args) -> dict:
         local = autoshard.comm.reduce_scatter_to_sequence(x, 1)
         autoshard.comm.all_gather_from_sequence(local, 1, args.seq)
 
+    # The same pair on the flattened batch x tokens axis, where each rank's piece is one run of
+    # memory: what cutting a contiguous axis would cost, beside the tokens axis's pieces in runs.
+    rows = x.view(-1, args.hidden)
+
+    def autoshard_pair_flat():
+        local = autoshard.comm.reduce_scatter_to_sequence(rows, 0)
+        autoshard.comm.all_gather_from_sequence(local, 0, rows.shape[0])
+
     return _timed_in_turns({
         "all_reduce (torch)": lambda: dist.all_reduce(x.clone()),
         "rs + ag (torch)": torch_pair,
         "rs + ag (autoshard)": autoshard_pair,
+        "rs + ag (autoshard, batch x tokens)": autoshard_pair_flat,
     }, args.repeats)
 
 
