@@ -36,7 +36,12 @@ HOW_TO_PASS = ("pass example_inputs=(tensor, ...) for positional arguments (a si
 
 
 class MissingInputs(ValueError):
-    """autoshard cannot make the example inputs a model's forward needs."""
+    """autoshard cannot make the example inputs a model's forward needs; `reason` is why, without
+    the advice on passing them."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 def _config_value(config, *names, default=None):
@@ -159,8 +164,7 @@ def _main_or_inferred(model: nn.Module, config, name: str) -> torch.Tensor:
         try:
             return example_inputs_for_module(model, argument=name)[1][name]
         except MissingInputs as inferred:
-            reason = str(inferred).split(f"of a {type(model).__name__}: ", 1)[-1].split("; " + HOW_TO_PASS)[0]
-            raise MissingInputs(f"{from_config}, and inferring it from the first layer failed ({reason})") from None
+            raise MissingInputs(f"{from_config}, and inferring it from the first layer failed ({inferred.reason})") from None
     if name not in _AUDIO_MAIN_INPUTS or fits_first_layer(model, name, made):
         return made
     try:

@@ -186,7 +186,7 @@ def _describe(layer: nn.Module, name: str) -> str:
 
 
 def _refuse(model: nn.Module, why: str) -> MissingInputs:
-    return MissingInputs(f"plan: cannot infer the example inputs of a {type(model).__name__}: {why}; {HOW_TO_PASS}")
+    return MissingInputs(f"plan: cannot infer the example inputs of a {type(model).__name__}: {why}; {HOW_TO_PASS}", why)
 
 
 def example_inputs_for_module(model: nn.Module, argument: Optional[str] = None) -> Tuple[tuple, Dict[str, torch.Tensor]]:
