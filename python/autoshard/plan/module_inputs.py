@@ -250,7 +250,8 @@ def _inferred(model: nn.Module, parameter: inspect.Parameter,
     if not _fits(layer, reached.received):
         # A waveform of one channel given as (batch, samples) that the forward unsqueezes itself.
         single = tensor.squeeze(1) if isinstance(layer, _CONV) and layer.in_channels == 1 else None
-        if single is None or not _fits(layer, _received_by(layer, model, parameter, single, by_keyword)):
+        again = None if single is None else _reached_or_none(model, parameter, single, by_keyword)
+        if again is None or again.module is not layer or not _fits(layer, again.received):
             raise _refuse(model, f"{names} reaches its first layer, {_describe(layer, name)}, changed (reshaped, "
                                  "sliced or combined), so the layer does not say its shape")
         tensor = single
@@ -259,21 +260,20 @@ def _inferred(model: nn.Module, parameter: inspect.Parameter,
 
 def fits_first_layer(model: nn.Module, argument: str, tensor: torch.Tensor) -> bool:
     """Whether `tensor`, given as `argument`, reaches the first layer it reaches unchanged enough
-    for that layer to take it (see _fits); False where the forward fails first."""
-    parameter = _parameter(model, argument)
+    for that layer to take it (see _fits); False where the forward fails first or takes no such
+    argument."""
     try:
-        reached = _probe(model, parameter, tensor, by_keyword=True)
-    except Exception:  # noqa: BLE001 - a layout that does not run does not fit
+        parameter = _parameter(model, argument)
+    except MissingInputs:
         return False
+    reached = _reached_or_none(model, parameter, tensor, by_keyword=True)
     return reached is not None and _fits(reached.module, reached.received)
 
 
-def _received_by(layer: nn.Module, model: nn.Module, parameter: inspect.Parameter, tensor: torch.Tensor,
-                 by_keyword: bool) -> Tuple:
-    """What `layer` received as the first layer reached, or () where the forward fails first or
-    reaches another layer first."""
+def _reached_or_none(model: nn.Module, parameter: inspect.Parameter, tensor: torch.Tensor,
+                     by_keyword: bool) -> Optional[_Reached]:
+    """The first layer reached and what it received, or None where the forward fails first."""
     try:
-        reached = _probe(model, parameter, tensor, by_keyword)
-    except Exception:  # noqa: BLE001 - this layout does not run: the caller refuses
-        return ()
-    return reached.received if reached is not None and reached.module is layer else ()
+        return _probe(model, parameter, tensor, by_keyword)
+    except Exception:  # noqa: BLE001 - a layout that does not run: the caller refuses or tries another
+        return None
