@@ -4,7 +4,8 @@ tokens and later all-gathers the tokens for the next column layer. On NCCL the p
 all-reduce (a ring all-reduce is a reduce-scatter then an all-gather). On gloo torch's pair
 costs more, since gloo's reduce-scatter sums the whole tensor on every rank; autoshard's runs
 both as rings of point-to-point transfers there (csrc/comm/ring.h), along the tokens axis
-itself, without moving it to the front of a copy.
+itself, without moving it to the front of a copy, in messages of about 1 MiB that are added to
+and passed on while the next ones arrive.
 
     python benchmarks/bench_sequence_collectives.py [--batch 2 --seq 512 --hidden 1024 --worlds 2 4]
 
@@ -55,9 +56,13 @@ def _rank_main(rank: int, world: int, args) -> dict:
     piece = torch.empty(args.seq // world, args.batch, args.hidden)
     whole = torch.empty_like(tokens_first)
 
+    # torch 2.13 renamed the flat collectives (the old names warn there); older torch has only those.
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
     def torch_pair():
-        dist.reduce_scatter_tensor(piece, tokens_first)
-        dist.all_gather_into_tensor(whole, piece)
+        reduce_scatter(piece, tokens_first)
+        all_gather(whole, piece)
 
     def autoshard_pair():
         local = autoshard.comm.reduce_scatter_to_sequence(x, 1)

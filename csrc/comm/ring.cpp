@@ -33,135 +33,185 @@ int64_t wrapped(int64_t i, int64_t world) {
   return ((i % world) + world) % world;
 }
 
-// How a piece goes over the wire. A piece along `dim` of a contiguous tensor lies in `rows`
-// runs of memory, one per index of the axes before `dim`. Runs of at least kRunBytes each go as
-// a message of their own, sent from and received into the tensor where they lie; smaller ones go
-// as one message of a contiguous copy. Both ends derive the layout from the piece's shape, so
-// their messages match. Posting a gloo message costs about what copying 4 MiB costs (0.3-0.4 ms
-// on a 2-core machine), so shorter runs are cheaper copied.
-constexpr int64_t kRunBytes = 4 * 1024 * 1024;
+// A piece along `dim` of a contiguous tensor is a grid of `rows` runs of memory (one per index of
+// the axes before `dim`), each `cols` elements long. It goes over the wire as messages of about
+// kSegmentBytes: a long run in segments, short runs a few at a time. Messages are small enough
+// that the ring works on one (adds it, forwards it) while the next is on the wire, and few
+// enough that posting them (tens of microseconds each on gloo) stays cheap beside the transfer.
+// Both ends derive the messages from the piece's shape alone, so they match.
+constexpr int64_t kSegmentBytes = int64_t{1} << 20;
 
-int64_t message_count(const at::Tensor& piece, int64_t dim) {
-  const int64_t rows = c10::multiply_integers(piece.sizes().begin(), piece.sizes().begin() + dim);
-  if (rows <= 1 || piece.numel() == 0) return 1;
-  return piece.numel() / rows * static_cast<int64_t>(piece.element_size()) >= kRunBytes ? rows : 1;
-}
+struct Message {
+  int64_t row, rows, col, cols;
+};
 
-// The piece's messages where it lies, or nothing when they are not each one run of memory.
-std::vector<at::Tensor> messages_in_place(const at::Tensor& piece, int64_t dim) {
-  const int64_t count = message_count(piece, dim);
-  if (count == 1) return piece.is_contiguous() ? std::vector<at::Tensor>{piece} : std::vector<at::Tensor>{};
-  for (int64_t i = 0; i + 1 < dim; ++i) {
-    if (piece.stride(i) != piece.stride(i + 1) * piece.size(i + 1)) return {};
+std::vector<Message> messages_of(int64_t rows, int64_t cols, int64_t element_size) {
+  std::vector<Message> messages;
+  if (rows == 0 || cols == 0) return messages;
+  const int64_t run_bytes = cols * element_size;
+  if (run_bytes >= kSegmentBytes) {
+    const int64_t segments = (run_bytes + kSegmentBytes - 1) / kSegmentBytes;
+    for (int64_t r = 0; r < rows; ++r) {
+      // numpy's array_split of the run: the first (cols % segments) segments one longer.
+      for (int64_t s = 0, col = 0; s < segments; ++s) {
+        const int64_t length = cols / segments + (s < cols % segments ? 1 : 0);
+        messages.push_back({r, 1, col, length});
+        col += length;
+      }
+    }
+  } else {
+    const int64_t together = std::max<int64_t>(1, kSegmentBytes / run_bytes);
+    for (int64_t r = 0; r < rows; r += together) messages.push_back({r, std::min(together, rows - r), 0, cols});
   }
-  std::vector<int64_t> grid_shape{count};
-  grid_shape.insert(grid_shape.end(), piece.sizes().begin() + dim, piece.sizes().end());
-  std::vector<int64_t> grid_strides{piece.stride(dim - 1)};
-  grid_strides.insert(grid_strides.end(), piece.strides().begin() + dim, piece.strides().end());
-  const at::Tensor grid = piece.as_strided(grid_shape, grid_strides, piece.storage_offset());
-  if (!grid.select(0, 0).is_contiguous()) return {};
-  return grid.unbind(0);
+  return messages;
 }
 
-// The messages of a contiguous tensor holding a piece shaped as `piece` is.
-std::vector<at::Tensor> messages_of_copy(const at::Tensor& contiguous, int64_t dim) {
-  const int64_t count = message_count(contiguous, dim);
-  if (count == 1) return {contiguous};
-  return contiguous.view({count, -1}).unbind(0);
-}
-
-// The piece's messages to send: where it lies if it can, else from a contiguous copy.
-std::vector<at::Tensor> messages_to_send(const at::Tensor& piece, int64_t dim) {
-  std::vector<at::Tensor> messages = messages_in_place(piece, dim);
-  return messages.empty() ? messages_of_copy(piece.contiguous(), dim) : messages;
-}
-
-// One ring step's transfers: `to_send` to the next rank, `into` from the previous one, message i
-// under tag + i. Empty messages are skipped at both ends, which both know from the sizes.
-class Exchange {
+// The pieces of a contiguous tensor along `dim` (starts[r], sizes[r] there), each seen as its
+// grid of rows x cols, and their messages.
+class Pieces {
  public:
-  Exchange(c10d::ProcessGroup& group, int tag, std::vector<at::Tensor> to_send, std::vector<at::Tensor> into)
-      : to_send_(std::move(to_send)), into_(std::move(into)) {
-    const int world = group.getSize();
-    const int rank = group.getRank();
-    for (size_t i = 0; i < into_.size(); ++i) {
-      if (into_[i].numel() == 0) continue;
-      std::vector<at::Tensor> buffers{into_[i]};
-      works_.push_back(group.recv(buffers, (rank + world - 1) % world, tag + static_cast<int>(i)));
-    }
-    for (size_t i = 0; i < to_send_.size(); ++i) {
-      if (to_send_[i].numel() == 0) continue;
-      std::vector<at::Tensor> buffers{to_send_[i]};
-      works_.push_back(group.send(buffers, (rank + 1) % world, tag + static_cast<int>(i)));
-    }
+  Pieces(const at::Tensor& whole, int64_t dim, const std::vector<int64_t>& sizes)
+      : sizes_(sizes), starts_(starts_of(sizes)) {
+    rows_ = c10::multiply_integers(whole.sizes().begin(), whole.sizes().begin() + dim);
+    inner_ = c10::multiply_integers(whole.sizes().begin() + dim + 1, whole.sizes().end());
+    grid_ = whole.numel() == 0 ? at::Tensor() : whole.view({rows_, -1});
+    element_size_ = static_cast<int64_t>(whole.element_size());
   }
 
-  void wait() {
-    for (auto& work : works_) work->wait();
-    works_.clear();
+  std::vector<Message> messages(int64_t r) const { return messages_of(rows_, sizes_[r] * inner_, element_size_); }
+
+  // The most messages any piece goes in: the tags a ring step reserves.
+  int64_t most_messages() const {
+    size_t most = 1;
+    for (size_t r = 0; r < sizes_.size(); ++r) most = std::max(most, messages(static_cast<int64_t>(r)).size());
+    return static_cast<int64_t>(most);
+  }
+
+  // Piece r's part of a message, where it lies in the whole tensor (rows x cols, strided).
+  at::Tensor part(int64_t r, const Message& m) const {
+    return grid_.narrow(0, m.row, m.rows).narrow(1, (starts_[r] * inner_) + m.col, m.cols);
   }
 
  private:
-  std::vector<at::Tensor> to_send_;  // kept alive until sent
-  std::vector<at::Tensor> into_;
-  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::vector<int64_t> sizes_, starts_;
+  int64_t rows_ = 0, inner_ = 0, element_size_ = 0;
+  at::Tensor grid_;
 };
 
-// Tags a ring takes: a block per step, as many as the most messages a piece can go in.
-int64_t tags_per_step(const at::Tensor& x, int64_t dim) {
-  return std::max<int64_t>(1, c10::multiply_integers(x.sizes().begin(), x.sizes().begin() + dim));
+// A message's part of a contiguous piece-shaped buffer (rows x cols of the piece alone), always
+// one run of memory.
+at::Tensor part_of_piece(const at::Tensor& piece, int64_t rows, const Message& m) {
+  return piece.view({rows, -1}).narrow(0, m.row, m.rows).narrow(1, m.col, m.cols);
 }
+
+// Point-to-point transfers in flight; each send's tensor kept alive until it is sent.
+class Transfers {
+ public:
+  explicit Transfers(c10d::ProcessGroup& group)
+      : group_(&group), next_((group.getRank() + 1) % group.getSize()),
+        previous_((group.getRank() + group.getSize() - 1) % group.getSize()) {}
+
+  void send(const at::Tensor& t, int tag) {
+    std::vector<at::Tensor> buffers{t.is_contiguous() ? t.view({-1}) : t.contiguous().view({-1})};
+    sends_.push_back(group_->send(buffers, next_, tag));
+    sent_.push_back(buffers.front());
+  }
+
+  // A receive into `t`, which must be one run of memory; its handle.
+  c10::intrusive_ptr<c10d::Work> receive(const at::Tensor& t, int tag) {
+    std::vector<at::Tensor> buffers{t.view({-1})};
+    return group_->recv(buffers, previous_, tag);
+  }
+
+  void wait_sends() {
+    for (auto& work : sends_) work->wait();
+    sends_.clear();
+    sent_.clear();
+  }
+
+ private:
+  c10d::ProcessGroup* group_;
+  int next_, previous_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> sends_;
+  std::vector<at::Tensor> sent_;
+};
 
 // The ring reduce-scatter's state. At step k a rank sends its running sum of piece
 // (rank - k - 1) and receives the previous rank's running sum of piece (rank - k - 2), adding its
 // own part of that piece; after world - 1 steps the piece it holds is its own, summed over all.
+// Message by message: each received message is added to and forwarded while later ones are
+// still arriving. The last step receives into the output itself.
 class RingReduceScatter {
  public:
   RingReduceScatter(const at::Tensor& x, int64_t dim, const std::vector<int64_t>& sizes, c10d::ProcessGroup& group)
-      : x_(x), dim_(dim), sizes_(sizes), starts_(starts_of(sizes)), group_(&group), world_(group.getSize()),
-        rank_(group.getRank()), per_step_(tags_per_step(x, dim)), tag_(reserve_tags(group, (world_ - 1) * per_step_)) {
-    out_ = at::empty(piece(rank_).sizes(), x.options());
+      : x_(x.contiguous()), dim_(dim), sizes_(sizes), pieces_(x_, dim, sizes),
+        world_(group.getSize()), rank_(group.getRank()), rows_(c10::multiply_integers(x.sizes().begin(), x.sizes().begin() + dim)),
+        per_step_(pieces_.most_messages()), tag_(reserve_tags(group, (world_ - 1) * per_step_)), transfers_(group) {
+    out_ = at::empty(piece_shape(rank_), x.options());
   }
 
   const at::Tensor& out() const { return out_; }
 
-  // Starts step 0: this rank's own part of the next piece, sent from where it lies.
-  void start() { post(0, messages_to_send(piece(wrapped(rank_ - 1, world_)), dim_)); }
+  // Starts step 0: the receives of its running sums, and this rank's own part of the next
+  // piece sent from where it lies.
+  void start() {
+    post_receives(0);
+    const int64_t sent = wrapped(rank_ - 1, world_);
+    const std::vector<Message> messages = pieces_.messages(sent);
+    for (size_t i = 0; i < messages.size(); ++i) transfers_.send(pieces_.part(sent, messages[i]), tag(0, i));
+    started_ = true;
+  }
 
-  // Finishes the step in flight and runs the rest; the result is then in out().
+  // Runs the steps after those posted; the result is then in out().
   void finish() {
-    if (!exchange_) return;
-    for (int64_t k = step_;; ++k) {
-      exchange_->wait();
-      const at::Tensor own = piece(wrapped(rank_ - k - 2, world_));
-      if (k == world_ - 2) {
-        at::add_out(out_, receiving_, own);
-        break;
+    if (!started_) return;
+    for (int64_t k = 0; k < world_ - 1; ++k) {
+      const int64_t summed = wrapped(rank_ - k - 2, world_);
+      const std::vector<Message> messages = pieces_.messages(summed);
+      const at::Tensor running = receiving_;
+      std::vector<c10::intrusive_ptr<c10d::Work>> arriving = std::move(arriving_);
+      if (k + 1 < world_ - 1) post_receives(k + 1);
+      for (size_t i = 0; i < messages.size(); ++i) {
+        arriving[i]->wait();
+        at::Tensor sum = part_of_piece(running, rows_, messages[i]);
+        sum.add_(pieces_.part(summed, messages[i]));
+        if (k + 1 < world_ - 1) transfers_.send(sum, tag(k + 1, i));
       }
-      post(k + 1, messages_of_copy(receiving_.add(own), dim_));
     }
-    exchange_.reset();
+    transfers_.wait_sends();
+    started_ = false;
   }
 
  private:
-  at::Tensor piece(int64_t r) const { return x_.narrow(dim_, starts_[r], sizes_[r]); }
+  std::vector<int64_t> piece_shape(int64_t r) const {
+    std::vector<int64_t> shape = x_.sizes().vec();
+    shape[dim_] = sizes_[r];
+    return shape;
+  }
 
-  void post(int64_t k, std::vector<at::Tensor> to_send) {
-    step_ = k;
-    receiving_ = at::empty(piece(wrapped(rank_ - k - 2, world_)).sizes(), x_.options());
-    exchange_ = std::make_unique<Exchange>(*group_, tag_ + static_cast<int>(k * per_step_), std::move(to_send),
-                                           messages_of_copy(receiving_, dim_));
+  int tag(int64_t k, size_t i) const { return tag_ + static_cast<int>(k * per_step_ + static_cast<int64_t>(i)); }
+
+  // Step k's receives, into the output at the last step, else into a fresh buffer.
+  void post_receives(int64_t k) {
+    const int64_t summed = wrapped(rank_ - k - 2, world_);
+    receiving_ = k == world_ - 2 ? out_ : at::empty(piece_shape(summed), x_.options());
+    const std::vector<Message> messages = pieces_.messages(summed);
+    arriving_.clear();
+    for (size_t i = 0; i < messages.size(); ++i) {
+      arriving_.push_back(transfers_.receive(part_of_piece(receiving_, rows_, messages[i]), tag(k, i)));
+    }
   }
 
   at::Tensor x_;
   int64_t dim_;
-  std::vector<int64_t> sizes_, starts_;
-  c10d::ProcessGroup* group_;
-  int64_t world_, rank_, per_step_;
+  std::vector<int64_t> sizes_;
+  Pieces pieces_;
+  int64_t world_, rank_, rows_, per_step_;
   int tag_;
+  Transfers transfers_;
   at::Tensor out_, receiving_;
-  std::unique_ptr<Exchange> exchange_;
-  int64_t step_ = 0;
+  std::vector<c10::intrusive_ptr<c10d::Work>> arriving_;
+  bool started_ = false;
 };
 
 // The handle wait_tensor waits on for a ring started with async_op: its wait runs the ring's
@@ -220,28 +270,50 @@ at::Tensor ring_all_gather(const at::Tensor& local, int64_t dim, const std::vect
                            c10d::ProcessGroup& group) {
   const int64_t world = group.getSize();
   const int64_t rank = group.getRank();
-  const std::vector<int64_t> starts = starts_of(sizes);
   std::vector<int64_t> shape = local.sizes().vec();
-  shape[dim] = starts.back() + sizes.back();
+  shape[dim] = starts_of(sizes).back() + sizes.back();
   at::Tensor out = at::empty(shape, local.options());
-  out.narrow(dim, starts[rank], sizes[rank]).copy_(local);
-  const int64_t per_step = tags_per_step(out, dim);
+  const Pieces pieces(out, dim, sizes);
+  const int64_t rows = c10::multiply_integers(shape.begin(), shape.begin() + dim);
+  const int64_t per_step = pieces.most_messages();
   const int tag = reserve_tags(group, (world - 1) * per_step);
-  // At step k a rank passes on piece (rank - k), its own first, then the one it last received,
-  // each received where it belongs in `out` when its runs allow, else through a buffer.
-  std::vector<at::Tensor> held = messages_in_place(out.narrow(dim, starts[rank], sizes[rank]), dim);
-  if (held.empty()) held = messages_of_copy(local.contiguous(), dim);
-  for (int64_t k = 0; k < world - 1; ++k) {
+  const auto tag_of = [&](int64_t k, size_t i) { return tag + static_cast<int>(k * per_step + static_cast<int64_t>(i)); };
+  Transfers transfers(group);
+
+  // Step k's receives of piece (rank - k - 1): into `out` where a message is one run of memory
+  // there, else into a buffer of its own, copied into place once it has arrived.
+  struct Arriving {
+    at::Tensor into, place;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  const auto post_receives = [&](int64_t k) {
     const int64_t received = wrapped(rank - k - 1, world);
-    const at::Tensor place = out.narrow(dim, starts[received], sizes[received]);
-    std::vector<at::Tensor> into = messages_in_place(place, dim);
-    const at::Tensor buffer = into.empty() ? at::empty(place.sizes(), local.options()) : at::Tensor();
-    if (buffer.defined()) into = messages_of_copy(buffer, dim);
-    Exchange exchange(group, tag + static_cast<int>(k * per_step), held, into);
-    exchange.wait();
-    if (buffer.defined()) place.copy_(buffer);
-    held = into;
+    std::vector<Arriving> arriving;
+    for (const Message& m : pieces.messages(received)) {
+      const at::Tensor place = pieces.part(received, m);
+      const at::Tensor into = place.is_contiguous() ? place : at::empty(place.sizes(), out.options());
+      arriving.push_back({into, place, transfers.receive(into, tag_of(k, arriving.size()))});
+    }
+    return arriving;
+  };
+
+  // At step k a rank passes on piece (rank - k): its own first, sent from `local` and copied
+  // into `out` while the transfers run, then each message as it arrives.
+  std::vector<Arriving> arriving = post_receives(0);
+  const at::Tensor own = local.contiguous();
+  const std::vector<Message> own_messages = pieces.messages(rank);
+  for (size_t i = 0; i < own_messages.size(); ++i) transfers.send(part_of_piece(own, rows, own_messages[i]), tag_of(0, i));
+  out.narrow(dim, starts_of(sizes)[rank], sizes[rank]).copy_(own);
+  for (int64_t k = 0; k < world - 1; ++k) {
+    std::vector<Arriving> now = std::move(arriving);
+    if (k + 1 < world - 1) arriving = post_receives(k + 1);
+    for (size_t i = 0; i < now.size(); ++i) {
+      now[i].work->wait();
+      if (!now[i].into.is_same(now[i].place)) now[i].place.copy_(now[i].into);
+      if (k + 1 < world - 1) transfers.send(now[i].into, tag_of(k + 1, i));
+    }
   }
+  transfers.wait_sends();
   return out;
 }
 

@@ -2,10 +2,11 @@
 (csrc/comm/ring.h), against plain local sums and concatenations on 2, 3 and 4 ranks, and
 against gloo's own collectives (AUTOSHARD_GLOO_RINGS=0).
 
-The sizes are chosen so that every way a piece goes over the wire is taken: one message of a
-contiguous piece, runs of 4 MiB and more sent from and received into the tensor where they lie
-(over one leading axis and over two merged ones), small runs through a contiguous copy, a
-non-contiguous input, and empty pieces."""
+The sizes are chosen so that every way a piece goes over the wire is taken: a contiguous piece
+in segments, runs of 1 MiB and more cut into segments sent from and received into the tensor
+where they lie (over one leading axis and over two merged ones), shorter runs a few at a time
+through a contiguous copy (with a last message of fewer runs), a non-contiguous input, and empty
+pieces."""
 
 import os
 from contextlib import contextmanager
@@ -19,11 +20,13 @@ from autoshard import comm
 from multirank import run_on_ranks
 from seeded import seeded
 
-# (shape, dim, dtypes). A run of 4 MiB or more goes as a message of its own.
+# (shape, dim, dtypes). A run of 1 MiB or more goes in segments of about 1 MiB where it lies;
+# shorter runs go about 1 MiB of them at a time, copied.
 FLOATS_AND_INTS = (torch.float32, torch.bfloat16, torch.int64)
 SEQUENCE_CASES = [
-    ((2, 1100, 4096), 1, (torch.float32,)),  # runs of 4.3-8.6 MiB (16 KiB a token): each its own message, in place
+    ((2, 1100, 4096), 1, (torch.float32,)),  # runs of 4.3-8.6 MiB (16 KiB a token): 5-9 segments each, in place
     ((3, 40, 2048), 1, FLOATS_AND_INTS),     # shorter runs: one message of a copy
+    ((7, 64, 2048), 1, (torch.float32,)),    # runs of 128-256 KiB: messages of 4 (or 8) runs, the last of fewer
     ((2, 2, 1100, 2048), 2, (torch.int64,)),  # two leading axes merged into 4 runs of 4.3-8.6 MiB
     ((40, 2048), 0, FLOATS_AND_INTS),        # each piece one contiguous run
     ((1, 37, 2048), 1, FLOATS_AND_INTS),     # a leading axis of 1: contiguous pieces
@@ -87,7 +90,7 @@ def test_sequence_rings_match_their_definitions(world_size):
 
 def _uneven_rings_match_definitions():
     rank, world = dist.get_rank(), dist.get_world_size()
-    # Pieces of 0, 300 (runs of 4.7 MiB, in place) and 2 tokens (32 KiB, through a copy), and so on.
+    # Pieces of 0, 300 (runs of 4.7 MiB in segments, in place) and 2 tokens (32 KiB, through a copy), and so on.
     sizes = ([0, 300, 2] + [9] * world)[:world]
     length = sum(sizes)
     pieces = [seeded((2, n, 4096), 50 + r) for r, n in enumerate(sizes)]
