@@ -41,6 +41,7 @@ from .parallel_state import ParallelState, parameter_state
 from .stalls import named
 
 _ATTRIBUTE = "nonfinite_agreement"  # the ParallelState's attribute holding its Agreement
+_NOTHING_TO_AGREE = object()  # that attribute's value where no replicated gradient needs one
 
 
 class Agreement:
@@ -139,10 +140,11 @@ def agreements_for(params: List[torch.Tensor]) -> List[Agreement]:
             continue
         agreement = getattr(state, _ATTRIBUTE, None)
         if agreement is None:
+            # Found once, like the parameters an Agreement holds: the search walks the whole
+            # model, and optimizers ask on every step.
             replicated = _replicated(state)
-            if not replicated:
-                continue
-            agreement = Agreement(state, replicated)
+            agreement = Agreement(state, replicated) if replicated else _NOTHING_TO_AGREE
             setattr(state, _ATTRIBUTE, agreement)
-        found[id(state)] = agreement
+        if agreement is not _NOTHING_TO_AGREE:
+            found[id(state)] = agreement
     return list(found.values())
