@@ -19,7 +19,7 @@ from autoshard.plan.inputs import encoder_states_argument, encoder_states_width
 logging.set_verbosity_error()
 
 BATCH, SEQ, DECODER_SEQ = 2, 7, 5  # 7 tokens: neither 2 nor 3 ranks divide it
-AUDIO_SAMPLES = 1600
+from autoshard.plan.audio_inputs import AUDIO_SAMPLES  # noqa: E402 - the waveforms autoshard makes
 
 
 class NoSuchInputs(LookupError):
@@ -272,75 +272,14 @@ def _image_layouts(model: torch.nn.Module, generator) -> List[Dict[str, torch.Te
              for k, v in layout.items()} for layout in image_layouts(model, config, BATCH)]
 
 
-# Config fields that may give the width of an audio encoder's input features.
-_FEATURE_SIZES = ("num_mel_bins", "feature_size", "input_feat_per_channel", "feature_projection_input_dim",
-                  "input_dim")
-
-
-def _tower_input_width(model: torch.nn.Module) -> Optional[int]:
-    """The width of features the first weighted layer of the model's audio tower (the first module
-    below it whose forward takes input_features) reads: a convolution's input channels, a
-    projection's or a norm's input width. Some encoders read a width no config field names
-    (Fun-ASR-Nano: num_mel_bins x num_stacked_frames stacked frames)."""
-    tower = next((m for name, m in model.named_modules() if name and "input_features" in _accepted(m)), None)
-    for layer in tower.modules() if tower is not None else ():
-        if isinstance(layer, torch.nn.Conv1d):
-            return layer.in_channels
-        if isinstance(layer, torch.nn.Linear):
-            return layer.in_features
-        if isinstance(layer, torch.nn.LayerNorm):
-            return layer.normalized_shape[-1]
-    return None
-
-
-def _waveform_layouts(model: torch.nn.Module, generator) -> List[Dict[str, torch.Tensor]]:
-    """Raw audio for a model that reads its waveform beside its text (OmniASR): (batch, samples)
-    and (batch, 1 channel, samples), with a mask of every sample where the forward takes one."""
-    dtype = next(model.parameters()).dtype  # as for images
-    layouts = []
-    for shape in ((BATCH, AUDIO_SAMPLES), (BATCH, 1, AUDIO_SAMPLES)):
-        layout = {"input_values": torch.randn(*shape, generator=generator).to(dtype)}
-        if "padding_mask" in _accepted(model):
-            layout["padding_mask"] = torch.ones(BATCH, AUDIO_SAMPLES, dtype=torch.long)
-        layouts.append(layout)
-    return layouts
-
-
 def _audio_layouts(model: torch.nn.Module, generator) -> List[Dict[str, torch.Tensor]]:
-    """Log-mel features, with a mask of every frame where the forward takes one: first Whisper's
-    layout (batch, mel bins, frames); then (batch, features, frames) and (batch, frames, features)
-    for each width the config names (a speech encoder reading frames of 160 stacked features) and
-    the width the audio tower's first layer reads, over 2 x max_source_positions frames and, where
-    the encoder cuts its input in windows, one window of frames (n_window). For a model that reads
-    a waveform instead, _waveform_layouts."""
-    if "input_features" not in _accepted(model):
-        return _waveform_layouts(model, generator) if "input_values" in _accepted(model) else []
-    config = model.config
-    bins, frames = _first(config, "num_mel_bins") or 16, 2 * (_first(config, "max_source_positions") or 32)
-    window = _first(config, "n_window")
-    shapes = [(bins, frames, frames)]  # (features axis 1, frames axis 2, the frame count)
-    # The tower's width comes last: a model that runs with an earlier layout keeps it.
-    sizes = [bins] + [v for v in (_first(config, k) for k in _FEATURE_SIZES) if v] + [_tower_input_width(model)]
-    for size in dict.fromkeys(v for v in sizes if v):
-        for count in dict.fromkeys([frames] + ([2 * window] if window else [])):
-            for shape in ((size, count, count), (count, size, count)):
-                if shape not in shapes:
-                    shapes.append(shape)
+    """autoshard's layouts of audio for the model (plan/audio_inputs.py: log-mel features in the
+    layouts its config and audio tower suggest, or a waveform), random values in them."""
+    from autoshard.plan.audio_inputs import audio_layouts
+
     dtype = next(model.parameters()).dtype  # as for images
-    # A mask the model's get_audio_features does not take beside the features it names is not
-    # over their frames (Granite Speech's selects its projector's outputs, and one of the frames
-    # indexes them as rows): it is left out.
-    encoder = getattr(model, "get_audio_features", None)
-    encodes = set(inspect.signature(encoder).parameters) if callable(encoder) else set()
-    masks = [m for m in ("input_features_mask", "feature_attention_mask")
-             if m in _accepted(model) and (m in encodes or "input_features" not in encodes)]
-    layouts = []
-    for first, second, count in shapes:
-        layout = {"input_features": torch.randn(BATCH, first, second, generator=generator).to(dtype)}
-        for mask in masks:
-            layout[mask] = torch.ones(BATCH, count, dtype=torch.long)
-        layouts.append(layout)
-    return layouts
+    return [{k: torch.randn(v.shape, generator=generator).to(dtype) if v.is_floating_point() else v
+             for k, v in layout.items()} for layout in audio_layouts(model, BATCH)]
 
 
 # The message with which transformers' multimodal models refuse features and placeholder tokens
@@ -428,8 +367,8 @@ def autoshard_inputs(model: torch.nn.Module, generator: torch.Generator) -> Dict
     shadow = meta_shadow(model, always_copy=True)
     try:
         args, kwargs = example_inputs_for(shadow)
-    except RuntimeError:  # no layout of images fits: plan() takes the text alone, and so does the judge
-        args, kwargs = example_inputs_for(shadow, images=False)
+    except RuntimeError:  # no layout of images or audio fits: plan() takes the text alone, and so does the judge
+        args, kwargs = example_inputs_for(shadow, media=False)
     if args:
         raise NoSuchInputs("autoshard made positional inputs")
     return {k: torch.randn(v.shape, generator=generator) if v.is_floating_point() else v for k, v in kwargs.items()}

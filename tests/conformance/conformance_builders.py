@@ -109,6 +109,21 @@ def audio_features(mel_bins, frames):
     return functools.partial(_audio_features, mel_bins, frames)
 
 
+def _audio_beside_text(token, mel_bins, frames, per_sample, mask, generator):
+    ids = _ids(generator, vocab=token)  # below the audio token
+    ids = torch.cat([ids[:, :1], torch.full((BATCH, per_sample), token), ids[:, 1:]], 1)
+    inputs = {"input_ids": ids, "input_features": torch.randn(BATCH, mel_bins, frames, generator=generator)}
+    if mask is not None:
+        inputs[mask] = torch.ones(BATCH, frames, dtype=torch.long)
+    return inputs
+
+
+def audio_beside_text(token, mel_bins, frames, per_sample, mask=None):
+    """input_ids (2, 7 + per_sample) with `per_sample` audio tokens `token` after each sample's
+    first id, log-mel features (2, mel_bins, frames) and, named `mask`, a mask of every frame."""
+    return functools.partial(_audio_beside_text, token, mel_bins, frames, per_sample, mask)
+
+
 def _pixels(channels, size, generator):
     return {"pixel_values": torch.randn(BATCH, channels, size, size, generator=generator)}
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import conformance_sweep_sample
-from conformance_builders import (audio_features, features, hf, idiom, own, own_multihead, pixels, seq2seq_ids, token_ids,
+from conformance_builders import (audio_beside_text, audio_features, features, hf, idiom, own, own_multihead, pixels, seq2seq_ids, token_ids,
                                   token_ids_and_encoder_states, token_ids_and_labels)
 from conformance_harness import GradientMismatch, LogitsMismatch, Refused
 
@@ -297,6 +297,17 @@ TABLE = [
                        num_mel_bins=8, max_source_positions=8, max_target_positions=16, pad_token_id=0,
                        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1),
          audio_features(8, 16), small=True, planning="auto"),
+    # A model of text and audio planned on the audio autoshard makes beside the text (features
+    # of 8 mel bins x 16 frames, 4 audio tokens per sample): the audio tower is traced and split.
+    Arch("qwen2_audio", hf("qwen2_audio", "base",
+                           audio_config=dict(d_model=48, encoder_layers=1, encoder_attention_heads=H, encoder_ffn_dim=I,
+                                             num_mel_bins=8, max_source_positions=8),
+                           text_config=dict(model_type="qwen2", hidden_size=48, num_hidden_layers=1,
+                                            num_attention_heads=H, num_key_value_heads=2, intermediate_size=I,
+                                            vocab_size=97),
+                           audio_token_index=96),
+         audio_beside_text(96, 8, 16, 4, "feature_attention_mask"), small=(2,), planning="auto",
+         plan_says=r"audio_tower\.layers\.0\.self_attn\.q_proj +column"),
     # ---- our own: the control, then one model per defect class of the soundness issue
     Arch("own_plain", own(), token_ids(97), small=True),
     Arch("own_plain_parallelize_inputs", own(), token_ids(97), small=True, planning="parallelize"),

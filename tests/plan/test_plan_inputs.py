@@ -267,10 +267,72 @@ def test_images_that_do_not_fit_leave_the_text():
     with a warning that names the reason."""
     model = _llava()
     model.config.vision_config.image_size = 12  # the positions are for 16x16 images
-    with pytest.warns(UserWarning, match="planned on its text alone, so its vision tower is not traced"):
+    with pytest.warns(UserWarning, match="planned on its text alone, so its vision or audio tower is not traced"):
         plan = autoshard.plan(model, world_size=2)
     assert not any(layer.module.startswith("model.vision_tower.") for layer in plan.layers)
     assert plan.example["description"] == "input_ids (2, 8)"
+
+
+_AUDIO_TEXT = dict(model_type="llama", hidden_size=48, num_hidden_layers=1, num_attention_heads=6,
+                   num_key_value_heads=2, intermediate_size=70, vocab_size=101, head_dim=8)
+# kind -> (config fields, the audio inputs made, audio tokens per sample). Qwen2-Audio's encoder
+# halves its 16 frames in a convolution and again in a pooling; Voxtral's projector then merges
+# 4 frames of 8 into one token.
+_AUDIO = {
+    "qwen2_audio": (dict(audio_config=dict(d_model=48, encoder_layers=1, encoder_attention_heads=6, encoder_ffn_dim=70,
+                                           num_mel_bins=8, max_source_positions=8),
+                         text_config=dict(_AUDIO_TEXT, model_type="qwen2"), audio_token_index=100),
+                    {"input_features": (2, 8, 16), "feature_attention_mask": (2, 16)}, 4),
+    "voxtral": (dict(audio_config=dict(hidden_size=48, num_hidden_layers=1, num_attention_heads=6, intermediate_size=192,
+                                       num_mel_bins=8, max_source_positions=8),
+                     text_config=_AUDIO_TEXT, audio_token_id=100, projector_hidden_act="gelu"),
+                {"input_features": (2, 8, 16)}, 2),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_AUDIO))
+def test_text_and_audio_model_gets_audio_tokens(kind):
+    """A model of text and audio gets log-mel features beside its text, and as many audio tokens
+    in the ids as the features fill (the model checks it); the audio changes the output, and
+    the plan traces the audio tower with the text."""
+    import warnings
+
+    fields, shapes, per_sample = _AUDIO[kind]
+    config = AutoConfig.for_model(kind, **fields)
+    with torch.device("meta"):
+        meta = AutoModel.from_config(config)
+    _, kwargs = example_inputs_for(meta)
+    assert {k: tuple(v.shape) for k, v in kwargs.items() if k != "input_ids"} == shapes
+    assert ((kwargs["input_ids"] == 100).sum(1) == per_sample).all()
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config).eval()
+    generator = torch.Generator().manual_seed(0)
+
+    def run():
+        audio = {k: torch.randn(v.shape, generator=generator) for k, v in kwargs.items() if v.is_floating_point()}
+        with torch.no_grad():
+            return model(**{**kwargs, **audio}).last_hidden_state
+
+    assert not torch.allclose(run(), run())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*failed with the images or audio")
+        plan = autoshard.plan(model, world_size=2)
+    planned = {layer.module for layer in plan.layers}
+    assert any(name.startswith("audio_tower.layers.0.") for name in planned)
+    assert "input_features (2, 8, 16)" in plan.example["description"]
+
+
+def test_audio_that_does_not_fit_leaves_the_text():
+    """Features no layout fits (a tower wanting more frames than the config's positions give)
+    plan the text alone, with a warning naming the model's refusal."""
+    fields, _, _ = _AUDIO["voxtral"]
+    config = AutoConfig.for_model("voxtral", **fields)
+    config.audio_config.max_source_positions = 5  # an odd count of positions: no frames fit
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    with pytest.warns(UserWarning, match="failed with the images or audio .* its vision or audio tower is not traced"):
+        plan = autoshard.plan(model, world_size=2)
+    assert not any(layer.module.startswith("audio_tower.") for layer in plan.layers)
 
 
 _TEXT = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, intermediate_size=70,

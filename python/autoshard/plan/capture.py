@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .folding import BlockFolder
 from .index_lists import ConsecutiveIndexLists
-from .inputs import images_beside_text, missing_decoder_inputs
+from .inputs import media_beside_text, missing_decoder_inputs
 from .layers import LayerInfo, describe_layer, experts_weights, in_projection_layer
 from .meta_autocast import meta_autocast
 from .meta_inputs import clone_or_none, describe_inputs, input_shapes, inputs_on_meta, meta_shadow, replayable
@@ -63,19 +63,20 @@ def capture(model: nn.Module, example_inputs=None, fold_blocks: bool = True) -> 
     try:
         return _capture(model, example_inputs, fold_blocks)
     except RuntimeError as error:
-        if example_inputs is not None or not images_beside_text(model):
+        if example_inputs is not None or not media_beside_text(model):
             raise
-        # The images made from the config do not fit the model: its text alone is planned.
-        warnings.warn(f"plan: {type(model).__name__} failed with the images autoshard made from its config ({error}); "
-                      "it is planned on its text alone, so its vision tower is not traced and stays whole on every "
-                      "rank: pass example_inputs with the model's image inputs to plan the tower too")
-        return _capture(model, None, fold_blocks, images=False)
+        # The images (audio) made from the config do not fit the model: its text alone is planned.
+        warnings.warn(f"plan: {type(model).__name__} failed with the images or audio autoshard made from its config "
+                      f"({error}); it is planned on its text alone, so its vision or audio tower is not traced and "
+                      "stays whole on every rank: pass example_inputs with the model's image or audio inputs to plan "
+                      "the tower too")
+        return _capture(model, None, fold_blocks, media=False)
 
 
-def _capture(model: nn.Module, example_inputs, fold_blocks: bool, images: bool = True) -> CapturedGraph:
+def _capture(model: nn.Module, example_inputs, fold_blocks: bool, media: bool = True) -> CapturedGraph:
     shadow = meta_shadow(model)
     values = KnownValues()
-    args, kwargs = inputs_on_meta(shadow, example_inputs, values, images=images)
+    args, kwargs = inputs_on_meta(shadow, example_inputs, values, media=media)
     input_values = tree_map(lambda t: clone_or_none(values.twin(t)) if isinstance(t, torch.Tensor) else t, (args, kwargs))
     if any(v is None for v, t in zip(tree_flatten(input_values)[0], tree_flatten((args, kwargs))[0])
            if isinstance(t, torch.Tensor)):

@@ -39,7 +39,7 @@ from .meta_values import KnownValues
 
 
 class _Counted(BaseException):
-    """Raised at the placeholder check with the number of image tokens the features fill."""
+    """Raised at the placeholder check with the number of tokens the features fill."""
 
     def __init__(self, count: int):
         super().__init__(count)
@@ -226,12 +226,20 @@ def _companion_images(config, accepted, batch: int) -> Dict[str, torch.Tensor]:
     return images
 
 
-def _count_at_check(model: nn.Module, kwargs: dict) -> Optional[int]:
-    """The number of image tokens the features fill at the model's placeholder check, or None if
-    the forward ends without one. Raises what the forward raises before it."""
+def _image_features(bound: dict):
+    """The image features a placeholder check was called with, or None."""
+    return next((bound[k] for k in hf.IMAGE_FEATURES if bound.get(k) is not None), None)
+
+
+def count_at_check(model: nn.Module, kwargs: dict, checks=lambda module: hf.PLACEHOLDER_CHECKS,
+                   features_of=_image_features) -> Optional[int]:
+    """The number of tokens the features fill at the model's placeholder check (for images unless
+    told otherwise: `checks(module)` names a module's check methods, `features_of(arguments)`
+    picks the features from a check's bound arguments), or None if the forward ends without one.
+    Raises what the forward raises before it."""
     patched = []
     for module in model.modules():
-        for name in hf.PLACEHOLDER_CHECKS:
+        for name in checks(module):
             check = getattr(module, name, None)
             if check is None or not callable(check) or name in vars(module):
                 continue
@@ -239,7 +247,7 @@ def _count_at_check(model: nn.Module, kwargs: dict) -> Optional[int]:
 
             def counting(*args, check=check, signature=signature, **kw):
                 bound = signature.bind_partial(*args, **kw).arguments
-                features = next((bound[k] for k in hf.IMAGE_FEATURES if bound.get(k) is not None), None)
+                features = features_of(bound)
                 embeds = bound.get("inputs_embeds")
                 if features is None or not isinstance(embeds, torch.Tensor):
                     return check(*args, **kw)
@@ -292,7 +300,7 @@ def with_images(model: nn.Module, config, kwargs: Dict[str, torch.Tensor]) -> Di
         if token is None:
             return tried  # a dual encoder (CLIP): its images need no tokens
         try:
-            count = _count_at_check(model, tried)
+            count = count_at_check(model, tried)
         except Exception as error:  # noqa: BLE001 - the model's own error, told in ours
             failures.append(f"{_shapes(images)}: {type(error).__name__}: {str(error)[:300]}")
             continue

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..integrations import hf_conventions as hf
+from .audio_inputs import AUDIO_INPUTS, audio_beside_text, with_audio
 from .image_inputs import with_images
 
 BATCH = 2
@@ -198,11 +199,17 @@ def images_beside_text(model: nn.Module) -> bool:
             and "pixel_values" in _accepted(model))
 
 
-def example_inputs_for(model: nn.Module, images: bool = True) -> Tuple[tuple, Dict[str, torch.Tensor]]:
+def media_beside_text(model: nn.Module) -> bool:
+    """Whether autoshard makes images or audio beside the text of this model."""
+    return images_beside_text(model) or audio_beside_text(model)
+
+
+def example_inputs_for(model: nn.Module, media: bool = True) -> Tuple[tuple, Dict[str, torch.Tensor]]:
     """(args, kwargs) for one forward of a Hugging Face model, made from its config and class (of
     another module, inferred from its forward and first layer); raises MissingInputs naming what
-    is missing and how to pass it. With images=False a model of text and images gets its text
-    alone."""
+    is missing and how to pass it. A model of text and images gets images beside its text, else
+    a model of text and audio audio (image_inputs.py, audio_inputs.py); with media=False it gets
+    its text alone."""
     config = getattr(model, "config", None)
     name = getattr(model, "main_input_name", None)
     if config is None or not isinstance(name, str):
@@ -218,8 +225,9 @@ def example_inputs_for(model: nn.Module, images: bool = True) -> Tuple[tuple, Di
             kwargs[encoder_states_argument(model)] = torch.zeros(BATCH, SEQUENCE, width)
         # A model of text and images reads both: its images have a config of their own.
         beside_text = images_beside_text(model)
+        audio = not beside_text and audio_beside_text(model)
         for extra in _required(model):
-            if extra in kwargs or (beside_text and extra in hf.IMAGE_INPUTS):
+            if extra in kwargs or (beside_text and extra in hf.IMAGE_INPUTS) or (audio and extra in AUDIO_INPUTS):
                 continue
             if extra == "attention_mask":
                 kwargs[extra] = torch.ones(kwargs[name].shape[:2], dtype=torch.long)
@@ -231,8 +239,10 @@ def example_inputs_for(model: nn.Module, images: bool = True) -> Tuple[tuple, Di
                 kwargs[extra] = _main_input(model, config, extra)
             else:
                 raise MissingInputs(f"its forward requires {extra!r}, which autoshard does not know how to make")
-        if beside_text and images:
+        if beside_text and media:
             kwargs = with_images(model, config, kwargs)
+        elif audio and media:
+            kwargs = with_audio(model, config, kwargs)
     except MissingInputs as error:
         if str(error).startswith("plan:"):
             raise

@@ -42,11 +42,11 @@ def split_inputs(example_inputs) -> Tuple[tuple, dict]:
     return (example_inputs,), {}
 
 
-def inputs_on_meta(model: nn.Module, example_inputs, values: KnownValues, images: bool = True) -> Tuple[tuple, dict]:
-    """The example inputs (made for `model` if None, with images beside its text unless `images`
-    is False) on meta, their values known to `values`."""
+def inputs_on_meta(model: nn.Module, example_inputs, values: KnownValues, media: bool = True) -> Tuple[tuple, dict]:
+    """The example inputs (made for `model` if None, with images or audio beside its text unless
+    `media` is False) on meta, their values known to `values`."""
     if example_inputs is None:
-        args, kwargs = example_inputs_for(model, images=images)
+        args, kwargs = example_inputs_for(model, media=media)
     else:
         args, kwargs = split_inputs(example_inputs)
     return values.to_meta(args), values.to_meta(kwargs)
