@@ -19,7 +19,7 @@ from autoshard.plan.inputs import encoder_states_argument, encoder_states_width
 logging.set_verbosity_error()
 
 BATCH, SEQ, DECODER_SEQ = 2, 7, 5  # 7 tokens: neither 2 nor 3 ranks divide it
-from autoshard.plan.audio_inputs import AUDIO_SAMPLES  # noqa: E402 - the waveforms autoshard makes
+from autoshard.plan.audio_inputs import AUDIO_SAMPLES, configs_within, first_int  # noqa: E402 - shared with autoshard's inputs
 
 
 class NoSuchInputs(LookupError):
@@ -67,25 +67,9 @@ def build(variant: Variant) -> torch.nn.Module:
     return cls(tiny_config(variant.model_type)).eval()
 
 
-def _configs(config) -> List[object]:
-    found = [config]
-    for value in vars(config).values():
-        if isinstance(value, transformers.PretrainedConfig):
-            found += _configs(value)
-    return found
-
-
-def _first(config, key: str) -> Optional[int]:
-    for c in _configs(config):
-        value = getattr(c, key, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
-
-
 def _special_ids(config) -> Set[int]:
     ids = set()
-    for c in _configs(config):
+    for c in configs_within(config):
         for key, value in vars(c).items():
             if key.endswith("_token_id") or key.endswith("_token_index") or key.endswith("_token_ids"):
                 ids.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
@@ -94,19 +78,19 @@ def _special_ids(config) -> Set[int]:
 
 def _token_ids(config, shape, generator) -> torch.Tensor:
     """Ids inside the vocabulary that no special token uses (an image token would ask for images)."""
-    vocab = _first(config, "vocab_size") or 128
+    vocab = first_int(config, "vocab_size") or 128
     allowed = torch.tensor([i for i in range(1, vocab) if i not in _special_ids(config)])
     return allowed[torch.randint(0, len(allowed), shape, generator=generator)]
 
 
 def _pixels(config, generator) -> torch.Tensor:
-    channels, size = _first(config, "num_channels") or 3, _first(config, "image_size") or 32
+    channels, size = first_int(config, "num_channels") or 3, first_int(config, "image_size") or 32
     return torch.randn(BATCH, channels, size, size, generator=generator)
 
 
 def _video(config, generator) -> torch.Tensor:
-    frames = _first(config, "num_frames") or 2
-    channels, size = _first(config, "num_channels") or 3, _first(config, "image_size") or 32
+    frames = first_int(config, "num_frames") or 2
+    channels, size = first_int(config, "num_channels") or 3, first_int(config, "image_size") or 32
     return torch.randn(BATCH, frames, channels, size, size, generator=generator)
 
 
@@ -143,11 +127,11 @@ def example_inputs(model: torch.nn.Module, generator: torch.Generator, kind: int
     elif main == "input_values":
         inputs = {"input_values": torch.randn(BATCH, AUDIO_SAMPLES, generator=generator)}
     elif main == "past_values":  # a time series: (batch, context, channels)
-        length, channels = _first(config, "context_length") or 32, _first(config, "num_input_channels")
+        length, channels = first_int(config, "context_length") or 32, first_int(config, "num_input_channels")
         shape = (BATCH, length, channels) if channels else (BATCH, length)
         inputs = {"past_values": torch.randn(*shape, generator=generator)}
     elif main == "input_features":
-        bins, frames = _first(config, "num_mel_bins") or 16, 2 * (_first(config, "max_source_positions") or 32)
+        bins, frames = first_int(config, "num_mel_bins") or 16, 2 * (first_int(config, "max_source_positions") or 32)
         inputs = {"input_features": torch.randn(BATCH, bins, frames, generator=generator)}
     else:
         raise NoSuchInputs(f"no example inputs for the main input {main!r}")
@@ -230,7 +214,7 @@ def placeholder_count(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -
 def _media_token(config, kind: str) -> Optional[int]:
     """The config's token for an image or for audio, and its start and end tokens where it has them."""
     names = {"image": ("image_token_id", "image_token_index"), "audio": ("audio_token_id", "audio_token_index")}[kind]
-    for c in _configs(config):
+    for c in configs_within(config):
         for name in names:
             value = getattr(c, name, None)
             if isinstance(value, int):
@@ -243,9 +227,9 @@ def _ids_with_tokens(ids: torch.Tensor, config, token: int, count: int, kind: st
     samples, between the config's start and end tokens for images where it has them."""
     start = end = None
     if kind == "image":
-        start = next((v for v in (_first(config, n) for n in ("vision_start_token_id", "image_start_token_id",
+        start = next((v for v in (first_int(config, n) for n in ("vision_start_token_id", "image_start_token_id",
                                                               "boi_token_index")) if v is not None), None)
-        end = next((v for v in (_first(config, n) for n in ("vision_end_token_id", "image_end_token_id",
+        end = next((v for v in (first_int(config, n) for n in ("vision_end_token_id", "image_end_token_id",
                                                             "eoi_token_index")) if v is not None), None)
     batch = ids.shape[0]
     rows = []

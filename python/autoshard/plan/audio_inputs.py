@@ -53,17 +53,18 @@ def _accepted(module: nn.Module) -> set:
         return set()
 
 
-def _configs(config) -> List[object]:
-    """The config and every config it holds, depth first."""
+def configs_within(config) -> List[object]:
+    """The config and every config it holds (text_config, audio_config, ...), depth first."""
     found = [config]
     for value in vars(config).values():
         if hasattr(value, "to_dict") and hasattr(value, "model_type"):
-            found += _configs(value)
+            found += configs_within(value)
     return found
 
 
-def _first(config, name: str) -> Optional[int]:
-    for holder in _configs(config):
+def first_int(config, name: str) -> Optional[int]:
+    """The first integer `name` of the config or of a config it holds."""
+    for holder in configs_within(config):
         value = getattr(holder, name, None)
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -71,7 +72,7 @@ def _first(config, name: str) -> Optional[int]:
 
 
 def audio_token(config) -> Optional[int]:
-    return next((v for v in (_first(config, n) for n in AUDIO_TOKEN) if v is not None), None)
+    return next((v for v in (first_int(config, n) for n in AUDIO_TOKEN) if v is not None), None)
 
 
 def audio_beside_text(model: nn.Module) -> bool:
@@ -111,11 +112,11 @@ def audio_layouts(model: nn.Module, batch: int) -> List[Dict[str, torch.Tensor]]
     if "input_features" not in accepted:
         return _waveform_layouts(model, batch) if "input_values" in accepted else []
     config = model.config
-    bins, frames = _first(config, "num_mel_bins") or 16, 2 * (_first(config, "max_source_positions") or 32)
-    window = _first(config, "n_window")
+    bins, frames = first_int(config, "num_mel_bins") or 16, 2 * (first_int(config, "max_source_positions") or 32)
+    window = first_int(config, "n_window")
     shapes = [(bins, frames, frames)]  # (features axis 1, frames axis 2, the frame count)
     # The tower's width comes last: a model that runs with an earlier layout keeps it.
-    sizes = [bins] + [v for v in (_first(config, k) for k in FEATURE_SIZES) if v] + [tower_input_width(model)]
+    sizes = [bins] + [v for v in (first_int(config, k) for k in FEATURE_SIZES) if v] + [tower_input_width(model)]
     for size in dict.fromkeys(v for v in sizes if v):
         for count in dict.fromkeys([frames] + ([2 * window] if window else [])):
             for shape in ((size, count, count), (count, size, count)):
