@@ -616,3 +616,34 @@ def test_a_waveform_its_first_convolution_cannot_take_is_inferred_again():
     _, kwargs = example_inputs_for(OneChannelWaveform())
     assert kwargs["input_values"].dim() == 3 and kwargs["input_values"].shape[:2] == (2, 1)
     assert OneChannelWaveform()(kwargs["input_values"]).shape[:2] == (2, 4)
+
+
+class _GrowsItsPositions(nn.Module):
+    """A forward that extends a buffer of positions the first time it sees a longer input (as
+    SeamlessM4T's relative positions do), then places features at a placeholder check."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.positions = nn.Buffer(torch.zeros(1, 4))
+
+    def get_placeholder_mask(self, input_ids, inputs_embeds, image_features):
+        return input_ids == 9
+
+    def forward(self, input_ids):
+        if self.positions.shape[1] < input_ids.shape[1]:
+            self.positions = torch.zeros(1, input_ids.shape[1], device=input_ids.device)
+        embeds = self.embed(input_ids) + self.positions[:, :input_ids.shape[1], None]
+        self.get_placeholder_mask(input_ids, embeds, torch.ones(6, 4, device=input_ids.device))
+        return embeds
+
+
+def test_counting_tokens_leaves_the_model_as_it_was():
+    """The placeholder count runs the forward on a copy: a model that changes its own state as it
+    runs reaches the planner's trace (and the dry run) unchanged."""
+    from autoshard.plan.image_inputs import count_at_check
+
+    with torch.device("meta"):
+        model = _GrowsItsPositions()
+    assert count_at_check(model, {"input_ids": torch.ones(2, 8, dtype=torch.long)}) == 6
+    assert model.positions.shape == (1, 4)

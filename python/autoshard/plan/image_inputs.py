@@ -236,7 +236,12 @@ def count_at_check(model: nn.Module, kwargs: dict, checks=lambda module: hf.PLAC
     """The number of tokens the features fill at the model's placeholder check (for images unless
     told otherwise: `checks(module)` names a module's check methods, `features_of(arguments)`
     picks the features from a check's bound arguments), or None if the forward ends without one.
-    Raises what the forward raises before it."""
+    Raises what the forward raises before it. The forward runs on a meta copy of the model: one
+    that changes its own state as it runs (SeamlessM4T's relative positions extend a buffer)
+    must reach the planner's trace as it was before, as it reaches the dry run."""
+    from .meta_inputs import meta_shadow  # meta_inputs imports this module through inputs
+
+    model = meta_shadow(model, always_copy=True)
     patched = []
     for module in model.modules():
         for name in checks(module):
