@@ -66,6 +66,7 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
   for (size_t n = 0; n < graph.nodes.size(); ++n) {
     const Node& node = graph.nodes[n];
     if (!is_layer(node) || (pass.roles[n] != Style::Column && pass.roles[n] != Style::ColumnGather)) continue;
+    if (node.no_grad) continue;  // called under the model's torch.no_grad(): backward never reaches it
     const auto sequence = pass.sequence_roles.find(static_cast<int>(n));
     const int input = node.inputs.at(0);
     if (sequence != pass.sequence_roles.end() && sequence->second == SequenceRole::Gather &&

@@ -28,6 +28,7 @@ GradientFlow gradient_flow(const Graph& graph) {
     const Node& node = graph.nodes[n];
     bool reached = is_layer(node) && node.trainable;
     for (int id : node.inputs) reached = reached || flow.requires_grad[id];
+    reached = reached && !node.no_grad;
     for (int id : node.outputs) {
       flow.requires_grad[id] = flow.requires_grad[id] || (reached && graph.tensors[id].floating);
       producers[id].push_back(static_cast<int>(n));
@@ -55,6 +56,7 @@ GradientFlow gradient_flow(const Graph& graph) {
     if (!graph.tensors[tensor].floating) continue;
     for (int other : linked[tensor]) reach(other);
     for (int n : producers[tensor]) {
+      if (graph.nodes[n].no_grad) continue;  // computed without a graph: backward stops at its output
       for (int id : graph.nodes[n].inputs) reach(id);
     }
   }

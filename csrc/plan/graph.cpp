@@ -72,6 +72,7 @@ Node parse_node(const JsonValue& record, const std::string& where) {
   node.inputs = integers<int>(record, "inputs", where);
   node.outputs = integers<int>(record, "outputs", where);
   node.trainable = boolean_or(record, "trainable", true, where);
+  node.no_grad = boolean_or(record, "no_grad", false, where);
   if (const JsonValue* routing = record.find("routing_floating")) {
     TORCH_CHECK_VALUE(routing->type == Type::Array, "[plan.bad_graph] plan: ", where,
                       ": field 'routing_floating' must be a list");

@@ -89,6 +89,7 @@ struct Node {
   bool narrowing = false;            // Pointwise: a cast to a narrower floating-point dtype
   bool average = false;              // AttentionWeights: averaged over the heads
   bool trainable = true;             // a layer: whether any parameter of its module requires a gradient
+  bool no_grad = false;              // run under the model's own torch.no_grad(): no gradient through it
   // An experts module's combine (Opaque, inputs {expert outputs, routing...}): per routing input,
   // whether it is floating-point. Once the experts are split, its gradient is a partial sum.
   std::vector<bool> routing_floating;
@@ -164,7 +165,8 @@ struct Graph {
 //    "tensors": [{"shape": [...], "param": index (optional), "output": bool (optional),
 //                 "floating": bool (optional, true), "trainable": bool (optional, true)}, ...],
 //    "nodes": [{"kind": "linear", "label": "...", "inputs": [ids], "outputs": [ids],
-//               "trainable": bool (optional, true; layers), "routing_floating": [bool, ...] (optional),
+//               "trainable": bool (optional, true; layers), "no_grad": bool (optional, false),
+//               "routing_floating": [bool, ...] (optional),
 //               "summed_bias": int (optional, 0), "convolution": bool (optional, false; einsum),
 //               "functional", "functional_bias": bool (optional, false; linear),
 //               "centered", "per_channel", "running_stats": bool (optional, false; norm),

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .folding import BlockFolder
 from .index_lists import ConsecutiveIndexLists
 from .inputs import media_beside_text, missing_decoder_inputs
+from .model_grad_mode import ModelGradMode
 from .layers import LayerInfo, describe_layer, experts_weights, in_projection_layer
 from .meta_autocast import meta_autocast
 from .meta_inputs import clone_or_none, describe_inputs, input_shapes, inputs_on_meta, meta_shadow, replayable
@@ -213,9 +214,11 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, media: bool = 
     handles += norm_calls(shadow, recorder, record_norm, lambda m: describe_layer("", m, {}) is not None)
     example = describe_inputs(args, kwargs)
     clear_model_caches(shadow)  # a cache filled before would skip ops the dry run then runs
+    recorder.grad_mode = ModelGradMode()
     try:
-        with torch.no_grad(), meta_autocast(), values, recorder, folder, ConsecutiveIndexLists(), attention_calls(
-                shadow, recorder, record_in_projection, functools.partial(record_attention_weights, recorder)):
+        with torch.no_grad(), recorder.grad_mode, meta_autocast(), values, recorder, folder, ConsecutiveIndexLists(), \
+                attention_calls(shadow, recorder, record_in_projection,
+                                functools.partial(record_attention_weights, recorder)):
             outputs = shadow(*args, **kwargs)
     except Exception as error:
         hint = ""

@@ -74,6 +74,8 @@ class Recorder(TorchDispatchMode):
         self.nodes: List[Tuple[str, Tuple[int, ...], Tuple[int, ...]]] = []
         self.node_count = 0
         self.layer_depth = 0
+        # The model's own grad mode at each op (model_grad_mode.py), where the trace follows it.
+        self.grad_mode = None
         # What was recorded, in order: ("tensor", id) and ("node", kind, label, inputs, outputs,
         # fields), so that a call of a block can be recorded again for an identical block.
         self.log: List[tuple] = []
@@ -136,6 +138,8 @@ class Recorder(TorchDispatchMode):
         """traced: "" for an op a trace sees, "inner" for a node inside a layer, "call" for the
         node a trace sees as the layer's call."""
         fields = dict(fields or {})
+        if self.grad_mode is not None and not self.grad_mode.enabled:
+            fields["no_grad"] = True
         self.node_records.append({"kind": kind, "label": label, "inputs": list(inputs), "outputs": list(outputs),
                                   **fields})
         self.nodes.append((label, tuple(inputs), tuple(outputs)))
