@@ -3,16 +3,13 @@
 The planner traces the forward under torch.no_grad() (no autograd graph on meta), so
 torch.is_grad_enabled() cannot tell the model's own no_grad blocks from the rest (the PE Audio
 encoder runs its DAC encoder in one). While the trace runs, ModelGradMode follows the model's
-entries into and exits from torch.no_grad(), torch.inference_mode() and torch.enable_grad()
-(blocks and decorators alike, which enter the same classes) and says whether the model computes
-with gradients at each op. The recorder marks the nodes recorded without them ("no_grad"), and
-the planner predicts no gradient, and no backward collective, through them
-(csrc/plan/gradient_flow.cpp)."""
+entries into and exits from torch.no_grad(), torch.inference_mode(mode), torch.enable_grad() and
+torch.set_grad_enabled(mode) (blocks, decorators and, for set_grad_enabled, plain calls) and says
+whether the model computes with gradients at each op. The recorder marks the nodes recorded
+without them ("no_grad"), and the planner predicts no gradient, and no backward collective,
+through them (csrc/plan/gradient_flow.cpp)."""
 
 from torch.autograd import grad_mode
-
-# The context managers that set the mode, and the mode each sets.
-_MODES = ((grad_mode.no_grad, False), (grad_mode.inference_mode, False), (grad_mode.enable_grad, True))
 
 
 class ModelGradMode:
@@ -24,28 +21,55 @@ class ModelGradMode:
     def enabled(self) -> bool:
         return self.modes[-1]
 
-    def __enter__(self) -> "ModelGradMode":
-        for cls, mode in _MODES:
-            enter, leave = vars(cls).get("__enter__"), vars(cls).get("__exit__")
-            self._saved.append((cls, enter, leave))
-            inherited_enter, inherited_leave = cls.__enter__, cls.__exit__
+    # What each context sets, read from the context object itself: inference_mode(False) and
+    # set_grad_enabled(True) leave gradients on.
+    def _mode_of(self, context) -> bool:
+        if isinstance(context, grad_mode.no_grad):
+            return False
+        if isinstance(context, grad_mode.enable_grad):
+            return True
+        if isinstance(context, grad_mode.inference_mode):
+            return self.enabled and not context.mode
+        return bool(context.mode)
 
-            def entering(context, enter=inherited_enter, mode=mode):
-                self.modes.append(mode)
+    def _patch(self, cls, name: str, replacement) -> None:
+        self._saved.append((cls, name, vars(cls).get(name)))
+        setattr(cls, name, replacement)
+
+    def __enter__(self) -> "ModelGradMode":
+        for cls in (grad_mode.no_grad, grad_mode.inference_mode, grad_mode.enable_grad):
+            def entering(context, enter=cls.__enter__):
+                self.modes.append(self._mode_of(context))
                 return enter(context)
 
-            def leaving(context, *exc, leave=inherited_leave):
+            def leaving(context, *exc, leave=cls.__exit__):
                 self.modes.pop()
                 return leave(context, *exc)
 
-            cls.__enter__, cls.__exit__ = entering, leaving
+            self._patch(cls, "__enter__", entering)
+            self._patch(cls, "__exit__", leaving)
+
+        # set_grad_enabled sets the mode when it is made (a plain call changes it until the next
+        # one); used as a block or a decorator it restores the previous mode on exit.
+        setting = grad_mode.set_grad_enabled
+
+        def made(context, mode, init=setting.__init__):
+            init(context, mode)
+            self.modes.append(bool(mode))
+
+        def restored(context, *exc, leave=setting.__exit__):
+            if len(self.modes) > 1:
+                self.modes.pop()
+            return leave(context, *exc)
+
+        self._patch(setting, "__init__", made)
+        self._patch(setting, "__exit__", restored)
         return self
 
     def __exit__(self, *exc) -> None:
-        for cls, enter, leave in reversed(self._saved):
-            for name, original in (("__enter__", enter), ("__exit__", leave)):
-                if original is None:
-                    delattr(cls, name)
-                else:
-                    setattr(cls, name, original)
+        for cls, name, original in reversed(self._saved):
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
         self._saved.clear()
