@@ -5,6 +5,7 @@
 
 #include "checkpoint/slices.h"
 #include "comm/counters.h"
+#include "comm/ring.h"
 #include "nn/einsum_equation.h"
 #include "plan/plan_op.h"
 #include "plan/reasons.h"
@@ -46,6 +47,8 @@ TORCH_LIBRARY(autoshard, m) {
   m.def("all_reduce_bucket(Tensor[] tensors, str group_name, bool async_op=False) -> Tensor");
   // Rank src's x on every rank, in place.
   m.def("broadcast_(Tensor(a!) x, int src, str group_name) -> ()");
+  // The group carrying a two-rank ring's data from the higher rank to the lower (comm/ring.h).
+  m.def("set_ring_return_group(str group_name, str return_group_name) -> ()", &autoshard::comm::set_ring_return_group);
   // Running totals of the collectives issued by this process: (count, bytes) per kind; and
   // the same per process group, group by group.
   m.def("comm_counter_kinds() -> str[]", &autoshard::comm::comm_counter_kinds);

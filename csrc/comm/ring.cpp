@@ -1,5 +1,7 @@
 #include "comm/ring.h"
 
+#include "comm/group.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
@@ -104,23 +106,47 @@ at::Tensor part_of_piece(const at::Tensor& piece, int64_t rows, const Message& m
   return piece.view({rows, -1}).narrow(0, m.row, m.rows).narrow(1, m.col, m.cols);
 }
 
+std::mutex return_groups_mutex;
+std::unordered_map<std::string, std::string> return_groups;  // group name -> its return group's
+
+// The group carrying the data from the higher rank to the lower at two ranks (see ring.h), or
+// `group` itself.
+c10::intrusive_ptr<c10d::ProcessGroup> return_group_of(c10d::ProcessGroup& group) {
+  const c10::intrusive_ptr<c10d::ProcessGroup> same = c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(&group);
+  if (group.getSize() != 2) return same;
+  std::string name;
+  {
+    const std::lock_guard<std::mutex> lock(return_groups_mutex);
+    const auto it = return_groups.find(group.getGroupName());
+    if (it == return_groups.end()) return same;
+    name = it->second;
+  }
+  return resolve_group(name, "ring collectives (return group)");
+}
+
 // Point-to-point transfers in flight; each send's tensor kept alive until it is sent.
 class Transfers {
  public:
   explicit Transfers(c10d::ProcessGroup& group)
-      : group_(&group), next_((group.getRank() + 1) % group.getSize()),
-        previous_((group.getRank() + group.getSize() - 1) % group.getSize()) {}
+      : next_((group.getRank() + 1) % group.getSize()),
+        previous_((group.getRank() + group.getSize() - 1) % group.getSize()) {
+    const c10::intrusive_ptr<c10d::ProcessGroup> returning = return_group_of(group);
+    const c10::intrusive_ptr<c10d::ProcessGroup> same = c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(&group);
+    // Data from a lower rank to a higher goes on `group`, the other way on the return group.
+    sending_ = group.getRank() < next_ ? same : returning;
+    receiving_ = previous_ < group.getRank() ? same : returning;
+  }
 
   void send(const at::Tensor& t, int tag) {
     std::vector<at::Tensor> buffers{t.is_contiguous() ? t.view({-1}) : t.contiguous().view({-1})};
-    sends_.push_back(group_->send(buffers, next_, tag));
+    sends_.push_back(sending_->send(buffers, next_, tag));
     sent_.push_back(buffers.front());
   }
 
   // A receive into `t`, which must be one run of memory; its handle.
   c10::intrusive_ptr<c10d::Work> receive(const at::Tensor& t, int tag) {
     std::vector<at::Tensor> buffers{t.view({-1})};
-    return group_->recv(buffers, previous_, tag);
+    return receiving_->recv(buffers, previous_, tag);
   }
 
   void wait_sends() {
@@ -130,8 +156,8 @@ class Transfers {
   }
 
  private:
-  c10d::ProcessGroup* group_;
   int next_, previous_;
+  c10::intrusive_ptr<c10d::ProcessGroup> sending_, receiving_;
   std::vector<c10::intrusive_ptr<c10d::Work>> sends_;
   std::vector<at::Tensor> sent_;
 };
@@ -241,6 +267,11 @@ class RingWork : public c10d::Work {
 };
 
 }  // namespace
+
+void set_ring_return_group(c10::string_view group_name, c10::string_view return_group_name) {
+  const std::lock_guard<std::mutex> lock(return_groups_mutex);
+  return_groups[std::string(group_name)] = std::string(return_group_name);
+}
 
 bool takes_ring(const at::Tensor& t, c10d::ProcessGroup& group) {
   if (!t.device().is_cpu()) return false;

@@ -18,6 +18,13 @@
 
 namespace autoshard::comm {
 
+// At two ranks both directions of a ring share one connection, and gloo's connection handles
+// one direction at a time (a message being read holds it), so each rank's sends wait on its
+// receives. A second group over the same two ranks (made by autoshard.distributed.prepare_rings)
+// gives the data from the higher rank to the lower a connection of its own. Every rank of the
+// group must register the same `return_group_name` before the next ring on `group_name`.
+void set_ring_return_group(c10::string_view group_name, c10::string_view return_group_name);
+
 // Whether collectives of `t` on `group` go as rings: a CPU tensor on a group whose CPU backend
 // is gloo, unless the environment sets AUTOSHARD_GLOO_RINGS=0 (then gloo's own collectives).
 bool takes_ring(const at::Tensor& t, c10d::ProcessGroup& group);

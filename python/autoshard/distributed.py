@@ -163,3 +163,36 @@ def resolve(group: Optional[ProcessGroup], function: str = "autoshard") -> Proce
 def group_name(group: Optional[ProcessGroup] = None) -> str:
     """The name C++ ops resolve ``group`` (default: the default group) by."""
     return resolve(group, "group_name").group_name
+
+
+def _cpu_backend(group: ProcessGroup) -> str:
+    """The backend of ``group`` for CPU tensors (torch names one per device: "cpu:gloo,cuda:nccl")."""
+    name = str(dist.get_backend(group))
+    if ":" not in name:
+        return name
+    return dict(part.split(":", 1) for part in name.split(",")).get("cpu", "")
+
+
+# The second group over the same two ranks each two-rank gloo group's rings use (by group
+# name), or None where it has none.
+_ring_return_groups: dict = {}
+
+
+def prepare_rings(group: Optional[ProcessGroup] = None) -> None:
+    """Collective over ``group``: gives a two-rank gloo group the second connection its rings
+    want. A ring at two ranks sends to and receives from the same rank, and gloo's connection
+    handles one direction at a time (a message being read holds it), so each rank's sends
+    would wait on its receives; a second group over the same two ranks carries the data from
+    the higher rank to the lower (csrc/comm/ring.h). Other groups, and a job that turns rings
+    off (AUTOSHARD_GLOO_RINGS=0), are left as they are. Idempotent; parallelize and the
+    collectives of ``autoshard.comm`` call it."""
+    group = resolve(group, "prepare_rings")
+    name = group.group_name
+    if name in _ring_return_groups:
+        return
+    returning = None
+    if group.size() == 2 and os.environ.get("AUTOSHARD_GLOO_RINGS") != "0" and _cpu_backend(group) == "gloo":
+        returning = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                   use_local_synchronization=True)
+        torch.ops.autoshard.set_ring_return_group(name, returning.group_name)
+    _ring_return_groups[name] = returning

@@ -16,7 +16,7 @@ from . import backward_overlap, forward_checks, mesh_fully_shard, partial_gradie
 from . import loss_parallel as loss_parallelism
 from .rank_agreement import check_ranks_agree, on_every_rank
 from .data_parallel import GradientAverager
-from .distributed import ProcessGroup, default_group, resolve, set_default_group
+from .distributed import ProcessGroup, default_group, prepare_rings, resolve, set_default_group
 from .dry_run import dry_run
 from .input_copies import InputCopyPerCall, SharedInputCopy
 from .parallel_state import ParallelState, state_of
@@ -266,6 +266,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     # Before anything that could fail on some ranks only (and leave the others waiting).
     check_ranks_agree(model, plan_json.dumps(plan, input_values=False, prediction=False)
                       if isinstance(plan, ShardingPlan) else None, group)
+    prepare_rings(group)
     if plan is None:
         def checked_dry_run(candidate):
             def run():

@@ -158,3 +158,39 @@ def test_async_rings_are_bit_identical_and_keep_their_messages(world_size):
 def test_gloo_own_collectives_when_rings_are_off(world_size):
     # The padded path every backend without rings takes (NCCL), run here on gloo.
     assert run_on_ranks(_sequence_rings_match_definitions, world_size, False) == [CHECKS] * world_size
+
+
+def _return_groups():
+    """At two ranks a ring's data from the higher rank to the lower goes on a second group over
+    the same ranks, made by the first collective; results are bit for bit those of one group
+    carrying both directions (a group whose return group was never made). Two-rank subgroups of
+    a larger world make theirs among their own ranks; larger groups have none."""
+    from autoshard import distributed
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pair = [r for r in range(world) if r // 2 == rank // 2]
+    pairs = [dist.new_group([r, r + 1], backend="gloo") for r in range(0, world, 2)]
+    mine_group = pairs[rank // 2]
+    bare = [dist.new_group([r, r + 1], backend="gloo") for r in range(0, world, 2)][rank // 2]
+    x = seeded((3, 1100, 1024), 40 + rank)
+    name = mine_group.group_name
+    piece = comm.reduce_scatter_to_sequence(x, 1, mine_group)
+    gathered = comm.all_gather_from_sequence(piece, 1, 1100, mine_group)
+    assert distributed._ring_return_groups[name] is not None
+    assert dist.get_process_group_ranks(distributed._ring_return_groups[name]) == pair
+    # The ops called directly on a group nothing prepared: both directions on the one group.
+    alone = torch.ops.autoshard.reduce_scatter_to_sequence(x, 1, bare.group_name)
+    assert bare.group_name not in distributed._ring_return_groups
+    assert torch.equal(alone, piece)
+    assert torch.equal(torch.ops.autoshard.all_gather_from_sequence(alone, 1, 1100, bare.group_name), gathered)
+    want = sum(seeded((3, 1100, 1024), 40 + r) for r in pair)
+    torch.testing.assert_close(gathered, want)
+    if world > 2:
+        comm.reduce_scatter_to_sequence(x, 1)
+        assert distributed._ring_return_groups[dist.group.WORLD.group_name] is None
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_two_rank_rings_return_on_a_group_of_their_own(world_size):
+    assert run_on_ranks(_return_groups, world_size) == [True] * world_size
