@@ -4,8 +4,10 @@ and what it saves.
 Sequence parallelism replaces a row layer's all-reduce by a reduce-scatter and the next column
 layers' input copy by an all-gather, and holds 1/N of the activations between layers. On NCCL
 the pair moves the bytes the all-reduce moves and costs about what it costs, so it pays always.
-On gloo the pair is slower than the all-reduce (1.4x at 2 ranks with autoshard's rings,
-``benchmarks/bench_sequence_collectives.py``), so it pays only where memory needs it:
+On gloo the choice counts the pair at 1.4x the all-reduce, its cost at 2 ranks while both
+directions of a two-rank ring shared one connection; with a connection each way it measures
+0.8-1.0x at 2 ranks and 1.0x at 4 (``benchmarks/bench_sequence_collectives.py``). Counted so,
+on gloo it pays only where memory needs it:
 
 - a backend whose pair costs no more than the all-reduce: on;
 - a costlier backend and no memory budget: off;
