@@ -110,7 +110,7 @@ std::mutex return_groups_mutex;
 std::unordered_map<std::string, std::string> return_groups;  // group name -> its return group's
 
 // The group carrying the data from the higher rank to the lower at two ranks (see ring.h), or
-// `group` itself.
+// `group` itself where none is registered.
 c10::intrusive_ptr<c10d::ProcessGroup> return_group_of(c10d::ProcessGroup& group) {
   const c10::intrusive_ptr<c10d::ProcessGroup> same = c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(&group);
   if (group.getSize() != 2) return same;
@@ -121,7 +121,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> return_group_of(c10d::ProcessGroup& group
     if (it == return_groups.end()) return same;
     name = it->second;
   }
-  return resolve_group(name, "ring collectives (return group)");
+  return resolve_group(name, "ring collectives (the two-rank group's return group)");
 }
 
 // Point-to-point transfers in flight; each send's tensor kept alive until it is sent.
@@ -270,7 +270,11 @@ class RingWork : public c10d::Work {
 
 void set_ring_return_group(c10::string_view group_name, c10::string_view return_group_name) {
   const std::lock_guard<std::mutex> lock(return_groups_mutex);
-  return_groups[std::string(group_name)] = std::string(return_group_name);
+  if (return_group_name.empty()) {
+    return_groups.erase(std::string(group_name));
+  } else {
+    return_groups[std::string(group_name)] = std::string(return_group_name);
+  }
 }
 
 bool takes_ring(const at::Tensor& t, c10d::ProcessGroup& group) {

@@ -22,7 +22,8 @@ namespace autoshard::comm {
 // one direction at a time (a message being read holds it), so each rank's sends wait on its
 // receives. A second group over the same two ranks (made by autoshard.distributed.prepare_rings)
 // gives the data from the higher rank to the lower a connection of its own. Every rank of the
-// group must register the same `return_group_name` before the next ring on `group_name`.
+// group must register the same `return_group_name` before the next ring on `group_name`; an
+// empty one takes the registration back.
 void set_ring_return_group(c10::string_view group_name, c10::string_view return_group_name);
 
 // Whether collectives of `t` on `group` go as rings: a CPU tensor on a group whose CPU backend

@@ -166,15 +166,15 @@ def group_name(group: Optional[ProcessGroup] = None) -> str:
 
 
 def _cpu_backend(group: ProcessGroup) -> str:
-    """The backend of ``group`` for CPU tensors (torch names one per device: "cpu:gloo,cuda:nccl")."""
-    name = str(dist.get_backend(group))
-    if ":" not in name:
-        return name
-    return dict(part.split(":", 1) for part in name.split(",")).get("cpu", "")
+    """The name of ``group``'s backend for CPU tensors ("gloo", "fake", ...), or "" where it has none."""
+    try:
+        return group._get_backend(torch.device("cpu")).name()
+    except (RuntimeError, AttributeError):
+        return ""
 
 
-# The second group over the same two ranks each two-rank gloo group's rings use (by group
-# name), or None where it has none.
+# By group name: (the group, the second group over its two ranks that its rings use, or None).
+# A group made again under the same name (torch.distributed started again) is prepared again.
 _ring_return_groups: dict = {}
 
 
@@ -188,11 +188,14 @@ def prepare_rings(group: Optional[ProcessGroup] = None) -> None:
     collectives of ``autoshard.comm`` call it."""
     group = resolve(group, "prepare_rings")
     name = group.group_name
-    if name in _ring_return_groups:
+    if name in _ring_return_groups and _ring_return_groups[name][0] is group:
+        return
+    # Only a group of torch's own: a memory prediction's fake group on meta has no connections.
+    if group not in dist.distributed_c10d._world.pg_map:
         return
     returning = None
     if group.size() == 2 and os.environ.get("AUTOSHARD_GLOO_RINGS") != "0" and _cpu_backend(group) == "gloo":
         returning = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
                                    use_local_synchronization=True)
-        torch.ops.autoshard.set_ring_return_group(name, returning.group_name)
-    _ring_return_groups[name] = returning
+    torch.ops.autoshard.set_ring_return_group(name, "" if returning is None else returning.group_name)
+    _ring_return_groups[name] = (group, returning)

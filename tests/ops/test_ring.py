@@ -176,8 +176,8 @@ def _return_groups():
     name = mine_group.group_name
     piece = comm.reduce_scatter_to_sequence(x, 1, mine_group)
     gathered = comm.all_gather_from_sequence(piece, 1, 1100, mine_group)
-    assert distributed._ring_return_groups[name] is not None
-    assert dist.get_process_group_ranks(distributed._ring_return_groups[name]) == pair
+    returning = distributed._ring_return_groups[name][1]
+    assert returning is not None and dist.get_process_group_ranks(returning) == pair
     # The ops called directly on a group nothing prepared: both directions on the one group.
     alone = torch.ops.autoshard.reduce_scatter_to_sequence(x, 1, bare.group_name)
     assert bare.group_name not in distributed._ring_return_groups
@@ -187,7 +187,7 @@ def _return_groups():
     torch.testing.assert_close(gathered, want)
     if world > 2:
         comm.reduce_scatter_to_sequence(x, 1)
-        assert distributed._ring_return_groups[dist.group.WORLD.group_name] is None
+        assert distributed._ring_return_groups[dist.group.WORLD.group_name][1] is None
     return True
 
 

@@ -4,12 +4,11 @@ and what it saves.
 Sequence parallelism replaces a row layer's all-reduce by a reduce-scatter and the next column
 layers' input copy by an all-gather, and holds 1/N of the activations between layers. On NCCL
 the pair moves the bytes the all-reduce moves and costs about what it costs, so it pays always.
-On gloo the choice counts the pair at 1.4x the all-reduce, its cost at 2 ranks while both
-directions of a two-rank ring shared one connection; with a connection each way it measures
-0.8-1.0x at 2 ranks and 1.0x at 4 (``benchmarks/bench_sequence_collectives.py``). Counted so,
-on gloo it pays only where memory needs it:
+On gloo (autoshard's rings, ``benchmarks/bench_sequence_collectives.py``) the pair costs
+0.8-1.0x the all-reduce at 2 ranks and 1.0-1.15x at 4, so it pays always at 2 ranks and, at
+more, only where memory needs it:
 
-- a backend whose pair costs no more than the all-reduce: on;
+- a backend whose pair costs no more than the all-reduce at this world size: on;
 - a costlier backend and no memory budget: off;
 - with ``memory_budget`` (bytes per rank): off where the step's predicted peak without it
   (``ShardingPlan.memory``: AdamW with the model's dtypes, on the plan's example inputs) fits
@@ -25,9 +24,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# The reduce-scatter + all-gather pair's time over the all-reduce's it replaces, by backend.
-PAIR_COST = {"nccl": 1.0, "gloo": 1.4}
-UNKNOWN_BACKEND_COST = PAIR_COST["gloo"]  # the pair is never assumed cheaper than measured
+# The reduce-scatter + all-gather pair's time over the all-reduce's it replaces, by backend:
+# (at two ranks, at more).
+PAIR_COST = {"nccl": (1.0, 1.0), "gloo": (0.9, 1.05)}
+# An unmeasured backend's pair is never assumed cheaper than the costliest measured.
+UNKNOWN_BACKEND_COST = max(max(costs) for costs in PAIR_COST.values())
+
+
+def pair_cost(backend: str, world_size: int) -> float:
+    """The pair's time over the all-reduce's on `backend` at `world_size` ranks."""
+    costs = PAIR_COST.get(backend)
+    if costs is None:
+        return UNKNOWN_BACKEND_COST
+    return costs[0] if world_size <= 2 else costs[1]
 
 
 def check_arguments(function: str, sequence_parallel, memory_budget) -> None:
@@ -77,8 +86,8 @@ def choose(model: nn.Module, world_size: int, example_inputs, overrides, memory_
                                            gather_unpaired=gather_unpaired)
     if not any(layer.sequence for layer in with_tokens_split.layers):
         return False, "sequence parallelism: none possible (no token-wise region between a row and a column layer)"
-    cost = PAIR_COST.get(backend, UNKNOWN_BACKEND_COST)
-    pair = f"on {backend} its reduce-scatter + all-gather cost {cost:g}x the all-reduce they replace"
+    cost = pair_cost(backend, world_size)
+    pair = f"on {backend} at {world_size} ranks its reduce-scatter + all-gather cost {cost:g}x the all-reduce they replace"
     if cost <= 1.0:
         return True, f"sequence parallelism on: {pair}, and the activations between layers are 1/{world_size} per rank"
     if memory_budget is None:
