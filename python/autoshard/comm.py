@@ -29,10 +29,12 @@ from . import ops
 from .distributed import ProcessGroup, group_name, prepare_rings, resolve
 
 
-def _collective_group_name(group: Optional[ProcessGroup]) -> str:
-    """The name the op resolves ``group`` by, the group's rings prepared first: every rank of
-    the group calls a collective at the same point, so it may set up what the collective needs."""
-    prepare_rings(group)
+def _collective_group_name(group: Optional[ProcessGroup], x: Optional[torch.Tensor]) -> str:
+    """The name the op resolves ``group`` by, with the group's rings prepared first for a CPU
+    tensor ``x``: every rank of the group calls a collective at the same point, so it may set up
+    what the collective needs."""
+    if x is not None and x.device.type == "cpu":
+        prepare_rings(group)
     return group_name(group)
 
 
@@ -62,14 +64,14 @@ def copy_to_parallel(x: torch.Tensor, group: Optional[ProcessGroup] = None) -> t
     """Identity (a copy) in forward; all-reduces (sums) the gradient in backward. Enters a
     region where every rank computes on the same, replicated ``x``."""
     _check_tensor(x, "copy_to_parallel")
-    return ops.copy_to_parallel(x, _collective_group_name(group))
+    return ops.copy_to_parallel(x, _collective_group_name(group, x))
 
 
 def reduce_from_parallel(x: torch.Tensor, group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """All-reduces (sums) ``x`` over the group in forward; identity in backward. Leaves a
     region where every rank holds a partial sum."""
     _check_tensor(x, "reduce_from_parallel")
-    return ops.reduce_from_parallel(x, _collective_group_name(group))
+    return ops.reduce_from_parallel(x, _collective_group_name(group, x))
 
 
 def gather_from_parallel(x: torch.Tensor, dim: int, length: int, group: Optional[ProcessGroup] = None) -> torch.Tensor:
@@ -81,7 +83,7 @@ def gather_from_parallel(x: torch.Tensor, dim: int, length: int, group: Optional
         x,
         _as_int(dim, "dim", "gather_from_parallel"),
         _as_int(length, "length", "gather_from_parallel"),
-        _collective_group_name(group),
+        _collective_group_name(group, x),
     )
 
 
@@ -89,7 +91,7 @@ def scatter_to_parallel(x: torch.Tensor, dim: int, group: Optional[ProcessGroup]
     """This rank's piece of ``x`` along ``dim`` (``autoshard.shard`` with the group's rank and
     size); backward all-gathers the gradient."""
     _check_tensor(x, "scatter_to_parallel")
-    return ops.scatter_to_parallel(x, _as_int(dim, "dim", "scatter_to_parallel"), _collective_group_name(group))
+    return ops.scatter_to_parallel(x, _as_int(dim, "dim", "scatter_to_parallel"), _collective_group_name(group, x))
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, dim: int, group: Optional[ProcessGroup] = None) -> torch.Tensor:
@@ -97,7 +99,7 @@ def reduce_scatter_to_sequence(x: torch.Tensor, dim: int, group: Optional[Proces
     this rank keeps its ``split_sizes`` piece along the token axis ``dim``; backward
     all-gathers the gradient."""
     _check_tensor(x, "reduce_scatter_to_sequence")
-    return ops.reduce_scatter_to_sequence(x, _as_int(dim, "dim", "reduce_scatter_to_sequence"), _collective_group_name(group))
+    return ops.reduce_scatter_to_sequence(x, _as_int(dim, "dim", "reduce_scatter_to_sequence"), _collective_group_name(group, x))
 
 
 def all_gather_from_sequence(x: torch.Tensor, dim: int, length: int,
@@ -106,14 +108,14 @@ def all_gather_from_sequence(x: torch.Tensor, dim: int, length: int,
     (``length`` in all); backward sums the gradient over the group and keeps this rank's piece."""
     _check_tensor(x, "all_gather_from_sequence")
     return ops.all_gather_from_sequence(x, _as_int(dim, "dim", "all_gather_from_sequence"),
-                                        _as_int(length, "length", "all_gather_from_sequence"), _collective_group_name(group))
+                                        _as_int(length, "length", "all_gather_from_sequence"), _collective_group_name(group, x))
 
 
 def all_reduce_(x: torch.Tensor, op: str = "sum", group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Sums (``op="sum"``) or takes the maximum (``op="max"``) of ``x`` over the group, in
     place; returns ``x``."""
     _check_tensor(x, "all_reduce_")
-    ops.all_reduce_(x, op, _collective_group_name(group))
+    ops.all_reduce_(x, op, _collective_group_name(group, x))
     return x
 
 
@@ -121,7 +123,7 @@ def all_gather_uneven(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Op
     """Every rank's piece concatenated along ``dim`` in rank order; rank r's piece holds
     ``sizes[r]`` elements there (this rank's is ``x``)."""
     _check_tensor(x, "all_gather_uneven")
-    return ops.all_gather_uneven(x, _as_int(dim, "dim", "all_gather_uneven"), sizes, _collective_group_name(group))
+    return ops.all_gather_uneven(x, _as_int(dim, "dim", "all_gather_uneven"), sizes, _collective_group_name(group, x))
 
 
 def reduce_scatter_uneven(x: torch.Tensor, sizes: Sequence[int], group: Optional[ProcessGroup] = None,
@@ -130,7 +132,7 @@ def reduce_scatter_uneven(x: torch.Tensor, sizes: Sequence[int], group: Optional
     returns this rank's piece of their sum over the group. With ``async_op`` the collective is
     only started: pass the result to ``wait`` before reading it."""
     _check_tensor(x, "reduce_scatter_uneven")
-    return ops.reduce_scatter_uneven(x, sizes, _collective_group_name(group), async_op)
+    return ops.reduce_scatter_uneven(x, sizes, _collective_group_name(group, x), async_op)
 
 
 def all_reduce_bucket(tensors: Sequence[torch.Tensor], group: Optional[ProcessGroup] = None,
@@ -140,13 +142,13 @@ def all_reduce_bucket(tensors: Sequence[torch.Tensor], group: Optional[ProcessGr
     tensors = list(tensors)
     if not tensors:  # the dispatcher cannot route an op without a tensor argument
         raise ValueError("all_reduce_bucket: tensors must not be empty")
-    return ops.all_reduce_bucket(tensors, _collective_group_name(group), async_op)
+    return ops.all_reduce_bucket(tensors, _collective_group_name(group, tensors[0] if len(tensors) else None), async_op)
 
 
 def broadcast_(x: torch.Tensor, src: int, group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Rank ``src``'s ``x`` on every rank, in place; returns ``x``."""
     _check_tensor(x, "broadcast_")
-    ops.broadcast_(x, _as_int(src, "src", "broadcast_"), _collective_group_name(group))
+    ops.broadcast_(x, _as_int(src, "src", "broadcast_"), _collective_group_name(group, x))
     return x
 
 
@@ -242,11 +244,11 @@ class CommCounter:
 
     def counts_of(self, group: Optional[ProcessGroup] = None) -> Dict[str, int]:
         """``counts`` over ``group`` (None: the default tensor-parallel group) alone."""
-        return self._sum(0, _collective_group_name(group))
+        return self._sum(0, group_name(group))
 
     def bytes_of(self, group: Optional[ProcessGroup] = None) -> Dict[str, int]:
         """``bytes`` over ``group`` (None: the default tensor-parallel group) alone."""
-        return self._sum(1, _collective_group_name(group))
+        return self._sum(1, group_name(group))
 
     def __repr__(self) -> str:
         return f"CommCounter(counts={self.counts}, bytes={self.bytes})"

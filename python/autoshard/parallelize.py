@@ -266,7 +266,8 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     # Before anything that could fail on some ranks only (and leave the others waiting).
     check_ranks_agree(model, plan_json.dumps(plan, input_values=False, prediction=False)
                       if isinstance(plan, ShardingPlan) else None, group)
-    prepare_rings(group)
+    if any(p.device.type == "cpu" for p in model.parameters()):
+        prepare_rings(group)  # the model's collectives run on CPU tensors: rings on gloo
     if plan is None:
         def checked_dry_run(candidate):
             def run():

@@ -194,3 +194,24 @@ def _return_groups():
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_two_rank_rings_return_on_a_group_of_their_own(world_size):
     assert run_on_ranks(_return_groups, world_size) == [True] * world_size
+
+
+def _only_collectives_prepare():
+    """Preparing is collective, so only collectives do it: reading a counter by group on one
+    rank alone, or a collective of tensors on another device, makes no return group."""
+    from autoshard import distributed
+
+    group = dist.new_group([0, 1], backend="gloo")
+    if dist.get_rank() == 0:
+        with autoshard.CommCounter() as counter:
+            pass
+        assert counter.counts_of(group) == {} and counter.bytes_of(group) == {}
+    meta = torch.empty(4, 6, device="meta")
+    comm.all_reduce_(meta, group=group)
+    made = group.group_name in distributed._ring_return_groups
+    dist.barrier()
+    return made
+
+
+def test_only_collectives_of_cpu_tensors_prepare_rings():
+    assert run_on_ranks(_only_collectives_prepare, 2) == [False, False]
