@@ -14,8 +14,11 @@ For each rank, in bytes:
   a meta copy, under a process group that only names the rank (torch's fake backend), with
   saved-tensor hooks; each storage counts once, whole, the parameters not at all, as
   autoshard.SavedTensorCounter counts them on a real device;
-- transient: twice the largest tensor one op makes in that forward: in backward, that
-  tensor's gradient and the gradient the op gives its input live at the same time.
+- transient: what else the step's ops hold at once, at the most: the same meta copy runs
+  backward from its loss (its gradients allocated beforehand, as in a step after the first),
+  every storage an op makes counted while any tensor of it lives; the most held at once, less
+  the saved activations (where backward cannot run on meta: twice the largest tensor one op
+  makes in the forward).
 
 The peak of one training step is modelled as their sum: parameters + gradients + optimizer
 state + saved activations + transient. It is the state at the start of backward of a step
@@ -163,7 +166,7 @@ def predict(plan, example_inputs=None, *, batch: Optional[int] = None, seq: Opti
             key = _rank_key(plan, rank, token_lengths)
             if key not in found:
                 found[key] = activation_bytes(model, plan, group(rank), (args, kwargs), dtype, loss_parallel)
-            saved, largest = found[key]
+            saved, transient = found[key]
             p, g, s = model_state_bytes(plan, rank, dtypes, trainable, optimizer, master_weights)
-            results.append(RankMemory(rank, p, g, s, saved, 2 * largest))
+            results.append(RankMemory(rank, p, g, s, saved, transient))
     return MemoryPrediction(world, results, describe_inputs(args, kwargs), optimizer, master_weights, dtype)

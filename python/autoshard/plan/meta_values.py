@@ -16,6 +16,8 @@ audio tokens in the ids) answers with the shape those indices select, its values
 
 from typing import Dict, Optional, Tuple
 
+import weakref
+
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -62,8 +64,10 @@ class KnownValues(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        # id(meta tensor) -> (the meta tensor, kept alive so that ids stay unique; its twin)
-        self._twins: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(meta tensor) -> (a weak reference to the meta tensor, its twin). The meta tensor is
+        # not kept alive (a memory prediction counts what the forward holds); its entry goes
+        # with it, and a lookup checks identity, so an id used again never finds another's twin.
+        self._twins: Dict[int, Tuple[weakref.ref, torch.Tensor]] = {}
         self._stale = set()  # storages of twins whose tensor was written with unknown values
         self._written: Dict[object, list] = {}  # op -> the arguments it writes to
 
@@ -71,7 +75,13 @@ class KnownValues(TorchDispatchMode):
 
     def know(self, meta: torch.Tensor, value: torch.Tensor) -> None:
         if value.numel() <= TWIN_ELEMENT_LIMIT:
-            self._twins[id(meta)] = (meta, value)
+            key, twins = id(meta), self._twins
+
+            def gone(ref, key=key, twins=twins):
+                if twins.get(key, (None,))[0] is ref:
+                    del twins[key]
+
+            twins[key] = (weakref.ref(meta, gone), value)
 
     def twin(self, value) -> Optional[torch.Tensor]:
         """The CPU twin of a meta tensor, a non-meta tensor itself, or None if unknown."""
@@ -80,7 +90,7 @@ class KnownValues(TorchDispatchMode):
         if not _is_meta(value):
             return value
         entry = self._twins.get(id(value))
-        if entry is None or entry[0] is not value:
+        if entry is None or entry[0]() is not value:
             return None
         if entry[1].untyped_storage().data_ptr() in self._stale:
             return None
@@ -152,7 +162,7 @@ class KnownValues(TorchDispatchMode):
         """`meta` was written with unknown values: its twin, and every view sharing its storage,
         no longer holds its values."""
         entry = self._twins.pop(id(meta), None)
-        if entry is not None and entry[0] is meta:
+        if entry is not None and entry[0]() is meta:
             self._stale.add(entry[1].untyped_storage().data_ptr())
 
     def _follow(self, func, args, kwargs, out) -> None:
