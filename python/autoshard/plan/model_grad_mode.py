@@ -4,7 +4,7 @@ The planner traces the forward under torch.no_grad() (no autograd graph on meta)
 torch.is_grad_enabled() cannot tell the model's own no_grad blocks from the rest (the PE Audio
 encoder runs its DAC encoder in one). While the trace runs, ModelGradMode follows the model's
 entries into and exits from torch.no_grad(), torch.inference_mode(mode), torch.enable_grad() and
-torch.set_grad_enabled(mode) (blocks, decorators and, for set_grad_enabled, plain calls) and says
+torch.set_grad_enabled(mode) (blocks and decorators alike) and says
 whether the model computes with gradients at each op. The recorder marks the nodes recorded
 without them ("no_grad"), and the planner predicts no gradient, and no backward collective,
 through them (csrc/plan/gradient_flow.cpp)."""
@@ -49,20 +49,20 @@ class ModelGradMode:
             self._patch(cls, "__enter__", entering)
             self._patch(cls, "__exit__", leaving)
 
-        # set_grad_enabled sets the mode when it is made (a plain call changes it until the next
-        # one); used as a block or a decorator it restores the previous mode on exit.
+        # set_grad_enabled sets the mode when it is made; followed where the model uses it as a
+        # block or a decorator (entered, then left). Plain calls are not followed: torch's own
+        # no_grad makes them on entry and exit, restoring the mode the trace runs under.
         setting = grad_mode.set_grad_enabled
 
-        def made(context, mode, init=setting.__init__):
-            init(context, mode)
-            self.modes.append(bool(mode))
+        def entered(context, enter=setting.__enter__):
+            self.modes.append(bool(context.mode))
+            return enter(context)
 
         def restored(context, *exc, leave=setting.__exit__):
-            if len(self.modes) > 1:
-                self.modes.pop()
+            self.modes.pop()
             return leave(context, *exc)
 
-        self._patch(setting, "__init__", made)
+        self._patch(setting, "__enter__", entered)
         self._patch(setting, "__exit__", restored)
         return self
 
