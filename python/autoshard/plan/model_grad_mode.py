@@ -37,7 +37,10 @@ class ModelGradMode:
         setattr(cls, name, replacement)
 
     def __enter__(self) -> "ModelGradMode":
-        for cls in (grad_mode.no_grad, grad_mode.inference_mode, grad_mode.enable_grad):
+        # set_grad_enabled sets the mode when it is made; it is followed where the model uses it
+        # as a block or a decorator (entered, then left), not as a plain call: torch's own
+        # no_grad makes plain calls on entry and exit, restoring the mode the trace runs under.
+        for cls in (grad_mode.no_grad, grad_mode.inference_mode, grad_mode.enable_grad, grad_mode.set_grad_enabled):
             def entering(context, enter=cls.__enter__):
                 self.modes.append(self._mode_of(context))
                 return enter(context)
@@ -48,22 +51,6 @@ class ModelGradMode:
 
             self._patch(cls, "__enter__", entering)
             self._patch(cls, "__exit__", leaving)
-
-        # set_grad_enabled sets the mode when it is made; followed where the model uses it as a
-        # block or a decorator (entered, then left). Plain calls are not followed: torch's own
-        # no_grad makes them on entry and exit, restoring the mode the trace runs under.
-        setting = grad_mode.set_grad_enabled
-
-        def entered(context, enter=setting.__enter__):
-            self.modes.append(bool(context.mode))
-            return enter(context)
-
-        def restored(context, *exc, leave=setting.__exit__):
-            self.modes.pop()
-            return leave(context, *exc)
-
-        self._patch(setting, "__enter__", entered)
-        self._patch(setting, "__exit__", restored)
         return self
 
     def __exit__(self, *exc) -> None:
