@@ -15,6 +15,7 @@ Ops receive groups by name (``group.group_name``), which C++ resolves through to
 process-group registry, the way torch's functional collectives do.
 """
 
+import atexit
 import os
 from datetime import timedelta
 from typing import Optional, Tuple, Union
@@ -176,6 +177,25 @@ def _cpu_backend(group: ProcessGroup) -> str:
 # By group name: (the group, the second group over its two ranks that its rings use, or None).
 # A group made again under the same name (torch.distributed started again) is prepared again.
 _ring_return_groups: dict = {}
+
+
+@atexit.register
+def _destroy_ring_return_groups() -> None:
+    """Destroys the return groups while their world still exists, so that their threads are
+    joined now, not during the interpreter's teardown, where they could outlive what they use
+    (and abort the process); rings on their groups go over one connection from then on."""
+    prepared = list(_ring_return_groups.items())
+    _ring_return_groups.clear()
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # the world was destroyed, and the return groups with it
+    for name, (_, returning) in prepared:
+        if returning is None:
+            continue
+        torch.ops.autoshard.set_ring_return_group(name, "")
+        try:
+            dist.destroy_process_group(returning)
+        except Exception:  # noqa: BLE001 - gone already: destroying the world destroys its subgroups
+            pass
 
 
 def prepare_rings(group: Optional[ProcessGroup] = None) -> None:
