@@ -163,6 +163,21 @@ def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> sequenc
     return tokens
 
 
+def _training_flags(model: nn.Module) -> Dict[str, bool]:
+    return {name: module.training for name, module in model.named_modules()}
+
+
+def _keep_training_flags(model: nn.Module, flags: Dict[str, bool]) -> None:
+    """Gives every module the training flag the model's module of its name had before the
+    surgery, and a module new under that name (a sharded layer's own parts) its nearest
+    predecessor's: a model parallelized in evaluation stays so, and its layers draw nothing."""
+    for name, module in model.named_modules():
+        owner = name
+        while owner not in flags:
+            owner = owner.rpartition(".")[0]
+        module.training = flags[owner]
+
+
 def _check_same_split(first: LayerPlan, again: LayerPlan) -> None:
     split = lambda l: (l.style, l.units, tuple(l.parts), tuple(l.whole_parts), l.summed_parts, l.repeat, l.letter,
                        l.sequence)
@@ -287,6 +302,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     else:
         _check_plan_fits(model, plan, group.size())
         state_shapes = on_every_rank(lambda: dry_run(model, plan, group, example_inputs, _apply), group)
+    flags = _training_flags(model)
     tokens = _apply(model, plan, group)
     if overlap_backward:
         backward_overlap.enable(model, tokens)
@@ -321,6 +337,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         region_generators.install(model)
     if fully_shard_over is not None:
         mesh_fully_shard.apply(model, fully_shard_over, reduce_dtype)
+    _keep_training_flags(model, flags)
     if mesh is not None and group is not default_group():
         # What is given this model uses its state's group; a call with no model at hand (a
         # loss over vocabulary shards, a collective) and group=None must not span the

@@ -11,24 +11,16 @@ ranks: 4, 3, 3) the ranks would advance by different amounts and part ways for g
 
 So a region gets generator states of its own:
 
-- where it starts (``enter``), the synchronised generator gives one number, the same on every
-  rank, which advances it alike on every rank; its state after that draw is kept, and the
-  generator is seeded from the number and the rank in the region's group, so that ranks draw
-  independent masks there, and each region (and each step) other masks than the last;
+- where it starts (``enter``), the synchronised generator's state is kept, and the generator is
+  seeded from that state and the rank in the region's group, so that ranks draw independent
+  masks there; nothing is drawn from the synchronised generator to make the seed;
 - where it ends (``leave``), the kept state comes back: the draws inside, however many, leave
-  no trace on the synchronised generator.
-
-Which kept state a region's end brings back is read from the generator itself: a region's
-generator is seeded with a seed of its own, which ``initial_seed()`` returns, and the kept
-states are found by it. A region entered again before it ends (q, k and v, each with its input
-copy) or one nested in another goes on drawing from the region's generator. Activation
-checkpointing saves the generator's state before a block and sets it again to recompute it,
-seed included, so a recomputed block finds the same region (or draws the same number and gets
-the same seed) and leaves it to the same kept state: its masks repeat the first forward's bit
-for bit. A region that never ends inside the model (a column head whose logits go to a
-vocabulary-parallel loss) is ended by ``resynchronise``, which ``parallelize`` runs before and
-after each forward of the model, so that the code between forwards and the next forward draw
-from the synchronised generator.
+  no trace on the synchronised generator. A region in which something was drawn then advances
+  the synchronised generator by one number, alike on every rank, so that the next region (and
+  the next step) is seeded from another state and draws other masks than the last; a region in
+  which nothing was drawn (no dropout, or a dropout of probability 0) leaves it exactly as it
+  found it, so a seeded run's later draws (sampling in ``generate()``, a shuffle) are the
+  unsharded model's.
 
 Only a module in training enters a region: in evaluation (and ``generate()`` in evaluation) no
 generator is touched, and a region never entered ends with no effect. Nothing here issues a
@@ -40,6 +32,8 @@ left alone.
 from collections import OrderedDict
 from typing import Hashable, Optional, Tuple
 
+import hashlib
+
 import torch
 import torch.distributed.distributed_c10d as c10d
 from torch._subclasses.fake_tensor import is_fake
@@ -50,8 +44,9 @@ _MASK_64 = (1 << 64) - 1
 # The kept states of this many regions, the most recently entered ones: enough for the
 # recomputation of any block of the forwards whose backward has not run yet.
 _KEPT_REGIONS = 1024
-# (generator key, region seed) -> the synchronised state the region's end restores.
-_kept_states: "OrderedDict[Tuple[Hashable, int], torch.Tensor]" = OrderedDict()
+# (generator key, region seed) -> the synchronised state the region's end restores, and the
+# region generator's state before anything was drawn inside (None for CUDA: its offset says).
+_kept_states: "OrderedDict[Tuple[Hashable, int], Tuple[torch.Tensor, Optional[torch.Tensor]]]" = OrderedDict()
 # A CUDA generator's offsets advance in multiples of 4; one step stands for the draw.
 _CUDA_OFFSET_STEP = 4
 
@@ -82,26 +77,40 @@ def _generator_of(x) -> Tuple[Optional[torch.Generator], Optional[Hashable]]:
     return None, None
 
 
-def _draw(generator: torch.Generator, key: Hashable) -> int:
-    """One number from the synchronised `generator`, the same on every rank, advancing it alike."""
+def _state_number(generator: torch.Generator, key: Hashable) -> int:
+    """A number read from the synchronised `generator`'s state, the same on every rank, that
+    differs between states; reading it draws nothing."""
     if key == "cpu":
-        return int(torch.randint(0, 1 << 62, (), device="cpu", generator=generator))
-    # A CUDA generator's state (seed, offset) is on the host: reading a drawn number back from
-    # the device would wait for it, so the number is made from the state, and the offset moved
-    # on as a draw moves it.
-    offset = generator.get_offset()
-    generator.set_offset(offset + _CUDA_OFFSET_STEP)
-    return _mix(generator.initial_seed() ^ _mix(offset))
+        digest = hashlib.blake2b(generator.get_state().numpy().tobytes(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+    # A CUDA generator's state (seed, offset) is on the host.
+    return _mix(generator.initial_seed() ^ _mix(generator.get_offset()))
 
 
-def _region_seed(draw: int, rank: int) -> int:
+def _advance(generator: torch.Generator, key: Hashable) -> None:
+    """Moves the synchronised `generator` on by one draw, alike on every rank."""
+    if key == "cpu":
+        torch.randint(0, 1 << 62, (), device="cpu", generator=generator)
+    else:  # no kernel, no wait: a CUDA generator's offsets advance in multiples of 4
+        generator.set_offset(generator.get_offset() + _CUDA_OFFSET_STEP)
+
+
+def _drew(generator: torch.Generator, key: Hashable, fresh: Optional[torch.Tensor]) -> bool:
+    """Whether anything was drawn from the region generator `generator` since it was seeded."""
+    if key == "cpu":
+        return not torch.equal(generator.get_state(), fresh)
+    return generator.get_offset() != 0  # seeding sets the offset to 0
+
+
+def _region_seed(number: int, rank: int) -> int:
     # The CPU generator seeds its Mersenne Twister from the low 32 bits, CUDA's Philox from all
-    # 64: both get bits that depend on the draw and the rank alike.
-    return _mix(_mix(draw) ^ rank)
+    # 64: both get bits that depend on the synchronised state and the rank alike.
+    return _mix(_mix(number) ^ rank)
 
 
-def _kept_state(generator: torch.Generator, key: Hashable) -> Optional[torch.Tensor]:
-    """The synchronised state kept for the region `generator` is in; None outside regions."""
+def _kept_state(generator: torch.Generator, key: Hashable):
+    """(the synchronised state kept for the region `generator` is in, the region generator's
+    state when it was seeded); None outside regions."""
     name = (key, generator.initial_seed())
     kept = _kept_states.get(name)
     if kept is not None:
@@ -117,23 +126,32 @@ def enter(x: torch.Tensor, group_name: str, training: bool) -> torch.Tensor:
     generator, key = _generator_of(x)
     if generator is None or _kept_state(generator, key) is not None:
         return x  # already inside a region: it goes on
-    draw = _draw(generator, key)
-    seed = _region_seed(draw, c10d._resolve_process_group(group_name).rank())
-    _kept_states[(key, seed)] = generator.get_state()
+    seed = _region_seed(_state_number(generator, key), c10d._resolve_process_group(group_name).rank())
+    kept = generator.get_state()
+    generator.manual_seed(seed)
+    _kept_states[(key, seed)] = (kept, generator.get_state() if key == "cpu" else None)
     while len(_kept_states) > _KEPT_REGIONS:
         _kept_states.popitem(last=False)
-    generator.manual_seed(seed)
     return x
+
+
+def _end(generator: torch.Generator, key: Hashable) -> None:
+    kept = _kept_state(generator, key)
+    if kept is not None:
+        synchronised, fresh = kept
+        drew = _drew(generator, key, fresh)
+        generator.set_state(synchronised)
+        if drew:
+            _advance(generator, key)
 
 
 def leave(x: torch.Tensor) -> torch.Tensor:
     """`x` ends the region it was computed in (every rank holds it whole now): the generator
-    of its device gets its synchronised state back. Outside a region, nothing changes. Returns `x`."""
+    of its device gets its synchronised state back, moved on by one draw if anything was drawn
+    inside. Outside a region, nothing changes. Returns `x`."""
     generator, key = _generator_of(x)
     if generator is not None:
-        kept = _kept_state(generator, key)
-        if kept is not None:
-            generator.set_state(kept)
+        _end(generator, key)
     return x
 
 
@@ -151,9 +169,7 @@ def resynchronise() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing():
         generators += [(g, ("cuda", index)) for index, g in enumerate(torch.cuda.default_generators)]
     for generator, key in generators:
-        kept = _kept_state(generator, key)
-        if kept is not None:
-            generator.set_state(kept)
+        _end(generator, key)
 
 
 def _resynchronise_hook(*_) -> None:

@@ -148,3 +148,71 @@ def _toy_exact(squash: bool) -> float:
 def test_toy_model_last_tokens_match_the_unsharded_model(squash):
     errors = run_on_ranks(_toy_exact, 2, squash, timeout=300)
     assert max(errors) < 1e-5, errors
+
+
+def _sample(model: nn.Module, ids: torch.Tensor, **settings) -> tuple:
+    """Seeded sampling from `model`, and the global generator's next draw after it (a later
+    shuffle or sample of the same seeded run)."""
+    torch.manual_seed(11)
+    tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                            do_sample=True, pad_token_id=0, **settings)
+    return tokens, torch.rand(4)
+
+
+SAMPLING = {"plain": {}, "top_k": {"top_k": 20, "temperature": 0.7}, "top_p": {"top_p": 0.9, "temperature": 1.3}}
+
+
+def _seeded_sampling(train_first: bool) -> dict:
+    """The unsharded model and one parallelized in evaluation mode (as from_pretrained returns
+    it), or in training mode and then switched to evaluation, sample the same tokens from the
+    same seed, and leave the global generator alike."""
+    reference, sharded = _build("llama"), _build("llama")  # both in eval mode
+    if train_first:
+        sharded.train()
+    autoshard.parallelize(sharded)
+    flags_kept = all(not module.training for module in sharded.modules())
+    if train_first:
+        flags_kept = all(module.training for module in sharded.modules())
+        sharded.eval()
+    ids = torch.randint(3, 256, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    differ = []
+    for name, settings in SAMPLING.items():
+        want_tokens, want_next = _sample(reference, ids, **settings)
+        tokens, following = _sample(sharded, ids, **settings)
+        if not torch.equal(tokens, want_tokens):
+            differ.append(f"{name}: tokens {tokens.tolist()} where the unsharded model gives {want_tokens.tolist()}")
+        if not torch.equal(following, want_next):
+            differ.append(f"{name}: the generator's next draw after sampling differs")
+    return {"flags_kept": flags_kept, "differ": differ}
+
+
+@pytest.mark.parametrize("train_first", [False, True], ids=["parallelized-in-eval", "train-then-eval"])
+def test_seeded_sampling_gives_the_unsharded_models_tokens(train_first):
+    for rank, result in enumerate(run_on_ranks(_seeded_sampling, 2, train_first, timeout=600)):
+        assert result["flags_kept"], f"rank {rank}: parallelize changed a module's training flag"
+        assert result["differ"] == [], f"rank {rank}: {result['differ']}"
+
+
+class _DropoutFree(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 12), nn.Linear(12, 8)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.dropout(torch.relu(self.up(x)), p=0.0, training=self.training))
+
+
+def _draws_after_training_steps() -> list:
+    torch.manual_seed(0)
+    model = autoshard.parallelize(_DropoutFree().train(), example_inputs=(torch.ones(2, 8),))
+    torch.manual_seed(5)
+    for _ in range(3):
+        model(torch.ones(2, 8)).sum().backward()
+    return torch.rand(3).tolist()
+
+
+def test_a_training_forward_without_dropout_leaves_the_global_generator_alone():
+    torch.manual_seed(5)
+    want = torch.rand(3).tolist()
+    for rank, got in enumerate(run_on_ranks(_draws_after_training_steps, 2, timeout=300)):
+        assert got == want, f"rank {rank}: the generator moved in forwards that draw nothing"

@@ -115,7 +115,15 @@ def _region_mechanics(device: str):
     after_entered_thrice, _ = through_region(2, entries=3)
     checks["the state after a region is the same whatever was drawn inside"] = (
         torch.equal(after_one, after_three) and torch.equal(after_one, after_entered_thrice))
-    checks["a region advances the synchronised generator"] = not torch.equal(after_one, start)
+    checks["a region that drew advances the synchronised generator"] = not torch.equal(after_one, start)
+    after_none, _ = through_region(0, entries=2)
+    checks["a region that drew nothing leaves the synchronised generator as it found it"] = torch.equal(
+        after_none, start)
+    generator.set_state(start)
+    region_generators.enter(x, group, training=True)
+    region_generators.resynchronise()
+    checks["resynchronise after a region that drew nothing leaves the generator as it was"] = torch.equal(
+        state(), start)
     generator.set_state(start)
     checks["the mask inside a region is not the synchronised generator's"] = not torch.equal(mask, dropout(x))
 
