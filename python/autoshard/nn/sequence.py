@@ -13,6 +13,12 @@ array_split rule), so any sequence length works.
 A column layer reading the tokens through ops that index the token axis (a causal LM's head
 reading the last tokens) gets them gathered where a module returns them instead
 (``PlanSteps.exit_hook``, ``ShardingPlan.sequence_exits``; see csrc/plan/token_indexing.cpp).
+Such a gather's gradient is reduce-scattered, which sums the column layers' partial gradients;
+but what a module returns also leaves the plan's reach (a backbone's ``last_hidden_state`` used
+by a classifier, a fused LM head, a user's loss), and the replicated gradient of such a reader
+would be summed N times. So the gathered tokens are returned with their gradient divided by N,
+and the column layers reading them multiply theirs by N (``ExitGradientScale``): the plan's
+readers are summed as before, any other reader counted once, with no collective more.
 
 The layers that split a region record its full length in one ``SequenceShards`` per region,
 which the gathering layers read: a rank's piece alone does not say how long the sequence was.
@@ -108,6 +114,36 @@ class GatherTokens(_Step):
         return region_generators.leave(gathered)
 
 
+def scale_exit_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """`x`, its gradient multiplied by `factor`; on meta tensors (the dry run, which compares the
+    forward's ops with the plan's, and runs no backward) `x` itself."""
+    return x if x.is_meta else ExitGradientScale.apply(x, factor)
+
+
+class ExitGradientScale(torch.autograd.Function):
+    """The identity, whose backward multiplies the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+class _ReadsExitTokens:
+    """The input copy of a column layer reading tokens a module returned gathered: its gradient
+    multiplied by the group's size, against the exit's division (see the module docstring)."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return scale_exit_gradient(x, float(self.world_size))
+
+
 class PlanSteps:
     """The steps of a plan's sequence regions, one SequenceShards per region; `gathers` maps
     each column layers' copy group that gathers tokens to its GatherTokens."""
@@ -142,7 +178,7 @@ class PlanSteps:
             if leaf >= len(leaves) or not isinstance(leaves[leaf], torch.Tensor):
                 raise RuntimeError(f"sequence parallelism: {entry.module!r} returned no tensor where the plan "
                                    f"gathers its tokens (output {leaf})")
-            leaves[leaf] = step(leaves[leaf])
+            leaves[leaf] = scale_exit_gradient(step(leaves[leaf]), 1.0 / self._world_size)
             return tree_unflatten(leaves, spec)
 
         return hook
@@ -154,11 +190,16 @@ class PlanSteps:
         # made where a module receives or returns a tensor (sequence_gathers, sequence_exits).
         self.module_gathers = []
         self._group_name = group_name
+        self._world_size = plan.world_size
+        entry_gathers = [entry.module for entry in plan.sequence_gathers]
         for layer in plan.layers:
             if layer.sequence is TokenRole.GATHER and layer.copy_group not in self.gathers:
                 self.gathers[layer.copy_group] = GatherTokens(self._region(layer, group_name), layer.sequence_dim)
             elif layer.sequence is TokenRole.GATHERED:
-                self.gathers[layer.copy_group] = already_gathered
+                # Gathered where a module receiving them is called, or else where one returns them.
+                inside = any(layer.module.startswith(module + ".") or not module for module in entry_gathers)
+                self.gathers[layer.copy_group] = already_gathered if inside or not plan.sequence_exits \
+                    else _ReadsExitTokens(plan.world_size)
 
     def _region(self, layer, group_name: str) -> SequenceShards:
         if layer.sequence_region not in self.shards:
