@@ -88,6 +88,25 @@ def check_bool(optimizer: str, name: str, value) -> bool:
     return value
 
 
+def check_none_or_bool(optimizer: str, name: str, value) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{optimizer}: {name} must be None, True or False, got {value!r}")
+
+
+def check_only(optimizer: str, name: str, value, supported: bool, why: str) -> None:
+    """A setting of torch's that autoshard's optimizer keeps in its param groups (so that state
+    dicts move between them) but runs with one value only."""
+    check_bool(optimizer, name, value)
+    if value is not supported:
+        raise ValueError(f"{optimizer}: {name}={value} is not supported: {why}; only {name}={supported} is")
+
+
+def scalar_dtype() -> torch.dtype:
+    """The dtype torch.optim gives a host-side ``step`` tensor (float64 under a float64 default
+    dtype), so that a state dict's ``step`` is the same tensor either optimizer would make."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
 def param_name(group_index: int, param_index: int) -> str:
     return f"param_groups[{group_index}]['params'][{param_index}]"
 
@@ -270,6 +289,11 @@ def conform_master_state(optimizer: torch.optim.Optimizer) -> None:
                 param_state[MASTER] = new_master(p.detach() if piece is None else piece.of(p.detach()))
             elif not master:
                 param_state.pop(MASTER, None)
+            step = param_state.get("step")
+            if isinstance(step, torch.Tensor) and step.device.type != "cpu":
+                # torch.optim keeps it on the device when fused or capturable; the step count is
+                # read on the host at every step here, which would sync once per parameter.
+                param_state["step"] = step.to("cpu")
             wanted = state_dtype(group, p.dtype)
             for key, value in param_state.items():
                 if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() \
@@ -302,9 +326,11 @@ class FusedOptimizer(torch.optim.Optimizer):
     A subclass sets `_name` (for messages), `_check_hyperparameters(values, group_index,
     defaults)` (the settings present in `values`; `defaults` fill in what a group does not set)
     and `_state_rule` (see StateRule, as staticmethods), and steps one group's fused calls in
-    `_step_fused_calls(group, calls)`."""
+    `_step_fused_calls(group, calls)`. `_loaded_settings` are the settings a loaded group always
+    takes (see conform_loaded_groups)."""
 
     _name: str
+    _loaded_settings: Dict = {}
 
     def __init__(self, params, defaults: Dict) -> None:
         self._check_hyperparameters(defaults, None)
@@ -328,6 +354,34 @@ class FusedOptimizer(torch.optim.Optimizer):
             check_masterable(self._name, {**self.defaults, **param_group}, len(self.param_groups))
         super().add_param_group(param_group)
 
+    def state_dict(self) -> Dict:
+        """torch's state_dict, without ``master_weights`` where it is None (the default): a
+        group then holds exactly torch.optim's keys, so that DCP, which loads the keys of the
+        loading optimizer's own state dict, finds all of them in a checkpoint of torch.optim's.
+        A loading autoshard optimizer keeps its own master_weights where none was saved."""
+        state = super().state_dict()
+        groups = [{k: v for k, v in group.items() if not (k == "master_weights" and v is None)}
+                  for group in state["param_groups"]]
+        return {**state, "param_groups": groups}
+
+    def __setstate__(self, state: Dict) -> None:
+        # torch's load_state_dict ends here with the saved groups, as do unpickling and deepcopy.
+        super().__setstate__(state)
+        self.conform_loaded_groups()
+
+    def conform_loaded_groups(self) -> None:
+        """Groups that came from a state dict: torch's switches missing from it (amsgrad,
+        nesterov, foreach ...: one saved before they were kept) get their defaults, and
+        `_loaded_settings` their only value here. capturable and differentiable say how torch's
+        optimizer ran, not what its state is: refusing them at the next step would refuse a
+        state that continues correctly here. decoupled_weight_decay becomes True as
+        torch.optim.AdamW makes it on load."""
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                if key != "master_weights" and (value is None or isinstance(value, bool)):
+                    group.setdefault(key, value)
+            group.update(self._loaded_settings)
+
     def load_state_dict(self, state_dict: Dict) -> None:
         """torch's load_state_dict, keeping fp32 master weights and states fp32 (a state saved
         without master weights gets them); a partitioned parameter keeps only its own piece of
@@ -337,7 +391,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def conform_loaded_state(self) -> None:
         """After a state was put in place from elsewhere (autoshard.checkpoint.load): master
-        weights and fp32 states where master_weights asks for them, none where it does not."""
+        weights and fp32 states where master_weights asks for them, none where it does not; the
+        groups' settings as conform_loaded_groups makes them."""
+        self.conform_loaded_groups()
         conform_master_state(self)
 
     @torch.no_grad()

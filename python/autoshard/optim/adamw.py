@@ -6,7 +6,8 @@ import torch
 
 from .. import ops
 from ._common import (MASTER, FusedOptimizer, as_real, check_at_least, check_bool, check_master_weights,
-                      hyperparameter_name, new_master, uses_master, local_tensors)
+                      check_none_or_bool, check_only, hyperparameter_name, new_master, scalar_dtype, uses_master,
+                      local_tensors)
 
 _NAME = "AdamW"
 
@@ -26,6 +27,23 @@ def _check_hyperparameters(values: Dict, group_index: Optional[int], defaults: O
         check_at_least(_NAME, name("weight_decay"), values["weight_decay"])
     if "maximize" in values:
         check_bool(_NAME, name("maximize"), values["maximize"])
+    # Also checked at every step: a loaded state dict of torch's may hold amsgrad=True.
+    if "amsgrad" in values:
+        check_only(_NAME, name("amsgrad"), values["amsgrad"], False,
+                   "autoshard.optim.AdamW keeps no running maximum of exp_avg_sq (max_exp_avg_sq)")
+    if "capturable" in values:
+        check_only(_NAME, name("capturable"), values["capturable"], False,
+                   "autoshard.optim.AdamW reads each step count on the host, so its step cannot be captured "
+                   "in a CUDA graph")
+    if "differentiable" in values:
+        check_only(_NAME, name("differentiable"), values["differentiable"], False,
+                   "autoshard.optim.AdamW steps in place without autograd")
+    if "decoupled_weight_decay" in values:
+        check_only(_NAME, name("decoupled_weight_decay"), values["decoupled_weight_decay"], True,
+                   "AdamW's weight decay is decoupled (torch.optim.Adam's L2 penalty is not implemented)")
+    for key in ("foreach", "fused"):
+        if key in values:
+            check_none_or_bool(_NAME, name(key), values[key])
     if "master_weights" in values:
         check_master_weights(_NAME, name("master_weights"), values["master_weights"])
     if "betas" in values:
@@ -57,11 +75,19 @@ class AdamW(FusedOptimizer):
     """``torch.optim.AdamW`` (decoupled weight decay), stepping each (param group, dtype)
     with one fused multi-tensor op, ``torch.ops.autoshard.fused_adamw_``.
 
-    The state is torch's: ``step`` (a float32 scalar tensor), ``exp_avg`` and ``exp_avg_sq``,
-    each shaped like its parameter, so a sharded parameter's state is sharded with it and
-    state dicts load into and from ``torch.optim.AdamW``. The learning rate is read from the
-    param group at every step, so torch's LR schedulers drive it. All parameters must be on
-    one device.
+    The state is torch's: ``step`` (a scalar tensor on the host, float32, or float64 under a
+    float64 default dtype, as torch.optim makes it), ``exp_avg`` and ``exp_avg_sq``, each shaped
+    like its parameter, so a sharded parameter's state is sharded with it. The param groups hold
+    every key of ``torch.optim.AdamW``'s (``amsgrad``, ``foreach``, ``capturable``,
+    ``differentiable``, ``fused``, ``decoupled_weight_decay`` ...), so state dicts load into and
+    from ``torch.optim.AdamW``, through DCP's ``get_state_dict`` / ``set_state_dict`` as well.
+    Of those, ``amsgrad``, ``capturable`` and ``differentiable`` must be False (refused by name
+    otherwise; ``amsgrad`` also at a step after loading a state dict that has it True);
+    ``foreach`` and ``fused`` are taken and kept but change nothing, the step being always one
+    fused op. A loaded state dict's ``capturable`` and ``differentiable`` become False and its
+    ``decoupled_weight_decay`` True, as torch.optim.AdamW forces the latter on load. The
+    learning rate is read from the param group at every step, so torch's LR schedulers drive
+    it. All parameters must be on one device.
 
     Mixed precision: with ``master_weights=None`` (the default) every bfloat16 or float16
     parameter steps through an fp32 master weight, and float32 ones do not; ``True`` or
@@ -85,6 +111,7 @@ class AdamW(FusedOptimizer):
     _name = _NAME
     _check_hyperparameters = staticmethod(_check_hyperparameters)
     _state_rule = staticmethod(_state_rule)
+    _loaded_settings = dict(capturable=False, differentiable=False, decoupled_weight_decay=True)
 
     def __init__(
         self,
@@ -93,12 +120,19 @@ class AdamW(FusedOptimizer):
         betas=(0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
         maximize: bool = False,
+        foreach: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
         master_weights: Optional[bool] = None,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
-                        weight_decay=weight_decay, maximize=maximize, master_weights=master_weights)
+                        weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
+                        capturable=capturable, differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=True, master_weights=master_weights)
         super().__init__(params, defaults)
 
     def _step_fused_calls(self, group: Dict, calls: Dict) -> None:
@@ -110,7 +144,7 @@ class AdamW(FusedOptimizer):
             for key, p, state in zip(call.keys, call.params, call.states):
                 if not state:
                     state = self.state[key]
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["step"] = torch.tensor(0.0, dtype=scalar_dtype())
                     moment_dtype = torch.float32 if master else p.dtype
                     state["exp_avg"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=moment_dtype,
@@ -118,7 +152,7 @@ class AdamW(FusedOptimizer):
                     if master:
                         state[MASTER] = new_master(p)
                 elif not isinstance(state["step"], torch.Tensor):
-                    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+                    state["step"] = torch.tensor(float(state["step"]), dtype=scalar_dtype())
                 exp_avgs.append(state["exp_avg"])
                 exp_avg_sqs.append(state["exp_avg_sq"])
                 if master:

@@ -6,7 +6,7 @@ import torch
 
 from .. import ops
 from ._common import (MASTER, FusedOptimizer, as_float, as_real, check_at_least, check_bool, check_master_weights,
-                      hyperparameter_name, new_master, uses_master, local_tensors)
+                      check_none_or_bool, check_only, hyperparameter_name, new_master, uses_master, local_tensors)
 
 _NAME = "SGD"
 
@@ -26,6 +26,12 @@ def _check_hyperparameters(values: Dict, group_index: Optional[int], defaults: O
     for key in ("nesterov", "maximize"):
         if key in values:
             check_bool(_NAME, name(key), values[key])
+    if "differentiable" in values:
+        check_only(_NAME, name("differentiable"), values["differentiable"], False,
+                   "autoshard.optim.SGD steps in place without autograd")
+    for key in ("foreach", "fused"):
+        if key in values:
+            check_none_or_bool(_NAME, name(key), values[key])
     if "master_weights" in values:
         check_master_weights(_NAME, name("master_weights"), values["master_weights"])
     merged = {**(defaults or {}), **values}
@@ -50,8 +56,13 @@ class SGD(FusedOptimizer):
     (param group, dtype) with one fused multi-tensor op, ``torch.ops.autoshard.fused_sgd_``.
 
     The state is torch's: a ``momentum_buffer`` per parameter when momentum is not 0, shaped
-    like its parameter. The learning rate is read from the param group at every step, so
-    torch's LR schedulers drive it. All parameters must be on one device.
+    like its parameter. The param groups hold every key of ``torch.optim.SGD``'s (``foreach``,
+    ``differentiable``, ``fused`` ...), so state dicts load into and from ``torch.optim.SGD``,
+    through DCP's ``get_state_dict`` / ``set_state_dict`` as well. ``differentiable`` must be
+    False (refused by name otherwise; a loaded state dict's becomes False); ``foreach`` and
+    ``fused`` are taken and kept but change nothing, the step being always one fused op. The
+    learning rate is read from the param group at every step, so torch's LR schedulers drive
+    it. All parameters must be on one device.
 
     Mixed precision: with ``master_weights=None`` (the default) every bfloat16 or float16
     parameter steps through an fp32 master weight (state ``master``) with an fp32
@@ -68,6 +79,7 @@ class SGD(FusedOptimizer):
     _name = _NAME
     _check_hyperparameters = staticmethod(_check_hyperparameters)
     _state_rule = staticmethod(_state_rule)
+    _loaded_settings = dict(differentiable=False)
 
     def __init__(
         self,
@@ -79,10 +91,14 @@ class SGD(FusedOptimizer):
         nesterov: bool = False,
         *,
         maximize: bool = False,
+        foreach: Optional[bool] = None,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
         master_weights: Optional[bool] = None,
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov, maximize=maximize, master_weights=master_weights)
+                        nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
+                        fused=fused, master_weights=master_weights)
         super().__init__(params, defaults)
 
     def _step_fused_calls(self, group: Dict, calls: Dict) -> None:
