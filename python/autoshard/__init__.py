@@ -11,12 +11,14 @@ from .memory import SavedTensorCounter
 from .parallelize import parallelize
 from .plan import ShardingPlan, plan
 from .pretrained import load_pretrained
+from .shard_guard import ShardReadError, local
 from .split import array_split, shard, split_sizes
 from .unsharded import full_state_dict
 
 __all__ = [
     "CommCounter",
     "SavedTensorCounter",
+    "ShardReadError",
     "ShardingPlan",
     "array_split",
     "checkpoint",
@@ -26,6 +28,7 @@ __all__ = [
     "gather_logits",
     "init_distributed",
     "load_pretrained",
+    "local",
     "nn",
     "ops",
     "optim",

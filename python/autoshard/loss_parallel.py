@@ -38,6 +38,7 @@ from . import ops
 from .integrations import hf_conventions as hf
 from .nn.functional import vocab_parallel_cross_entropy
 from .nn.linear import ColumnParallelLinear
+from .shard_guard import guard_value
 from .styles import Style
 
 logger = logging.getLogger("autoshard")
@@ -192,7 +193,17 @@ class _Hooks:
                 f"parallelize(loss_parallel=True): {type(module).__name__} computed its loss from a tensor other "
                 "than the logits it returns, so autoshard cannot vouch for it; parallelize it with "
                 "loss_parallel=False")
+        if isinstance(logits, torch.Tensor) and hasattr(output, "logits"):
+            output["logits"] = self._guarded(logits)
         return None
+
+    def _guarded(self, logits: torch.Tensor) -> torch.Tensor:
+        """The returned logits, this rank's vocabulary shard, guarded: an argmax or a softmax of them
+        outside autoshard is refused, naming autoshard.gather_logits."""
+        spec = self.head.shard_specs["weight"]
+        return guard_value(logits, f"the logits returned beside the loss (the head {self.decision.head!r})",
+                           f"the vocabulary, {self.decision.vocab_size} entries, split over {spec.world_size} "
+                           f"ranks, this is rank {spec.rank}'s")
 
     def _with_loss(self, output, labels):
         logits = output.logits if hasattr(output, "logits") else output[0]
@@ -200,8 +211,9 @@ class _Hooks:
         loss = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.to(logits.device).view(-1),
                                             self.group)
         if isinstance(output, tuple):
-            return (loss,) + output
-        return type(output)(loss=loss, **{key: value for key, value in output.items() if key != "loss"})
+            return (loss, self._guarded(output[0])) + output[1:]
+        return type(output)(loss=loss, **{key: self._guarded(value) if key == "logits" else value
+                                          for key, value in output.items() if key != "loss"})
 
     def _check_shard(self, logits: torch.Tensor) -> None:
         local = self.head.local_out_features

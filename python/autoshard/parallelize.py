@@ -12,7 +12,8 @@ from typing import Dict, Optional, Union
 import torch
 from torch import nn
 
-from . import backward_overlap, forward_checks, mesh_fully_shard, partial_gradients, region_generators, torch_optim_check
+from . import backward_overlap, forward_checks, mesh_fully_shard, partial_gradients, region_generators, shard_guard
+from . import torch_optim_check
 from . import loss_parallel as loss_parallelism
 from .rank_agreement import check_ranks_agree, on_every_rank
 from .data_parallel import GradientAverager
@@ -28,7 +29,7 @@ from .optimizer_views import install_global_optimizer_hook
 from .optimizer_partition import partition_replicated
 from .replica_check import DEFAULT_EVERY
 from .pending_gradients import check_no_pending_gradients
-from .plan import LayerPlan, ShardingPlan
+from .plan import LayerPlan, ShardingPlan, check_plain_parameters
 from .plan.local_attributes import region_view_sizes, set_attribute
 from .nn.view_sizes import ViewSizeHooks
 from .plan import plan_json, sequence_choice
@@ -263,6 +264,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         raise ValueError("parallelize: the model is already parallelized (it holds sharded layers); parallelize "
                          "a freshly built model instead")
     check_no_pending_gradients(model)
+    check_plain_parameters(model, "parallelize")
     data_parallel = fully_shard_over = None
     if mesh is not None:
         if group is not None:
@@ -335,6 +337,11 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         # A region the model's last layers leave open (a head feeding a vocabulary-parallel
         # loss) ends with the forward, so that the generators are synchronised between forwards.
         region_generators.install(model)
+    # Last, so that nothing above reads a shard through the guard: from here on, an op on a
+    # sharded parameter outside autoshard computes with the whole tensor or raises.
+    # LoRA factors split with their base layer stay plain: PEFT reads them itself to merge them
+    # (B's rows times A, or B times A's columns: this rank's piece of the product, as it must be).
+    shard_guard.install(model, state.shards(), frozenset(name for record in plan.adapters for name in record.split))
     if fully_shard_over is not None:
         mesh_fully_shard.apply(model, fully_shard_over, reduce_dtype)
     _keep_training_flags(model, flags)

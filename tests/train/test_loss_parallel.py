@@ -112,7 +112,7 @@ def _check_model(kind):
     # Hugging Face's causal-LM loss is computed in float32, whatever the model's dtype.
     tolerance = dict(rtol=1e-10, atol=1e-12) if kind == "bert" else dict(rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(out.loss, want.loss, **tolerance)
-    torch.testing.assert_close(out.logits, autoshard.shard(want.logits, rank, world, dim=-1), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(autoshard.local(out.logits), autoshard.shard(want.logits, rank, world, dim=-1), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(autoshard.gather_logits(model, out.logits), want.logits, rtol=1e-10, atol=1e-10)
 
     with autoshard.CommCounter() as backward:

@@ -206,8 +206,8 @@ def _load_bf16_run(path):
     autoshard.checkpoint.load(path, model, opt)
     loaded = {k: v.clone() for k, v in autoshard.full_state_dict(model).items()}
     below_ulp = 0
-    for p in model.parameters():
-        state = opt.state[p]
+    for param in model.parameters():
+        state, p = opt.state[param], autoshard.local(param)  # each rank counts its own piece's elements
         assert {state[k].dtype for k in ("master", "exp_avg", "exp_avg_sq")} == {torch.float32}
         assert torch.equal(p.detach(), state["master"].to(torch.bfloat16))
         below_ulp += int((state["master"] != p.detach().float()).sum())

@@ -28,6 +28,9 @@ with transformers' Trainer):
   rank's part of them;
 - a checkpoint holds each rank's own optimizer state, ``optimizer.rank{r}-of-{n}.pt``: it resumes
   exactly at the same ranks and layout, and refuses any other;
+- TRL's fused LM head (SFTTrainer's and DPOTrainer's default), which reads the head's weight
+  itself, computes its log-probabilities, entropy and top-1 flags over the vocabulary shards
+  (see trl_heads);
 - on a ("dp", "tp") mesh whose optimizer state parallelize partitions over "dp", the default
   AdamW is ``autoshard.optim.AdamW`` (torch's steps whole tensors and is refused there).
 
@@ -105,6 +108,18 @@ class AutoshardTrainerMixin:
                 kwargs = {k: v for k, v in kwargs.items() if k in ("lr", "betas", "eps", "weight_decay")}
                 self.optimizer_cls_and_kwargs = (AdamW, kwargs)
         return super().create_optimizer(model)
+
+    # -- the loss ---------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        # TRL's trainers give the model (and a reference model) a fused LM head at construction,
+        # reading the head's weight itself: over a vocabulary shard it is computed over the shards.
+        from .trl_heads import fuse_over_shards
+
+        for candidate in (self.model, getattr(self, "ref_model", None)):
+            if candidate is not None and state_of(candidate) is not None:
+                base = candidate.get_base_model() if hasattr(candidate, "get_base_model") else candidate
+                fuse_over_shards(base)
+        return super().compute_loss(model, inputs, *args, **kwargs)
 
     # -- evaluation -------------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

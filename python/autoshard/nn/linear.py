@@ -44,9 +44,17 @@ def _source_shape(layer, owner: str) -> Tuple[int, int, bool]:
                     f"got {type(layer).__name__}")
 
 
-class _ParallelLinear(nn.Module):
+class _ParallelLinear(nn.Linear):
     """What both layers share: the group, the split of one feature dimension, the weight
-    layout and the checks. ``split_dim`` is the split dimension in ``[out, in]`` layout."""
+    layout and the checks. ``split_dim`` is the split dimension in ``[out, in]`` layout.
+
+    An ``nn.Linear`` by class (``in_features`` and ``out_features`` are the whole layer's), so
+    that tools finding layers by class (torchao's ``quantize_``, fp8 and 8-bit converters) find
+    it; what such a tool then does with the weight, this rank's shard, the shard guard checks
+    (see shard_guard): computed with the whole weight, or refused, never taken for the whole."""
+
+    def __init__(self):
+        nn.Module.__init__(self)  # not nn.Linear's: _setup makes the parameters, at their local sizes
 
     split_dim: int
     split_name: str

@@ -141,6 +141,20 @@ def _attention_copies(region_plans: Dict[int, RegionPlan], records, graph: Captu
             region_plans[min(min(region_plans), 0) - 1] = copy
 
 
+def check_plain_parameters(model: nn.Module, caller: str) -> None:
+    """Refuses a model holding a parameter of a tensor subclass (a torchao quantized weight, an
+    FSDP DTensor): autoshard splits plain tensors, and a subclass's own data and scales would be
+    cut without it knowing. Raised before anything is changed."""
+    for name, param in model.named_parameters():
+        if type(param) not in (nn.Parameter, torch.Tensor):
+            kind = type(param)
+            raise TypeError(
+                f"{caller}: parameter {name!r} is a {kind.__module__}.{kind.__qualname__}, a tensor subclass (a "
+                "quantized weight, a DTensor), whose data autoshard cannot split; parallelize the model with plain "
+                "weights, and quantize (torchao's quantize_) or shard over data parallelism (FSDP) after it only "
+                "where the documentation says that composes (docs/with-other-tools.md)")
+
+
 def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None,
          overrides: Optional[Dict[str, str]] = None, sequence_parallel: Union[bool, str] = True,
          memory_budget: Optional[int] = None, gather_unpaired: bool = True) -> ShardingPlan:
@@ -168,6 +182,7 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
     if type(world_size) is not int or world_size <= 0:
         raise ValueError(f"plan: world_size must be a positive int, got {world_size!r}")
     sequence_choice.check_arguments("plan", sequence_parallel, memory_budget)
+    check_plain_parameters(model, "plan")
     if not isinstance(gather_unpaired, bool):
         raise ValueError(f"plan: gather_unpaired must be True or False, got {gather_unpaired!r}")
     choice = ""
