@@ -146,6 +146,15 @@ def _unchecked() -> bool:
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
+# What to use instead, where the caller is a tool autoshard integrates with (by its package).
+_INSTEAD = {
+    "torchao": "; for torchao's int8 weight-only quantization, autoshard.integrations.torchao_quantize.quantize_("
+               "model, config) computes each row's scale over the whole row",
+    "trl": "; for TRL's trainers, autoshard.integrations.SFTTrainer / DPOTrainer (or AutoshardTrainerMixin) compute "
+           "its fused LM head over the vocabulary shards",
+}
+
+
 def _refusal(func, args, kwargs, frame) -> ShardReadError:
     guarded = [a for a in _flat(args, kwargs) if isinstance(a, (ShardParameter, ShardValue))]
     name, split, _ = _info(args, kwargs)
@@ -156,7 +165,8 @@ def _refusal(func, args, kwargs, frame) -> ShardReadError:
         f"{tuple(guarded[0].shape)}), called from {where}: it would compute with one rank's piece as if it "
         "were the whole tensor. Call the model's own modules (they compute with the whole tensor), take whole "
         "values with autoshard.full_state_dict(model) (or autoshard.gather_logits for logits), or, to work on "
-        "this rank's piece knowingly, autoshard.local(tensor)")
+        "this rank's piece knowingly, autoshard.local(tensor)"
+        + _INSTEAD.get(("" if frame is None else frame.f_globals.get("__name__", "")).partition(".")[0], ""))
 
 
 def _flat(args, kwargs):
