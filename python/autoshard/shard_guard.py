@@ -265,7 +265,9 @@ def remove(model: nn.Module) -> None:
 
 def guard_value(tensor: torch.Tensor, name: str, split: str) -> "ShardValue":
     """`tensor`, one rank's piece of a value (logits over this rank's vocabulary), guarded as a
-    shard is: an alias in the autograd graph."""
+    shard is: an alias in the autograd graph. Left as it is while a compiler traces, where the guard steps aside."""
+    if _unchecked():
+        return tensor
     with torch._C.DisableTorchFunctionSubclass():
         value = tensor.as_subclass(ShardValue)
     value.__dict__[_INFO] = (name, split, frozenset())
