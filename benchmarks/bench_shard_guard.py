@@ -2,8 +2,9 @@
 its sharded parameters guarded (parallelize's default, see python/autoshard/shard_guard.py)
 against the same step with them made plain tensors again, with autoshard.optim.AdamW and with
 torch.optim.AdamW (whose foreach update, called from torch, goes through the guard's check, and
-whose moments, made zeros_like a guarded shard, are guarded too). Also the guard's cost per op:
-an add called from outside autoshard on a guarded shard and on a plain one.
+whose moments, made zeros_like a guarded shard, are guarded too). Also the cost per op of the
+designs weighed for it: an add called from outside autoshard on a guarded shard, on a plain
+tensor, and on a DTensor sharded over the two ranks (the other design: DTensor-typed parameters).
 
     python benchmarks/bench_shard_guard.py [--batch 4 --seq 128 --hidden 64 --layers 2 --repeats 30]
 
@@ -32,6 +33,16 @@ def _per_op(tensor: torch.Tensor, repeats: int = 2000) -> float:
     return min(times)
 
 
+def _per_op_dtensor(dtensor, other, repeats: int = 2000) -> float:
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            torch.add(dtensor, other)
+        times.append((time.perf_counter() - start) / repeats)
+    return min(times)
+
+
 def _rank_main(rank: int, world: int, args) -> dict:
     from autoshard import shard_guard
 
@@ -48,9 +59,17 @@ def _rank_main(rank: int, world: int, args) -> dict:
     ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     result = median_steps_in_turns(contenders, ids, args.warmup, args.repeats)
     weight = contenders["autoshard AdamW, guard on"][0].lm_head.weight
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
     with torch.no_grad():
         result["op on a guarded shard"] = _per_op(weight)
         result["op on a plain tensor"] = _per_op(shard_guard.local(weight))
+        piece = shard_guard.local(weight).detach()
+        dtensor = DTensor.from_local(piece, mesh, [Shard(0)])
+        result["op on a DTensor"] = _per_op_dtensor(dtensor, DTensor.from_local(torch.ones_like(piece), mesh,
+                                                                                  [Shard(0)]))
     result["guarded parameters"] = guarded
     return result
 
@@ -67,7 +86,7 @@ def main() -> None:
             seconds = max(r[f"{optimizer}, guard {state}"] for r in per_rank)
             rows.append({"what": f"step, {optimizer}, guard {state}", "ms": seconds * 1e3, "/ guard off": seconds / off})
     plain = max(r["op on a plain tensor"] for r in per_rank)
-    for name in ("op on a plain tensor", "op on a guarded shard"):
+    for name in ("op on a plain tensor", "op on a guarded shard", "op on a DTensor"):
         seconds = max(r[name] for r in per_rank)
         rows.append({"what": f"torch.add, {name[6:]}", "ms": seconds * 1e3, "/ guard off": seconds / plain})
     setup = (f"{small_llama_setup(args)}; batch {args.batch} x {args.seq} tokens; median of {args.repeats} training "
