@@ -139,4 +139,4 @@ def test_a_fused_head_reading_the_shard_itself_is_refused():
     for rank, text in enumerate(run_on_ranks(_fused_head_read_by_trl_itself, 2, timeout=600)):
         assert text is not None, f"rank {rank}: TRL's fused head computed over a vocabulary shard"
         assert "lm_head.weight" in text and "this rank's shard" in text, text
-        assert "trl" in text and "autoshard.local" in text, text  # the caller, and what to do
+        assert "trl" in text and "autoshard.integrations.SFTTrainer" in text, text  # the caller, and what to do
