@@ -122,11 +122,15 @@ def _caller(frame):
     return None, ""
 
 
-def _compiled(frame) -> bool:
+def _below_a_checked_call(frame) -> bool:
     """Code torch's compilers generated from a program they traced (FX's, inductor's), in which the
-    guard stepped aside: it runs the ops it traced."""
-    filename = "" if frame is None else frame.f_code.co_filename
-    return filename.startswith("<eval_with_key") or "torchinductor" in filename
+    guard stepped aside, and a dispatch mode's handler (a memory or FLOP counter) running an aten
+    op that reached it from an op the guard already let through."""
+    if frame is None:
+        return False
+    filename = frame.f_code.co_filename
+    return (filename.startswith("<eval_with_key") or "torchinductor" in filename
+            or frame.f_code.co_name == "__torch_dispatch__")
 
 
 def _in_module_call(frame) -> bool:
@@ -198,7 +202,7 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     frame, module_name = _caller(frame)
-    if _trusted(module_name) or _compiled(frame):
+    if _trusted(module_name) or _below_a_checked_call(frame):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     info = _info(args, kwargs)

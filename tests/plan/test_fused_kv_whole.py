@@ -48,7 +48,8 @@ def _train(steps=10):
     # Every rank holds the same KV rows after the steps: their gradients were summed alike.
     c_attn = model.transformer.h[0].attn.c_attn
     dim = c_attn.shard_specs["weight"].dim
-    kv = c_attn.weight.narrow(dim, c_attn.weight.shape[dim] - 2 * HEAD_DIM, 2 * HEAD_DIM)
+    weight = autoshard.local(c_attn.weight)  # this rank's piece: its last rows are the KV rows it holds whole
+    kv = weight.narrow(dim, weight.shape[dim] - 2 * HEAD_DIM, 2 * HEAD_DIM)
     return norms, worst, kv.detach().clone()
 
 
