@@ -190,9 +190,10 @@ def copy(x: torch.Tensor, group_name: str, readers: Sequence[torch.nn.Module],
     gradient's collective; copy_to_parallel (all_gather_from_sequence) where that does not apply
     (no gradient to x, autocast)."""
     # torch.compile traces the path without overlap: its graphs refuse the autograd nodes' shared
-    # state (a side effect under fullgraph), and it orders the collectives itself.
+    # state (a side effect under fullgraph), and it orders the collectives itself. torch.jit.trace
+    # too: it would keep this forward's _Overlap in its graph, shared by every later call.
     if not (torch.is_grad_enabled() and x.requires_grad) or torch.is_autocast_enabled(x.device.type) \
-            or torch.compiler.is_compiling():
+            or torch.compiler.is_compiling() or torch.jit.is_tracing():
         if tokens is None:
             return ops.copy_to_parallel(x, group_name)
         return ops.all_gather_from_sequence(x, tokens[0], tokens[1], group_name)

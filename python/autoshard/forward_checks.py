@@ -5,13 +5,28 @@ check_inputs; input_check), and every `check_replicas_every` forwards, that thei
 parameters are still equal (replica_check).
 
 ``parallelize`` installs them on a model sharded over more than one rank, as a forward
-pre-hook on the model itself, run before its other hooks. Under torch.compile the hook is
-traced, and the checks, which read the Python stack and compare values across ranks, are an
-opaque custom op in the graph (side-effectful, so that it is kept): they run at every call of
-the compiled model with no graph break. Under activation checkpointing that recomputes the
-whole model, a recomputation checks again, on every rank alike.
+pre-hook on the model itself, run before its other hooks. The checks read the Python stack and
+compare values across ranks, so a graph can hold them only as an opaque custom op
+(side-effectful, so that it is kept). Where they run:
+
+- eagerly, in the hook;
+- ``torch.compile(model)``: torch calls a compiled module's hooks outside the frame of its
+  forward, so a traced hook would be a graph of its own, one op long, before the forward's (a
+  second graph where the model has one). The hook is therefore ``torch.compiler.disable``d: it
+  runs eagerly there, and the forward is one graph;
+- where Dynamo traces the model's call itself (a compiled function or module that calls the
+  model, ``torch.export``): the hook's substitute in the graph (``substitute_in_graph``) is the
+  custom op, run at every call of the compiled code, with no graph break; under torch.export's
+  non-strict tracing, which runs the hook as Python, the hook records the same op;
+- ``torch.jit.trace``: no check. The tracer would record the checks' own collectives, which are
+  no part of the model, and it drops an op that returns nothing; the traced module runs the
+  model's computation and collectives only, so its callers must give every rank the same inputs.
+
+Under activation checkpointing that recomputes the whole model, a recomputation checks again, on
+every rank alike.
 """
 
+import functools
 import itertools
 import weakref
 from typing import List, Tuple
@@ -108,21 +123,44 @@ class ForwardChecks:
         if self.check_replicas_every and forward % self.check_replicas_every == 0 and model is not None:
             check_replicas(model, self.group, forward)
 
-    def hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        names, tensors = tensor_inputs(args, kwargs)
-        if torch.compiler.is_compiling():
-            if not tensors:  # the dispatcher routes an op by its tensors: give it one
-                tensors = [torch.zeros(0)]
-                names = ["(no tensor input)"]
-            torch.ops.autoshard.check_forward(tensors, _SEPARATOR.join(names), self.key)
-        else:
-            self.run(names, tensors)
+
+def _check_in_graph(key: int, names: List[str], tensors: List[torch.Tensor]) -> None:
+    if not tensors:  # the dispatcher routes an op by its tensors: give it one
+        tensors = [torch.zeros(0)]
+        names = ["(no tensor input)"]
+    torch.ops.autoshard.check_forward(tensors, _SEPARATOR.join(names), key)
+
+
+def _pre_forward(key: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    if torch.jit.is_tracing():  # the tracer can record neither the checks' collectives nor their op
+        return
+    names, tensors = tensor_inputs(args, kwargs)
+    if torch.compiler.is_compiling():  # torch.export's non-strict tracing runs hooks as Python
+        _check_in_graph(key, names, tensors)
+        return
+    checks = _registry.get(key)
+    if checks is not None:
+        checks.run(names, tensors)
+
+
+def _pre_forward_in_graph(key: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    names, tensors = tensor_inputs(args, kwargs)
+    _check_in_graph(key, names, tensors)
+
+
+@functools.lru_cache(maxsize=None)
+def _model_hook():
+    """The disabled hook with its substitute, made at the first parallelize, not at import:
+    torch.compiler's decorators import torch._dynamo."""
+    hook = torch.compiler.disable(_pre_forward)
+    torch.compiler.substitute_in_graph(hook)(_pre_forward_in_graph)
+    return hook
 
 
 def install(model: nn.Module, group: dist.ProcessGroup, check_inputs: bool,
             check_replicas_every: int = 0) -> ForwardChecks:
     """Installs the checks on `model`, sharded over `group` (of more than one rank)."""
     checks = ForwardChecks(model, group, check_inputs, check_replicas_every)
-    model.register_forward_pre_hook(checks.hook, with_kwargs=True, prepend=True)
+    model.register_forward_pre_hook(functools.partial(_model_hook(), checks.key), with_kwargs=True, prepend=True)
     install_ddp_guard(model)
     return checks
