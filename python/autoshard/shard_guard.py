@@ -9,7 +9,8 @@ and autograd, whose ``__torch_function__`` looks at each op called on it:
 
 - from autoshard's own code (its layers, optimizers, checkpoints, loading, clipping) and from
   torch.distributed's (DCP, FSDP2 and the collectives treat a tensor as a rank's piece by
-  contract), the op runs as on a plain tensor;
+  contract), the op runs as on a plain tensor, but where DTensor.from_local, distribute_tensor or
+  fully_shard would lay the shard over its own tensor-parallel ranks (shard_distribution);
 - from the model's own code (the packages its module classes come from) while one of its modules
   is being called, the op runs too: the plan traced that forward and parallelize's dry run checked
   every local shape in it (an attention sink or an expert weight read by the model itself);
@@ -32,6 +33,8 @@ from typing import Dict, FrozenSet, Optional, Tuple
 
 import torch
 from torch import nn
+
+from . import shard_distribution
 
 __all__ = ["ShardParameter", "ShardValue", "ShardReadError", "guard_value", "install", "local", "remove"]
 
@@ -203,6 +206,8 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
             return func(*args, **kwargs)
     frame, module_name = _caller(frame)
     if _trusted(module_name) or _below_a_checked_call(frame):
+        if module_name.startswith("torch.distributed"):
+            shard_distribution.check(frame, args, kwargs)  # a DTensor or FSDP over the shard's own ranks
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     info = _info(args, kwargs)

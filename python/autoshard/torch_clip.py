@@ -48,9 +48,20 @@ def _total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     return global_grad_norm(params, float(norm_type), error_if_nonfinite)
 
 
+def _of_parallelized_models(parameters):
+    """Those of `parameters` a parallelized model holds: tagged by parallelize, or registered on the
+    model since. Under fully_shard over "dp" the parameters registered when the first forward
+    tagged them are, for the groups FSDP had gathered by then, its unsharded ones: the sharded
+    parameters it registers after are untagged."""
+    if all(parameter_state(p) is not None for p in parameters):
+        return parameters
+    registered = {id(p) for state in live_states() if state.model is not None for p in state.model.parameters()}
+    return [p for p in parameters if parameter_state(p) is not None or id(p) in registered]
+
+
 def _clip_with_norm(parameters, max_norm, total_norm, foreach=None):
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    ours = [p for p in parameters if parameter_state(p) is not None]
+    ours = _of_parallelized_models(parameters)
     if not ours:
         return _ORIGINAL["_clip_grads_with_norm_"](parameters, max_norm, total_norm, foreach)
     if len(ours) != len(parameters):
