@@ -119,7 +119,8 @@ def _caller(frame):
     whoever asked for the op."""
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if not (name == "torch" or name.startswith("torch.")) or name.startswith("torch.distributed"):
+        if not (name == "torch" or name.startswith("torch.")) or name.startswith("torch.distributed") \
+                or _below_a_checked_call(frame):  # inductor's generated modules are named torch._inductor...
             return frame, name
         frame = frame.f_back
     return None, ""

@@ -18,7 +18,7 @@ import autoshard
 from gathered import gathered_grads, nonzero_counts
 from hf_models import build
 from checks import error_text
-from multirank import RankFailure, run_on_ranks
+from multirank import run_on_ranks
 
 # Even shards at 2 ranks: hidden 64, 4 query heads over 2 KV heads, vocabulary 256.
 LLAMA = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=256, intermediate_size=128,
@@ -98,13 +98,6 @@ def test_compiled_forward_is_one_graph_that_checks_the_inputs(call):
         assert r["loss_gap"] < 1e-5, r
 
 
-@pytest.mark.xfail(
-    strict=True, raises=RankFailure,
-    reason="the shard guard (python/autoshard/shard_guard.py) refuses inductor's compiled backward with "
-           "ShardReadError 'mm on lm_head.weight': _caller passes over inductor's generated modules (named "
-           "torch._inductor.codecache.*) as torch's own code, so the test for compiled code never sees their frame, "
-           "and stops at AOT autograd's backward (impl_fn). Testing a frame for compiled code in _caller's loop, "
-           "before the torch-module skip, makes this pass; then remove this mark")
 @pytest.mark.parametrize("call", ["model", "function"])
 def test_compiled_forward_and_backward_equal_the_unsharded_model(call):
     for r in run_on_ranks(_compiled, 2, call, True, timeout=900):
