@@ -216,3 +216,31 @@ def test_a_training_forward_without_dropout_leaves_the_global_generator_alone():
     want = torch.rand(3).tolist()
     for rank, got in enumerate(run_on_ranks(_draws_after_training_steps, 2, timeout=300)):
         assert got == want, f"rank {rank}: the generator moved in forwards that draw nothing"
+
+
+def _deterministic_decoding() -> list:
+    """Beam search, a static cache and left-padded prompts on the unsharded model and on one
+    parallelized with the defaults: the names of the settings whose tokens differ."""
+    reference, sharded = _build("llama"), _build("llama")
+    autoshard.parallelize(sharded)
+    ids = torch.randint(3, 256, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    padded = ids.clone()
+    padded[0, :3] = 0  # the first prompt is 3 tokens shorter, padded on the left
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    settings = {"beams": dict(num_beams=3, do_sample=False),
+                "static cache": dict(do_sample=False, cache_implementation="static"),
+                "left padding": dict(do_sample=False, input_ids=padded, attention_mask=mask)}
+    differ = []
+    for name, setting in settings.items():
+        setting = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **setting}
+        tokens = [m.generate(**setting, max_new_tokens=6, min_new_tokens=6, pad_token_id=0)
+                  for m in (reference, sharded)]
+        if not torch.equal(*tokens):
+            differ.append(f"{name}: {tokens[1].tolist()} where the unsharded model gives {tokens[0].tolist()}")
+    return differ
+
+
+def test_beams_static_cache_and_left_padding_give_the_unsharded_models_tokens():
+    for rank, differ in enumerate(run_on_ranks(_deterministic_decoding, 2, timeout=600)):
+        assert differ == [], f"rank {rank}: {differ}"
