@@ -110,8 +110,12 @@ def _is_safe(func) -> bool:
     return name in _pointwise_names() or name.rstrip("_") in _pointwise_names()
 
 
+def _ours(module_name: str) -> bool:
+    return module_name == "autoshard" or module_name.startswith("autoshard.")
+
+
 def _trusted(module_name: str) -> bool:
-    return module_name.startswith("autoshard") or module_name.startswith("torch.distributed")
+    return _ours(module_name) or module_name.startswith("torch.distributed")
 
 
 def _caller(frame):
@@ -202,7 +206,7 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     frame = sys._getframe(1)
-    if frame.f_globals.get("__name__", "").startswith("autoshard"):
+    if _ours(frame.f_globals.get("__name__", "")):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     frame, module_name = _caller(frame)
