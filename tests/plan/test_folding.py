@@ -114,3 +114,50 @@ def test_a_block_that_only_looks_identical_is_never_planned_as_its_first():
     # The flip reads the whole feature axis: planned from its own trace, block 1 is not paired
     # there (held whole, or gathered where the plan would otherwise be imbalanced).
     assert style in ("replicate", "column_gather"), style
+
+
+class _MLP(nn.Module):
+    """segment-anything's mask decoder MLP: a ModuleList of Linears, the first two alike."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)])
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+class _Hypernetworks(nn.Module):
+    """Identical blocks (MLPs) holding identical blocks (Linears), as its output_hypernetworks_mlps."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlps = nn.ModuleList([_MLP() for _ in range(3)])
+
+    def forward(self, x):
+        return torch.stack([mlp(x[:, i]) for i, mlp in enumerate(self.mlps)], dim=1)
+
+
+def test_identical_blocks_inside_identical_blocks_fold_to_the_plan_of_every_block():
+    (doc, nodes, folds), (doc_all, nodes_all, _) = _plans(_Hypernetworks(), 2, (torch.ones(2, 3, 8),))
+    assert folds == {"mlps.1": "mlps.0", "mlps.2": "mlps.0"}, folds
+    assert doc == doc_all and nodes == nodes_all
+
+
+def _nested_blocks_exact():
+    torch.manual_seed(0)
+    reference = _Hypernetworks().double()
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    model = autoshard.parallelize(_Hypernetworks().double(), example_inputs=(x,))
+    assert_equals_unsharded(model, reference, (x,), rtol=1e-10, atol=1e-10)
+    return sorted(layer.module for layer in model.autoshard_state.plan.layers if layer.style.is_split)
+
+
+def test_identical_blocks_inside_identical_blocks_train_exactly():
+    for split in run_on_ranks(_nested_blocks_exact, 2, timeout=300):
+        assert "mlps.2.layers.1" in split, split  # a block folded inside a folded block is split too

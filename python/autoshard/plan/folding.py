@@ -187,6 +187,9 @@ class BlockFolder:
                 self.module_inputs.setdefault(name, self.module_inputs[first])
             return self._replay(recording, name, block, flat)
 
+        # A block folded inside a block folded in turn (a ModuleList of MLPs, each a ModuleList
+        # of Linears) is looked up again when the outer block is replayed: it is still its layer.
+        folded.autoshard_folded_block = True
         return folded
 
     def _replay(self, recording: _Recording, name: str, block: nn.Module, flat: list):

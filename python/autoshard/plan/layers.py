@@ -157,8 +157,10 @@ def describe_layer(name: str, module: nn.Module, param_index: Dict[int, int]) ->
     from ..constructs import recognise
 
     # A forward set on the instance (in place of its class's) computes what it will: its ops
-    # are followed one by one, and the module, never replaced, keeps it.
-    if "forward" in vars(module):
+    # are followed one by one, and the module, never replaced, keeps it. The capture's own
+    # stand-in for a block it replays (plan/folding.py) is not the model's.
+    forward = vars(module).get("forward")
+    if forward is not None and not getattr(forward, "autoshard_folded_block", False):
         return None
     return recognise(name, module, param_index)
 
