@@ -65,9 +65,11 @@ sweep: build
 	$(PY) benchmarks/sweep/run.py --jobs 2 $(if $(FRESH),--fresh)
 	$(PY) benchmarks/sweep/coverage_doc.py
 
-# ruff over the Python sources (rules in pyproject.toml); needs only the environment, not the build.
+# ruff over the Python sources (rules in pyproject.toml), then the import layers of the package
+# (build_tools/check_layers.py); needs only the environment, not the build.
 lint: $(VENV)/.deps
 	$(VENV)/bin/ruff check python tests benchmarks examples build_tools setup.py
+	$(PY) build_tools/check_layers.py
 
 bench: build
 	$(PY) benchmarks/bench_split.py

@@ -11,7 +11,7 @@ The checks (docs/with-other-tools.md and the README's guarantees):
   one all-gather, every N forwards; timed at every forward (the worst case) and at the default;
 - non-finite agreement (always on with autoshard's optimizers): at the end of each backward, the
   non-finite element counts of the replicated gradients no backward collective sums, one
-  all-reduce of 2 integers per parameter (autoshard/nonfinite.py). It has no switch: "off"
+  all-reduce of 2 integers per parameter (autoshard/runtime/nonfinite.py). It has no switch: "off"
   removes its gradient hooks after the optimizer installed them, as nothing a user calls does.
 
 A step is zero_grad, forward with labels, backward and autoshard.optim.AdamW's step. The models
@@ -44,7 +44,7 @@ CONFIGURATIONS = {
 
 
 def _model(args, check_inputs: bool, every: int, nonfinite: bool):
-    from autoshard.nonfinite import agreements_for
+    from autoshard.runtime.nonfinite import agreements_for
 
     model, opt = small_llama(args, check_inputs=check_inputs, check_replicas_every=every,
                              sequence_parallel=args.sequence_parallel == "on")
@@ -63,7 +63,7 @@ def _rank_main(rank: int, world: int, args) -> dict:
     # The agreement alone, as the end of each backward runs it (the gradients of the last step
     # are still there): counting the non-finite elements and one all-reduce.
     import torch.distributed as dist
-    from autoshard.nonfinite import agreements_for
+    from autoshard.runtime.nonfinite import agreements_for
 
     model = contenders["non-finite agreement"][0]
     agreements = agreements_for(list(model.parameters()))

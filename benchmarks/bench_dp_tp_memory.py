@@ -89,7 +89,7 @@ def _rank_main(rank: int, world: int, args) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import LlamaForCausalLM
 
-    from autoshard.distributed import set_default_group
+    from autoshard.core.distributed import set_default_group
 
     # The peer's HF Llama under DTensor TP returns a view of its logits, which FSDP2 warns about.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import autoshard
-from autoshard import ops
+from autoshard.core import ops
 from common import device_label, median_seconds, print_table, save_json
 
 

@@ -26,8 +26,8 @@ from common import (add_small_llama_arguments, median_steps_in_turns, run_on_glo
 def _rank_main(rank: int, world: int, args) -> dict:
     import torch.distributed as dist
 
-    from autoshard.forward_checks import tensor_inputs
-    from autoshard.parallel_state import state_of
+    from autoshard.runtime.forward_checks import tensor_inputs
+    from autoshard.core.parallel_state import state_of
 
     contenders = {"check on": small_llama(args, check_inputs=True), "check off": small_llama(args, check_inputs=False)}
     ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))

@@ -25,8 +25,8 @@ from common import (add_small_llama_arguments, median_steps_in_turns, run_on_glo
 def _rank_main(rank: int, world: int, args) -> dict:
     import torch.distributed as dist
 
-    from autoshard.parallel_state import state_of
-    from autoshard.replica_check import check_replicas, replicated_parameters
+    from autoshard.core.parallel_state import state_of
+    from autoshard.runtime.replica_check import check_replicas, replicated_parameters
 
     contenders = {"fingerprint every step": small_llama(args, check_replicas_every=1),
                   "fingerprint off": small_llama(args, check_replicas_every=0)}

@@ -1,5 +1,5 @@
 """What the shard guard costs: a training step of a small Hugging Face Llama on 2 gloo ranks with
-its sharded parameters guarded (parallelize's default, see python/autoshard/shard_guard.py)
+its sharded parameters guarded (parallelize's default, see python/autoshard/runtime/shard_guard.py)
 against the same step with them made plain tensors again, with autoshard.optim.AdamW and with
 torch.optim.AdamW (whose foreach update, called from torch, goes through the guard's check, and
 whose moments, made zeros_like a guarded shard, are guarded too). Also the cost per op of the
@@ -34,7 +34,7 @@ def _per_op(tensor: torch.Tensor, other: torch.Tensor, repeats: int = 2000) -> f
 
 
 def _rank_main(rank: int, world: int, args) -> dict:
-    from autoshard import shard_guard
+    from autoshard.runtime import shard_guard
 
     contenders = {}
     for optimizer in ("autoshard AdamW", "torch AdamW"):

@@ -22,7 +22,7 @@ from common import save_json, save_text, table_text
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests", "conformance"))
 from conformance_table import TABLE  # noqa: E402
-from autoshard.plan.holdings import REASONS  # noqa: E402
+from autoshard.planner.holdings import REASONS  # noqa: E402
 
 
 def _row(arch, world_size: int):

@@ -14,12 +14,12 @@ from transformers.models.auto import modeling_auto
 from transformers.utils import logging
 
 from tiny_configs import tiny_config
-from autoshard.plan.inputs import encoder_states_argument, encoder_states_width
+from autoshard.inputs.hf_inputs import encoder_states_argument, encoder_states_width
 
 logging.set_verbosity_error()
 
 BATCH, SEQ, DECODER_SEQ = 2, 7, 5  # 7 tokens: neither 2 nor 3 ranks divide it
-from autoshard.plan.audio_inputs import AUDIO_SAMPLES, configs_within, first_int  # noqa: E402 - shared with autoshard's inputs
+from autoshard.inputs.audio_inputs import AUDIO_SAMPLES, configs_within, first_int  # noqa: E402 - shared with autoshard's inputs
 
 
 class NoSuchInputs(LookupError):
@@ -243,8 +243,8 @@ def _ids_with_tokens(ids: torch.Tensor, config, token: int, count: int, kind: st
 
 
 def _image_layouts(model: torch.nn.Module, generator) -> List[Dict[str, torch.Tensor]]:
-    """autoshard's layouts of images for the model (plan/image_inputs.py), random values in them."""
-    from autoshard.plan.image_inputs import image_layouts
+    """autoshard's layouts of images for the model (inputs/image_inputs.py), random values in them."""
+    from autoshard.inputs.image_inputs import image_layouts
 
     config = model.config
     if getattr(config, "vision_config", None) is None or "pixel_values" not in _accepted(model):
@@ -257,9 +257,9 @@ def _image_layouts(model: torch.nn.Module, generator) -> List[Dict[str, torch.Te
 
 
 def _audio_layouts(model: torch.nn.Module, generator) -> List[Dict[str, torch.Tensor]]:
-    """autoshard's layouts of audio for the model (plan/audio_inputs.py: log-mel features in the
+    """autoshard's layouts of audio for the model (inputs/audio_inputs.py: log-mel features in the
     layouts its config and audio tower suggest, or a waveform), random values in them."""
-    from autoshard.plan.audio_inputs import audio_layouts
+    from autoshard.inputs.audio_inputs import audio_layouts
 
     dtype = next(model.parameters()).dtype  # as for images
     return [{k: torch.randn(v.shape, generator=generator).to(dtype) if v.is_floating_point() else v
@@ -345,8 +345,8 @@ def autoshard_inputs(model: torch.nn.Module, generator: torch.Generator) -> Dict
     """The inputs autoshard makes itself for plan(model) without example_inputs (their layout:
     images beside text, image tokens in the ids), with random values in their floating-point
     tensors, so that the judge runs the model on what the plan traced."""
-    from autoshard.plan.inputs import example_inputs_for
-    from autoshard.plan.meta_inputs import meta_shadow
+    from autoshard.inputs.hf_inputs import example_inputs_for
+    from autoshard.inputs.meta_shadow import meta_shadow
 
     shadow = meta_shadow(model, always_copy=True)
     try:

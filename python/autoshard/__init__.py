@@ -1,19 +1,20 @@
 """autoshard: tensor parallelism for PyTorch, as C++/CUDA custom ops."""
 
-from . import checkpoint, comm, nn, ops, optim
-from .clip import clip_grad_norm_
-from .grad_scaler_agreement import install as _agree_on_grad_scaler_infs
-from .torch_clip import install as _route_torch_clipping
-from .comm import CommCounter
-from .distributed import init_distributed
-from .loss_parallel import gather_logits
-from .memory import SavedTensorCounter
+from . import checkpoint, nn, optim
+from .core import comm, ops
+from .runtime.clip import clip_grad_norm_
+from .core.comm import CommCounter
+from .core.distributed import init_distributed
+from .runtime.loss_parallel import gather_logits
+from .runtime.saved_tensors import SavedTensorCounter
 from .parallelize import parallelize
-from .plan import ShardingPlan, plan
+from .runtime import torch_patches  # noqa: F401  (reroutes torch while a parallelized model lives)
+from .planner.sharding_plan import ShardingPlan
+from .planner.api import plan
 from .pretrained import load_pretrained
-from .shard_guard import ShardReadError, local
-from .split import array_split, shard, split_sizes
-from .unsharded import full_state_dict
+from .runtime.shard_guard import ShardReadError, local
+from .core.split import array_split, shard, split_sizes
+from .state.unsharded import full_state_dict
 
 __all__ = [
     "CommCounter",
@@ -38,8 +39,3 @@ __all__ = [
     "split_sizes",
 ]
 __version__ = "0.1.0"
-
-# torch.nn.utils.clip_grad_norm_ over a parallelized model's gradients: the global norm.
-_route_torch_clipping()
-# torch.amp.GradScaler over a parallelized model's optimizer: the ranks agree on found_inf.
-_agree_on_grad_scaler_infs()

@@ -1,20 +1,24 @@
 """Command line: ``python -m autoshard plan --model-type llama --world-size 4 [--config cfg.json]
 [--batch B --seq S]`` prints the sharding plan and its cost for a Hugging Face architecture built
-on meta, and the memory each rank needs for one training step (see plan/memory_prediction.py), at
+on meta, and the memory each rank needs for one training step (see planner/memory_prediction.py), at
 that world size and at the largest one the model splits over."""
 
 import argparse
 import json
 import sys
 import time
+import torch
+from .planner.api import plan
+from .planner.make_plan import plan_keeping_whole
+from .planner import sequence_choice
+from .planner.largest_world import largest_world_size
+from .planner.memory_prediction import table
 
 
 def _plan_command(args) -> int:
-    import torch
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
-    from transformers.utils import logging
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM  # noqa: PLC0415  (transformers is optional)
+    from transformers.utils import logging  # noqa: PLC0415  (transformers is optional)
 
-    from .plan import plan
 
     logging.set_verbosity_error()
     config_values = {}
@@ -38,8 +42,6 @@ def _plan_command(args) -> int:
             return 2
     built = time.perf_counter()
     if args.sequence_parallel == "auto":
-        from .plan import plan_keeping_whole, sequence_choice
-
         budget = None if args.memory_budget is None else int(args.memory_budget * 2**30)
         tokens_split, why = sequence_choice.choose(model, args.world_size, None, None, budget, args.backend,
                                                    _memory_options(args))
@@ -63,18 +65,12 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
 
 
 def _memory_options(args) -> dict:
-    import torch
-
     return dict(batch=args.batch, seq=args.seq, optimizer=None if args.optimizer == "none" else args.optimizer,
                 master_weights={"auto": None, "on": True, "off": False}[args.master_weights],
                 dtype=None if args.dtype is None else getattr(torch, _DTYPES[args.dtype]))
 
 
 def _print_memory(model, result, args) -> None:
-    from .plan import plan
-    from .plan.largest_world import largest_world_size
-    from .plan.memory_prediction import table
-
     options = _memory_options(args)
     start = time.perf_counter()
     prediction = result.memory(**options)

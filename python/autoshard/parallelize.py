@@ -12,156 +12,26 @@ from typing import Dict, Optional, Union
 import torch
 from torch import nn
 
-from . import backward_overlap, forward_checks, mesh_fully_shard, partial_gradients, region_generators, shard_guard
-from . import torch_optim_check
-from . import loss_parallel as loss_parallelism
-from .rank_agreement import check_ranks_agree, on_every_rank
-from .data_parallel import GradientAverager
-from .distributed import ProcessGroup, default_group, prepare_rings, resolve, set_default_group
-from .dry_run import dry_run
-from .input_copies import InputCopyPerCall, SharedInputCopy
-from .parallel_state import ParallelState, state_of
-from .constructs import Surgery, record_constructs
-from .constructs.base import set_submodule
-from .constructs.summed_output import keep_input
-from .nn import sequence
-from .optimizer_views import install_global_optimizer_hook
-from .optimizer_partition import partition_replicated
-from .replica_check import DEFAULT_EVERY
-from .pending_gradients import check_no_pending_gradients
-from .plan import LayerPlan, ShardingPlan, check_plain_parameters
-from .plan.local_attributes import region_view_sizes, set_attribute
-from .nn.view_sizes import ViewSizeHooks
-from .plan import plan_json, sequence_choice
-from .plan_until_it_runs import plan_until_it_runs
-from .replaced_modules import check_no_hooks_lost
-from .state_views import install_state_dict_views
-from .styles import TokenRole
-
-
-def _check_plan_fits(model: nn.Module, plan: ShardingPlan, world_size: int) -> None:
-    if not isinstance(plan, ShardingPlan):
-        raise TypeError(f"parallelize: plan must be a ShardingPlan, got {type(plan).__name__}")
-    if plan.world_size != world_size:
-        raise ValueError(f"parallelize: the plan was made for world_size={plan.world_size}, "
-                         f"but the group has {world_size} ranks")
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for layer in plan.layers:
-        try:
-            module = layer.construct.module_of(model, layer)
-        except AttributeError:
-            raise ValueError(f"parallelize: the plan names layer {layer.module!r}, which the model lacks") from None
-        weight = layer.construct.weight_of(module, layer)
-        if not isinstance(weight, torch.Tensor) or list(weight.shape) != list(layer.weight_shape):
-            got = None if weight is None else list(weight.shape)
-            raise ValueError(f"parallelize: layer {layer.module!r} has weight shape {got}, "
-                             f"the plan expects {layer.weight_shape}")
-        if hasattr(module, "shard_specs"):
-            raise ValueError(f"parallelize: layer {layer.module!r} is already sharded")
-        if layer.weight not in params:
-            raise ValueError(f"parallelize: the plan names parameter {layer.weight!r}, which the model lacks")
-    for construct in record_constructs():
-        construct.check(model, plan, params)
-    check_no_hooks_lost(model, plan)
-
-
-def _input_copy(calls, copies, tokens, group_name: str):
-    """A column layer's input copy, from the plan's records of its calls: its group's shared
-    copy, its gather of the tokens, or None (a copy of its own); one of those per call where
-    its calls read tensors of different copy groups."""
-    def of(layer):
-        if layer.copy_group in copies:
-            return copies[layer.copy_group]
-        if layer.sequence.gathers:
-            return tokens.gathers[layer.copy_group]
-        return None
-
-    if len({layer.copy_group for layer in calls}) > 1:
-        return InputCopyPerCall(group_name, [of(layer) for layer in calls])
-    return of(calls[0])
-
-
-def _apply(model: nn.Module, plan: ShardingPlan, group: ProcessGroup) -> sequence.PlanSteps:
-    rank, world = group.rank(), group.size()
-    users: Dict[int, int] = {}
-    for layer in plan.layers:
-        if layer.style.is_column:
-            users[layer.copy_group] = users.get(layer.copy_group, 0) + 1
-    tokens = sequence.steps(plan, group.group_name)
-    copies = {g: SharedInputCopy(group.group_name, n, tokens.gathers.get(g)) for g, n in users.items() if n > 1}
-    calls: Dict[str, list] = {}  # a column layer -> the plan's records of its calls, in order
-    for layer in plan.layers:
-        if layer.style.is_column:
-            calls.setdefault(layer.module, []).append(layer)
-    # Every place a parameter is registered, so that tied parameters (an embedding shared with
-    # the output head, a head's bias also held by its parent) stay one parameter once sharded.
-    registrations: Dict[int, list] = {}
-    for owner in model.modules():
-        for attr, param in owner._parameters.items():
-            if param is not None:
-                registrations.setdefault(id(param), []).append((owner, attr))
-    replaced: Dict[int, nn.Parameter] = {}
-    # An nn.MultiheadAttention is split by heads as one: its projection's plan shards its out_proj too.
-    attentions = {layer.module for layer in plan.layers if layer.kind == "attention" and layer.style.is_split}
-    inside_attention = {name.rpartition(".")[0] + ".out_proj" for name in attentions}
-    experts: Dict[str, list] = {}
-    first_calls: Dict[str, LayerPlan] = {}
-    for layer in plan.layers:
-        # A layer called more than once (ALBERT's shared layer) appears once per call, each
-        # split alike (the planner sees to it): sharded once, at its first call.
-        if layer.kind == "experts":  # two entries, its column side and its row side
-            experts.setdefault(layer.module, []).append(layer)
-            continue
-        first = first_calls.setdefault(layer.module, layer)
-        if first is not layer:
-            _check_same_split(first, layer)
-            continue
-        if not layer.style.is_split or layer.module in inside_attention:
-            continue
-        if layer.module in attentions:
-            attention = layer.construct.shard_attention(model, plan, layer, group, tokens)
-            input_copy = _input_copy(calls[layer.module], copies, tokens, group.group_name)
-            if input_copy is not None:
-                attention.in_proj.input_copy = input_copy
-            continue
-        module = model.get_submodule(layer.module)
-        originals = {name: getattr(module, name, None) for name in ("weight", "bias")}
-        sharded = layer.construct.shard(layer, module, group)
-        for name, original in originals.items():
-            if original is None:
-                continue
-            if id(original) in replaced:
-                setattr(sharded, name, replaced[id(original)])
-            else:
-                replaced[id(original)] = getattr(sharded, name)
-        input_copy = _input_copy(calls[layer.module], copies, tokens, group.group_name) if layer.module in calls else None
-        deferred = [call.deferred_copy for call in calls.get(layer.module, [])]
-        if any(deferred) and not all(deferred):
-            raise ValueError(f"parallelize: layer {layer.module!r} is called more than once and the plan sums its input's "
-                             "gradient upstream in only some of its calls; every call must copy its input alike")
-        if deferred and all(deferred):
-            input_copy = keep_input  # its input's gradient is summed upstream (constructs/summed_output.py)
-        if input_copy is not None:
-            sharded.input_copy = input_copy
-        if layer.sequence is TokenRole.REDUCE_SCATTER:
-            sharded.output_tokens = tokens.reduce_scatter(layer)
-        set_submodule(model, layer.module, sharded)
-    for name, sides in experts.items():
-        sides[0].construct.shard_sides(model.get_submodule(name), name, sides, group, copies.get(sides[0].copy_group))
-    for key, new in replaced.items():
-        for owner, attr in registrations.get(key, []):
-            if not hasattr(owner, "shard_specs"):
-                owner._parameters[attr] = new
-    surgery = Surgery(group, rank, world, tokens, registrations)
-    for construct in record_constructs():
-        construct.apply(model, plan, surgery)
-    for region in plan.regions.values():
-        owner = model.get_submodule(region.module)
-        for attr in region.attributes:
-            set_attribute(owner, attr, region.local_attribute(attr, rank, world))
-        if region.view_sizes:
-            owner.autoshard_view_sizes = ViewSizeHooks(owner, region_view_sizes(region, rank, world))
-    return tokens
+from .apply import overlap
+from .runtime import forward_checks, mesh_fully_shard, partial_gradients, shard_guard
+from .core import region_generators
+from .optim import torch_optim_check
+from .runtime import loss_parallel as loss_parallelism
+from .runtime.rank_agreement import check_ranks_agree, on_every_rank
+from .runtime.data_parallel import GradientAverager
+from .core.distributed import ProcessGroup, default_group, prepare_rings, resolve, set_default_group
+from .planner.dry_run import dry_run
+from .core.parallel_state import ParallelState, state_of
+from .state.optimizer_views import install_global_optimizer_hook
+from .runtime.optimizer_partition import partition_replicated
+from .runtime.replica_check import DEFAULT_EVERY
+from .runtime.pending_gradients import check_no_pending_gradients
+from .planner.sharding_plan import ShardingPlan
+from .planner.make_plan import check_plain_parameters
+from .planner import plan_json, sequence_choice
+from .planner.plan_until_it_runs import plan_until_it_runs
+from .apply.shard_model import apply_plan, check_plan_fits
+from .state.state_views import install_state_dict_views
 
 
 def _training_flags(model: nn.Module) -> Dict[str, bool]:
@@ -177,14 +47,6 @@ def _keep_training_flags(model: nn.Module, flags: Dict[str, bool]) -> None:
         while owner not in flags:
             owner = owner.rpartition(".")[0]
         module.training = flags[owner]
-
-
-def _check_same_split(first: LayerPlan, again: LayerPlan) -> None:
-    split = lambda l: (l.style, l.units, tuple(l.parts), tuple(l.whole_parts), l.summed_parts, l.repeat, l.letter,
-                       l.sequence)
-    if split(first) != split(again):
-        raise ValueError(f"parallelize: layer {first.module!r} is called more than once and the plan splits its calls "
-                         f"differently ({split(first)} and {split(again)}); every call must meet the same split")
 
 
 def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Optional[ProcessGroup] = None,
@@ -231,7 +93,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     them where it pays: on NCCL, or on gloo where the step's predicted peak without it exceeds
     `memory_budget` (bytes per rank); print(plan) says why. A given `plan` decides alone.
 
-    With `loss_parallel` (see loss_parallel.py), a language model called with labels computes
+    With `loss_parallel` (see runtime/loss_parallel.py), a language model called with labels computes
     its loss over vocabulary shards: the output head keeps its shard and the logits returned
     beside the loss are this rank's shard (autoshard.gather_logits makes them whole); called
     without labels it returns whole logits. Models whose loss autoshard cannot prove equal keep
@@ -288,8 +150,8 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     if plan is None:
         def checked_dry_run(candidate):
             def run():
-                _check_plan_fits(model, candidate, group.size())
-                return dry_run(model, candidate, group, example_inputs, _apply)
+                check_plan_fits(model, candidate, group.size())
+                return dry_run(model, candidate, group, example_inputs, apply_plan)
 
             return on_every_rank(run, group)
 
@@ -302,12 +164,14 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
         # Every rank made its plan alone: they must have made the same one.
         check_ranks_agree(model, plan_json.dumps(plan, input_values=False, prediction=False), group)
     else:
-        _check_plan_fits(model, plan, group.size())
-        state_shapes = on_every_rank(lambda: dry_run(model, plan, group, example_inputs, _apply), group)
+        if not isinstance(plan, ShardingPlan):
+            raise TypeError(f"parallelize: plan must be a ShardingPlan, got {type(plan).__name__}")
+        check_plan_fits(model, plan, group.size())
+        state_shapes = on_every_rank(lambda: dry_run(model, plan, group, example_inputs, apply_plan), group)
     flags = _training_flags(model)
-    tokens = _apply(model, plan, group)
+    tokens = apply_plan(model, plan, group)
     if overlap_backward:
-        backward_overlap.enable(model, tokens)
+        overlap.enable(model, tokens)
     for module in model.modules():
         if hasattr(type(module), "reduce_dtype"):
             module.reduce_dtype = reduce_dtype

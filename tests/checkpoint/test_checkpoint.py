@@ -206,7 +206,7 @@ def _train_on_mesh_and_save(path: str):
         written = os.path.exists(os.path.join(path, f"rank-{dist.get_rank():05d}.safetensors"))
         return written, _named_state(reference, reference_optimizer)
     finally:
-        autoshard.distributed.set_default_group(None)
+        autoshard.core.distributed.set_default_group(None)
 
 
 def _named_state(model, optimizer):
@@ -222,7 +222,7 @@ def _load_on_mesh_and_step(path: str):
         _mesh_step(model, optimizer, dp_rank, 2)
         return _full_state(model)
     finally:
-        autoshard.distributed.set_default_group(None)
+        autoshard.core.distributed.set_default_group(None)
 
 
 def test_mesh_with_partitioned_optimizer_state_reloads_anywhere(tmp_path):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.state_views import unwrap_shard_views
+from autoshard.state.state_views import unwrap_shard_views
 from autoshard import checkpoint
 from autoshard.checkpoint import CheckpointSaveError
 from checkpoint_models import build_toy, parallelize_toy, toy_ids

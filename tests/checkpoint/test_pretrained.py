@@ -110,7 +110,7 @@ def _step_on_mesh(path: str) -> None:
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
     finally:
-        autoshard.distributed.set_default_group(None)  # the pool's next job expects the world
+        autoshard.core.distributed.set_default_group(None)  # the pool's next job expects the world
 
 
 def test_mesh_gradients_average_after_loading(checkpoints):

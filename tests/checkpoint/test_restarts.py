@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from autoshard import distributed
+from autoshard.core import distributed
 from local_ranks import free_port, torchrun_command
 
 SUPPORT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")

@@ -9,11 +9,17 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.library import opcheck
 
-from autoshard import ops
-from autoshard.checkpoint import (CheckpointCorruptError, SafetensorsReader, full_selection, model_targets,
-                                  selection_of, write_safetensors)
+from autoshard.core import ops
+from autoshard.checkpoint import (
+    CheckpointCorruptError,
+    SafetensorsReader,
+    full_selection,
+    model_targets,
+    selection_of,
+    write_safetensors,
+)
 from autoshard.tensor_io import BLOCK_SIZE, Selection, byte_runs
-from autoshard.nn.spec import ShardSpec
+from autoshard.core.spec import ShardSpec
 from checks import expect_errors
 
 

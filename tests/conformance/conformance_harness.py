@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 import autoshard
-from autoshard.parallel_state import state_of
-from autoshard.plan.holdings import held_fraction, replicated
+from autoshard.core.parallel_state import state_of
+from autoshard.planner.holdings import held_fraction, replicated
 from gathered import nonzero_counts
 
 SGD_LR = 0.1

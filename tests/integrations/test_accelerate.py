@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.distributed import set_default_group
-from autoshard.shard_guard import ShardParameter
+from autoshard.core.distributed import set_default_group
+from autoshard.runtime.shard_guard import ShardParameter
 from checks import error_text
 from hf_models import build
 from multirank import run_on_ranks

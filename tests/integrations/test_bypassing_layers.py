@@ -158,7 +158,7 @@ def _check_exact(make, example, own_plan: bool = False) -> dict:
     weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(2))
     (out * weights).sum().backward()
     (want * weights).sum().backward()
-    shards = autoshard.parallel_state.state_of(model).shards()
+    shards = autoshard.core.parallel_state.state_of(model).shards()
     params = dict(model.named_parameters())
     for name, ref in reference.named_parameters():
         grad = params[name].grad
@@ -230,7 +230,7 @@ def _refused(make, plan_kwargs=None, tamper=None):
     after = model.state_dict()
     unchanged = (classes == [type(m) for m in model.modules()] and before.keys() == after.keys()
                  and all(torch.equal(before[k], after[k]) for k in before)
-                 and autoshard.parallel_state.state_of(model) is None)
+                 and autoshard.core.parallel_state.state_of(model) is None)
     return text, unchanged
 
 
@@ -385,7 +385,7 @@ def _planned_again_without_the_silent_layer():
         model = _seeded(lambda: LanguageModel(embedding=DirectEmbedding))
         reference = _seeded(lambda: LanguageModel(embedding=DirectEmbedding))
         autoshard.parallelize(model, example_inputs=(IDS,))
-        layer = autoshard.parallel_state.state_of(model).plan.layer("emb")
+        layer = autoshard.core.parallel_state.state_of(model).plan.layer("emb")
         out, want = model(IDS), reference(IDS)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
         out.square().sum().backward()

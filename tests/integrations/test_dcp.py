@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 import autoshard
-from autoshard.state_views import ShardView
+from autoshard.state.state_views import ShardView
 from hf_models import build as build_hf
 from hf_models import from_config
 from multirank import run_on_ranks

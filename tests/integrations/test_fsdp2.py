@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.distributed import set_default_group
-from autoshard.parallel_state import state_of
-from autoshard.unsharded import gather_full
+from autoshard.core.distributed import set_default_group
+from autoshard.core.parallel_state import state_of
+from autoshard.state.unsharded import gather_full
 from hf_models import build
 from multirank import run_on_ranks
 

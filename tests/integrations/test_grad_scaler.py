@@ -1,6 +1,6 @@
 """torch.amp.GradScaler with a parallelized model: a gradient that overflows in one rank's shard
 only must make every rank skip the step and lower its scale, as the unsharded model does
-(grad_scaler_agreement.py). Checked on 2 and 3 gloo ranks with torch's and autoshard's AdamW
+(runtime/grad_scaler_agreement.py). Checked on 2 and 3 gloo ranks with torch's and autoshard's AdamW
 against the unsharded model under its own GradScaler; and with the agreement switched off, the
 ranks are shown to part (the failure the test guards against)."""
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard import grad_scaler_agreement
+from autoshard.runtime import grad_scaler_agreement
 from multirank import run_on_ranks
 
 OVERFLOW_STEPS = (0, 3)  # the steps whose gradient overflows in one element
@@ -41,6 +41,7 @@ def _train(optimizer_kind: str, agree: bool = True) -> dict:
     make = autoshard.optim.AdamW if optimizer_kind == "autoshard" else torch.optim.AdamW
     optimizer, ref_optimizer = make(model.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
     scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2) for _ in range(2))
+    assert grad_scaler_agreement.is_installed()  # while a parallelized model lives
     original = grad_scaler_agreement._ORIGINAL["_unscale_grads_"]
     if not agree:  # torch's own method, as without autoshard's agreement
         torch.amp.GradScaler._unscale_grads_ = original
@@ -67,7 +68,6 @@ def _train(optimizer_kind: str, agree: bool = True) -> dict:
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("optimizer_kind", ["torch", "autoshard"])
 def test_an_overflow_in_one_shard_skips_the_step_on_every_rank(optimizer_kind, world_size):
-    assert grad_scaler_agreement.is_installed()
     results = run_on_ranks(_train, world_size, optimizer_kind)
     for rank, result in enumerate(results):
         # The unsharded model's scaler halved at each overflow: the same scales on every rank.

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, TrainingArguments, default_data_c
 
 import autoshard
 import autoshard.integrations
-from autoshard.distributed import set_default_group
+from autoshard.core.distributed import set_default_group
 from hf_models import build
 from checks import error_text
 from multirank import run_on_ranks

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.state_views import unwrap_shard_views
-from autoshard.distributed import set_default_group
+from autoshard.state.state_views import unwrap_shard_views
+from autoshard.core.distributed import set_default_group
 from gathered import gathered_grads
 from hf_models import build
 from checks import error_text
@@ -144,7 +144,7 @@ def _ddp_over_data_parallel(steps: int = 3):
         worst_weight = max(float((got[k] - want[k]).abs().max()) for k in want)
         ids = _batch(steps, rows=2)
         logits = (model(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max()
-        partial = autoshard.parallel_state.state_of(model).partial_gradients
+        partial = autoshard.core.parallel_state.state_of(model).partial_gradients
         return dict(grad=worst_grad, weight=worst_weight, logits=float(logits),
                     partial=len(partial.buckets) if partial else 0)
     finally:

@@ -20,8 +20,8 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import autoshard  # noqa: E402
-from autoshard.parallel_state import state_of  # noqa: E402
-from autoshard.unsharded import gather_full  # noqa: E402
+from autoshard.core.parallel_state import state_of  # noqa: E402
+from autoshard.state.unsharded import gather_full  # noqa: E402
 from gathered import nonzero_counts  # noqa: E402
 from multirank import run_on_ranks  # noqa: E402
 

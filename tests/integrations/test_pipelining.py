@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.distributed import set_default_group
-from autoshard.parallel_state import state_of
+from autoshard.core.distributed import set_default_group
+from autoshard.core.parallel_state import state_of
 from gathered import gathered_grads
 from multirank import RankFailure, run_on_ranks
 

@@ -38,7 +38,7 @@ def test_init_distributed_timeout_is_checked():
         autoshard.init_distributed(timeout=timedelta(0))
     with pytest.raises(TypeError, match="init_distributed: timeout must be a datetime.timedelta or a number"):
         autoshard.init_distributed(timeout="5m")
-    assert autoshard.distributed.DEFAULT_TIMEOUT == timedelta(minutes=10)
+    assert autoshard.core.distributed.DEFAULT_TIMEOUT == timedelta(minutes=10)
 
 
 _TIMEOUT = 5.0
@@ -137,8 +137,8 @@ def _nan_on_one_rank():
         model.model.norm.weight.grad[0] = float("nan")
     clipped = error_text(lambda: autoshard.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True),
                          RuntimeError)
-    total = autoshard.clip.global_grad_norm(list(model.parameters()))
-    inf_total = autoshard.clip.global_grad_norm(list(model.parameters()), float("inf"))
+    total = autoshard.runtime.clip.global_grad_norm(list(model.parameters()))
+    inf_total = autoshard.runtime.clip.global_grad_norm(list(model.parameters()), float("inf"))
     return clipped, float(total), float(inf_total)
 
 

@@ -1,4 +1,4 @@
-"""The shard guard (python/autoshard/shard_guard.py), at 2 gloo ranks on a tiny Llama (vocabulary
+"""The shard guard (python/autoshard/runtime/shard_guard.py), at 2 gloo ranks on a tiny Llama (vocabulary
 101: 51 and 50 rows): an op outside autoshard that would compute with one rank's shard as the whole
 tensor (a hand-written head, F.linear on a weight, a norm, indexing, an argmax of the vocabulary
 shard of the logits) is refused with an error naming the op, the parameter and the caller; what

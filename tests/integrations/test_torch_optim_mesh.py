@@ -13,7 +13,7 @@ weights are replicated parameters with whole gradients (the ones partitioned).
 import torch
 
 import autoshard
-from autoshard.optimizer_partition import piece_of
+from autoshard.runtime.optimizer_partition import piece_of
 from gathered import gathered_grads
 from hf_models import build
 from multirank import run_on_ranks
@@ -34,8 +34,8 @@ def _mesh_model(partition: bool):
     # The mesh's "tp" group is the model's own, and what group=None means where no model is at
     # hand (a call spanning the data-parallel replicas would compute wrong values).
     assert model.autoshard_state.group is mesh.get_group("tp")
-    assert autoshard.distributed.default_group() is mesh.get_group("tp")
-    autoshard.distributed.set_default_group(None)  # the pool's next job expects the world
+    assert autoshard.core.distributed.default_group() is mesh.get_group("tp")
+    autoshard.core.distributed.set_default_group(None)  # the pool's next job expects the world
     return model, mesh.get_local_rank("dp")
 
 

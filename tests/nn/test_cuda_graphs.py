@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoshard
-from autoshard import distributed, ops
+from autoshard.core import distributed, ops
 from multirank import run_on_ranks
 
 pytestmark = pytest.mark.gpu

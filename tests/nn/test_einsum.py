@@ -10,7 +10,7 @@ from torch.library import opcheck
 
 import autoshard
 import autoshard.nn
-from autoshard import ops
+from autoshard.core import ops
 from autoshard.nn import EinsumDense, ShardedEinsumDense
 from autoshard.nn.einsum import classify
 from multirank import run_on_ranks
@@ -279,7 +279,7 @@ def _grads_of(*modules):
 
 
 def _sharded_pair_matches_unsharded(bias_axes_in, bias_axes_out):
-    from autoshard import comm
+    from autoshard.core import comm
 
     qkv, out = _attention_pair(bias_axes_in, bias_axes_out)
     s_qkv = ShardedEinsumDense.from_einsum_dense(qkv, "n")

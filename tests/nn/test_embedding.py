@@ -10,7 +10,7 @@ from torch.library import opcheck
 
 import autoshard
 import autoshard.nn
-from autoshard import ops
+from autoshard.core import ops
 from multirank import run_on_ranks
 
 VOCAB, DIM = 1001, 11

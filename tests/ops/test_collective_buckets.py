@@ -11,10 +11,18 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.collective_buckets import (EVERY_RANK, OWN, WHOLE, CollectiveBucket, all_gather, all_reduce,
-                                          fill_buckets, reduce_scatter)
-from autoshard.optimizer_partition import Partition
-from autoshard.split import split_sizes
+from autoshard.core.collective_buckets import (
+    EVERY_RANK,
+    OWN,
+    WHOLE,
+    CollectiveBucket,
+    all_gather,
+    all_reduce,
+    fill_buckets,
+    reduce_scatter,
+)
+from autoshard.runtime.optimizer_partition import Partition
+from autoshard.core.split import split_sizes
 from multirank import run_on_ranks
 
 SHAPES = [(3, 5), (7,), (2, 3, 2), (1,), (4, 1)]

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.distributed import default_group
-from autoshard import comm
+from autoshard.core.distributed import default_group
+from autoshard.core import comm
 from checks import expect_errors, opcheck_all
 from multirank import run_on_ranks
 from seeded import seeded

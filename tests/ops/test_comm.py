@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch.library import opcheck
 
 import autoshard
-from autoshard.distributed import default_group
-from autoshard import comm, ops
+from autoshard.core.distributed import default_group
+from autoshard.core import comm, ops
 from multirank import run_on_ranks
 from seeded import seeded
 from checks import expect_errors, opcheck_all
@@ -225,12 +225,12 @@ def _group_helpers():
         x = seeded((2,), 1200 + rank)
         want = sum(seeded((2,), 1200 + r) for r in range(1, world))
         torch.testing.assert_close(comm.reduce_from_parallel(x, sub), want)
-        autoshard.distributed.set_default_group(sub)
+        autoshard.core.distributed.set_default_group(sub)
         try:
             torch.testing.assert_close(comm.reduce_from_parallel(x), want)
             answers.append(comm.group_name() == sub.group_name)
         finally:
-            autoshard.distributed.set_default_group(None)
+            autoshard.core.distributed.set_default_group(None)
         dist.destroy_process_group(sub)
     assert comm.group_name() == world_group.group_name
     return answers

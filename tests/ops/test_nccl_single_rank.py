@@ -17,7 +17,7 @@ import autoshard
 import test_collectives
 import test_comm
 import test_sequence_ops
-from autoshard import distributed
+from autoshard.core import distributed
 from checks import opcheck_all
 from gathered import assert_equals_unsharded, gathered_grads
 from multirank import run_on_ranks

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard import comm
+from autoshard.core import comm
 from multirank import run_on_ranks
 from seeded import seeded
 
@@ -165,7 +165,7 @@ def _return_groups():
     the same ranks, made by the first collective; results are bit for bit those of one group
     carrying both directions (a group whose return group was never made). Two-rank subgroups of
     a larger world make theirs among their own ranks; larger groups have none."""
-    from autoshard import distributed
+    from autoshard.core import distributed
 
     rank, world = dist.get_rank(), dist.get_world_size()
     pair = [r for r in range(world) if r // 2 == rank // 2]
@@ -199,7 +199,7 @@ def test_two_rank_rings_return_on_a_group_of_their_own(world_size):
 def _only_collectives_prepare():
     """Preparing is collective, so only collectives do it: reading a counter by group on one
     rank alone, or a collective of tensors on another device, makes no return group."""
-    from autoshard import distributed
+    from autoshard.core import distributed
 
     group = dist.new_group([0, 1], backend="gloo")
     if dist.get_rank() == 0:

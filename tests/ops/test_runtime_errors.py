@@ -10,7 +10,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import autoshard
-from autoshard.state_views import unwrap_shard_views
+from autoshard.state.state_views import unwrap_shard_views
 from checkpoint_models import TiedToy, build_toy, toy_ids
 from multirank import run_on_ranks
 

@@ -7,7 +7,7 @@ import torch
 from torch.library import opcheck
 
 import autoshard
-from autoshard import _library
+from autoshard.core import _library
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool]
 

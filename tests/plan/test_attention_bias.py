@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 from transformers.utils import logging
 
 import autoshard
-from autoshard.plan import ShardingPlan
+from autoshard.planner.sharding_plan import ShardingPlan
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conformance"))
 from conformance_models import TinyDecoder  # noqa: E402

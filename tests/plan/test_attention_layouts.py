@@ -17,8 +17,8 @@ from torch import nn
 import autoshard
 from autoshard import checkpoint
 from autoshard.nn.multihead_attention import ReturnedWeights, shard_multihead_attention
-from autoshard.plan.records import ReturnedAttentionWeights
-from autoshard.nn.spec import ShardSpec
+from autoshard.planner.records import ReturnedAttentionWeights
+from autoshard.core.spec import ShardSpec
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conformance"))
 

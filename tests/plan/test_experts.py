@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging
 
 import autoshard
-from autoshard.plan.meta_values import KnownValues
+from autoshard.inputs.meta_values import KnownValues
 from checkpoint_round_trip import load, train_and_save
 from multirank import run_on_ranks
 
@@ -219,7 +219,7 @@ def test_interleaved_expert_slices_checkpoint_on_two_ranks_reload_on_three_and_u
 def test_experts_of_other_forms_are_not_read_as_interleaved_or_biased():
     """A module with 3-D weights and biases but no has_bias flag, or biases of other shapes, is
     not an experts module the split understands."""
-    from autoshard.plan.layers import experts_weights
+    from autoshard.constructs.experts_layout import experts_weights
 
     class Biased(torch.nn.Module):
         def __init__(self, flag: bool, out_bias_shape=(3, 8)):
@@ -343,7 +343,7 @@ def _own_experts_on_ranks(normalized: bool = False, transposed: bool = False, ze
     with autoshard.CommCounter() as backward:
         out.pow(2).sum().backward()
     reference(x).pow(2).sum().backward()
-    shards = autoshard.parallel_state.state_of(model).shards()
+    shards = autoshard.core.parallel_state.state_of(model).shards()
     grads = {}
     for name, p in model.named_parameters():
         want = reference.get_parameter(name).grad
@@ -351,7 +351,7 @@ def _own_experts_on_ranks(normalized: bool = False, transposed: bool = False, ze
             spec = shards[id(p)][0]
             want = torch.cat([want.narrow(spec.dim, s, n) for s, n in spec.local_ranges()], spec.dim)
         grads[name] = (p.grad, want)
-    plan = autoshard.parallel_state.state_of(model).plan
+    plan = autoshard.core.parallel_state.state_of(model).plan
     return {"out": (out.detach(), reference(x).detach()), "grads": grads,
             "comm": ({k: v for k, v in forward.counts.items() if v}, plan.collectives("forward"),
                      {k: v for k, v in backward.counts.items() if v}, plan.collectives("backward"))}

@@ -14,7 +14,7 @@ from gathered import assert_equals_unsharded
 from hf_models import build
 from multirank import run_on_ranks
 
-from autoshard.plan import plan_keeping_whole
+from autoshard.planner.make_plan import plan_keeping_whole
 
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from transformers.pytorch_utils import compile_compatible_method_lru_cache
 
 import autoshard
-from autoshard.plan.function_caches import clear_model_caches
+from autoshard.capture.function_caches import clear_model_caches
 from multirank import run_on_ranks
 
 

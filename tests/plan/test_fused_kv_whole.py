@@ -9,7 +9,7 @@ import torch
 
 import autoshard
 from autoshard import checkpoint
-from autoshard.nn.spec import ShardSpec
+from autoshard.core.spec import ShardSpec
 from hf_models import CONFIGS, build
 from multirank import run_on_ranks
 from adamw_steps import adamw_with_clipping, save_after_one_step

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.unsharded import full_state_dict
+from autoshard.state.unsharded import full_state_dict
 from gathered import forward_backward_as_planned, gathered_grads
 from multirank import run_on_ranks
 from test_planner_graphs import G, comm, styles
@@ -121,7 +121,7 @@ def _equal_to_unsharded(model, reference, inputs):
     """`model` parallelized on `inputs` against `reference`: outputs, the collectives the plan
     predicts, every gradient (gathered). Returns the plan."""
     autoshard.parallelize(model, example_inputs=inputs)
-    plan = autoshard.parallel_state.state_of(model).plan
+    plan = autoshard.core.parallel_state.state_of(model).plan
     forward_backward_as_planned(model, reference, plan, lambda m: m(*inputs), rtol=1e-12, atol=1e-12)
     grads = gathered_grads(model)
     for name, p in reference.named_parameters():
@@ -265,7 +265,7 @@ def _example() -> torch.Tensor:
 def _save_gathered(path: str) -> dict:
     torch.manual_seed(0)
     model = autoshard.parallelize(_Model(), example_inputs=(_example(),))
-    assert [r.name for r in autoshard.parallel_state.state_of(model).plan.gathered_parameters] == [
+    assert [r.name for r in autoshard.core.parallel_state.state_of(model).plan.gathered_parameters] == [
         "embeddings.positions"]
     optimizer = autoshard.optim.AdamW(model.parameters(), lr=1e-2)
     model(_example()).pow(2).mean().backward()

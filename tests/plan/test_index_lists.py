@@ -4,7 +4,7 @@ values as torch's own indexing, and only such lists rewritten."""
 import pytest
 import torch
 
-from autoshard.plan.index_lists import ConsecutiveIndexLists, _rewritten
+from autoshard.capture.index_lists import ConsecutiveIndexLists, _rewritten
 
 X = torch.arange(2 * 3 * 8 * 4, dtype=torch.float32).reshape(2, 3, 8, 4)
 

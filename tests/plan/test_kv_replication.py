@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard import checkpoint
-from autoshard.nn.spec import ShardSpec
+from autoshard.core.spec import ShardSpec
 from hf_models import build
 from gathered import gathered_grads
 from multirank import run_on_ranks
@@ -138,7 +138,7 @@ def _save_trained(path, q_heads, kv_heads):
     moments = {}
     for name, p in model.named_parameters():
         if name.endswith("k_proj.weight"):
-            moments[name] = autoshard.unsharded.gather_full(opt.state[p]["exp_avg"], model.get_submodule(
+            moments[name] = autoshard.state.unsharded.gather_full(opt.state[p]["exp_avg"], model.get_submodule(
                 name.rsplit(".", 1)[0]).shard_specs["weight"], None)
     return {k: v.clone() for k, v in full.items()}, moments
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.plan.layers import computes_linear
+from autoshard.nn.linear_probe import computes_linear
 
 
 class MatmulLinear(nn.Linear):

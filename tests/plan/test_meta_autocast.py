@@ -6,7 +6,7 @@ exact at 2 and 3 ranks."""
 import pytest
 import torch
 
-from autoshard.plan.meta_autocast import meta_autocast
+from autoshard.inputs.meta_autocast import meta_autocast
 
 
 def _attend(x):

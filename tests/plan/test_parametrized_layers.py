@@ -27,7 +27,7 @@ def _parallelized_against_unsharded():
     reference.load_state_dict(model.state_dict())
     x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     autoshard.parallelize(model, example_inputs=(x,))  # its dry run used to refuse the plan
-    styles = {layer.module: layer.style for layer in autoshard.parallel_state.state_of(model).plan.layers}
+    styles = {layer.module: layer.style for layer in autoshard.core.parallel_state.state_of(model).plan.layers}
     return model(x).detach(), reference(x).detach(), styles
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.parallel_state import state_of
+from autoshard.core.parallel_state import state_of
 from gathered import forward_backward_as_planned
 from multirank import run_on_ranks
 from soundness_models import PARTIAL_GRADIENT_MODELS, build

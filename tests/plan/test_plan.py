@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from autoshard.plan import ShardingPlan, plan
-from autoshard.styles import Style
+from autoshard.planner.sharding_plan import ShardingPlan
+from autoshard.planner.api import plan
+from autoshard.core.styles import Style
 from hf_models import CONFIGS, HEADS, build, layer_count
 
 KINDS = sorted(CONFIGS)
@@ -171,7 +172,7 @@ def test_a_built_plan_cannot_be_changed():
 
 
 def test_plan_json_input_values():
-    from autoshard.plan.plan_json import decode_inputs, encode_inputs
+    from autoshard.planner.plan_json import decode_inputs, encode_inputs
 
     ids, scale = torch.tensor([[3, 1], [4, 1]]), torch.tensor([0.1, float("inf")], dtype=torch.bfloat16)
     encoded = json.loads(json.dumps(encode_inputs(((ids, None), {"scale": scale, "n": 2}))))

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import autoshard
-from autoshard.plan import ShardingPlan
+from autoshard.planner.sharding_plan import ShardingPlan
 from hf_models import build
 from multirank import run_on_ranks
 

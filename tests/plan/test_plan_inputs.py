@@ -15,14 +15,15 @@ from transformers import (AutoConfig, AutoModel, AutoModelForSeq2SeqLM, AutoMode
 from transformers.utils import logging
 
 import autoshard
-from autoshard.plan import plan_json
-from autoshard.plan.inputs import MissingInputs, example_inputs_for
-from autoshard.plan.meta_values import KnownValues
+from autoshard.planner import plan_json
+from autoshard.inputs.hf_inputs import example_inputs_for
+from autoshard.inputs.missing import MissingInputs
+from autoshard.inputs.meta_values import KnownValues
 from hf_models import build
 from multirank import run_on_ranks
 
 logging.set_verbosity_error()
-capture_module = importlib.import_module("autoshard.plan.capture")
+capture_module = importlib.import_module("autoshard.capture.capture")
 
 SEQ2SEQ = dict(d_model=48, d_kv=8, d_ff=70, num_layers=1, num_decoder_layers=1, num_heads=6, vocab_size=101)
 
@@ -641,7 +642,7 @@ class _GrowsItsPositions(nn.Module):
 def test_counting_tokens_leaves_the_model_as_it_was():
     """The placeholder count runs the forward on a copy: a model that changes its own state as it
     runs reaches the planner's trace (and the dry run) unchanged."""
-    from autoshard.plan.image_inputs import count_at_check
+    from autoshard.inputs.image_inputs import count_at_check
 
     with torch.device("meta"):
         model = _GrowsItsPositions()

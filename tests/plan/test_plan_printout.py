@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import autoshard
-from autoshard.plan.name_ranges import fold, fold_names
+from autoshard.planner.name_ranges import fold, fold_names
 
 
 def _expand(name: str) -> list:

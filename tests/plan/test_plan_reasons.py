@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.plan import holdings, parameter_reasons
+from autoshard.planner import holdings, parameter_reasons
 from hf_models import build
 
 

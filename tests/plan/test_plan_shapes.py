@@ -104,7 +104,7 @@ def test_a_plan_read_from_json_keeps_the_per_op_check():
 def test_a_config_size_is_localised_on_a_copy_of_the_modules_own():
     from types import SimpleNamespace
 
-    from autoshard.plan.local_attributes import set_attribute
+    from autoshard.core.module_attributes import set_attribute
 
     shared = SimpleNamespace(num_attention_heads=6, hidden_size=48)
     a, b = nn.Module(), nn.Module()

@@ -1,4 +1,4 @@
-"""sequence_parallel="auto" (plan/sequence_choice.py): sequence parallelism where it pays, from
+"""sequence_parallel="auto" (planner/sequence_choice.py): sequence parallelism where it pays, from
 the backend's cost of the reduce-scatter + all-gather pair and the step's predicted peak against
 a memory budget, with the reason in the plan; and parallelize applying the choice exactly."""
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.plan import sequence_choice
+from autoshard.planner import sequence_choice
 from checks import expect_errors
 from hf_models import build
 from multirank import run_on_ranks

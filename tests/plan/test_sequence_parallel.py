@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.parallel_state import state_of
+from autoshard.core.parallel_state import state_of
 from hf_models import build
 from multirank import run_on_ranks
 

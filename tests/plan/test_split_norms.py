@@ -15,7 +15,7 @@ from autoshard import checkpoint
 from autoshard.nn.layer_norm import ShardedLayerNorm
 from autoshard.nn.rms_norm import ShardedRMSNorm
 from autoshard.constructs.split_norm import LAYER_NORM, layer_norm_form, rms_norm_form
-from autoshard.plan.sharding_plan import ShardingPlan
+from autoshard.planner.sharding_plan import ShardingPlan
 from multirank import run_on_ranks
 from test_planner_graphs import G, comm, styles
 

@@ -100,7 +100,7 @@ def _equal_to_unsharded(model, reference, inputs, run, tolerance=1e-10):
     """`model` parallelized on `inputs` against `reference`: outputs, the collectives the plan
     predicts, every gradient (gathered). Returns each layer's style."""
     autoshard.parallelize(model, example_inputs=inputs)
-    plan = autoshard.parallel_state.state_of(model).plan
+    plan = autoshard.core.parallel_state.state_of(model).plan
     forward_backward_as_planned(model, reference, plan, run, rtol=tolerance, atol=tolerance)
     grads = gathered_grads(model)
     for name, p in reference.named_parameters():

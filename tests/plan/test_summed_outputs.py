@@ -24,7 +24,7 @@ def _swap_after_parallelize(how):
     model = _mla()
     ids = torch.randint(1, 101, (2, 7), generator=torch.Generator().manual_seed(1))
     autoshard.parallelize(model, example_inputs={"input_ids": ids})
-    plan = autoshard.parallel_state.state_of(model).plan
+    plan = autoshard.core.parallel_state.state_of(model).plan
     assert [r.module for r in plan.summed_outputs] == ["model.layers.0.self_attn.kv_a_proj_with_mqa"]
     model(input_ids=ids).logits.sum().backward()  # as parallelize left it: runs
     attention = model.model.layers[0].self_attn

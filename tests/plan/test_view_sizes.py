@@ -109,7 +109,7 @@ def _trocr_exact():
     ids = _ids()
     model, reference = _trocr(), _trocr()
     autoshard.parallelize(model, example_inputs={"input_ids": ids})
-    plan = autoshard.parallel_state.state_of(model).plan
+    plan = autoshard.core.parallel_state.state_of(model).plan
     forward_backward_as_planned(model, reference, plan, lambda m: m(input_ids=ids).logits, rtol=1e-9, atol=1e-9)
     grads = gathered_grads(model)
     for name, p in reference.named_parameters():

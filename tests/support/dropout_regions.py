@@ -6,7 +6,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import autoshard
-from autoshard import region_generators
+from autoshard.core import region_generators
 
 HEADS, HEAD_DIM, HIDDEN = 10, 4, 12
 

@@ -1,8 +1,8 @@
 """A parallelized model against the unsharded one: full gradients gathered for comparison, and
 forward and backward compared with the collectives the plan predicts."""
 
-from autoshard.parallel_state import state_of
-from autoshard.unsharded import gather_full
+from autoshard.core.parallel_state import state_of
+from autoshard.state.unsharded import gather_full
 
 
 def gathered_grads(model):

@@ -44,6 +44,6 @@ def nan_on_one_rank(optimizer: str, where: str, sequence_parallel: bool = False,
         outcomes.append(error_text(opt.step, RuntimeError))
         opt.zero_grad()
         if step == 1:  # a nan stepped into a copy reaches every rank at the next forward
-            replicated = autoshard.replica_check.replicated_parameters(model)
+            replicated = autoshard.runtime.replica_check.replicated_parameters(model)
             bits = {name: p.detach().view(torch.int32).clone() for name, p in replicated}
     return outcomes, bits

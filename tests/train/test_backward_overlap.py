@@ -1,4 +1,4 @@
-"""parallelize(..., overlap_backward=True), the default (backward_overlap.py): the input-gradient
+"""parallelize(..., overlap_backward=True), the default (nn/backward_overlap.py): the input-gradient
 all-reduce of column layers runs while their weight gradients are computed. Against the same model without
 overlap: bit-identical losses, gradients and steps, the same collectives; against the unsharded
 model: equal within fp32 tolerance. And the edges: frozen weights, gradients of some weights
@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard import backward_overlap
+from autoshard.apply import overlap
+from autoshard.nn import backward_overlap
 from checks import expect_errors
 from gathered import gathered_grads, gathered_params
 from hf_models import build
@@ -174,7 +175,7 @@ def test_a_bad_argument_is_named_and_nothing_changes():
 
 def test_enable_skips_layers_of_one_rank_and_counts_the_rest():
     layer = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 4))
-    assert backward_overlap.enable(layer) == 0
+    assert overlap.enable(layer) == 0
 
 
 @pytest.mark.parametrize("kind,world_size", [("llama", 2), ("gpt2", 3)])

@@ -2,7 +2,7 @@
 different number of values on each rank; a later dropout on activations every rank holds whole
 must still draw the same mask on every rank, or the replicated computation differs between
 ranks and the replicated parameters drift. Regions get generator states of their own
-(autoshard/region_generators.py); these tests check that the ranks' generators stay together,
+(autoshard/core/region_generators.py); these tests check that the ranks' generators stay together,
 that a rank's masks inside a region are its own, and that activation checkpointing recomputes
 the same masks."""
 

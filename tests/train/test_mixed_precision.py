@@ -8,7 +8,7 @@ import torch
 from torch.library import opcheck
 
 import autoshard
-from autoshard import ops
+from autoshard.core import ops
 
 SHAPES = [(37,), (64, 129), (0,), (300, 129), (3, 5, 7), (), (1, 1)]  # 300x129 > one 32K work item
 ADAMW_ARGS = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, step=3, maximize=False)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.distributed import set_default_group
+from autoshard.core.distributed import set_default_group
 from hf_models import build
 from multirank import run_on_ranks
 

@@ -11,7 +11,7 @@ import torch
 from torch.library import opcheck
 
 import autoshard
-from autoshard import ops
+from autoshard.core import ops
 
 # Empty, odd and larger-than-one-work-item (32K elements) shapes, and a 0-d parameter.
 SHAPES = [(37,), (64, 129), (0,), (300, 129), (3, 5, 7), (), (1, 1)]

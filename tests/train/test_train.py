@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.distributed import set_default_group
-from autoshard.parallel_state import state_of
+from autoshard.core.distributed import set_default_group
+from autoshard.core.parallel_state import state_of
 from hf_models import build
 from multirank import run_on_ranks
 
@@ -249,7 +249,7 @@ def _state_dict_round_trip(steps: int = 3):
     unsharded model, through state_dict / load_state_dict, and cut from torch's whole state."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autoshard.optimizer_partition import piece_of
+    from autoshard.runtime.optimizer_partition import piece_of
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")

@@ -13,8 +13,14 @@ from .pending import CheckpointSaveError, SaveHandle, wait_for_pending_save
 from .save import save
 from .snapshot import release_snapshot_buffers
 from .targets import Target, model_targets
-from ..tensor_io import (CheckpointCorruptError, SafetensorsReader, Selection, full_selection, selection_of,
-                         write_safetensors)
+from ..tensor_io import (
+    CheckpointCorruptError,
+    SafetensorsReader,
+    Selection,
+    full_selection,
+    selection_of,
+    write_safetensors,
+)
 
 __all__ = [
     "CheckpointCorruptError",

@@ -20,7 +20,7 @@ from . import rank_extra as per_rank
 from . import rng
 from .contents import OPTIMIZER_PREFIX
 from .files import CheckpointFiles
-from ..integrations.hf_conventions import CONFIG_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE, safetensors_shard_file
+from ..conventions.huggingface import CONFIG_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE, safetensors_shard_file
 from ..tensor_io import SafetensorsWriter, Selection, tensor_bytes
 
 _ROW_BLOCK_BYTES = 64 << 20

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ..optimizer_partition import piece_of
+from ..runtime.optimizer_partition import piece_of
 from ..tensor_io import Selection, full_selection, json_input
 from .manifest import MAX_VALUE_DEPTH
 from .targets import Target, model_targets

@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_uneven, all_reduce_bucket, broadcast_, wait
+from ..core.comm import all_gather_uneven, all_reduce_bucket, broadcast_, wait
 
 
 def _encode(obj: Any) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from . import manifest as mf
 from . import rank_extra as per_rank
 from . import rng
-from ..optimizer_partition import piece_of
+from ..runtime.optimizer_partition import piece_of
 from .contents import OPTIMIZER_PREFIX
 from .files import CheckpointFiles
 from .hyperparameters import check_hyperparameters, check_state, step_problem

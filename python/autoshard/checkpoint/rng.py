@@ -97,7 +97,7 @@ def _numpy_setter(values: List[float], where: str) -> Optional[Callable[[], None
         raise CheckpointCorruptError(f"{where}: pos must be a whole number in [0, {_NUMPY_WORDS}], has_gauss 0 or "
                                      f"1 and cached_gaussian finite, got {pos!r}, {has_gauss!r}, {gauss!r}")
     try:
-        import numpy
+        import numpy  # noqa: PLC0415  (optional: without it nothing in this process draws from numpy)
     except ImportError:
         return None  # nothing in this process can draw from it
     state = ("MT19937", numpy.array(words, dtype=numpy.uint32), int(pos), int(has_gauss), gauss)

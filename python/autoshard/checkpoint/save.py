@@ -31,8 +31,8 @@ from . import claim
 from . import manifest as mf
 from . import rank_extra as per_rank
 from . import rng
-from ..integrations.hf_conventions import config_json
-from ..parallel_state import state_of
+from ..conventions.huggingface import config_json
+from ..core.parallel_state import state_of
 from .save_agreement import Agreement, claimed_message, start_agreement
 from .contents import Held, json_value, model_holdings, optimizer_holdings
 from .group import CheckpointGroup

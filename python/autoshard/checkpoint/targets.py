@@ -6,7 +6,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..nn.spec import ShardSpec, module_shards
+from ..core.spec import ShardSpec, module_shards
 from ..tensor_io import Selection, selection_of
 
 

@@ -14,8 +14,17 @@ rule, its pass in csrc/plan/).
 import importlib
 import pkgutil
 
-from .base import (LayerConstruct, RecordConstruct, Surgery, construct_of, constructs, recognise, record_constructs,
-                   register, register_records)
+from .base import (
+    LayerConstruct,
+    RecordConstruct,
+    Surgery,
+    construct_of,
+    constructs,
+    recognise,
+    record_constructs,
+    register,
+    register_records,
+)
 
 __all__ = ["LayerConstruct", "RecordConstruct", "Surgery", "construct_of", "constructs", "recognise",
            "record_constructs", "register", "register_records"]

@@ -14,7 +14,8 @@ from torch import nn
 from ..nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
 from .base import LayerConstruct, construct_of, register
 from .linear import LinearConstruct
-from ..styles import TokenRole
+from ..core.styles import TokenRole
+from .layer_info import LayerInfo
 
 
 def owner_name(layer_name: str) -> Optional[str]:
@@ -30,8 +31,6 @@ class MultiheadAttentionConstruct(LayerConstruct):
 
     def projection(self, name: str, module: nn.MultiheadAttention, param_index: Dict[int, int]):
         """The LayerInfo of the q/k/v projection of the attention `module` named `name`."""
-        from ..plan.layers import LayerInfo
-
         index = lambda p: param_index.get(id(p), -1) if p is not None else -1
         prefix = name + "." if name else ""
         return LayerInfo(prefix + IN_PROJECTION, self.kind, module.embed_dim, 3 * module.embed_dim, False,

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..nn.spec import ShardSpec
+from ..core.spec import ShardSpec
 
 
 class LayerConstruct:
@@ -27,7 +27,7 @@ class LayerConstruct:
     last_axis_features: bool = True
 
     def recognise(self, name: str, module: nn.Module, param_index: Dict[int, int]):
-        """The layer's LayerInfo (plan/layers.py) if `module` is this construct, else None."""
+        """The layer's LayerInfo (capture/layers.py) if `module` is this construct, else None."""
         return None
 
     def planner_fields(self, info, inputs: torch.Tensor, output: torch.Tensor) -> Dict[str, object]:

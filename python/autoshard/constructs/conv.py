@@ -22,13 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops, region_generators
-from ..distributed import resolve
-from ..parallel_state import attach_layer_state
-from ..nn.spec import ShardSpec
-from ..styles import Style
+from ..core import ops, region_generators
+from ..core.distributed import resolve
+from ..core.parallel_state import attach_layer_state
+from ..core.spec import ShardSpec
+from ..core.styles import Style
 from .base import LayerConstruct, register
 from .linear import LinearConstruct
+from .layer_info import LayerInfo
 
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _TRANSPOSED = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -142,8 +143,6 @@ class ConvolutionConstruct(LayerConstruct):
         return {}
 
     def recognise(self, name: str, module: nn.Module, param_index: Dict[int, int]):
-        from ..plan.layers import LayerInfo
-
         if not self.accepts(module):
             return None
         index = lambda p: param_index.get(id(p), -1) if p is not None else -1

@@ -1,14 +1,15 @@
 """Einsum layers (nn/einsum.py's EinsumDense): split on one weight letter, an output letter as
 a column layer, a contracted one as a row layer (ShardedEinsumDense)."""
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from torch import nn
 
-from .. import ops
+from ..core import ops
 from ..nn.einsum import EinsumDense, ShardedEinsumDense
-from ..styles import Style
+from ..core.styles import Style
 from .base import LayerConstruct, register
+from .layer_info import LayerInfo
 
 
 @register
@@ -18,8 +19,6 @@ class EinsumConstruct(LayerConstruct):
     order = 30
 
     def recognise(self, name: str, module: nn.Module, param_index: Dict[int, int]):
-        from ..plan.layers import LayerInfo
-
         if not isinstance(module, EinsumDense):
             return None
         index = lambda p: param_index.get(id(p), -1) if p is not None else -1
@@ -28,8 +27,6 @@ class EinsumConstruct(LayerConstruct):
                          bias_axes=module.bias_axes or "")
 
     def planner_fields(self, info, inputs, output):
-        from ..plan.layers import einsum_letters
-
         # ShardedEinsumDense splits an output or a contracted letter: its batch letters are left
         # out, so that an input split on one stops at the layer.
         letters = [letter for letter in einsum_letters(info.equation, inputs.dim(), output.dim())
@@ -49,3 +46,14 @@ class EinsumConstruct(LayerConstruct):
                              f"but ShardedEinsumDense splits letter {layer.letter!r} element by element ({split})")
         return ShardedEinsumDense.from_einsum_dense(module, layer.letter, group,
                                                     gather_output=layer.style is Style.COLUMN_GATHER)
+
+
+def einsum_letters(equation: str, input_ndim: int, output_ndim: int) -> List[Dict[str, object]]:
+    """The planner's description of an einsum layer's weight letters, from the C++ equation
+    parser: per weight letter, its role ("output", "contracted" or "batch") and its dims in the
+    input and the output (from the start; -1 where absent)."""
+    letters, roles, input_dims, output_dims = ops.einsum_weight_axes(equation)
+    return [{"letter": letter, "role": role,
+             "input_dim": -1 if in_dim is None else in_dim % input_ndim,
+             "output_dim": -1 if out_dim is None else out_dim % output_ndim}
+            for letter, role, in_dim, out_dim in zip(letters, roles, input_dims, output_dims)]

@@ -7,8 +7,9 @@ from torch import nn
 
 from ..nn.embedding import VocabParallelEmbedding
 from ..nn.embedding_subclass import shard_embedding_subclass
-from ..styles import Style, TokenRole
+from ..core.styles import Style, TokenRole
 from .base import LayerConstruct, register
+from .layer_info import LayerInfo
 
 
 def _own_forward(module: nn.Module) -> bool:
@@ -23,8 +24,6 @@ class EmbeddingConstruct(LayerConstruct):
     last_axis_features = False
 
     def recognise(self, name: str, module: nn.Module, param_index: Dict[int, int]):
-        from ..plan.layers import LayerInfo
-
         if not isinstance(module, nn.Embedding):
             return None
         return LayerInfo(name, "embedding", weight_param=param_index.get(id(module.weight), -1),

@@ -9,9 +9,11 @@ from typing import Dict, List, Optional, Tuple
 from torch import nn
 
 from ..nn.experts import shard_experts
-from ..nn.spec import ShardSpec
-from ..styles import Style
+from ..core.spec import ShardSpec
+from ..core.styles import Style
 from .base import LayerConstruct, register
+from .experts_layout import experts_weights
+from .layer_info import LayerInfo
 
 
 @register
@@ -21,8 +23,6 @@ class ExpertsConstruct(LayerConstruct):
     last_axis_features = False
 
     def recognise(self, name: str, module: nn.Module, param_index: Dict[int, int]):
-        from ..plan.layers import LayerInfo, experts_weights
-
         experts = experts_weights(module)
         if experts is None:
             return None

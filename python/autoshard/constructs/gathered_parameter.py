@@ -6,7 +6,7 @@ from torch import nn
 
 from ..nn.gathered_parameters import gather_on_call
 from ..nn.head_parameters import shard_head_parameter
-from ..nn.spec import ShardSpec
+from ..core.spec import ShardSpec
 from .base import ParameterRecords, named_owner, register_records
 
 

@@ -22,9 +22,9 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from ..distributed import resolve
-from ..nn.spec import ShardSpec
-from ..styles import Style
+from ..core.distributed import resolve
+from ..core.spec import ShardSpec
+from ..core.styles import Style
 from .base import register
 from .conv import ConvolutionConstruct
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..nn.head_parameters import shard_head_parameter
-from ..nn.spec import ShardSpec
+from ..core.spec import ShardSpec
 from .base import ParameterRecords, named_owner, register_records
 
 

@@ -7,11 +7,13 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from ..integrations.hf_conventions import is_conv1d
+from ..conventions.huggingface import is_conv1d
 from ..nn.linear import ColumnParallelLinear, RowParallelLinear
 from ..nn.lora import adapter_factors, is_lora_linear, shard_lora
-from ..styles import Style
+from ..core.styles import Style
 from .base import LayerConstruct, register
+from ..nn.linear_probe import computes_linear
+from .layer_info import LayerInfo
 
 
 @register
@@ -20,8 +22,6 @@ class LinearConstruct(LayerConstruct):
     order = 10
 
     def recognise(self, name: str, module: nn.Module, param_index: Dict[int, int]):
-        from ..plan.layers import LayerInfo, computes_linear
-
         index = lambda p: param_index.get(id(p), -1) if p is not None else -1
         # A LoRA adapter on a Linear is one layer with it: split as its base layer is split.
         if is_lora_linear(module):

@@ -1,7 +1,7 @@
 """Split norms: an RMS norm or a LayerNorm over a layer's output features that are split by
 heads (OLMo 2's q_norm and k_norm over q_proj's and k_proj's outputs, ESM-C's LayerNorms over
 them). The capture records a call of one on a layer's output as one "norm" node
-(plan/module_calls.py), the planner splits it with the layer's features (csrc/plan/norms.cpp),
+(capture/module_calls.py), the planner splits it with the layer's features (csrc/plan/norms.cpp),
 and each becomes nn.rms_norm.ShardedRMSNorm (one all-reduce of the squares' sums in forward, one
 in backward) or nn.layer_norm.ShardedLayerNorm (two each: the mean, then the variance).
 
@@ -18,7 +18,7 @@ from torch import nn
 from ..nn.batch_norm import ShardedBatchNorm, is_batch_norm
 from ..nn.layer_norm import ShardedLayerNorm
 from ..nn.rms_norm import ShardedRMSNorm
-from ..nn.spec import ShardSpec
+from ..core.spec import ShardSpec
 from .base import RecordConstruct, register_records, set_submodule
 
 

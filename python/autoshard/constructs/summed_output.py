@@ -10,7 +10,7 @@ import weakref
 import torch
 from torch import nn
 
-from .. import ops
+from ..core import ops
 from .base import RecordConstruct, register_records
 
 

@@ -2,8 +2,8 @@
 
 ``from autoshard.integrations import Trainer``: transformers.Trainer for a parallelized model
 under torchrun (hf_trainer); reading Trainer or AutoshardTrainerMixin from this package imports
-transformers and accelerate; SFTTrainer and DPOTrainer (trl_trainers) import TRL too. hf_conventions holds what autoshard relies on of transformers'
-models, configs and checkpoints, and imports neither, so that the rest of autoshard can read it.
+transformers and accelerate; SFTTrainer and DPOTrainer (trl_trainers) import TRL too. What
+autoshard relies on of transformers' models, configs and checkpoints is in conventions/.
 """
 
 __all__ = ["AutoshardTrainerMixin", "DPOTrainer", "SFTTrainer", "Trainer"]
@@ -11,14 +11,14 @@ _TRL = ("DPOTrainer", "SFTTrainer")
 
 
 def __getattr__(name: str):
-    # The Trainer is imported on first use: the package itself must stay importable without
-    # transformers, since the rest of autoshard reads hf_conventions from it.
+    # The Trainer is imported on first use: the package itself stays importable without
+    # transformers, TRL or accelerate.
     if name in _TRL:
-        from . import trl_trainers
+        from . import trl_trainers  # noqa: PLC0415  (TRL is optional: imported on first use)
 
         return getattr(trl_trainers, name)
     if name in __all__:
-        from . import hf_trainer
+        from . import hf_trainer  # noqa: PLC0415  (transformers is optional: imported on first use)
 
         return getattr(hf_trainer, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

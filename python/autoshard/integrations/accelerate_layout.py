@@ -24,8 +24,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..clip import clip_grad_norm_
-from ..parallel_state import state_of
+from ..runtime.clip import clip_grad_norm_
+from ..core.parallel_state import state_of
+from torch.distributed.device_mesh import DeviceMesh
 
 _NAME = "autoshard.integrations.Trainer"
 
@@ -77,8 +78,6 @@ def layout_of(model: torch.nn.Module) -> Optional[Layout]:
 def data_mesh(layout: Layout):
     """A device mesh over the existing groups whose dimensions accelerate's data loaders read:
     "tp" (ranks that get the same batches) and "dp_replicate" (ranks that get different ones)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     world = layout.tp_size * layout.dp_size
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() != "gloo" else "cpu"
     if layout.dp_group is None:
@@ -99,7 +98,7 @@ def _one_copy_per_replica(accelerator, layout: Layout, data, use_gather_object: 
         kept = every[::layout.tp_size]
         return [item for part in kept for item in part] if all(isinstance(p, list) for p in kept) else kept
 
-    from accelerate.utils import recursively_apply
+    from accelerate.utils import recursively_apply  # noqa: PLC0415  (accelerate is optional)
 
     world = dist.get_world_size()
 
@@ -113,7 +112,7 @@ def _gather_for_metrics(accelerator, layout: Layout):
     """accelerate's gather_for_metrics, with one copy per replica."""
 
     def gather_for_metrics(input_data, use_gather_object=False):
-        from accelerate.utils import recursively_apply
+        from accelerate.utils import recursively_apply  # noqa: PLC0415  (accelerate is optional)
 
         try:
             recursively_apply(lambda x: x, input_data, error_on_other_type=True)

@@ -47,10 +47,13 @@ from typing import Optional
 import torch
 import transformers
 
-from ..parallel_state import state_of
-from ..unsharded import full_state_dict
-from ..state_views import unwrap_shard_views
+from ..core.parallel_state import state_of
+from ..state.unsharded import full_state_dict
+from ..state.state_views import unwrap_shard_views
 from .accelerate_layout import Layout, adapt, layout_of
+from ..optim import AdamW
+from .trl_heads import fuse_over_shards
+from ..runtime.loss_parallel import gather_logits
 
 __all__ = ["AutoshardTrainerMixin", "Trainer"]
 
@@ -102,8 +105,6 @@ class AutoshardTrainerMixin:
         if self.optimizer is None and self.optimizer_cls_and_kwargs is None and partitioned:
             cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model if model is None else model)
             if cls is torch.optim.AdamW:
-                from ..optim import AdamW
-
                 # The same update; it also steps the pieces of the state partitioned over "dp".
                 kwargs = {k: v for k, v in kwargs.items() if k in ("lr", "betas", "eps", "weight_decay")}
                 self.optimizer_cls_and_kwargs = (AdamW, kwargs)
@@ -113,8 +114,6 @@ class AutoshardTrainerMixin:
     def compute_loss(self, model, inputs, *args, **kwargs):
         # TRL's trainers give the model (and a reference model) a fused LM head at construction,
         # reading the head's weight itself: over a vocabulary shard it is computed over the shards.
-        from .trl_heads import fuse_over_shards
-
         for candidate in (self.model, getattr(self, "ref_model", None)):
             if candidate is not None and state_of(candidate) is not None:
                 base = candidate.get_base_model() if hasattr(candidate, "get_base_model") else candidate
@@ -125,8 +124,6 @@ class AutoshardTrainerMixin:
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         if self._autoshard_layout is not None and logits is not None:
-            from ..loss_parallel import gather_logits
-
             if isinstance(logits, torch.Tensor):
                 logits = gather_logits(self.model, logits)
             elif isinstance(logits, tuple) and logits and isinstance(logits[0], torch.Tensor):

@@ -50,7 +50,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.optim import Optimizer
 
-from ..parallel_state import parameters_states
+from ..core.parallel_state import parameters_states
+from ..parallelize import parallelize
 
 __all__ = ["AutoshardFabricStrategy", "AutoshardStrategy"]
 
@@ -153,13 +154,11 @@ class AutoshardStrategy(TrainerModelParallelStrategy):
 
 
 def _parallelize_every_rank(module: nn.Module, mesh) -> nn.Module:
-    import autoshard
-
     if mesh["data_parallel"].size() > 1:
         raise ValueError(f"AutoshardFabricStrategy: data_parallel_size={mesh['data_parallel'].size()} needs a "
                          "parallelize_fn of your own (autoshard.parallelize(model, mesh=...) with a ('dp', 'tp') "
                          "DeviceMesh); by default every rank is tensor-parallel (data_parallel_size=1)")
-    return autoshard.parallelize(module, group=mesh["tensor_parallel"].get_group())
+    return parallelize(module, group=mesh["tensor_parallel"].get_group())
 
 
 class AutoshardFabricStrategy(FabricModelParallelStrategy):

@@ -18,16 +18,16 @@ before anything changes (its scales or its activations' quantization would need 
 import torch
 from torch import nn
 
-from .. import ops
+from ..core import ops
 from ..nn.linear import ColumnParallelLinear, RowParallelLinear
-from ..parallel_state import state_of
-from ..shard_guard import local
+from ..core.parallel_state import state_of
+from ..runtime.shard_guard import local
 
 __all__ = ["quantize_"]
 
 
 def _refuse_unless_supported(config) -> None:
-    from torchao.quantization import Int8WeightOnlyConfig, PerRow
+    from torchao.quantization import Int8WeightOnlyConfig, PerRow  # noqa: PLC0415  (torchao is optional)
 
     if type(config) is not Int8WeightOnlyConfig or not isinstance(config.granularity, PerRow):
         raise ValueError(
@@ -38,7 +38,7 @@ def _refuse_unless_supported(config) -> None:
 
 def _row_scales(weight: torch.Tensor, group_name: str):
     """The scale and zero point torchao gives each whole row of a weight whose columns are split."""
-    from torchao.quantization.quant_primitives import _DTYPE_TO_QVALUE_BOUNDS, MappingType, choose_qparams_affine
+    from torchao.quantization.quant_primitives import _DTYPE_TO_QVALUE_BOUNDS, MappingType, choose_qparams_affine  # noqa: PLC0415  (torchao is optional)
 
     extremes = torch.stack([weight.amin(dim=1), weight.amax(dim=1)], dim=1).float()
     low, high = -extremes[:, :1].contiguous(), extremes[:, 1:].contiguous()
@@ -53,8 +53,8 @@ def _row_scales(weight: torch.Tensor, group_name: str):
 
 
 def _quantize_layer(layer: nn.Module) -> None:
-    from torchao.quantization import PerRow
-    from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+    from torchao.quantization import PerRow  # noqa: PLC0415  (torchao is optional)
+    from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor  # noqa: PLC0415  (torchao is optional)
 
     weight = local(layer.weight).detach()
     if isinstance(layer, RowParallelLinear):
@@ -69,7 +69,7 @@ def quantize_(model: nn.Module, config) -> nn.Module:
     """Quantizes every Linear layer of the parallelized `model` in place with torchao's `config`
     (``Int8WeightOnlyConfig()``), sharded layers with their whole rows' scales; returns the model.
     For inference: the quantized weights are frozen."""
-    from torchao.quantization import quantize_ as torchao_quantize
+    from torchao.quantization import quantize_ as torchao_quantize  # noqa: PLC0415  (torchao is optional)
 
     if state_of(model) is None:
         raise ValueError("autoshard.integrations.torchao_quantize.quantize_: model is not parallelized; quantize an "

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import ops
+from ..core import ops
 from ..nn.linear import ColumnParallelLinear
 
 _CHUNKED = "_ChunkedLogProbFunction"  # the name TRL's fused forward calls its chunked function by

@@ -4,7 +4,7 @@ from . import functional
 from .einsum import EinsumDense, ShardedEinsumDense
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .spec import ShardSpec
+from ..core.spec import ShardSpec
 
 __all__ = [
     "ColumnParallelLinear",

@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
-from ..distributed import resolve
-from ..parallel_state import attach_layer_state
-from .spec import ShardSpec
+from ..core import comm
+from ..core.distributed import resolve
+from ..core.parallel_state import attach_layer_state
+from ..core.spec import ShardSpec
 
 
 def is_batch_norm(module: nn.Module) -> bool:

@@ -13,11 +13,11 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from .. import comm, ops, region_generators
-from ..distributed import resolve
-from ..parallel_state import attach_layer_state
-from ..styles import Style
-from .spec import ShardSpec
+from ..core import comm, ops, region_generators
+from ..core.distributed import resolve
+from ..core.parallel_state import attach_layer_state
+from ..core.styles import Style
+from ..core.spec import ShardSpec
 
 Shape = Tuple[Optional[int], ...]
 

@@ -11,10 +11,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import comm, ops
-from ..distributed import resolve
-from ..parallel_state import attach_layer_state
-from .spec import ShardSpec
+from ..core import comm, ops
+from ..core.distributed import resolve
+from ..core.parallel_state import attach_layer_state
+from ..core.spec import ShardSpec
 
 
 def _as_int(value, argument: str) -> int:

@@ -8,7 +8,7 @@ forward goes on with the whole table's rows, as unsharded; so does a read of row
 (`weight[start:end]`, Whisper's positions, or `weight[ids]`). Any other read of the weight (its
 shape, a product with it) would see this rank's rows only: it is refused,
 on the meta copy parallelize tries the plan on, before any weight changes (a plan parallelize
-makes itself is then made again with the embedding whole; see plan_until_it_runs.py).
+makes itself is then made again with the embedding whole; see planner/plan_until_it_runs.py).
 """
 
 import inspect
@@ -20,9 +20,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .. import comm, ops
-from ..distributed import ProcessGroup
-from ..parallel_state import attach_layer_state
+from ..core import comm, ops
+from ..core.distributed import ProcessGroup
+from ..core.parallel_state import attach_layer_state
 from .embedding import VocabParallelEmbedding
 
 _EMBEDDING = inspect.signature(F.embedding)

@@ -19,8 +19,8 @@ it and the others add zeros, through a copy whose gradient (rank 0's) is summed 
 import torch
 from torch import nn
 
-from .. import ops, region_generators
-from .spec import ShardSpec
+from ..core import ops, region_generators
+from ..core.spec import ShardSpec
 
 
 def _local(spec: ShardSpec, full: torch.Tensor) -> nn.Parameter:

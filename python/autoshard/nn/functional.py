@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from .. import ops
-from ..distributed import ProcessGroup, group_name
+from ..core import ops
+from ..core.distributed import ProcessGroup, group_name
 
 _REDUCTIONS = ("mean", "sum", "none")
 

@@ -15,8 +15,8 @@ from typing import List, Tuple
 import torch
 from torch import nn
 
-from .. import ops
-from .spec import ShardSpec
+from ..core import ops
+from ..core.spec import ShardSpec
 
 
 _gathering = 0  # > 0 while a GatherOnCall gathers: traces skip those ops (the plan traced none)

@@ -16,8 +16,8 @@ from typing import List, Tuple
 
 import torch
 
-from .. import ops, region_generators
-from ..split import split_sizes
+from ..core import ops, region_generators
+from ..core.split import split_sizes
 from .sequence import replace_input
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .spec import ShardSpec
+from ..core.spec import ShardSpec
 
 # The attribute naming a module's shard_specs entries that are head parameters (or gathered
 # parameters: nn/gathered_parameters.py), so that a module holding only those (an attention

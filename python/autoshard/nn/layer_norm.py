@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import comm
-from ..distributed import resolve
-from ..parallel_state import attach_layer_state
-from .spec import ShardSpec
+from ..core import comm
+from ..core.distributed import resolve
+from ..core.parallel_state import attach_layer_state
+from ..core.spec import ShardSpec
 
 
 class ShardedLayerNorm(nn.Module):

@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import backward_overlap, ops, region_generators
-from ..distributed import ProcessGroup, resolve
-from ..integrations.hf_conventions import is_conv1d
-from ..parallel_state import attach_layer_state
-from .spec import ShardSpec
+from . import backward_overlap
+from ..core import ops, region_generators
+from ..core.distributed import ProcessGroup, resolve
+from ..conventions.huggingface import is_conv1d
+from ..core.parallel_state import attach_layer_state
+from ..core.spec import ShardSpec
 
 
 def _as_int(value, argument: str, owner: str) -> int:

@@ -24,9 +24,10 @@ from typing import Dict, Optional, Sequence
 import torch
 from torch import nn
 
-from ..distributed import ProcessGroup
-from ..styles import Style
+from ..core.distributed import ProcessGroup
+from ..core.styles import Style
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .linear_probe import computes_linear
 
 
 def _peft_lora_linear() -> Optional[type]:
@@ -40,8 +41,6 @@ def is_lora_linear(module: nn.Module) -> bool:
     """Whether `module` is PEFT's LoRA on an nn.Linear computing exactly base(x) + B(A(dropout(x)))
     * scaling per adapter: PEFT's own forward, plain Linear factors without bias, no variant
     (DoRA and the like), no fan_in_fan_out. Anything else is followed op by op, whole."""
-    from ..plan.layers import computes_linear
-
     cls = _peft_lora_linear()
     if cls is None or not isinstance(module, cls) or type(module).forward is not cls.forward:
         return False

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .. import ops, region_generators
-from ..distributed import ProcessGroup, resolve
-from ..parallel_state import attach_layer_state
-from .spec import ShardSpec
+from ..core import ops, region_generators
+from ..core.distributed import ProcessGroup, resolve
+from ..core.parallel_state import attach_layer_state
+from ..core.spec import ShardSpec
 
 _SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 IN_PROJECTION = "in_proj"  # the name of the q/k/v projection as a layer of the module

@@ -12,10 +12,10 @@ exactly the unsharded norm's gradient for them.
 import torch
 from torch import nn
 
-from .. import comm
-from ..distributed import resolve
-from ..parallel_state import attach_layer_state
-from .spec import ShardSpec
+from ..core import comm
+from ..core.distributed import resolve
+from ..core.parallel_state import attach_layer_state
+from ..core.spec import ShardSpec
 
 FORMS = ("input_dtype", "scale_then_cast", "cast_then_scale")
 

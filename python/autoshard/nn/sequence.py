@@ -30,8 +30,9 @@ import torch
 
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .. import backward_overlap, ops, region_generators
-from ..styles import TokenRole
+from . import backward_overlap
+from ..core import ops, region_generators
+from ..core.styles import TokenRole
 
 
 def replace_input(args, kwargs, leaf: int, replace, missing: str):

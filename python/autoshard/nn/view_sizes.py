@@ -3,7 +3,7 @@
 nanoGPT's attention takes `B, T, C = x.size()` from its input, which every rank holds whole,
 and ends with `y.view(B, T, C)` on its heads' output, which a rank holds a part of: C is the
 global width there, and no attribute holds it that the plan could make local. The plan names
-such calls instead (plan/local_attributes.py finds them on meta): the n-th view or reshape in
+such calls instead (planner/local_attributes.py finds them on meta): the n-th view or reshape in
 one call of the module, the position in its sizes, and the global size found there. While the
 module runs, a torch function mode gives those calls this rank's size. The calls counted are
 those of the model's own code in the module's own call: a region nested inside counts its own,
@@ -102,7 +102,7 @@ class LocalViewSizes(TorchFunctionMode):
 
 class ViewSizeHooks:
     """Forward hooks that run `module`'s calls inside a LocalViewSizes of `local`. `enabled`
-    off (the unsharded view of the model, see unsharded.py) leaves its calls as written."""
+    off (the unsharded view of the model, see state/unsharded.py) leaves its calls as written."""
 
     def __init__(self, module: nn.Module, local: Dict[int, Dict[int, Tuple[int, int]]], seen: list = None):
         self.local, self.seen, self.enabled, self.modes = local, seen, True, []
@@ -131,3 +131,8 @@ def local_sizes(view_sizes: Sequence[ViewSize], local_value) -> Dict[int, Dict[i
     for ordinal, position, size in view_sizes:
         by_call.setdefault(ordinal, {})[position] = (size, local_value(size))
     return by_call
+
+
+def region_view_sizes(region, rank: int, world_size: int) -> dict:
+    """A region's view sizes on `rank`, as nn/view_sizes.LocalViewSizes takes them."""
+    return local_sizes(region.view_sizes, lambda size: region.local_value(size, rank, world_size))

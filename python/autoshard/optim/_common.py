@@ -12,10 +12,10 @@ from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 
-from ..fully_sharded import local_tensor
-from ..nonfinite import agreements_for
-from ..optimizer_views import local_state_dict
-from ..optimizer_partition import all_gather_pieces, piece_of
+from ..runtime.fully_sharded import local_tensor
+from ..runtime.nonfinite import agreements_for
+from ..state.optimizer_views import local_state_dict
+from ..runtime.optimizer_partition import all_gather_pieces, piece_of
 
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _HALF = (torch.float16, torch.bfloat16)
@@ -336,7 +336,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._check_hyperparameters(defaults, None)
         super().__init__(params, defaults)
         # Hooks that agree, at the end of each backward, on which replicated gradients are not
-        # finite on which tensor-parallel rank (nonfinite.py), installed before the first backward.
+        # finite on which tensor-parallel rank (runtime/nonfinite.py), installed before the first backward.
         agreements_for(self._all_params())
 
     def _all_params(self) -> List[torch.Tensor]:

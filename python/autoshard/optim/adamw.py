@@ -4,10 +4,22 @@ from typing import Dict, Optional
 
 import torch
 
-from .. import ops
-from ._common import (MASTER, FusedOptimizer, as_real, check_at_least, check_bool, check_master_weights,
-                      check_none_or_bool, check_only, hyperparameter_name, new_master, scalar_dtype, uses_master,
-                      local_tensors)
+from ..core import ops
+from ._common import (
+    MASTER,
+    FusedOptimizer,
+    as_real,
+    check_at_least,
+    check_bool,
+    check_master_weights,
+    check_none_or_bool,
+    check_only,
+    hyperparameter_name,
+    new_master,
+    scalar_dtype,
+    uses_master,
+    local_tensors,
+)
 
 _NAME = "AdamW"
 

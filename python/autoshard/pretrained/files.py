@@ -11,7 +11,7 @@ import os
 from contextlib import ExitStack
 from typing import Dict, List
 
-from ..integrations.hf_conventions import SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE, hub_cache_blobs
+from ..conventions.huggingface import SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE, hub_cache_blobs
 from ..tensor_io import SafetensorsReader, json_input
 
 _MAX_INDEX_DEPTH = 16  # an index is {"metadata": {...}, "weight_map": {name: file}}

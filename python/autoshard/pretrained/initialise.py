@@ -14,8 +14,8 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from ..integrations.hf_conventions import INITIALISED_FLAG, initialises_itself
-from ..parallel_state import keep_state_across_swap
+from ..conventions.huggingface import INITIALISED_FLAG, initialises_itself
+from ..core.parallel_state import keep_state_across_swap
 
 
 def _held_weakly(tensor: torch.Tensor) -> bool:

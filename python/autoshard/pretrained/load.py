@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint import Target, model_targets
-from ..integrations.hf_conventions import IGNORED_MISSING_KEYS, IGNORED_UNEXPECTED_KEYS
+from ..conventions.huggingface import IGNORED_MISSING_KEYS, IGNORED_UNEXPECTED_KEYS
 from ..tensor_io import SafetensorsReader, Selection
 from .files import open_checkpoint
 from .initialise import check_computable, check_movable, initialise_remaining, materialize
@@ -170,7 +170,7 @@ def _plan_reads(model: nn.Module, path, where: Dict[str, SafetensorsReader], tar
 
 
 def _progress_bar(total: int, enabled: bool):
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # noqa: PLC0415  (tqdm is optional)
 
     first = not dist.is_initialized() or dist.get_rank() == 0
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="load_pretrained",

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
-from ..integrations import hf_conventions as hf
+from ..conventions import huggingface as hf
 
 
 def _transformers_renamer(model, model_names: Iterable[str]) -> Optional[Callable[[str], Tuple[str, bool]]]:

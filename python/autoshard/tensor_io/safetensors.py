@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .. import ops
+from ..core import ops
 from .header import HeaderRefusal, parse_header
 from .selection import Selection, byte_runs, full_selection
 

@@ -12,8 +12,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import ops
-from ..nn.spec import ShardSpec
+from ..core import ops
+from ..core.spec import ShardSpec
 
 Run = Tuple[int, int]
 
