@@ -1,9 +1,6 @@
-"""What the capture records of a layer, and the probes that tell what a module computes.
-
-A Linear (or Hugging Face's Conv1D, a Linear stored transposed) maps the last axis of its
-input from in_features to out_features; an Embedding looks rows up by index. Whether one is
-split by rows or columns is decided by the planner from the dataflow, never from its name.
-"""
+"""Which construct recognises a module as a layer, and the probes a trace asks of a module: does
+it map its input's features as a Linear does, is its call recorded as one layer node. What is
+recorded of a layer (LayerInfo) is the constructs' (constructs/layer_info.py)."""
 
 from typing import Dict, Optional
 

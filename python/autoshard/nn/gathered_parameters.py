@@ -10,6 +10,7 @@ computes on tensors held whole (csrc/plan/gathered_params.cpp): its gradient is 
 on every rank, and the gather's backward keeps this rank's piece of it, with no collective.
 """
 
+import threading
 from typing import List, Tuple
 
 import torch
@@ -19,12 +20,14 @@ from ..core import ops
 from ..core.spec import ShardSpec
 
 
-_gathering = 0  # > 0 while a GatherOnCall gathers: traces skip those ops (the plan traced none)
+# Per thread: > 0 while a GatherOnCall of this thread gathers, so that a trace skips those ops
+# (the plan traced none) and a trace in another thread is not misled.
+_gathering = threading.local()
 
 
 def gathering() -> bool:
-    """Whether a module's gathered parameters are being gathered now (see GatherOnCall)."""
-    return _gathering > 0
+    """Whether a module's gathered parameters are being gathered now, in this thread (see GatherOnCall)."""
+    return getattr(_gathering, "depth", 0) > 0
 
 
 class GatherOnCall:
@@ -44,7 +47,6 @@ class GatherOnCall:
         self.pieces.append((owner, attr, piece, spec))
 
     def gather(self, module: nn.Module, args) -> None:
-        global _gathering
         self.depth += 1
         if self.depth > 1:  # called again inside its own call: already whole
             return
@@ -54,7 +56,7 @@ class GatherOnCall:
                 raise RuntimeError(f"autoshard: parameter {attr!r} of {type(owner).__name__} was replaced after "
                                    "parallelize; the plan stores this rank's piece of it there and gathers it whole "
                                    f"for each call of {type(module).__name__}")
-        _gathering += 1
+        _gathering.depth = getattr(_gathering, "depth", 0) + 1
         try:
             # Gradient mode on even under no_grad: the whole tensor requires a gradient as the
             # parameter does, so that ops choosing their path by it (matmul's folding, an
@@ -64,7 +66,7 @@ class GatherOnCall:
                     owner._parameters[attr] = ops.gather_from_parallel(piece, spec.dim, spec.full_size,
                                                                        self.group_name)
         finally:
-            _gathering -= 1
+            _gathering.depth -= 1
 
     def release(self, module: nn.Module, args, output) -> None:
         self.depth -= 1
