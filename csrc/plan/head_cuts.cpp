@@ -25,96 +25,49 @@ bool is_uniform_source(const Node& node) {
 
 bool Propagation::request_cut(int tensor, int axis, const AxisFactor& wanted) {
   const int n = current_node_;
-  AxisFactor merged = wanted;  // the heads' factor on the axis `a` of tensor `t`, as the walk goes back
-  if (n < 0) return false;
-  int t = tensor, a = axis, earliest = n;
-  for (int step = 0; step < 16; ++step) {
-    if (layouts[t].sharded || graph_.tensor(t).is_output) return false;
+  HeadsWalk walk;
+  walk.views_keep_heads = true;
+  walk.at_step = [&](const HeadsTrace& at, int p) {
+    const int t = at.tensor, a = at.heads.axis;
+    const AxisFactor& cut = at.heads;
     int best = -1;
     for (size_t e = 0; e < graph_.entries.size() && !carries_grad_.at(t); ++e) {
       const ModuleEntry& entry = graph_.entries[e];
-      if (entry.tensor != t || entry.end <= entry.first || entry.first > earliest || entry.end <= n) continue;
+      if (entry.tensor != t || entry.end <= entry.first || entry.first > at.before || entry.end <= n) continue;
       if (best < 0 || entry.end - entry.first < graph_.entries[best].end - graph_.entries[best].first) {
         best = static_cast<int>(e);
       }
     }
     const auto& out_shape = graph_.tensor(t).shape;
     if (best >= 0) {
-      if (out_shape.at(a) != merged.outer * merged.size || dropped_cuts.count(best)) return false;
-      wanted_cuts[best] = {a, merged.outer, merged.size};
-      return true;
+      if (out_shape.at(a) != cut.outer * cut.size || dropped_cuts.count(best)) return WalkVerdict::Refused;
+      wanted_cuts[best] = cut;
+      return WalkVerdict::Found;
     }
-    const int p = producer_before(t, earliest);
-    if (p < 0) return false;
+    if (p < 0) return WalkVerdict::Further;
     const Node& node = graph_.nodes[p];
     const bool embedding = node.kind == Kind::Embedding && roles[p] == Style::Replicate;
     if ((embedding && a == static_cast<int>(out_shape.size()) - 1) || is_uniform_source(node)) {
-      if (out_shape.at(a) != merged.outer * merged.size || dropped_node_cuts.count(p)) return false;
-      wanted_node_cuts[p] = {a, merged.outer, merged.size};
-      return true;
+      if (out_shape.at(a) != cut.outer * cut.size || dropped_node_cuts.count(p)) return WalkVerdict::Refused;
+      wanted_node_cuts[p] = cut;
+      return WalkVerdict::Found;
     }
-    if (node.inputs.empty()) return false;
-    int in = node.inputs[0];
-    if (node.kind == Kind::Pointwise && node.inputs.size() > 1) {
-      // An elementwise op with one input holding the heads, the others broadcast along them (a
-      // mask applied with where): the heads come from that input.
-      int full = -1;
-      for (int id : node.inputs) {
-        const auto& s = graph_.tensor(id).shape;
-        const int ax = a - static_cast<int>(out_shape.size() - s.size());
-        if (ax < 0 || s[ax] == 1) continue;
-        if (full >= 0 || s[ax] != out_shape.at(a) || layouts[id].sharded) return false;
-        full = id;
+    if (node.kind != Kind::Expand || node.inputs.empty()) return WalkVerdict::Further;
+    const auto& in_shape = graph_.tensor(node.inputs[0]).shape;
+    const int in_axis = a - static_cast<int>(out_shape.size() - in_shape.size());
+    if (in_axis >= 0 && in_shape.at(in_axis) == 1 && out_shape.at(a) > 1) {
+      // A broadcast along the heads (repeat_kv's expand of one KV head): made at this rank's
+      // size it holds this rank's heads. Its input gets a partial gradient (the sum over
+      // this rank's heads), which settle_gradients follows.
+      if (out_shape.at(a) != cut.outer * cut.size || cut.outer != 1 || dropped_node_cuts.count(p)) {
+        return WalkVerdict::Refused;
       }
-      if (full < 0) return false;
-      a -= static_cast<int>(out_shape.size() - graph_.tensor(full).shape.size());
-      t = full;
-      earliest = p;
-      continue;
+      wanted_node_cuts[p] = cut;
+      return WalkVerdict::Found;
     }
-    const auto& in_shape = graph_.tensor(in).shape;
-    switch (node.kind) {
-      case Kind::Permute:
-        a = static_cast<int>(node.permutation.at(a));
-        break;
-      case Kind::Slice:
-        if (node.drop_dim && node.dim <= a) ++a;
-        if (node.dim == a && (node.start > 0 || node.stop < in_shape.at(a))) return false;
-        break;
-      case Kind::Pointwise:
-        if (in_shape != out_shape) return false;
-        break;
-      case Kind::View: {
-        // A batch merged with the heads (bmm's (batch * heads) axis) is the heads again before it.
-        const ReshapeResult r = map_reshape(out_shape, in_shape, {a, merged.outer, merged.size});
-        if (!r.ok || r.factor.size != merged.size) return false;
-        a = r.factor.axis;
-        merged.outer = r.factor.outer;
-        break;
-      }
-      case Kind::Expand: {
-        const int in_axis = a - static_cast<int>(out_shape.size() - in_shape.size());
-        if (in_axis >= 0 && in_shape.at(in_axis) == 1 && out_shape.at(a) > 1) {
-          // A broadcast along the heads (repeat_kv's expand of one KV head): made at this rank's
-          // size it holds this rank's heads. Its input gets a partial gradient (the sum over
-          // this rank's heads), which settle_gradients follows.
-          if (out_shape.at(a) != merged.outer * merged.size || merged.outer != 1 || dropped_node_cuts.count(p)) {
-            return false;
-          }
-          wanted_node_cuts[p] = {a, merged.outer, merged.size};
-          return true;
-        }
-        if (in_axis < 0 || in_shape.at(in_axis) != out_shape.at(a)) return false;
-        a = in_axis;
-        break;
-      }
-      default:
-        return false;
-    }
-    t = in;
-    earliest = p;
-  }
-  return false;
+    return WalkVerdict::Further;
+  };
+  return walk_heads_back(tensor, axis, wanted, walk);
 }
 
 // Before node `n`: the cuts whose module call ends here give their tensor back whole, those

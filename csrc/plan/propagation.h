@@ -2,6 +2,7 @@
 // One pass of the planner over the graph: which tensors are sharded (and on which axis, in
 // which region), what role each layer takes, given the decisions forced so far. settle.cpp
 // repeats passes until no decision changes; emit.cpp turns the last pass into a Plan.
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -196,6 +197,25 @@ class Propagation {
   // if so the split is wanted for the next pass, else `why` may say why not.
   bool request_head_param(int tensor, int axis, const AxisFactor& merged, int source, std::string& why);
   void open_head_params();
+
+  // Head cuts and head parameters both follow a whole tensor back from its read against the
+  // heads, through the ops that keep each head's elements apart (heads_walk.cpp); each stops
+  // the walk where it finds what it can cut or split.
+  struct HeadsTrace {
+    int tensor = -1;
+    AxisFactor heads;  // the heads' factor on the axis of `tensor` holding them
+    int before = -1;   // `tensor` as written before this node
+  };
+  enum class WalkVerdict { Further, Found, Refused };
+  struct HeadsWalk {
+    // A cut is made on the heads as the scores count them: a view may not merge or split them.
+    bool views_keep_heads = false;
+    // A parameter is split whole: a reduction over its other axes still keeps each head apart.
+    bool through_reductions = false;
+    // Asked at every tensor the walk reaches, with the node that wrote it (-1: none).
+    std::function<WalkVerdict(const HeadsTrace& at, int producer)> at_step;
+  };
+  bool walk_heads_back(int tensor, int axis, const AxisFactor& heads, const HeadsWalk& walk);
 
   void visit(int n, const std::set<int>& vocab_embeddings);
   void visit_linear(int n, const Node& node);
