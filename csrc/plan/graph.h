@@ -96,7 +96,8 @@ struct Node {
   // The same combine: the elements of an out bias (gpt-oss's, one per expert) that one rank adds
   // to its partial outputs; once the experts are split, its gradient is summed over the ranks.
   int64_t summed_bias = 0;
-  // An Einsum layer that is a convolution (its output channels may be gathered: settle.cpp).
+  // An Einsum layer that is a convolution (its output channels may be gathered:
+  // passes/unsplit_regions.cpp).
   bool convolution = false;
   // A Linear layer's weight multiplied by the model itself, outside the layer's call
   // (`self.dt_proj.weight @ x`): only a column split is exact, its local rows read by the
@@ -144,7 +145,7 @@ struct Graph {
   // Whether the planner may split the token axis between row and column layers.
   bool sequence_parallel = true;
   // The weight elements from which a layer that cannot be paired is split and its output
-  // gathered (settle.cpp) rather than held whole on every rank; 0: never.
+  // gathered (passes/unsplit_regions.cpp) rather than held whole on every rank; 0: never.
   int64_t gather_unpaired = 0;
   // Parameters (by index) whose every read lies inside one call of the module holding them, so
   // that they can be gathered whole where that call begins (gathered_params.cpp).

@@ -11,7 +11,7 @@
 // of the parameter alone. The split is asked for here and made in the next pass, from the
 // parameter itself: every read of it then sees it sharded, so a parameter also read where it
 // must stay whole (a reduction over its heads, a replicated tensor, another layout) conflicts,
-// the split is dropped (settle.cpp) and the attention stays whole, saying why.
+// the split is dropped (passes/settle_head_params.cpp) and the attention stays whole, saying why.
 #include <string>
 
 #include "plan/propagation.h"

@@ -140,7 +140,7 @@ class Propagation {
   // one value throughout (zeros, ones, full) made at this rank's size: node -> the factor of its
   // output's heads axis.
   std::map<int, AxisFactor> wanted_node_cuts;
-  // Cuts found not to work (settle.cpp): never asked for again, their bias meets the scores whole.
+  // Cuts found not to work (passes/settle_cuts.cpp): never asked for again, their bias meets the scores whole.
   std::set<int> dropped_cuts, dropped_node_cuts;
   std::map<int, int> node_cut_region;
   std::map<int, AxisFactor> node_cut_factor;
