@@ -1,4 +1,5 @@
-"""How a layer is split: the style the planner decides for it (csrc/plan/settle.cpp).
+"""How a layer is split: the style the planner decides for it (csrc/plan/settle.cpp and its
+passes in csrc/plan/passes/).
 
 A `Style` is a string too ("column" == Style.COLUMN), so a plan's JSON and the planner's document
 carry the plain words, and user overrides name them as text.
