@@ -8,12 +8,10 @@ from typing import Dict
 import torch
 from torch import nn
 
-from ..constructs import Surgery, record_constructs
-from ..constructs.base import set_submodule
+from ..constructs import LayerSurgery, Surgery, record_constructs
 from ..constructs.summed_output import keep_input
 from ..core.distributed import ProcessGroup
 from ..core.module_attributes import set_attribute
-from ..core.styles import TokenRole
 from ..nn import sequence
 from ..nn.input_copies import InputCopyPerCall, SharedInputCopy
 from ..nn.view_sizes import ViewSizeHooks, region_view_sizes
@@ -71,10 +69,6 @@ def apply_plan(model: nn.Module, plan, group: ProcessGroup) -> sequence.PlanStep
             users[layer.copy_group] = users.get(layer.copy_group, 0) + 1
     tokens = sequence.steps(plan, group.group_name)
     copies = {g: SharedInputCopy(group.group_name, n, tokens.gathers.get(g)) for g, n in users.items() if n > 1}
-    calls: Dict[str, list] = {}  # a column layer -> the plan's records of its calls, in order
-    for layer in plan.layers:
-        if layer.style.is_column:
-            calls.setdefault(layer.module, []).append(layer)
     # Every place a parameter is registered, so that tied parameters (an embedding shared with
     # the output head, a head's bias also held by its parent) stay one parameter once sharded.
     registrations: Dict[int, list] = {}
@@ -83,60 +77,21 @@ def apply_plan(model: nn.Module, plan, group: ProcessGroup) -> sequence.PlanStep
             if param is not None:
                 registrations.setdefault(id(param), []).append((owner, attr))
     replaced: Dict[int, nn.Parameter] = {}
-    # An nn.MultiheadAttention is split by heads as one: its projection's plan shards its out_proj too.
-    attentions = {layer.module for layer in plan.layers if layer.kind == "attention" and layer.style.is_split}
-    inside_attention = {name.rpartition(".")[0] + ".out_proj" for name in attentions}
-    experts: Dict[str, list] = {}
-    first_calls: Dict[str, object] = {}
+    modules: Dict[str, list] = {}  # a module -> the plan's entries of it (one per call or side), in order
     for layer in plan.layers:
-        # A layer called more than once (ALBERT's shared layer) appears once per call, each
-        # split alike (the planner sees to it): sharded once, at its first call.
-        if layer.kind == "experts":  # two entries, its column side and its row side
-            experts.setdefault(layer.module, []).append(layer)
-            continue
-        first = first_calls.setdefault(layer.module, layer)
-        if first is not layer:
-            _check_same_split(first, layer)
-            continue
-        if not layer.style.is_split or layer.module in inside_attention:
-            continue
-        if layer.module in attentions:
-            attention = layer.construct.shard_attention(model, plan, layer, group, tokens)
-            input_copy = _input_copy(calls[layer.module], copies, tokens, group.group_name)
-            if input_copy is not None:
-                attention.in_proj.input_copy = input_copy
-            continue
-        module = model.get_submodule(layer.module)
-        originals = {name: getattr(module, name, None) for name in ("weight", "bias")}
-        sharded = layer.construct.shard(layer, module, group)
-        for name, original in originals.items():
-            if original is None:
-                continue
-            if id(original) in replaced:
-                setattr(sharded, name, replaced[id(original)])
-            else:
-                replaced[id(original)] = getattr(sharded, name)
-        input_copy = _input_copy(calls[layer.module], copies, tokens, group.group_name) if layer.module in calls else None
-        deferred = [call.deferred_copy for call in calls.get(layer.module, [])]
-        if any(deferred) and not all(deferred):
-            raise ValueError(f"parallelize: layer {layer.module!r} is called more than once and the plan sums its input's "
-                             "gradient upstream in only some of its calls; every call must copy its input alike")
-        if deferred and all(deferred):
-            input_copy = keep_input  # its input's gradient is summed upstream (constructs/summed_output.py)
-        if input_copy is not None:
-            sharded.input_copy = input_copy
-        if layer.sequence is TokenRole.REDUCE_SCATTER:
-            sharded.output_tokens = tokens.reduce_scatter(layer)
-        set_submodule(model, layer.module, sharded)
-    for name, sides in experts.items():
-        sides[0].construct.shard_sides(model.get_submodule(name), name, sides, group, copies.get(sides[0].copy_group))
+        modules.setdefault(layer.module, []).append(layer)
+    taken = {name for layers in modules.values() for name in layers[0].construct.sharded_with(layers)}
+    surgery = LayerSurgery(model, plan, group, tokens, lambda calls: _input_copy(calls, copies, tokens, group.group_name),
+                           keep_input, copies, replaced, taken)
+    for layers in modules.values():
+        layers[0].construct.shard_module(layers, surgery)
     for key, new in replaced.items():
         for owner, attr in registrations.get(key, []):
             if not hasattr(owner, "shard_specs"):
                 owner._parameters[attr] = new
-    surgery = Surgery(group, rank, world, tokens, registrations)
+    records = Surgery(group, rank, world, tokens, registrations)
     for construct in record_constructs():
-        construct.apply(model, plan, surgery)
+        construct.apply(model, plan, records)
     for region in plan.regions.values():
         owner = model.get_submodule(region.module)
         for attr in region.attributes:
@@ -145,10 +100,3 @@ def apply_plan(model: nn.Module, plan, group: ProcessGroup) -> sequence.PlanStep
             owner.autoshard_view_sizes = ViewSizeHooks(owner, region_view_sizes(region, rank, world))
     return tokens
 
-
-def _check_same_split(first, again) -> None:
-    split = lambda l: (l.style, l.units, tuple(l.parts), tuple(l.whole_parts), l.summed_parts, l.repeat, l.letter,
-                       l.sequence)
-    if split(first) != split(again):
-        raise ValueError(f"parallelize: layer {first.module!r} is called more than once and the plan splits its calls "
-                         f"differently ({split(first)} and {split(again)}); every call must meet the same split")

@@ -16,8 +16,10 @@ import pkgutil
 
 from .base import (
     LayerConstruct,
+    LayerSurgery,
     RecordConstruct,
     Surgery,
+    adopted_kind,
     construct_of,
     constructs,
     recognise,
@@ -26,8 +28,8 @@ from .base import (
     register_records,
 )
 
-__all__ = ["LayerConstruct", "RecordConstruct", "Surgery", "construct_of", "constructs", "recognise",
-           "record_constructs", "register", "register_records"]
+__all__ = ["LayerConstruct", "LayerSurgery", "RecordConstruct", "Surgery", "adopted_kind", "construct_of", "constructs",
+           "recognise", "record_constructs", "register", "register_records"]
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != "base":

@@ -7,12 +7,12 @@ projection a column layer over whole heads, out_proj the row layer after it, and
 changed in place, becomes a ParallelMultiheadAttention computing this rank's heads.
 """
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Set
 
 from torch import nn
 
 from ..nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
-from .base import LayerConstruct, construct_of, register
+from .base import LayerConstruct, LayerSurgery, check_same_split, construct_of, register
 from .linear import LinearConstruct
 from ..core.styles import TokenRole
 from .layer_info import LayerInfo
@@ -36,6 +36,11 @@ class MultiheadAttentionConstruct(LayerConstruct):
         return LayerInfo(prefix + IN_PROJECTION, self.kind, module.embed_dim, 3 * module.embed_dim, False,
                          index(module.in_proj_weight), index(module.in_proj_bias))
 
+    def adopts(self, layer) -> bool:
+        # An nn.MultiheadAttention's projection, in a document that named it linear.
+        return layer.kind == "linear" and layer.weight.endswith("in_proj_weight") and \
+            layer.module.rpartition(".")[2] == IN_PROJECTION
+
     def weight_shape(self, info):
         return [info.out_features, info.in_features]
 
@@ -58,7 +63,24 @@ class MultiheadAttentionConstruct(LayerConstruct):
     def weight_of(self, module: nn.Module, layer):
         return getattr(module, "in_proj_weight", None)
 
-    def shard_attention(self, model: nn.Module, plan, layer, group, tokens) -> nn.MultiheadAttention:
+    def sharded_with(self, layers) -> Set[str]:
+        # Split by heads as one: the projection's plan shards its out_proj too.
+        if not any(layer.style.is_split for layer in layers):
+            return set()
+        return {layers[0].module.rpartition(".")[0] + ".out_proj"}
+
+    def shard_module(self, layers, surgery: LayerSurgery) -> None:
+        layer = layers[0]
+        for again in layers[1:]:
+            check_same_split(layer, again)
+        if not layer.style.is_split:
+            return
+        attention = self._shard_attention(surgery.model, surgery.plan, layer, surgery.group, surgery.tokens)
+        input_copy = surgery.input_copy([call for call in layers if call.style.is_column])
+        if input_copy is not None:
+            attention.in_proj.input_copy = input_copy
+
+    def _shard_attention(self, model: nn.Module, plan, layer, group, tokens) -> nn.MultiheadAttention:
         """Splits the attention by heads in place: its projection as `layer` plans, its out_proj
         as the row layer the planner paired with it."""
         name = owner_name(layer.module)
@@ -70,9 +92,10 @@ class MultiheadAttentionConstruct(LayerConstruct):
         return shard_multihead_attention(attention, layer.weight_spec(group.rank(), group.size()), out_proj, group,
                                          plan.returned_weights(name))
 
-    def stand_in_attention(self, root: nn.Module, relative: str, plan, layer, rank: int) -> None:
-        """Makes the attention at `relative` in `root` (a meta copy) the ParallelMultiheadAttention
-        of `rank`, with no collective."""
+    def stand_in_within(self, root: nn.Module, prefix: str, plan, layer, rank: int) -> Set[str]:
+        # The attention becomes the ParallelMultiheadAttention of `rank`, with no collective.
+        name = layer.module.rpartition(".")[0]
+        relative = name[len(prefix):] if name != prefix[:-1] else ""
         owner = root.get_submodule(relative) if relative else root
         out_layer = plan.layer(owner_name(layer.module) + ".out_proj")
         out_spec = out_layer.weight_spec(rank, plan.world_size)
@@ -80,6 +103,7 @@ class MultiheadAttentionConstruct(LayerConstruct):
                              device="meta", dtype=owner.out_proj.weight.dtype)
         shard_multihead_attention(owner, layer.weight_spec(rank, plan.world_size), out_proj, None,
                                   plan.returned_weights(owner_name(layer.module)))
+        return {layer.module, name + ".out_proj"}
 
     def replaces(self, module: nn.Module) -> bool:
         return False  # changed in place (its out_proj is replaced, a layer of its own)

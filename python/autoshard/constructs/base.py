@@ -3,16 +3,20 @@
 The planner (csrc/plan/) decides a style per layer node from the dataflow; a construct only
 describes its layer to it and carries out the decision. `kind` names the construct in the
 capture's LayerInfo and in the plan's LayerPlan; `planner_kind` is the node kind the planner
-reads (csrc/plan/graph.h: "linear", "embedding" or "einsum").
+reads (csrc/plan/graph.h: "linear", "embedding" or "einsum"). Whatever the rest of autoshard
+must know of a layer's kind, it asks its construct: apply_plan hands each planned module's plan
+entries to its construct's shard_module(), the capture and the plan's accounts read the
+properties below.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
 from ..core.spec import ShardSpec
+from ..core.styles import TokenRole
 
 
 class LayerConstruct:
@@ -25,9 +29,51 @@ class LayerConstruct:
     # Whether the layer maps the features of its input's last axis (a norm on its output may
     # split with them, and a user may force the layer to column_gather).
     last_axis_features: bool = True
+    # Whether an override may force the layer to Style.COLUMN_GATHER (its column split's output
+    # gathered whole after it).
+    column_gather_override: bool = False
+    # Whether the layer, as a model's output head gathered because its output is a model output,
+    # can leave its logits split over the vocabulary for a loss computed on each rank's slice
+    # (runtime/loss_parallel.py).
+    splits_logits_for_loss: bool = False
+    # The reason code (planner/holdings.py REASONS) a replicated layer is held whole for where
+    # the planner gives none.
+    whole_reason: str = "unsplit"
+    # Whether bias_spec() and bias_size() describe the layer's bias. Where not (an einsum, whose
+    # bias spans the output letters of its bias_axes), the bias is split, on the split letter's
+    # axis, exactly where bias_split_by_letter() says.
+    bias_has_spec: bool = True
+    # Whether the capture records the layer's call as the nodes it stands for (an experts
+    # module: one gated MLP of its two sides, then the routing's combine), where its forward
+    # reads its weights as weight_reads() allows, rather than as one node.
+    records_inner_nodes: bool = False
 
     def recognise(self, name: str, module: nn.Module, param_index: Dict[int, int]):
         """The layer's LayerInfo (capture/layers.py) if `module` is this construct, else None."""
+        return None
+
+    def adopts(self, layer) -> bool:
+        """Whether a plan entry a document gave another construct's kind is this construct's
+        layer (a document written before the construct had a kind of its own)."""
+        return False
+
+    def records_weight_products(self, info) -> bool:
+        """Whether a product of the layer's weight that the model computes itself, outside the
+        layer's call (Mamba's `self.dt_proj.weight @ x`), is recorded as a call of the layer: ATen
+        sees the weight transposed, so only a weight stored [out, in] is recognised."""
+        return False
+
+    def recorded_at_lookup(self, info) -> bool:
+        """Whether the call the capture is entering (`info.input` its first input) is recorded at
+        the row lookup its forward makes (ATen's embedding of the weight), its node reading the
+        indices looked up: a table given no index tensor (a learned position table given the
+        input's shape)."""
+        return False
+
+    def weight_reads(self, module: nn.Module, info) -> Optional[Dict[str, object]]:
+        """Where records_inner_nodes: what the capture follows through the call of `module`, as
+        the fields of the recorder's ExpertReads (`tracked`, `out_weight`, `biases`), with what
+        the call's nodes need noted on `info`; None otherwise."""
         return None
 
     def planner_fields(self, info, inputs: torch.Tensor, output: torch.Tensor) -> Dict[str, object]:
@@ -57,6 +103,11 @@ class LayerConstruct:
         layer `info` stores its weight (the planner reads fused parts one after the other)."""
         return units, parts
 
+    def bias_split_by_letter(self, layer) -> bool:
+        """Whether the layer's split cuts its bias too where not bias_has_spec (the bias spans the
+        split letter); False where bias_has_spec."""
+        return False
+
     def bias_size(self, layer) -> int:
         """The number of elements of the layer's bias (the output features)."""
         return layer.weight_shape[1 if layer.transposed else 0]
@@ -83,6 +134,83 @@ class LayerConstruct:
         changing `module` in place."""
         return True
 
+    def stand_in_within(self, root: nn.Module, prefix: str, plan, layer, rank: int) -> Set[str]:
+        """Where the layer's stand-in is more than its module swapped for stand_in()'s (a module
+        changed in place, with other layers of the plan): makes it so in `root`, a meta copy of
+        the module named `prefix` without its dot ("" for the model), for the split `layer` there;
+        returns the names of the layers it stood in for, which are left alone then."""
+        return set()
+
+    def sharded_with(self, layers) -> Set[str]:
+        """The other modules that shard_module() shards with the module whose plan entries are
+        `layers` (an attention's out_proj), which are then left alone."""
+        return set()
+
+    def shard_module(self, layers, surgery: "LayerSurgery") -> None:
+        """Shards the module that `layers` (every entry the plan has for it, in plan order) name,
+        in `surgery.model`. A layer called more than once appears once per call, each split alike
+        (the planner sees to it): sharded once. The sharded module replaces the old one, its
+        parameters tied wherever the old ones were (surgery.replaced), with its input copy and its
+        cut of the output tokens."""
+        layer = layers[0]
+        for again in layers[1:]:
+            check_same_split(layer, again)
+        if not layer.style.is_split or layer.module in surgery.taken:
+            return
+        module = surgery.model.get_submodule(layer.module)
+        originals = {name: getattr(module, name, None) for name in ("weight", "bias")}
+        sharded = self.shard(layer, module, surgery.group)
+        for name, original in originals.items():
+            if original is None:
+                continue
+            if id(original) in surgery.replaced:
+                setattr(sharded, name, surgery.replaced[id(original)])
+            else:
+                surgery.replaced[id(original)] = getattr(sharded, name)
+        calls = [call for call in layers if call.style.is_column]
+        input_copy = surgery.input_copy(calls) if calls else None
+        deferred = [call.deferred_copy for call in calls]
+        if any(deferred) and not all(deferred):
+            raise ValueError(f"parallelize: layer {layer.module!r} is called more than once and the plan sums its input's "
+                             "gradient upstream in only some of its calls; every call must copy its input alike")
+        if deferred and all(deferred):
+            input_copy = surgery.deferred_copy
+        if input_copy is not None:
+            sharded.input_copy = input_copy
+        if layer.sequence is TokenRole.REDUCE_SCATTER:
+            sharded.output_tokens = surgery.tokens.reduce_scatter(layer)
+        set_submodule(surgery.model, layer.module, sharded)
+
+
+@dataclass
+class LayerSurgery:
+    """What sharding a module by its plan entries (LayerConstruct.shard_module) needs beyond
+    them."""
+
+    model: nn.Module
+    plan: object
+    group: object
+    tokens: object  # the plan's sequence steps (nn/sequence.PlanSteps)
+    # A column layer's input copy from the plan's records of its calls (apply/shard_model.py):
+    # its group's shared copy, its gather of the tokens, or None (a copy of its own).
+    input_copy: Callable[[list], object]
+    # The input copy of a column layer whose input's gradient is summed upstream, where a
+    # replicated layer returns it (LayerPlan.deferred_copy, constructs/summed_output.py).
+    deferred_copy: Callable
+    shared_copies: Dict[int, object]  # copy group -> the copy its column layers share
+    # id of a parameter replaced -> its replacement, so that tied parameters stay one.
+    replaced: Dict[int, nn.Parameter]
+    taken: Set[str]  # modules sharded with another's (LayerConstruct.sharded_with)
+
+
+def check_same_split(first, again) -> None:
+    """Raises ValueError where two plan entries of one module's calls split it differently."""
+    split = lambda l: (l.style, l.units, tuple(l.parts), tuple(l.whole_parts), l.summed_parts, l.repeat, l.letter,
+                       l.sequence)
+    if split(first) != split(again):
+        raise ValueError(f"parallelize: layer {first.module!r} is called more than once and the plan splits its calls "
+                         f"differently ({split(first)} and {split(again)}); every call must meet the same split")
+
 
 _BY_KIND: Dict[str, LayerConstruct] = {}
 
@@ -101,6 +229,14 @@ def construct_of(kind: str) -> LayerConstruct:
         return _BY_KIND[kind]
     except KeyError:
         raise ValueError(f"no layer construct of kind {kind!r} (known: {sorted(_BY_KIND)})") from None
+
+
+def adopted_kind(layer) -> str:
+    """The kind of a plan entry: the construct's that adopts it, else the one it names."""
+    for construct in constructs():
+        if construct.kind != layer.kind and construct.adopts(layer):
+            return construct.kind
+    return layer.kind
 
 
 def constructs() -> List[LayerConstruct]:

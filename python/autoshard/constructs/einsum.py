@@ -17,6 +17,10 @@ class EinsumConstruct(LayerConstruct):
     kind = "einsum"
     planner_kind = "einsum"
     order = 30
+    bias_has_spec = False
+
+    def bias_split_by_letter(self, layer) -> bool:
+        return layer.style.is_split and layer.bias is not None and layer.letter in layer.bias_axes
 
     def recognise(self, name: str, module: nn.Module, param_index: Dict[int, int]):
         if not isinstance(module, EinsumDense):

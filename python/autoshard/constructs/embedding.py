@@ -3,6 +3,7 @@ a subclass with a forward of its own changed in place (nn/embedding_subclass.py)
 
 from typing import Dict, Optional
 
+import torch
 from torch import nn
 
 from ..nn.embedding import VocabParallelEmbedding
@@ -22,6 +23,12 @@ class EmbeddingConstruct(LayerConstruct):
     planner_kind = "embedding"
     order = 40
     last_axis_features = False
+    # An embedding left whole with no reason given is a position or type table: only the token
+    # table is split.
+    whole_reason = "position_table"
+
+    def recorded_at_lookup(self, info) -> bool:
+        return not isinstance(info.input, torch.Tensor)
 
     def recognise(self, name: str, module: nn.Module, param_index: Dict[int, int]):
         if not isinstance(module, nn.Embedding):

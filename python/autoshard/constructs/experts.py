@@ -11,7 +11,7 @@ from torch import nn
 from ..nn.experts import shard_experts
 from ..core.spec import ShardSpec
 from ..core.styles import Style
-from .base import LayerConstruct, register
+from .base import LayerConstruct, LayerSurgery, register
 from .experts_layout import experts_weights
 from .layer_info import LayerInfo
 
@@ -21,6 +21,7 @@ class ExpertsConstruct(LayerConstruct):
     kind = "experts"
     order = 50
     last_axis_features = False
+    records_inner_nodes = True
 
     def recognise(self, name: str, module: nn.Module, param_index: Dict[int, int]):
         experts = experts_weights(module)
@@ -34,6 +35,16 @@ class ExpertsConstruct(LayerConstruct):
                          experts_biases=(index(experts.in_bias), index(experts.out_bias)) if experts.in_bias else ())
         info.weight_param = info.experts_params[0]
         return info
+
+    def weight_reads(self, module: nn.Module, info) -> Optional[Dict[str, object]]:
+        where = experts_weights(module)
+        out_weight = getattr(module, where.second)
+        biases = {id(getattr(module, where.in_bias)): "in", id(getattr(module, where.out_bias)): "out"} \
+            if where.in_bias else {}
+        out_bias = getattr(module, where.out_bias) if where.out_bias else None
+        info.summed_bias = out_bias.numel() if out_bias is not None and out_bias.requires_grad else 0
+        return {"tracked": {id(p): p for p in module._parameters.values() if p is not None},
+                "out_weight": {id(out_weight): out_weight}, "biases": biases}
 
     def weight_dim(self, layer) -> Optional[int]:
         # [E, out, in]: the FFN axis is out for the column side, in for the row side; stored
@@ -77,9 +88,13 @@ class ExpertsConstruct(LayerConstruct):
     def weight_of(self, module: nn.Module, layer):
         return getattr(module, layer.weight.rpartition(".")[2], None)  # this side's 3-D weight
 
-    def shard_sides(self, module: nn.Module, name: str, sides, group, input_copy) -> None:
-        """Splits the experts module `module` by its two planned sides (column, then row), or
-        leaves it whole where both are replicated."""
+    def shard_module(self, layers, surgery: LayerSurgery) -> None:
+        # Two entries, its column side and its row side (column, then row), or both replicated.
+        name = layers[0].module
+        self._shard_sides(surgery.model.get_submodule(name), name, layers, surgery.group,
+                          surgery.shared_copies.get(layers[0].copy_group))
+
+    def _shard_sides(self, module: nn.Module, name: str, sides, group, input_copy) -> None:
         styles = tuple(layer.style for layer in sides)
         if styles == (Style.REPLICATE, Style.REPLICATE):
             return

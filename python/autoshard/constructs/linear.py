@@ -20,6 +20,11 @@ from .layer_info import LayerInfo
 class LinearConstruct(LayerConstruct):
     kind = "linear"
     order = 10
+    column_gather_override = True
+    splits_logits_for_loss = True
+
+    def records_weight_products(self, info) -> bool:
+        return not info.transposed
 
     def recognise(self, name: str, module: nn.Module, param_index: Dict[int, int]):
         index = lambda p: param_index.get(id(p), -1) if p is not None else -1

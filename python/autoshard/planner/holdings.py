@@ -78,8 +78,8 @@ def local_counts(plan, rank: int) -> Dict[str, int]:
         spec = specs.get(name)
         counts[name] = full if spec is None else full // spec.full_size * spec.local_size()
     for layer in plan.layers:
-        # An einsum layer's bias is split with its weight when it carries the split letter.
-        if layer.kind == "einsum" and layer.bias in counts and layer.style.is_split and layer.letter in layer.bias_axes:
+        # A bias laid out by its own axes is split with the weight where it spans the split letter.
+        if layer.bias in counts and layer.construct.bias_split_by_letter(layer):
             split = layer.weight_shape[layer.weight_dim()]
             counts[layer.bias] = counts[layer.bias] // split * split_sizes(split, plan.world_size)[rank]
     return counts
@@ -100,21 +100,19 @@ def replicated(plan) -> List[Replicated]:
     reasons: Dict[str, Tuple[str, str]] = {}
     for layer in plan.layers:
         if not layer.style.is_split:
-            code = layer.reason or ("position_table" if layer.kind == "embedding" else "unsplit")
+            code = layer.reason or layer.construct.whole_reason
             for name in (layer.weight, layer.bias):
                 if name is not None:
                     reasons.setdefault(name, (code, layer.note))
-        elif layer.bias is not None and layer.kind != "einsum" and layer.bias_spec(0, plan.world_size) is None:
-            reasons.setdefault(layer.bias, ("row_bias", ""))
-        elif layer.kind == "einsum" and layer.bias is not None and layer.letter not in layer.bias_axes:
+        elif layer.bias is not None and (layer.bias_spec(0, plan.world_size) is None if layer.construct.bias_has_spec
+                                         else not layer.construct.bias_split_by_letter(layer)):
             reasons.setdefault(layer.bias, ("row_bias", ""))
     for record in plan.adapters:
         # A replicated LoRA layer's factors stay whole for the layer's reason.
         code, note = reasons.get(plan.layer(record.module).weight, ("adapter_factor", ""))
         for name in record.whole:
             reasons.setdefault(name, (code, note))
-    split = set(plan.param_specs(0)) | {l.bias for l in plan.layers if l.kind == "einsum" and l.style.is_split
-                                        and l.bias is not None and l.letter in l.bias_axes}
+    split = set(plan.param_specs(0)) | {l.bias for l in plan.layers if l.construct.bias_split_by_letter(l)}
     found: Dict[Tuple[str, str], Replicated] = {}
     for name, record in plan.parameters.items():
         if name in split:

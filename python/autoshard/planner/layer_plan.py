@@ -7,7 +7,7 @@ from ..core.spec import ShardSpec
 from ..core.split import split_sizes
 from ..core.styles import Style, TokenRole
 from .sealed import Sealed
-from ..constructs import construct_of
+from ..constructs import adopted_kind, construct_of
 
 
 @dataclass
@@ -52,9 +52,7 @@ class LayerPlan(Sealed):
     def __post_init__(self):
         self.style = Style(self.style)  # from JSON, a plain word
         self.sequence = TokenRole(self.sequence)
-        if self.kind == "linear" and self.weight.endswith("in_proj_weight") and \
-                self.module.rpartition(".")[2] == "in_proj":
-            self.kind = "attention"  # an nn.MultiheadAttention's projection, in a document that named it linear
+        self.kind = adopted_kind(self)
 
     @property
     def construct(self):

@@ -43,7 +43,7 @@ class _LocalModule:
         for construct in record_constructs():
             construct.stand_in(self.module, prefix, plan, rank)
         self.supported = True
-        done = self._local_attentions(plan, prefix, rank)
+        done = self._stand_ins_within(plan, prefix, rank)
         for layer in plan.layers:
             if not layer.module.startswith(prefix) or not layer.style.is_split or layer.module in done:
                 continue
@@ -55,17 +55,14 @@ class _LocalModule:
                 continue
             setattr(self.module.get_submodule(parent) if parent else self.module, child, stand_in)
 
-    def _local_attentions(self, plan, prefix: str, rank: int) -> set:
-        """Makes each split nn.MultiheadAttention inside the module the ParallelMultiheadAttention
-        of `rank`, with no collective; returns the names of the layers it stands for."""
+    def _stand_ins_within(self, plan, prefix: str, rank: int) -> set:
+        """The stand-ins that change the module in place (a split nn.MultiheadAttention becomes
+        the ParallelMultiheadAttention of `rank`), made first; returns the names of the layers
+        they stand for."""
         done = set()
         for layer in plan.layers:
-            if layer.kind != "attention" or not layer.style.is_split or not layer.module.startswith(prefix):
-                continue
-            owner_name = layer.module.rpartition(".")[0]
-            relative = owner_name[len(prefix):] if owner_name != prefix[:-1] else ""
-            layer.construct.stand_in_attention(self.module, relative, plan, layer, rank)
-            done.update((layer.module, owner_name + ".out_proj"))
+            if layer.style.is_split and layer.module.startswith(prefix):
+                done |= layer.construct.stand_in_within(self.module, prefix, plan, layer, rank)
         return done
 
     def trace(self, args, kwargs, attributes: Dict[str, int], layer_inputs: Sequence[int] = (),

@@ -182,7 +182,7 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
         if not hits:
             raise ValueError(f"plan: override pattern {pattern!r} names no layer or parameter of the model")
         for node in hits:
-            if style == Style.COLUMN_GATHER and graph.layers[node].kind != "linear":
+            if style == Style.COLUMN_GATHER and not graph.layers[node].construct.column_gather_override:
                 raise ValueError(f"plan: override {pattern!r}: only Linear layers can be column_gather")
             forced.append({"node": node, "style": style})
     # Layers replicated because their region's module computes other shapes than the plan

@@ -157,7 +157,7 @@ class ShardingPlan(Sealed):
             spec = layer.weight_spec(rank, self.world_size)
             full += count
             local += count if spec is None else count // spec.full_size * spec.local_size()
-            if layer.bias is not None and layer.kind != "einsum":
+            if layer.bias is not None and layer.construct.bias_has_spec:
                 bias = layer.construct.bias_size(layer)
                 bias_spec = layer.bias_spec(rank, self.world_size)
                 full += bias

@@ -116,7 +116,8 @@ def _head(model: nn.Module, plan):
     if not layers:
         return None, f"the plan does not name the output head {name!r}"
     layer = layers[0]
-    if layer.kind != "linear" or layer.style is not Style.COLUMN_GATHER or layer.reason != "model_output":
+    if not layer.construct.splits_logits_for_loss or layer.style is not Style.COLUMN_GATHER or \
+            layer.reason != "model_output":
         return None, (f"the plan makes the output head {name!r} {layer.style!r} (reason {layer.reason!r}), not a "
                       "column layer gathered because its output is a model output")
     if not isinstance(head, ColumnParallelLinear) or not head.gather_output or not head._plain_split:
