@@ -19,7 +19,6 @@ from .folding import BlockFolder
 from .index_lists import ConsecutiveIndexLists
 from ..inputs.hf_inputs import media_beside_text, missing_decoder_inputs
 from .model_grad_mode import ModelGradMode
-from ..constructs.experts_layout import experts_weights
 from ..constructs.layer_info import LayerInfo
 from .layers import describe_layer, in_projection_layer
 from ..inputs.meta_autocast import meta_autocast
@@ -138,24 +137,17 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, media: bool = 
         if id(module) in layer_by_module:  # a module reachable under two names is one layer
             continue
         layer_by_module[id(module)] = info
-        if info.kind == "linear" and not info.transposed:
+        if info.construct.records_weight_products(info):
             recorder.linear_weights[id(module.weight)] = info
 
         def pre(mod, inputs, info=info):
             if recorder.layer_depth == 0:
                 info.input = inputs[0] if inputs else None
                 info.inputs = tuple(inputs)
-                if info.kind == "embedding" and not isinstance(info.input, torch.Tensor):
+                if info.construct.recorded_at_lookup(info):
                     recorder.lookup_weight, recorder.lookup_indices = id(mod.weight), None
-                if info.kind == "experts":
-                    where = experts_weights(mod)
-                    out_weight = getattr(mod, where.second)
-                    biases = {id(getattr(mod, where.in_bias)): "in", id(getattr(mod, where.out_bias)): "out"} \
-                        if where.in_bias else {}
-                    recorder.experts_reads = ExpertReads({id(p): p for p in mod._parameters.values() if p is not None},
-                                                         {id(out_weight): out_weight}, biases=biases)
-                    out_bias = getattr(mod, where.out_bias) if where.out_bias else None
-                    info.summed_bias = out_bias.numel() if out_bias is not None and out_bias.requires_grad else 0
+                if info.construct.records_inner_nodes:
+                    recorder.experts_reads = ExpertReads(**info.construct.weight_reads(mod, info))
             recorder.layer_depth += 1
 
         def post(mod, inputs, output, info=info):
@@ -164,7 +156,7 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, media: bool = 
                 # Its node reads the indices its forward made and looked up (see Recorder).
                 info.input = recorder.lookup_indices
                 recorder.lookup_weight, recorder.lookup_indices = None, None
-            if info.kind == "experts" and recorder.layer_depth == 0:
+            if info.construct.records_inner_nodes and recorder.layer_depth == 0:
                 refusals = recorder.experts_reads.refusals
                 recorder.experts_reads = None
                 if (not refusals and isinstance(info.input, torch.Tensor) and isinstance(output, torch.Tensor)
