@@ -29,7 +29,8 @@ from ..inputs.meta_values import KnownValues
 from ..constructs.split_norm import layer_norm_form
 from ..nn.batch_norm import is_batch_norm
 from .module_calls import attention_calls, norm_calls, record_attention_weights
-from .recorder import ExpertReads, Recorder
+from .expert_calls import ExpertReads
+from .recorder import Recorder
 
 
 aten = torch.ops.aten

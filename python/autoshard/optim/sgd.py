@@ -5,21 +5,18 @@ from typing import Dict, Optional
 import torch
 
 from ..core import ops
-from ._common import (
-    MASTER,
-    FusedOptimizer,
+from .fused_calls import as_real, local_tensors
+from .fused_optimizer import FusedOptimizer
+from .hyperparameters import (
     as_float,
-    as_real,
     check_at_least,
     check_bool,
     check_master_weights,
     check_none_or_bool,
     check_only,
     hyperparameter_name,
-    new_master,
-    uses_master,
-    local_tensors,
 )
+from .optimizer_state import MASTER, new_master, uses_master
 
 _NAME = "SGD"
 

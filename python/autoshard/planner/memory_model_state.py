@@ -5,7 +5,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .memory_plan_reads import held_counts
-from ..optim._common import state_dtype, uses_master
+from ..optim.optimizer_state import state_dtype, uses_master
 
 OPTIMIZERS = ("adamw", "sgd", None)
 # State tensors shaped like the parameter, per optimizer (SGD: its momentum buffer).
