@@ -27,8 +27,8 @@ def _plans(model, world_size, example_inputs=None):
         # folding changes; what it predicts is compared node by node.
         document = json.loads(p.to_json())
         document.pop("prediction")
-        result.append((document, [p._prediction.nodes(r) for r in range(world_size)],
-                       dict(p._prediction.graph.folded)))
+        result.append((document, [p.prediction.nodes(r) for r in range(world_size)],
+                       dict(p.prediction.graph.folded)))
     return result
 
 
@@ -104,7 +104,7 @@ def _parallelize_stack_that_flips():
     # Without a plan, parallelize plans again running every block, and computes the model.
     autoshard.parallelize(model, example_inputs=(x,))
     assert_equals_unsharded(model, reference, (x,), rtol=1e-5, atol=1e-6)
-    return dict(plan._prediction.graph.folded), refusal, model.autoshard_state.plan.layer("blocks.1.up").style
+    return dict(plan.prediction.graph.folded), refusal, model.autoshard_state.plan.layer("blocks.1.up").style
 
 
 def test_a_block_that_only_looks_identical_is_never_planned_as_its_first():

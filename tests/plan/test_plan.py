@@ -2,6 +2,7 @@
 it predicts, on Hugging Face models built on the meta device."""
 
 import copy
+import dataclasses
 import json
 import pickle
 import re
@@ -135,9 +136,9 @@ def test_plan_json_is_versioned_and_keeps_what_the_dry_run_reads():
     assert document["version"] == 1
     again = ShardingPlan.from_json(p.to_json())
     # The predicted local shapes of every op on every rank, and the inputs the dry run replays.
-    assert [again._prediction.nodes(r) for r in range(3)] == [p._prediction.nodes(r) for r in range(3)]
-    assert again._prediction.graph.folded == p._prediction.graph.folded == {"model.layers.1": "model.layers.0"}
-    got, want = again._input_values, p._input_values
+    assert [again.prediction.nodes(r) for r in range(3)] == [p.prediction.nodes(r) for r in range(3)]
+    assert again.prediction.graph.folded == p.prediction.graph.folded == {"model.layers.1": "model.layers.0"}
+    got, want = again.input_values, p.input_values
     assert got[0] == want[0] and got[1].keys() == want[1].keys()
     assert all(torch.equal(got[1][k], want[1][k]) and got[1][k].dtype == want[1][k].dtype for k in want[1])
     # A small model's plan stays small (its prediction is most of it).
@@ -149,7 +150,7 @@ def test_plan_json_is_versioned_and_keeps_what_the_dry_run_reads():
     old = {k: v for k, v in document.items() if k not in ("version", "prediction", "input_values")}
     with pytest.warns(UserWarning, match=r"no \"version\".*not every op"):
         unversioned = ShardingPlan.from_json(json.dumps(old))
-    assert unversioned.layers == p.layers and getattr(unversioned, "_prediction", None) is None
+    assert unversioned.layers == p.layers and unversioned.prediction is None
 
 
 def test_a_built_plan_cannot_be_changed():
@@ -164,9 +165,17 @@ def test_a_built_plan_cannot_be_changed():
             with pytest.raises(AttributeError, match="cannot be changed once it is built"):
                 setattr(part, attr, value)
             assert getattr(part, attr) == before
-        for change in (lambda: built.layers.append(layer), lambda: built.comm.pop(), lambda: built.norms.clear()):
+        region = next(iter(built.regions.values()))
+        for change in (lambda: built.layers.append(layer), lambda: built.comm.pop(), lambda: built.norms.clear(),
+                       lambda: built.regions.pop(next(iter(built.regions))), lambda: built.parameters.clear(),
+                       lambda: built.example.update(x=1), lambda: built.overrides.setdefault("x", "replicate"),
+                       lambda: layer.parts.append(1), lambda: layer.weight_shape.__setitem__(0, 1),
+                       lambda: region.attributes.update(num_heads=1), lambda: region.localize.append(1)):
             with pytest.raises(AttributeError, match="cannot be changed once it is built"):
                 change()
+        # Every attribute of the plan and of each part is a declared field: nothing is attached.
+        for part in (built, *built.layers, *built.regions.values(), *built.parameters.values(), *built.comm):
+            assert set(vars(part)) - {"_sealed"} == {f.name for f in dataclasses.fields(part)}, type(part).__name__
         assert copy.deepcopy(built).to_json() == built.to_json() == pickle.loads(pickle.dumps(built)).to_json()
         assert built.to_json() == p.to_json()
 

@@ -29,7 +29,7 @@ def _example_inputs(model: nn.Module, plan: ShardingPlan, example_inputs, values
     their shapes for a plan read from JSON), else made from the model's config."""
     if example_inputs is not None:
         return inputs_on_meta(model, example_inputs, values)
-    recorded = getattr(plan, "_input_values", None)
+    recorded = plan.input_values
     if recorded is not None:
         return values.to_meta(recorded[0]), values.to_meta(recorded[1])
     spec = plan.example.get("inputs")
@@ -66,7 +66,7 @@ def dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_i
     _state_shapes of that copy."""
     shadow = meta_shadow(model, always_copy=True)
     state_shapes = _state_shapes(shadow)
-    prediction = getattr(plan, "_prediction", None)
+    prediction = plan.prediction
     values = KnownValues()
     try:
         apply(shadow, plan, group)

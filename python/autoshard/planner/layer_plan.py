@@ -6,7 +6,7 @@ from typing import Dict, List, Optional
 from ..core.spec import ShardSpec
 from ..core.split import split_sizes
 from ..core.styles import Style, TokenRole
-from .sealed import Sealed
+from .sealed import NOT_IN_DOCUMENT, Sealed
 from ..constructs import adopted_kind, construct_of
 
 
@@ -48,6 +48,8 @@ class LayerPlan(Sealed):
     sequence_dim: int = -1
     sequence_region: int = -1
     sequence_note: str = ""
+    # How many whole units (heads) the layer has where the planner found too few to split.
+    whole_units: int = field(default=0, compare=False, metadata=NOT_IN_DOCUMENT)
 
     def __post_init__(self):
         self.style = Style(self.style)  # from JSON, a plain word
@@ -95,6 +97,9 @@ class RegionPlan(Sealed):
     # `y.view(B, T, C)`): [ordinal of the view or reshape call in one call of the module,
     # position in its sizes, global size], made local while the module runs (nn/view_sizes.py).
     view_sizes: List[List[int]] = field(default_factory=list)
+    # Global sizes seen on the region's sharded axis that become local (the planner's
+    # RegionSummary.localize): what the attribute choice looks for (local_attributes.py).
+    localize: List[int] = field(default_factory=list, compare=False, metadata=NOT_IN_DOCUMENT)
 
     def local_value(self, value: int, rank: int, world_size: int) -> int:
         local_units = split_sizes(self.units, world_size)[rank]

@@ -200,7 +200,7 @@ def localize_attributes(plan, prediction: Prediction, cache: Optional[dict] = No
         if name not in graph.module_inputs or name not in graph.module_nodes:
             continue
         module = graph.shadow.get_submodule(name)
-        values = set(getattr(region, "_localize", ())) | set(region.coarse_sizes) | ({region.repeat} if region.repeat else set())
+        values = set(region.localize) | set(region.coarse_sizes) | ({region.repeat} if region.repeat else set())
         ranks = _representative_ranks(plan, region)
         key = _cache_key(plan, prediction, name, module, region, ranks[0], values)
         if key in cache:
@@ -235,8 +235,8 @@ def _same_region(members: Dict[str, list], a, b) -> bool:
         return sorted((l.module[len(prefix):], l.style, l.units, tuple(l.parts), l.repeat)
                       for l in members.get(region.module, ()))
 
-    return ((a.units, a.repeat, a.coarse_units, tuple(a.coarse_sizes), tuple(getattr(a, "_localize", ())))
-            == (b.units, b.repeat, b.coarse_units, tuple(b.coarse_sizes), tuple(getattr(b, "_localize", ())))
+    return ((a.units, a.repeat, a.coarse_units, tuple(a.coarse_sizes), tuple(a.localize))
+            == (b.units, b.repeat, b.coarse_units, tuple(b.coarse_sizes), tuple(b.localize))
             and layers(a) == layers(b))
 
 

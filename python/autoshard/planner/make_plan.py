@@ -66,8 +66,8 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
             bias_axes=info.bias_axes,
             sequence=record["sequence"], sequence_dim=record["sequence_dim"],
             sequence_region=record["sequence_region"], sequence_note=named(record["sequence_note"]),
+            whole_units=record["whole_units"],
         ))
-        layers[-1]._whole_units = record["whole_units"]
     comm = [Collective(c["phase"], c["kind"], c["count"], c["elements"] * element_size) for c in data["comm"]]
     partial = [PartialGradientBucket([names[i] for i in bucket["params"]], bucket["elements"] * element_size)
                for bucket in data["partial_gradients"]]
@@ -76,8 +76,7 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
         region = record["id"]
         region_plans[region] = RegionPlan(units=record["units"], module=record["module"],
                                           repeat=record["repeat"], coarse_units=record["coarse_units"],
-                                          coarse_sizes=record["coarse_localize"])
-        region_plans[region]._localize = record["localize"]
+                                          coarse_sizes=record["coarse_localize"], localize=record["localize"])
     _attention_copies(region_plans, data["regions"], graph)
     norms = []
     for record in data.get("norms", []):
@@ -113,11 +112,11 @@ def _parse(document: str, graph: CapturedGraph, world_size: int, element_size: i
                                           for s in data.get("summed_outputs", [])],
                           example={"description": graph.description, "inputs": graph.example_inputs,
                                    "output_shapes": [list(s) for s in graph.output_shapes]})
-    result._prediction = Prediction(graph, data["tensors"], data["sequence_entries"], data["sequence_gathers"],
+    result.prediction = Prediction(graph, data["tensors"], data["sequence_entries"], data["sequence_gathers"],
                                     data.get("head_entries", []),
                                     {w["node"] for w in data.get("attention_weights", []) if not w["used"]},
                                     data["sequence_exits"])
-    result._prediction.plan = result
+    result.prediction.plan = result
     return result
 
 
@@ -145,8 +144,8 @@ def _attention_copies(region_plans: Dict[int, RegionPlan], records, graph: Captu
             if module not in graph.module_nodes:
                 continue
             copy = RegionPlan(units=region.units, module=module, repeat=region.repeat,
-                              coarse_units=region.coarse_units, coarse_sizes=list(region.coarse_sizes))
-            copy._localize = list(region._localize)
+                              coarse_units=region.coarse_units, coarse_sizes=list(region.coarse_sizes),
+                              localize=list(region.localize))
             region_plans[min(min(region_plans), 0) - 1] = copy
 
 
@@ -203,12 +202,12 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
             too_small = [layer for layer in result.layers if layer.reason == "too_few_units"]
             if too_small and not any(layer.style.is_split for layer in result.layers):
                 raise ValueError(f"plan: world_size={world_size} is larger than every dimension autoshard could "
-                                 f"split (e.g. {too_small[0].module}: only {too_small[0]._whole_units} whole unit(s) "
+                                 f"split (e.g. {too_small[0].module}: only {too_small[0].whole_units} whole unit(s) "
                                  f"(heads) to split across {world_size} ranks)")
             if world_size <= 1:
                 break
             failures: Dict[int, ShapeMismatch] = {}
-            localize_attributes(result, result._prediction, failures=failures)
+            localize_attributes(result, result.prediction, failures=failures)
             if not failures:
                 break
             found = {node: str(failures[layer.region]) for node, info in graph.layers.items()
@@ -238,7 +237,7 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     # place. Only the attribute choice above replays them.
     graph.module_inputs.clear()
     graph.values = None
-    result._input_values = graph.input_values  # the dry run in parallelize() replays these
+    result.input_values = graph.input_values  # the dry run in parallelize() replays these
     result.overrides = dict(overrides or {})
     result.sequence_choice = sequence_choice
     result._seal()

@@ -18,13 +18,13 @@ def held_counts(plan, rank: int) -> Dict[str, int]:
 
 def captured_model(plan) -> Optional[nn.Module]:
     """The meta model the plan was captured from, or None (a plan read from JSON)."""
-    graph = getattr(getattr(plan, "_prediction", None), "graph", None)
+    graph = getattr(plan.prediction, "graph", None)
     return getattr(graph, "shadow", None)
 
 
 def recorded_inputs(plan):
     """The example inputs the plan was made with: (args, kwargs) of tensors, or None."""
-    return getattr(plan, "_input_values", None)
+    return plan.input_values
 
 
 def input_spec(plan):

@@ -17,7 +17,8 @@ output shapes but not every op. Any other version is refused, naming it.
 
 import json
 import warnings
-from dataclasses import asdict
+import copy
+from dataclasses import fields, is_dataclass
 from typing import Any, Optional
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from . import records
 from .layer_plan import LayerPlan, RegionPlan
 from .prediction import Prediction
+from .sealed import in_document
 
 VERSION = 1
 # The plan's lists of typed records, by field (see records.py).
@@ -45,10 +47,10 @@ def dumps(plan, input_values: bool = True, prediction: bool = True) -> str:
     traced prediction numbers its tensors in the order the forward made them, which may differ
     between processes where a model iterates over a set of strings, as Gemma 4 computes its
     rotary tables per layer type)."""
-    traced = getattr(plan, "_prediction", None) if prediction else None
-    document = {"version": VERSION, **asdict(plan),
+    traced = plan.prediction if prediction else None
+    document = {"version": VERSION, **_document_of(plan),
                 "prediction": None if traced is None else traced.to_dict(),
-                "input_values": encode_inputs(getattr(plan, "_input_values", None)) if input_values else None}
+                "input_values": encode_inputs(plan.input_values) if input_values else None}
     return _format(document, 0)
 
 
@@ -67,21 +69,34 @@ def loads(cls, text: str):
     elif version != VERSION:
         raise ValueError(f"ShardingPlan.from_json: plan document version {version!r} is not supported; this autoshard "
                          f"reads version {VERSION} (make the plan again with autoshard.plan)")
-    fields = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
-    fields["layers"] = [LayerPlan(**layer) for layer in data["layers"]]
-    fields["regions"] = {int(k): RegionPlan(**v) for k, v in data["regions"].items()}
+    documented = {f.name for f in fields(cls) if in_document(f)}
+    fields_ = {name: data[name] for name in documented if name in data}
+    fields_["layers"] = [LayerPlan(**layer) for layer in data["layers"]]
+    fields_["regions"] = {int(k): RegionPlan(**v) for k, v in data["regions"].items()}
     for name, record in records.PLAN_FIELDS.items():
-        if name in fields:
-            fields[name] = [records.from_dict(record, item) for item in fields[name]]
-    if "parameters" in fields:
-        fields["parameters"] = {k: records.from_dict(records.ParameterRecord, v) for k, v in fields["parameters"].items()}
-    plan = cls(**fields)
+        if name in fields_:
+            fields_[name] = [records.from_dict(record, item) for item in fields_[name]]
+    if "parameters" in fields_:
+        fields_["parameters"] = {k: records.from_dict(records.ParameterRecord, v) for k, v in fields_["parameters"].items()}
+    plan = cls(**fields_)
     if data.get("prediction") is not None:
-        plan._prediction = Prediction.from_dict(data["prediction"], plan)
+        plan.prediction = Prediction.from_dict(data["prediction"], plan)
     if data.get("input_values") is not None:
-        plan._input_values = decode_inputs(data["input_values"])
+        plan.input_values = decode_inputs(data["input_values"])
     plan._seal()
     return plan
+
+
+def _document_of(value):
+    """A plan's part as JSON values, as dataclasses.asdict gives it, without the fields that stay
+    out of the document (sealed.NOT_IN_DOCUMENT)."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _document_of(getattr(value, f.name)) for f in fields(value) if in_document(f)}
+    if isinstance(value, (list, tuple)):
+        return [_document_of(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _document_of(item) for key, item in value.items()}
+    return copy.deepcopy(value)
 
 
 def encode_inputs(values) -> Optional[dict]:

@@ -7,7 +7,8 @@ from ..core.spec import ShardSpec
 from ..core.parallel_state import LOSS_PARALLEL_ALL_REDUCES
 from . import holdings, plan_json, printout
 from .layer_plan import LayerPlan, RegionPlan
-from .sealed import Sealed, SealedList
+from .prediction import Prediction
+from .sealed import NOT_IN_DOCUMENT, Sealed
 from .records import (
     PLAN_FIELDS,
     AdapterFactors,
@@ -73,12 +74,14 @@ class ShardingPlan(Sealed):
     summed_outputs: List[SummedOutput] = field(default_factory=list)
     # Why sequence parallelism is on or off, where sequence_parallel="auto" chose (sequence_choice.py).
     sequence_choice: str = ""
+    # What the plan was made from, for parallelize's dry run and the memory prediction: every
+    # traced tensor's local shape as the plan predicts it (prediction.py; written to the JSON
+    # document under "prediction"), and the example inputs it was traced with (replayed).
+    prediction: Optional[Prediction] = field(default=None, repr=False, compare=False, metadata=NOT_IN_DOCUMENT)
+    input_values: Optional[tuple] = field(default=None, repr=False, compare=False, metadata=NOT_IN_DOCUMENT)
 
     def _seal(self) -> None:
-        """Seals the plan and every part of it (planner/sealed.py), its lists too."""
-        for name, value in vars(self).items():
-            if isinstance(value, list):
-                object.__setattr__(self, name, SealedList(value))
+        """Seals the plan and every part of it (planner/sealed.py), their lists and mappings too."""
         for part in (*self.layers, *self.regions.values(), *self.parameters.values(),
                      *(record for f in PLAN_FIELDS for record in getattr(self, f))):
             part._seal()
