@@ -213,6 +213,17 @@ Graph parse_graph(const std::string& document) {
       graph.forced.emplace_back(static_cast<int>(integer(record, "node", where)), style);
     }
   }
+  if (const JsonValue* observations = root.find("observations")) {
+    TORCH_CHECK_VALUE(observations->type == Type::Array, "[plan.bad_graph] plan: 'observations' must be a list");
+    for (const auto& record : observations->items) {
+      const std::string where = "observation " + std::to_string(graph.observations.size());
+      const std::string& kind = field(record, "kind", Type::String, where).string;
+      TORCH_CHECK_VALUE(kind == "shape_mismatch" || kind == "dry_run_mismatch", "[plan.bad_graph] plan: ", where,
+                        " must be of kind 'shape_mismatch' or 'dry_run_mismatch', got '", kind, "'");
+      graph.observations.push_back({static_cast<int>(integer(record, "node", where)), kind,
+                                    field(record, "detail", Type::String, where).string});
+    }
+  }
   graph.gather_unpaired = integer_or(root, "gather_unpaired", 0, "the graph");
   if (root.find("gatherable_params")) {
     for (int64_t param : integers<int64_t>(root, "gatherable_params", "the graph")) graph.gatherable.insert(param);

@@ -142,6 +142,16 @@ struct Graph {
   std::vector<Node> nodes;
   // User overrides: layer node -> "replicate" or "column_gather".
   std::vector<std::pair<int, std::string>> forced;
+  // What the Python layer saw a layer's module compute once planned: other local shapes than the
+  // plan's ("shape_mismatch"), or, sharded on a meta copy, other shapes or collectives than
+  // predicted ("dry_run_mismatch"), with what differed. The planner holds such a layer whole and
+  // says why; the Python layer reports and never decides.
+  struct Observation {
+    int node;
+    std::string kind;
+    std::string detail;
+  };
+  std::vector<Observation> observations;
   // Whether the planner may split the token axis between row and column layers.
   bool sequence_parallel = true;
   // The weight elements from which a layer that cannot be paired is split and its output
@@ -175,6 +185,8 @@ struct Graph {
 //               "weight_elements": int (optional, 0; layers),
 //               and the fields of its kind named in Kind above}, ...],
 //    "forced": [{"node": index, "style": "replicate" | "column_gather"}, ...] (optional),
+//    "observations": [{"node": index, "kind": "shape_mismatch" | "dry_run_mismatch",
+//                      "detail": "..."}, ...] (optional: Graph::Observation),
 //    "sequence_parallel": bool (optional, true),
 //    "gather_unpaired": int (optional, 0: Graph::gather_unpaired),
 //    "gatherable_params": [parameter indices] (optional: Graph::gatherable),

@@ -14,6 +14,7 @@ class G:
 
     def __init__(self):
         self.tensors, self.nodes, self.forced, self.entries, self.exits = [], [], [], [], []
+        self.observations = []
 
     def tensor(self, *shape, param=None, output=False):
         self.tensors.append({"shape": list(shape)})
@@ -39,7 +40,7 @@ class G:
 
     def document(self, sequence_parallel=True, gather_unpaired=0):
         return json.dumps({"version": 1, "tensors": self.tensors, "nodes": self.nodes, "forced": self.forced,
-                           "entries": self.entries, "exits": self.exits, "sequence_parallel": sequence_parallel,
+                           "observations": self.observations, "entries": self.entries, "exits": self.exits, "sequence_parallel": sequence_parallel,
                            "gather_unpaired": gather_unpaired})
 
     def plan(self, world_size, sequence_parallel=True, gather_unpaired=0):
@@ -194,6 +195,31 @@ def test_overrides_carry_their_code():
     doc = g.plan(2)
     assert styles(doc)[0] == "replicate" and doc["layers"][0]["reason"] == "override_replicate"
     assert styles(doc)[1] != "row"
+
+
+@pytest.mark.parametrize("kind", ["shape_mismatch", "dry_run_mismatch"])
+def test_an_observed_layer_is_held_whole_by_the_planner_saying_why(kind):
+    """The Python layer reports what a module computed; the planner decides the style, the reason
+    code and the note, and the rest of the plan around it (the row layer it fed is no longer paired)."""
+    g = G()
+    mlp(g)
+    assert styles(g.plan(2)) == ["column", "row"]
+    g.observations.append({"node": 0, "kind": kind, "detail": "plan: fc1 computes [2, 4, 8] where [2, 4, 4] is planned"})
+    layer = g.plan(2)["layers"][0]
+    assert (layer["style"], layer["reason"]) == ("replicate", kind)
+    assert layer["note"] == "replicated: fc1 computes [2, 4, 8] where [2, 4, 4] is planned"
+    assert styles(g.plan(2))[1] != "row"
+
+
+def test_an_observation_of_another_kind_is_refused():
+    g = G()
+    mlp(g)
+    g.observations.append({"node": 0, "kind": "slow", "detail": ""})
+    with pytest.raises(ValueError, match="observation 0 must be of kind 'shape_mismatch' or 'dry_run_mismatch'"):
+        g.plan(2)
+    g.observations[0] = {"node": 99, "kind": "shape_mismatch", "detail": ""}
+    with pytest.raises(ValueError, match="an observation names node 99, which is not a layer"):
+        g.plan(2)
 
 
 def test_token_embedding_is_vocab_parallel():

@@ -1,5 +1,6 @@
 // The planning state before the first pass: the embeddings split by their rows, the overrides,
-// and which layers and ops read each parameter.
+// the layers the model was seen to compute otherwise with split, and which layers and ops read
+// each parameter.
 #include "plan/passes/settling.h"
 
 #include <algorithm>
@@ -59,6 +60,15 @@ Settling::Settling(const Graph& graph, int64_t world_size)
     forced[node] = replicate ? Force::Replicate : Force::Gather;
     why[node] = replicate ? Why{"override_replicate", "replicated: by override"}
                           : Why{"override_gather", "gathered: by override"};
+  }
+  // Held whole from the start, whatever else asked: the model computed otherwise with it split.
+  for (const Graph::Observation& seen : graph.observations) {
+    TORCH_CHECK_VALUE(seen.node >= 0 && static_cast<size_t>(seen.node) < count && is_layer(graph.nodes[seen.node]),
+                      "[plan.bad_graph] plan: an observation names node ", seen.node, ", which is not a layer");
+    const std::string prefix = "plan: ";
+    const bool prefixed = seen.detail.compare(0, prefix.size(), prefix) == 0;
+    forced[seen.node] = Force::Replicate;
+    why[seen.node] = {seen.kind, "replicated: " + (prefixed ? seen.detail.substr(prefix.size()) : seen.detail)};
   }
   for (size_t n = 0; n < count; ++n) {
     const Node& node = graph.nodes[n];

@@ -193,10 +193,14 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     def settled(gather_unpaired: int) -> ShardingPlan:
         mismatched = dict(held_whole)
         while True:
-            replicated = [{"node": node, "style": Style.REPLICATE.value} for node in mismatched]
+            # What the model was seen to compute with these layers split: the planner holds them
+            # whole and says why.
+            observations = [{"node": node, "kind": "dry_run_mismatch" if node in held_whole else "shape_mismatch",
+                             "detail": why} for node, why in mismatched.items()]
             document = torch.ops.autoshard.plan_graph(
-                json.dumps({**graph.document, "forced": forced + replicated, "sequence_parallel": sequence_parallel,
-                            "together": together, "gather_unpaired": gather_unpaired}),
+                json.dumps({**graph.document, "forced": forced, "observations": observations,
+                            "sequence_parallel": sequence_parallel, "together": together,
+                            "gather_unpaired": gather_unpaired}),
                 world_size)
             result = _parse(document, graph, world_size, _element_size(model))
             too_small = [layer for layer in result.layers if layer.reason == "too_few_units"]
@@ -216,10 +220,6 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
             if not found:
                 raise next(iter(failures.values()))
             mismatched.update(found)
-        for node, why in mismatched.items():
-            layer = result.layer(graph.layers[node].name)
-            layer.reason = "dry_run_mismatch" if node in held_whole else "shape_mismatch"
-            layer.note = "replicated: " + why.removeprefix("plan: ")
         result.parameters = inventory(graph.shadow)
         whole_reasons(result.parameters, graph)
         return result
