@@ -17,7 +17,7 @@ from torch import nn
 import autoshard
 from autoshard import checkpoint
 from autoshard.nn.multihead_attention import ReturnedWeights, shard_multihead_attention
-from autoshard.planner.records import ReturnedAttentionWeights
+from autoshard.constructs.attention import ReturnedAttentionWeights
 from autoshard.core.spec import ShardSpec
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conformance"))

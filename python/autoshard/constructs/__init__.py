@@ -6,9 +6,10 @@ graph), gives the layout of its weight for a planned style, builds its local sta
 dry run, and shards the module when parallelize applies the plan. Constructs that are no layer
 of their own (split RMS norms, parameters split with their heads, head cuts, sequence
 parallelism's token cuts) are RecordConstructs: the same jobs, for the records the planner
-emits beside the layers. Every module of this package is imported here, and each registers
-its construct: adding a construct is adding one file (plus, where the planner needs a new
-rule, its pass in csrc/plan/).
+emits beside the layers, which each declares (the plan fields they fill), reads from the
+planner's answer and prints (record_io.py). Every module of this package is imported here, and
+each registers its construct: adding a construct is adding one file (plus, where the planner
+needs a new rule, its pass in csrc/plan/, and for new records their ShardingPlan field).
 """
 
 import importlib

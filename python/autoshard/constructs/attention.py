@@ -7,6 +7,7 @@ projection a column layer over whole heads, out_proj the row layer after it, and
 changed in place, becomes a ParallelMultiheadAttention computing this rank's heads.
 """
 
+from dataclasses import dataclass
 from typing import Dict, Optional, Set
 
 from torch import nn
@@ -16,6 +17,16 @@ from .base import LayerConstruct, LayerSurgery, check_same_split, construct_of, 
 from .linear import LinearConstruct
 from ..core.styles import TokenRole
 from .layer_info import LayerInfo
+from .sealed import Sealed
+
+
+@dataclass
+class ReturnedAttentionWeights(Sealed):
+    """The attention weights an nn.MultiheadAttention split by heads returns with need_weights:
+    averaged over every head by one all-reduce where the model reads them (`used`), else None."""
+
+    module: str
+    used: bool
 
 
 def owner_name(layer_name: str) -> Optional[str]:
@@ -28,6 +39,20 @@ def owner_name(layer_name: str) -> Optional[str]:
 class MultiheadAttentionConstruct(LayerConstruct):
     kind = "attention"
     order = 0
+    fields = {"attention_weights": ReturnedAttentionWeights}
+    printout_order = 20
+
+    def read(self, answer, reading):
+        return {"attention_weights": [ReturnedAttentionWeights(reading.graph.nodes[w["node"]][0], w["used"])
+                                      for w in answer.get("attention_weights", [])]}
+
+    def printout(self, plan, printing):
+        lines = []
+        for module, _, used in printing.fold([(returned.module, returned.used) for returned in plan.attention_weights]):
+            lines.append(f"  {module}: attention weights averaged over every head (one all-reduce of each rank's "
+                         "sum in forward)" if used else
+                         f"  {module}: attention weights not returned (None): the model never reads them")
+        return lines
 
     def projection(self, name: str, module: nn.MultiheadAttention, param_index: Dict[int, int]):
         """The LayerInfo of the q/k/v projection of the attention `module` named `name`."""

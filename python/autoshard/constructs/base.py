@@ -17,9 +17,10 @@ from torch import nn
 
 from ..core.spec import ShardSpec
 from ..core.styles import TokenRole
+from .record_io import PlanRecords
 
 
-class LayerConstruct:
+class LayerConstruct(PlanRecords):
     """One kind of layer: recognised in the capture, laid out, stood in for, and sharded."""
 
     kind: str = ""
@@ -267,9 +268,10 @@ class Surgery:
     registrations: Dict[int, List[Tuple[nn.Module, str]]]
 
 
-class RecordConstruct:
+class RecordConstruct(PlanRecords):
     """A construct that is no layer of its own: records the planner emits beside the layers'
-    styles (csrc/plan/emit.cpp), held in the ShardingPlan fields named by `fields`.
+    styles (csrc/plan/emit.cpp), held in the ShardingPlan fields its `fields` declare, which it
+    reads from the planner's answer and prints itself (constructs/record_io.py).
 
     It does the jobs a LayerConstruct does, for its records: it recognises its modules where
     the capture must (a split RMS norm), gives the layout of the parameters it splits, changes
@@ -277,7 +279,6 @@ class RecordConstruct:
     its records to the model, each checked against the model before anything changes."""
 
     kind: str = ""
-    fields: Tuple[str, ...] = ()
     # Application order (lower first), after every layer is sharded.
     order: int = 100
 

@@ -2,20 +2,51 @@
 call of the module holding them (nn/gathered_parameters.py): in a plan asked to gather what
 cannot be paired, where holding them whole would leave a rank far more than its share."""
 
+from dataclasses import dataclass
+
 from torch import nn
 
 from ..nn.gathered_parameters import gather_on_call
 from ..nn.head_parameters import shard_head_parameter
 from ..core.spec import ShardSpec
 from .base import ParameterRecords, named_owner, register_records
+from .sealed import Sealed
+
+
+@dataclass
+class GatheredParameter(Sealed):
+    """A large parameter outside the layers, stored split on dim `dim` (of global length `size`)
+    and all-gathered whole where each call of the module holding it begins
+    (nn/gathered_parameters.py): one all-gather of `elements` elements per call, none in backward.
+    `module`: where the module holding it is never called and its parent's forward reads it
+    itself (a position table interpolated), the module whose call gathers it; "" for its own."""
+
+    name: str
+    dim: int
+    size: int
+    elements: int
+    module: str = ""
 
 
 @register_records
-class GatheredParameter(ParameterRecords):
+class GatheredParameterConstruct(ParameterRecords):
     kind = "gathered_parameter"
-    fields = ("gathered_parameters",)
+    fields = {"gathered_parameters": GatheredParameter}
     order = 25
+    printout_order = 50
     how = "to gather it whole for each call of its module"
+
+    def read(self, answer, reading):
+        return {"gathered_parameters": [
+            GatheredParameter(reading.names[p["param"]], p["axis"], p["size"], p["elements"],
+                              reading.graph.gather_calls.get(p["param"], ""))
+            for p in answer.get("gathered_params", [])]}
+
+    def printout(self, plan, printing):
+        if not plan.gathered_parameters:
+            return []
+        return ["  parameters stored split and gathered whole for each call of their module (one all-gather each "
+                f"in forward): {printing.listed([r.name for r in plan.gathered_parameters])}"]
 
     @staticmethod
     def spec(plan, record, rank: int) -> ShardSpec:

@@ -4,11 +4,28 @@ ALiBi bias passed to each attention) is cut to this rank's heads where the modul
 position bias) has its output cut as it leaves the layer (``head_outputs``). The planner finds
 both from the dataflow (csrc/plan/emit.cpp); the cuts themselves are nn/head_cuts.py."""
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from ..nn import head_cuts
 from .base import RecordConstruct, register_records
+from .sealed import Sealed
+
+
+@dataclass
+class HeadCut(Sealed):
+    """A tensor held whole cut to this rank's heads: where a module receives it (its input at
+    `leaf`: an ALiBi bias passed to each attention) or as an embedding's output leaves it (T5's
+    relative position bias); the heads are the outer factor of axis `axis` ({outer, size})."""
+
+    module: str
+    axis: int
+    outer: int
+    size: int
+    region: int
+    leaf: int = 0
 
 
 def _meta_cut(plan, entry, rank: int):
@@ -19,10 +36,25 @@ def _meta_cut(plan, entry, rank: int):
 
 
 @register_records
-class HeadCut(RecordConstruct):
+class HeadCutConstruct(RecordConstruct):
     kind = "head_cut"
-    fields = ("head_entries", "head_outputs")
+    fields = {"head_entries": HeadCut, "head_outputs": HeadCut}
     order = 40
+    printout_order = 10
+
+    def read(self, answer, reading):
+        cut = lambda e: HeadCut(e["module"], e["axis"], e["outer"], e["size"], e["region"], e.get("leaf", 0))
+        return {field: [cut(e) for e in answer.get(field, [])] for field in self.fields}
+
+    def printout(self, plan, printing):
+        lines = []
+        if plan.head_entries:
+            lines.append(f"  bias over the heads cut to each rank's heads on entering "
+                         f"{printing.listed([e.module for e in plan.head_entries])}")
+        if plan.head_outputs:
+            lines.append(f"  output cut to each rank's heads as it leaves "
+                         f"{printing.listed([e.module for e in plan.head_outputs])} (its gradient gathered back)")
+        return lines
 
     def check(self, model, plan, params) -> None:
         for entry in self.records(plan):

@@ -5,6 +5,8 @@ finds them from the dataflow, meeting the heads-sharded attention only in elemen
 module, under the same name (nn/head_parameters.py), with no collective."""
 
 import dataclasses
+from dataclasses import dataclass, field
+from typing import List
 
 import torch
 from torch import nn
@@ -12,14 +14,43 @@ from torch import nn
 from ..nn.head_parameters import shard_head_parameter
 from ..core.spec import ShardSpec
 from .base import ParameterRecords, named_owner, register_records
+from .sealed import Sealed
+
+
+@dataclass
+class HeadParameter(Sealed):
+    """A parameter over the heads split with them: dim `dim` of global length `size`. With
+    `layer` (a fused layer's module name), split part by part as that layer's output features
+    are: a depthwise convolution's taps over fused q/k/v channels."""
+
+    name: str
+    dim: int
+    size: int
+    region: int
+    layer: str = ""
+    # Or the parts of a concatenation of split layer outputs (q, k and v of separate projections
+    # joined for one convolution), each split like the region.
+    parts: List[int] = field(default_factory=list)
 
 
 @register_records
-class HeadParameter(ParameterRecords):
+class HeadParameterConstruct(ParameterRecords):
     kind = "head_parameter"
-    fields = ("head_parameters",)
+    fields = {"head_parameters": HeadParameter}
     order = 20
+    printout_order = 40
     how = "with its heads"
+
+    def read(self, answer, reading):
+        layer = lambda p: reading.graph.layers[p["layer"]].name if p.get("layer", -1) >= 0 else ""
+        return {"head_parameters": [HeadParameter(reading.names[p["param"]], p["axis"], p["size"], p["region"],
+                                                  layer(p), list(p.get("parts", [])))
+                                    for p in answer.get("head_params", [])]}
+
+    def printout(self, plan, printing):
+        if not plan.head_parameters:
+            return []
+        return [f"  parameters split with their heads: {printing.listed([r.name for r in plan.head_parameters])}"]
 
     @staticmethod
     def spec(plan, record, rank: int) -> ShardSpec:

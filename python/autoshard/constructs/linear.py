@@ -2,7 +2,8 @@
 Linear stored [in, out]) and PEFT's LoRA on a Linear, split as Megatron's column- and
 row-parallel layers (nn/linear.py, nn/lora.py)."""
 
-from typing import Dict, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
@@ -14,6 +15,16 @@ from ..core.styles import Style
 from .base import LayerConstruct, register
 from ..nn.linear_probe import computes_linear
 from .layer_info import LayerInfo
+from .sealed import Sealed
+
+
+@dataclass
+class AdapterFactors(Sealed):
+    """A LoRA layer's factor weights: those split with the base layer, and those held whole."""
+
+    module: str
+    split: List[str] = field(default_factory=list)
+    whole: List[str] = field(default_factory=list)
 
 
 @register
@@ -22,6 +33,12 @@ class LinearConstruct(LayerConstruct):
     order = 10
     column_gather_override = True
     splits_logits_for_loss = True
+    fields = {"adapters": AdapterFactors}
+
+    def read(self, answer, reading):
+        names = reading.names
+        return {"adapters": [AdapterFactors(reading.graph.layers[a["node"]].name, [names[i] for i in a["split"]],
+                                            [names[i] for i in a["whole"]]) for a in answer.get("adapters", [])]}
 
     def records_weight_products(self, info) -> bool:
         return not info.transposed

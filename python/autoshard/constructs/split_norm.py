@@ -10,6 +10,7 @@ A module is such a norm by what it computes, not by its name: norm_form probes i
 
 import copy
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
@@ -20,6 +21,26 @@ from ..nn.layer_norm import ShardedLayerNorm
 from ..nn.rms_norm import ShardedRMSNorm
 from ..core.spec import ShardSpec
 from .base import RecordConstruct, register_records, set_submodule
+from .sealed import Sealed
+
+
+@dataclass
+class SplitNorm(Sealed):
+    """An RMS norm over a layer's output features split by heads (OLMo 2's q_norm), a LayerNorm
+    (`centered`: ESM-C's q_norm), or a BatchNorm over a convolution's output channels
+    (`per_channel`; `running_stats` where it updates them): its weight `weight` (and bias
+    `bias`; either None where it has none) of `features` global elements, split in the region's
+    `units`."""
+
+    module: str
+    weight: Optional[str]
+    features: int
+    units: int
+    region: int
+    bias: Optional[str] = None
+    centered: bool = False
+    per_channel: bool = False
+    running_stats: bool = False
 
 
 # Norm class -> how its RMS norm meets its input's dtype: "input_dtype" (it computes in that
@@ -154,10 +175,35 @@ def norm_form(module: nn.Module) -> Optional[str]:
 
 
 @register_records
-class SplitNorm(RecordConstruct):
+class SplitNormConstruct(RecordConstruct):
     kind = "split_norm"
-    fields = ("norms",)
+    fields = {"norms": SplitNorm}
     order = 10
+    printout_order = 30
+
+    def read(self, answer, reading):
+        norms = []
+        for record in answer.get("norms", []):
+            node = reading.graph.document["nodes"][record["node"]]
+            weight, bias = node.get("weight_param", -1), node.get("bias_param", -1)
+            norms.append(SplitNorm(node["label"], reading.names[weight] if weight >= 0 else None, record["features"],
+                                   reading.regions[record["region"]].units, record["region"],
+                                   bias=reading.names[bias] if bias >= 0 else None,
+                                   centered=bool(node.get("centered")), per_channel=bool(node.get("per_channel")),
+                                   running_stats=bool(node.get("running_stats"))))
+        return {"norms": norms}
+
+    def printout(self, plan, printing):
+        lines = []
+        feature_norms = [n.module for n in plan.norms if not n.per_channel]
+        if feature_norms:
+            lines.append(f"  norms split with their layer's features (one all-reduce in forward and one in "
+                         f"backward each, two for a LayerNorm): {printing.listed(feature_norms)}")
+        channel_norms = [n.module for n in plan.norms if n.per_channel]
+        if channel_norms:
+            lines.append(f"  BatchNorms split with their channels (no collective; a training forward all-gathers "
+                         f"each one's running statistics): {printing.listed(channel_norms)}")
+        return lines
 
     @staticmethod
     def recognise(module: nn.Module) -> Optional[str]:

@@ -6,12 +6,24 @@ once, where the layer returns its output (identity forward, all-reduce in backwa
 column layers reading it (``LayerPlan.deferred_copy``) copy their input without summing."""
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..core import ops
 from .base import RecordConstruct, register_records
+from .sealed import Sealed
+
+
+@dataclass
+class SummedOutput(Sealed):
+    """A replicated layer whose output's gradient is partial on every rank (MLA's compressed kv
+    and k_pe, read by a column layer and by the split heads): all-reduced in backward where the
+    layer returns it, while the column layers reading it (LayerPlan.deferred_copy) sum nothing."""
+
+    module: str
+    elements: int
 
 
 def keep_input(x: torch.Tensor) -> torch.Tensor:
@@ -32,10 +44,24 @@ class _SumGradientOnReturn:
 
 
 @register_records
-class SummedOutput(RecordConstruct):
+class SummedOutputConstruct(RecordConstruct):
     kind = "summed_output"
-    fields = ("summed_outputs",)
+    fields = {"summed_outputs": SummedOutput}
     order = 30
+    # After the partial gradients (planner/printout.py).
+    printout_order = 80
+
+    def read(self, answer, reading):
+        return {"summed_outputs": [SummedOutput(reading.graph.layers[s["node"]].name, s["elements"])
+                                   for s in answer.get("summed_outputs", [])]}
+
+    def printout(self, plan, printing):
+        if not plan.summed_outputs:
+            return []
+        deferred = [layer.module for layer in plan.layers if layer.deferred_copy]
+        return [f"  output gradients summed where their layer returns them (one all-reduce each in backward): "
+                f"{', '.join(printing.fold_names([r.module for r in plan.summed_outputs]))}; the column layers "
+                f"reading them sum nothing themselves: {', '.join(printing.fold_names(deferred))}"]
 
     def check(self, model, plan, params) -> None:
         names = dict(model.named_modules())

@@ -1,9 +1,18 @@
 """print(plan): a ShardingPlan as text, short for any model (identical blocks fold into one line)."""
 
-from typing import Dict, List
+from typing import List
 
+from ..constructs.record_io import Printing
+from ..constructs.sequence import sequence_regions
 from . import holdings
 from .name_ranges import blocks, fold, fold_names
+from .records import record_holders
+
+# sequence_regions is the sequence construct's, named here too for ShardingPlan.sequence_regions.
+__all__ = ["sequence_regions", "text"]
+
+# Where the partial gradients' lines stand among the constructs' (their printout_order).
+_PARTIAL_GRADIENTS_ORDER = 70
 
 
 def _listed(names: List[str], shown: int = 4) -> str:
@@ -51,40 +60,7 @@ def text(plan) -> str:
                               for ordinal, position, size in region.view_sizes)
             attributes.append((region.module, f"view and reshape sizes read from whole tensors, made local ({calls})"))
     lines += [f"  {module}: {text}" for module, _, text in fold(attributes)]
-    if plan.head_entries:
-        lines.append(f"  bias over the heads cut to each rank's heads on entering "
-                     f"{_listed([e.module for e in plan.head_entries])}")
-    if plan.head_outputs:
-        lines.append(f"  output cut to each rank's heads as it leaves "
-                     f"{_listed([e.module for e in plan.head_outputs])} (its gradient gathered back)")
-    for module, _, used in fold([(returned.module, returned.used) for returned in plan.attention_weights]):
-        lines.append(f"  {module}: attention weights averaged over every head (one all-reduce of each "
-                     "rank's sum in forward)" if used else
-                     f"  {module}: attention weights not returned (None): the model never reads them")
-    feature_norms = [n.module for n in plan.norms if not n.per_channel]
-    if feature_norms:
-        lines.append(f"  norms split with their layer's features (one all-reduce in forward and one in backward "
-                     f"each, two for a LayerNorm): {_listed(feature_norms)}")
-    channel_norms = [n.module for n in plan.norms if n.per_channel]
-    if channel_norms:
-        lines.append(f"  BatchNorms split with their channels (no collective; a training forward all-gathers "
-                     f"each one's running statistics): {_listed(channel_norms)}")
-    if plan.head_parameters:
-        lines.append(f"  parameters split with their heads: {_listed([r.name for r in plan.head_parameters])}")
-    if plan.gathered_parameters:
-        lines.append("  parameters stored split and gathered whole for each call of their module (one all-gather "
-                     f"each in forward): {_listed([r.name for r in plan.gathered_parameters])}")
-    if plan.sequence_choice:
-        lines.append(f"  {plan.sequence_choice}")
-    lines += _sequence_lines(plan)
-    for bucket in plan.partial_gradients:
-        lines.append(f"  partial gradients summed over the ranks in backward (one all-reduce, "
-                     f"{bucket.bytes / 2**20:.3f} MiB): {', '.join(fold_names(bucket.params))}")
-    if plan.summed_outputs:
-        deferred = [layer.module for layer in plan.layers if layer.deferred_copy]
-        lines.append(f"  output gradients summed where their layer returns them (one all-reduce each in "
-                     f"backward): {', '.join(fold_names([r.module for r in plan.summed_outputs]))}; the column layers "
-                     f"reading them sum nothing themselves: {', '.join(fold_names(deferred))}")
+    lines += _record_lines(plan)
     shape = plan.example.get("description", "the example inputs")
     lines.append(f"collectives per step on {shape}:")
     for c in sorted(plan.comm, key=lambda c: c.phase != "forward"):
@@ -115,39 +91,17 @@ def _summary_lines(plan, folded_layers: List[str]) -> List[str]:
         lines.append(f"  identical blocks shown once: {_listed(shown_once, shown=6)}")
     return lines
 
-def sequence_regions(plan) -> Dict[int, Dict[str, List[str]]]:
-    """Each sequence region's modules by role: {"reduce_scatter": [...], "gather": [...], "entry": [...]}."""
-    regions: Dict[int, Dict[str, List[str]]] = {}
-    empty = lambda: {"reduce_scatter": [], "gather": [], "gathered": [], "entry": []}
-    for layer in plan.layers:
-        if layer.sequence:
-            regions.setdefault(layer.sequence_region, empty())[layer.sequence].append(layer.module)
-    for entry in plan.sequence_entries:
-        regions.setdefault(entry.region, empty())["entry"].append(entry.module)
-    for entry in plan.sequence_gathers:
-        regions.setdefault(entry.region, empty())["gather"].append(entry.module)
-    for entry in plan.sequence_exits:
-        regions.setdefault(entry.region, empty())["gather"].append(f"the output of {entry.module}")
-    for roles in regions.values():
-        roles.pop("gathered", None)
-    return regions
+def _record_lines(plan) -> List[str]:
+    """The lines of each construct's records (its printout), in their printout_order, with the
+    plan's partial gradients among them."""
+    sections = [(construct.printout_order, construct.printout(plan, _PRINTING)) for construct in record_holders()]
+    sections.append((_PARTIAL_GRADIENTS_ORDER, _partial_gradient_lines(plan)))
+    return [line for _, section in sorted(sections, key=lambda s: s[0]) for line in section]
 
-def _sequence_lines(plan) -> List[str]:
-    lines = []
-    for region, roles in sorted(sequence_regions(plan).items()):
-        cut = f"; cut on entering {_listed(roles['entry'])}" if roles["entry"] else ""
-        lines.append(f"  sequence parallel (tokens split over the ranks): after {_listed(roles['reduce_scatter'])}"
-                     f"{cut}; gathered before {_listed(roles['gather'])}")
-    # A note that names its own layer's modules folds with the layer: the name becomes a mark.
-    mark = "\0"
-    folded = fold([(layer.module, layer.sequence_note.replace(layer.module, mark))
-                   for layer in plan.layers if layer.sequence_note])
-    refused: Dict[str, List[str]] = {}
-    for module, _, note in folded:
-        if mark in note:
-            lines.append(f"  tokens held whole after {module}: {note.replace(mark, module)}")
-        else:
-            refused.setdefault(note, []).append(module)
-    for note, modules in refused.items():
-        lines.append(f"  tokens held whole after {_listed(modules)}: {note}")
-    return lines
+
+def _partial_gradient_lines(plan) -> List[str]:
+    return [f"  partial gradients summed over the ranks in backward (one all-reduce, {bucket.bytes / 2**20:.3f} MiB): "
+            f"{', '.join(fold_names(bucket.params))}" for bucket in plan.partial_gradients]
+
+
+_PRINTING = Printing(listed=_listed, fold=fold, fold_names=fold_names)

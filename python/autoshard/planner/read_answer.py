@@ -1,6 +1,7 @@
 """The planner's answer (csrc/plan/emit_json.cpp) read into a ShardingPlan: its layers, regions,
 collectives and records, named by module and parameter, with the shape prediction beside them.
-Nothing here decides: every style, reason and note is the planner's."""
+Nothing here decides: every style, reason and note is the planner's. The records beside the
+layers are read by the constructs that hold them (each construct's `read`)."""
 
 import json
 import re
@@ -9,21 +10,11 @@ from typing import Dict
 from torch import nn
 
 from ..capture.capture import CapturedGraph
+from ..constructs.record_io import Reading
 from ..core.styles import Style
 from .layer_plan import LayerPlan, RegionPlan
 from .prediction import Prediction
-from .records import (
-    AdapterFactors,
-    Collective,
-    GatheredParameter,
-    HeadCut,
-    HeadParameter,
-    PartialGradientBucket,
-    ReturnedAttentionWeights,
-    SplitNorm,
-    SummedOutput,
-    TokenCut,
-)
+from .records import Collective, PartialGradientBucket, record_holders
 from .sharding_plan import ShardingPlan
 
 
@@ -72,38 +63,13 @@ def read_answer(document: str, graph: CapturedGraph, world_size: int, element_si
                                           repeat=record["repeat"], coarse_units=record["coarse_units"],
                                           coarse_sizes=record["coarse_localize"], localize=record["localize"])
     _attention_copies(region_plans, data["regions"], graph)
-    norms = []
-    for record in data.get("norms", []):
-        node = graph.document["nodes"][record["node"]]
-        weight, bias = node.get("weight_param", -1), node.get("bias_param", -1)
-        norms.append(SplitNorm(node["label"], names[weight] if weight >= 0 else None, record["features"],
-                               region_plans[record["region"]].units, record["region"],
-                               bias=names[bias] if bias >= 0 else None, centered=bool(node.get("centered")),
-                               per_channel=bool(node.get("per_channel")),
-                               running_stats=bool(node.get("running_stats"))))
-    token_cut = lambda e: TokenCut(e["module"], e["leaf"], e["dim"], e["region"])
-    head_cut = lambda e: HeadCut(e["module"], e["axis"], e["outer"], e["size"], e["region"], e.get("leaf", 0))
+    # Every other record is its construct's to read (constructs/record_io.py).
+    reading = Reading(graph=graph, names=names, element_size=element_size, regions=region_plans, named=named)
+    records = {}
+    for construct in record_holders():
+        records.update(construct.read(data, reading))
     result = ShardingPlan(world_size=world_size, layers=layers, regions=region_plans, comm=comm,
-                          partial_gradients=partial,
-                          sequence_entries=[token_cut(e) for e in data["sequence_entries"]],
-                          sequence_gathers=[token_cut(e) for e in data["sequence_gathers"]],
-                          sequence_exits=[token_cut(e) for e in data["sequence_exits"]],
-                          head_entries=[head_cut(e) for e in data.get("head_entries", [])],
-                          head_outputs=[head_cut(e) for e in data.get("head_outputs", [])],
-                          attention_weights=[ReturnedAttentionWeights(graph.nodes[w["node"]][0], w["used"])
-                                             for w in data.get("attention_weights", [])],
-                          norms=norms,
-                          head_parameters=[HeadParameter(names[p["param"]], p["axis"], p["size"], p["region"],
-                                                         graph.layers[p["layer"]].name if p.get("layer", -1) >= 0 else "",
-                                                         list(p.get("parts", [])))
-                                           for p in data.get("head_params", [])],
-                          gathered_parameters=[GatheredParameter(names[p["param"]], p["axis"], p["size"],
-                                                                 p["elements"], graph.gather_calls.get(p["param"], ""))
-                                               for p in data.get("gathered_params", [])],
-                          adapters=[AdapterFactors(graph.layers[a["node"]].name, [names[i] for i in a["split"]],
-                                                   [names[i] for i in a["whole"]]) for a in data.get("adapters", [])],
-                          summed_outputs=[SummedOutput(graph.layers[s["node"]].name, s["elements"])
-                                          for s in data.get("summed_outputs", [])],
+                          partial_gradients=partial, **records,
                           example={"description": graph.description, "inputs": graph.example_inputs,
                                    "output_shapes": [list(s) for s in graph.output_shapes]})
     result.prediction = Prediction(graph, data["tensors"], data["sequence_entries"], data["sequence_gathers"],

@@ -9,21 +9,16 @@ from . import holdings, plan_json, printout
 from .layer_plan import LayerPlan, RegionPlan
 from .prediction import Prediction
 from .sealed import NOT_IN_DOCUMENT, Sealed
-from .records import (
-    PLAN_FIELDS,
-    AdapterFactors,
-    Collective,
-    GatheredParameter,
-    HeadCut,
-    HeadParameter,
-    ParameterRecord,
-    PartialGradientBucket,
-    ReturnedAttentionWeights,
-    SplitNorm,
-    SummedOutput,
-    TokenCut,
-)
+from .records import PLAN_FIELDS, Collective, ParameterRecord, PartialGradientBucket
 from ..constructs import record_constructs
+from ..constructs.attention import ReturnedAttentionWeights
+from ..constructs.gathered_parameter import GatheredParameter
+from ..constructs.head_cut import HeadCut
+from ..constructs.head_parameter import HeadParameter
+from ..constructs.linear import AdapterFactors
+from ..constructs.sequence import TokenCut
+from ..constructs.split_norm import SplitNorm
+from ..constructs.summed_output import SummedOutput
 from .memory_prediction import predict
 
 
