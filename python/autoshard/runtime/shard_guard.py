@@ -189,6 +189,12 @@ def _flat(args, kwargs):
             yield value
 
 
+def _shard_among(args, kwargs):
+    """The first sharded parameter among an op's arguments, its name and its split; or None."""
+    tensor = next((a for a in _flat(args, kwargs) if type(a) is ShardParameter), None)
+    return None if tensor is None else (tensor, *_info((tensor,), None)[:2])
+
+
 def _guard(result, info):
     """`result` with every tensor in it a ShardValue carrying `info`."""
     if isinstance(result, torch.Tensor) and not isinstance(result, (ShardParameter, ShardValue)):
@@ -212,7 +218,8 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
     frame, module_name = _caller(frame)
     if _trusted(module_name) or _below_a_checked_call(frame):
         if module_name.startswith("torch.distributed"):
-            shard_distribution.check(frame, args, kwargs)  # a DTensor or FSDP over the shard's own ranks
+            # A DTensor or FSDP over the shard's own ranks.
+            shard_distribution.check(frame, lambda: _shard_among(args, kwargs), ShardReadError)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     info = _info(args, kwargs)
