@@ -19,7 +19,7 @@ from .optim import torch_optim_check
 from .runtime import loss_parallel as loss_parallelism
 from .runtime.rank_agreement import check_ranks_agree, on_every_rank
 from .runtime.data_parallel import GradientAverager
-from .core.distributed import ProcessGroup, default_group, prepare_rings, resolve, set_default_group
+from .core.distributed import ProcessGroup, prepare_rings, resolve
 from .planner.dry_run import dry_run
 from .core.parallel_state import ParallelState, state_of
 from .state.optimizer_views import install_global_optimizer_hook
@@ -209,9 +209,4 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     if fully_shard_over is not None:
         mesh_fully_shard.apply(model, fully_shard_over, reduce_dtype)
     _keep_training_flags(model, flags)
-    if mesh is not None and group is not default_group():
-        # What is given this model uses its state's group; a call with no model at hand (a
-        # loss over vocabulary shards, a collective) and group=None must not span the
-        # data-parallel replicas, where it would compute silently wrong values.
-        set_default_group(group)
     return model

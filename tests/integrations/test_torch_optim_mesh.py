@@ -31,11 +31,9 @@ def _mesh_model(partition: bool):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = build("llama", seed=0, **EVEN)
     autoshard.parallelize(model, mesh=mesh, sequence_parallel=False, partition_optimizer_state=partition)
-    # The mesh's "tp" group is the model's own, and what group=None means where no model is at
-    # hand (a call spanning the data-parallel replicas would compute wrong values).
+    # The mesh's "tp" group is the model's own; parallelize sets no process-wide group.
     assert model.autoshard_state.group is mesh.get_group("tp")
-    assert autoshard.core.distributed.default_group() is mesh.get_group("tp")
-    autoshard.core.distributed.set_default_group(None)  # the pool's next job expects the world
+    assert autoshard.core.distributed._default_group is None
     return model, mesh.get_local_rank("dp")
 
 

@@ -81,6 +81,7 @@ def _while_a_model_lives():
     import autoshard
     from autoshard.runtime import torch_patches
 
+    gc.collect()  # this worker's earlier jobs' models, freed but in reference cycles
     originals = (clip_grad._get_total_norm, clip_grad._clip_grads_with_norm_, torch.amp.GradScaler._unscale_grads_)
     before = torch_patches.installed()
     models = [torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 8)) for _ in range(2)]

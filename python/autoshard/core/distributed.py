@@ -5,30 +5,32 @@ A parallelized model keeps its tensor-parallel group (the world, the group given
 ``parallelize``, or its mesh's "tp" dimension) on its ``ParallelState``
 (``model.autoshard_state.group``), and what is given the model or its parameters uses that
 group. ``group=None`` where no model is at hand (a sharded layer built by hand, the
-collectives of ``autoshard.comm``, ``vocab_parallel_cross_entropy``) means the process-wide
-default of this module: the world, or the "tp" group of the DeviceMesh last given to
-``parallelize`` (so that such a call in a data x tensor parallel job never spans the
-data-parallel replicas), or a group ``set_default_group`` installed. Passing
-``group=model.autoshard_state.group`` says the same explicitly.
+collectives of ``autoshard.comm``, ``vocab_parallel_cross_entropy``) means the group
+``set_default_group`` installed, else the world. ``parallelize`` sets nothing process-wide: where
+a live parallelized model is tensor-parallel over fewer ranks than the world (a DeviceMesh's
+"tp"), ``group=None`` is refused, since the world would span its data-parallel replicas; pass
+``group=model.autoshard_state.group``.
 
 Ops receive groups by name (``group.group_name``), which C++ resolves through torch's
 process-group registry, the way torch's functional collectives do.
 """
 
 import atexit
+import gc
 import os
 from datetime import timedelta
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from .parallel_state import live_states
 from .stalls import DEFAULT_TIMEOUT, check_timeout
 
 ProcessGroup = dist.ProcessGroup
 
 # The tensor-parallel group used when a layer or collective is given `group=None` and no model
-# is at hand; None here means the world. parallelize(mesh=) and set_default_group change it.
+# is at hand; None here means the world. Only set_default_group changes it.
 _default_group: Optional[ProcessGroup] = None
 
 
@@ -130,12 +132,33 @@ def _require_initialized(function: str) -> None:
         )
 
 
+def _narrower_model_groups() -> List[int]:
+    """The sizes of the tensor-parallel groups of live parallelized models narrower than the world
+    (a ("dp", "tp") mesh's "tp"); models no longer referenced are collected first."""
+    world = dist.get_world_size()
+    sizes = lambda: sorted({state.group.size() for state in live_states()
+                            if state.plan is not None and state.group is not None and state.group.size() != world})
+    if sizes():
+        gc.collect()  # a model freed but still in a reference cycle is not alive
+    return sizes()
+
+
 def default_group() -> ProcessGroup:
-    """The process-wide tensor-parallel group used for ``group=None`` where no model is at hand:
-    the world unless set_default_group installed another."""
+    """The group used for ``group=None`` where no model is at hand: the one set_default_group
+    installed, else the world. parallelize sets nothing process-wide; where a live parallelized
+    model's tensor-parallel group is narrower than the world (a mesh's "tp"), the world would
+    span its data-parallel replicas and compute silently wrong values, so ``group=None`` is
+    refused there and the group must be named."""
     _require_initialized("default_group")
     if _default_group is not None:
         return _default_group
+    narrower = _narrower_model_groups()
+    if narrower:
+        raise ValueError(
+            f"autoshard: group=None means the world ({dist.get_world_size()} ranks), but a parallelized model here "
+            f"is tensor-parallel over {narrower[0]} ranks (a ('dp', 'tp') mesh): over the world the call would mix "
+            "its data-parallel replicas. Pass group=model.autoshard_state.group (or the world's group, "
+            "torch.distributed.group.WORLD, if that is meant)")
     return dist.distributed_c10d._get_default_group()
 
 
