@@ -8,6 +8,7 @@
 #include "comm/ring.h"
 #include "nn/einsum_equation.h"
 #include "plan/plan_op.h"
+#include "plan/policy.h"
 #include "plan/reasons.h"
 #include "split/split_rule.h"
 
@@ -132,6 +133,10 @@ TORCH_LIBRARY(autoshard, m) {
   m.def("plan_graph(str graph, int world_size) -> str", &autoshard::plan::plan_graph);
   // Every reason code a plan may give, with its words, as a JSON object (see plan/reasons.cpp).
   m.def("plan_reasons() -> str", &autoshard::plan::plan_reasons);
+  // The decisions taken around a plan from its thresholds and costs (the imbalance allowed, when
+  // to gather what cannot be paired, sequence_parallel="auto"): a JSON question of measured facts
+  // in, a JSON answer of what to do and why out (see plan/policy.cpp).
+  m.def("plan_policy(str question) -> str", &autoshard::plan::plan_policy);
 }
 
 // `import autoshard._C` loads this library, which runs the registrations above.

@@ -10,7 +10,7 @@ namespace {
 
 class Reader {
  public:
-  explicit Reader(const std::string& text) : text_(text) {}
+  Reader(const std::string& text, const std::string& document) : text_(text), document_(document) {}
 
   JsonValue document() {
     JsonValue value = read();
@@ -21,10 +21,11 @@ class Reader {
 
  private:
   const std::string& text_;
+  const std::string& document_;
   size_t pos_ = 0;
 
   void check(bool ok, const char* what) const {
-    TORCH_CHECK_VALUE(ok, "[plan.bad_graph] plan: the graph document is not valid JSON (", what, " at character ", pos_, ")");
+    TORCH_CHECK_VALUE(ok, document_, " is not valid JSON (", what, " at character ", pos_, ")");
   }
 
   void skip_space() {
@@ -157,6 +158,8 @@ const JsonValue* JsonValue::find(const std::string& name) const {
   return nullptr;
 }
 
-JsonValue parse_json(const std::string& text) { return Reader(text).document(); }
+JsonValue parse_json(const std::string& text, const std::string& document) {
+  return Reader(text, document).document();
+}
 
 }  // namespace autoshard::plan

@@ -1,6 +1,7 @@
 #pragma once
 // The small part of JSON the planner reads (its graph document): objects, arrays, integers,
-// strings, true, false and null. Errors carry the planner's bad-graph code.
+// strings, true, false and null. Errors name the document as `document` says (by default the
+// graph document, with the planner's bad-graph code).
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -21,6 +22,7 @@ struct JsonValue {
   const JsonValue* find(const std::string& name) const;
 };
 
-JsonValue parse_json(const std::string& text);
+JsonValue parse_json(const std::string& text,
+                     const std::string& document = "[plan.bad_graph] plan: the graph document");
 
 }  // namespace autoshard::plan

@@ -2,12 +2,17 @@
 // the words are what print(plan) and warnings say.
 #include "plan/reasons.h"
 #include "plan/idioms.h"
+#include "plan/policy.h"
 
 #include <sstream>
 
 #include <c10/util/Exception.h>
 
 namespace autoshard::plan {
+
+// The words of split_table and gathered_unpaired state the policy's numbers.
+static_assert(kImbalance == 0.10, "the reasons below say 1/N + 10%");
+static_assert(kGatheredLayerDivisor == 8, "split_table below says an eighth of the largest layer");
 
 const std::vector<std::pair<std::string, std::string>>& reason_table() {
   static const std::vector<std::pair<std::string, std::string>> table = {

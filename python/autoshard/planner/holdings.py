@@ -22,6 +22,7 @@ from ..nn.lora import is_lora_linear
 from ..core.split import split_sizes
 from .name_ranges import fold
 from .records import ParameterRecord
+from . import policy
 
 # Why a parameter stays whole, in words, by reason code: the planner's table (csrc/plan/reasons.cpp),
 # which also words the codes given outside the planner (parameters of no layer, layers held whole
@@ -184,34 +185,32 @@ def held_fraction(plan) -> float:
     return max(sum(local_counts(plan, r).values()) / total for r in range(plan.world_size))
 
 
-# How much more than 1/N of the parameters a rank may hold before the plan is said to be
-# imbalanced: warned of, and planned again with the layers that cannot be paired gathered.
-IMBALANCE = 0.10
-
-
-def _fractions(plan) -> List[float]:
-    """Each rank's fraction of the model's parameters ([] without an inventory)."""
+def _held(plan) -> Tuple[List[int], int]:
+    """(the elements of the model's parameters each rank holds, their total), ([], 0) without an
+    inventory."""
     total = sum(_numel(r.shape) for r in (plan.parameters or {}).values())
-    return [sum(local_counts(plan, r).values()) / total for r in range(plan.world_size)] if total else []
+    return ([sum(local_counts(plan, r).values()) for r in range(plan.world_size)], total) if total else ([], 0)
 
 
-def fullest_fraction(plan) -> float:
-    """The largest fraction of the model's parameters one rank holds (0 without an inventory)."""
-    return max(_fractions(plan), default=0.0)
+def fullest_holding(plan) -> Tuple[int, int]:
+    """(the elements of the model's parameters the fullest rank holds, their total); (0, 0)
+    without an inventory."""
+    held, total = _held(plan)
+    return max(held, default=0), total
 
 
 def imbalance_warning(plan) -> str:
-    """A warning's text when some rank holds more than 1/N + 10% of the parameters, else ""."""
-    if plan.world_size <= 1:
+    """A warning's text when some rank holds more of the parameters than the policy allows over
+    its share (csrc/plan/policy.h), else ""."""
+    held, total = _held(plan)
+    if not held:
         return ""
-    fractions = _fractions(plan)
-    if not fractions:
-        return ""
-    worst = max(range(plan.world_size), key=lambda r: fractions[r])
-    if fractions[worst] <= 1 / plan.world_size + IMBALANCE:
+    worst = max(range(plan.world_size), key=lambda r: held[r])
+    if not policy.ask({"ask": "imbalance", "world_size": plan.world_size, "parameters": total,
+                       "fullest": held[worst]})["imbalanced"]:
         return ""
     largest = "; ".join(f"{i.module or '<model>'} ({i.module_class}, {i.params:,} params): {REASONS.get(i.reason, i.reason)}"
                         + (f" ({i.note})" if i.note else "") for i in replicated(plan)[:3])
-    return (f"plan: rank {worst} of {plan.world_size} would hold {fractions[worst]:.0%} of the model's parameters "
+    return (f"plan: rank {worst} of {plan.world_size} would hold {held[worst] / total:.0%} of the model's parameters "
             f"(an even split is {1 / plan.world_size:.0%}); the largest parts held whole on every rank: {largest}. "
             "print(plan) lists them all by reason")

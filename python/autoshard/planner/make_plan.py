@@ -11,8 +11,9 @@ from torch import nn
 from ..nn.multihead_attention import IN_PROJECTION
 from ..core.styles import OVERRIDE_STYLES, Style
 from ..capture.capture import CapturedGraph, capture
-from .holdings import IMBALANCE, fullest_fraction, imbalance_warning, inventory
+from .holdings import fullest_holding, imbalance_warning, inventory
 from .parameter_reasons import whole_reasons
+from . import policy
 from .local_attributes import localize_attributes
 from .prediction import ShapeMismatch
 from .read_answer import element_size, read_answer
@@ -106,14 +107,22 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
         whole_reasons(result.parameters, graph)
         return result
 
-    # The fewest collectives first (Megatron's pairs, what cannot be paired held whole). Where
-    # that leaves a rank more than its share plus 10% of the parameters, the large layers that
-    # cannot be paired are split and their outputs gathered instead (reason gathered_unpaired).
-    result = settled(gather_unpaired=0)
-    if gather_unpaired and fullest_fraction(result) > 1 / world_size + IMBALANCE:
-        gathered = settled(gather_unpaired=_gathered_layer_elements(model))
-        if fullest_fraction(gathered) < fullest_fraction(result):
-            result = gathered
+    # The fewest collectives first; where that leaves a rank too much of the parameters, the policy
+    # asks for a plan with the large layers that cannot be paired split and gathered instead
+    # (reason gathered_unpaired), and says which to keep.
+    plans = {"fewest_collectives": settled(gather_unpaired=0)}
+
+    def gathered_fullest(answer: dict) -> int:
+        plans["gathered"] = settled(gather_unpaired=answer["gather_unpaired"])
+        return fullest_holding(plans["gathered"])[0]
+
+    keep = "fewest_collectives"
+    if gather_unpaired:
+        fullest, total = fullest_holding(plans["fewest_collectives"])
+        keep = policy.decide({"ask": "gather_unpaired", "world_size": world_size, "parameters": total,
+                              "fullest": fullest, "largest_weight": _largest_weight_outside_vocabulary(model)},
+                             {"gathered_fullest": gathered_fullest})["keep"]
+    result = plans[keep]
     # The modules' recorded inputs are views of the model's own tensors (its buffers): kept, they
     # would hold those tensors' use counts up, and load_pretrained could not give them storage in
     # place. Only the attribute choice above replays them.
@@ -127,13 +136,12 @@ def plan_keeping_whole(model: nn.Module, world_size: int, example_inputs, overri
     return result
 
 
-def _gathered_layer_elements(model: nn.Module) -> int:
-    """The weight elements from which a layer that cannot be paired is gathered rather than held
-    whole: an eighth of the model's largest parameter outside its vocabulary (its token tables,
-    and a head over them, which the plan splits anyway). A router or a small gate stays whole."""
+def _largest_weight_outside_vocabulary(model: nn.Module) -> int:
+    """The elements of the model's largest weight outside its vocabulary (its token tables, and a
+    head over them, which the plan splits anyway): what the policy sizes the layers that cannot
+    be paired and are still gathered by."""
     vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=0)
-    largest = max((p.numel() for p in model.parameters() if p.dim() >= 2 and p.shape[0] != vocab), default=0)
-    return max(1, largest // 8)
+    return max((p.numel() for p in model.parameters() if p.dim() >= 2 and p.shape[0] != vocab), default=0)
 
 
 def within(name: str, pattern: str) -> bool:
@@ -142,8 +150,8 @@ def within(name: str, pattern: str) -> bool:
 
 
 def _warn_if_mostly_whole(result: ShardingPlan) -> None:
-    """One warning per plan when a rank would hold more than 1/N + 10% of the parameters (on
-    the first rank only, when the ranks plan together)."""
+    """One warning per plan when a rank would hold more of the parameters than the policy allows
+    (on the first rank only, when the ranks plan together)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
     message = imbalance_warning(result)
