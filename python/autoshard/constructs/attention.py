@@ -17,7 +17,7 @@ from .base import LayerConstruct, LayerSurgery, check_same_split, construct_of, 
 from .linear import LinearConstruct
 from ..core.styles import TokenRole
 from .layer_info import LayerInfo
-from .sealed import Sealed
+from ..core.sealed import Sealed
 
 
 @dataclass

@@ -10,7 +10,7 @@ from ..nn.gathered_parameters import gather_on_call
 from ..nn.head_parameters import shard_head_parameter
 from ..core.spec import ShardSpec
 from .base import ParameterRecords, named_owner, register_records
-from .sealed import Sealed
+from ..core.sealed import Sealed
 
 
 @dataclass

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..nn import head_cuts
 from .base import RecordConstruct, register_records
-from .sealed import Sealed
+from ..core.sealed import Sealed
 
 
 @dataclass

@@ -14,7 +14,7 @@ from torch import nn
 from ..nn.head_parameters import shard_head_parameter
 from ..core.spec import ShardSpec
 from .base import ParameterRecords, named_owner, register_records
-from .sealed import Sealed
+from ..core.sealed import Sealed
 
 
 @dataclass

@@ -15,7 +15,7 @@ from ..core.styles import Style
 from .base import LayerConstruct, register
 from ..nn.linear_probe import computes_linear
 from .layer_info import LayerInfo
-from .sealed import Sealed
+from ..core.sealed import Sealed
 
 
 @dataclass

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Dict, List
 
 from .base import RecordConstruct, register_records
-from .sealed import Sealed
+from ..core.sealed import Sealed
 
 
 @dataclass

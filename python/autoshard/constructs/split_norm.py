@@ -21,7 +21,7 @@ from ..nn.layer_norm import ShardedLayerNorm
 from ..nn.rms_norm import ShardedRMSNorm
 from ..core.spec import ShardSpec
 from .base import RecordConstruct, register_records, set_submodule
-from .sealed import Sealed
+from ..core.sealed import Sealed
 
 
 @dataclass

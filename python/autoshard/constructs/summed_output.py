@@ -13,7 +13,7 @@ from torch import nn
 
 from ..core import ops
 from .base import RecordConstruct, register_records
-from .sealed import Sealed
+from ..core.sealed import Sealed
 
 
 @dataclass

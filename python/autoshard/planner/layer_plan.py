@@ -6,7 +6,7 @@ from typing import Dict, List, Optional
 from ..core.spec import ShardSpec
 from ..core.split import split_sizes
 from ..core.styles import Style, TokenRole
-from .sealed import NOT_IN_DOCUMENT, Sealed
+from ..core.sealed import NOT_IN_DOCUMENT, Sealed
 from ..constructs import adopted_kind, construct_of
 
 

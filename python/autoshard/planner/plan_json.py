@@ -26,7 +26,7 @@ import torch
 from . import records
 from .layer_plan import LayerPlan, RegionPlan
 from .prediction import Prediction
-from .sealed import in_document
+from ..core.sealed import in_document
 
 VERSION = 1
 # The plan's lists of typed records, by field (see records.py).

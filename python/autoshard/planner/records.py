@@ -16,7 +16,7 @@ from ..constructs.linear import AdapterFactors
 from ..constructs.sequence import TokenCut
 from ..constructs.split_norm import SplitNorm
 from ..constructs.summed_output import SummedOutput
-from .sealed import Sealed
+from ..core.sealed import Sealed
 
 __all__ = ["PLAN_FIELDS", "AdapterFactors", "Collective", "GatheredParameter", "HeadCut", "HeadParameter",
            "ParameterRecord", "PartialGradientBucket", "ReturnedAttentionWeights", "SplitNorm", "SummedOutput",

@@ -8,7 +8,7 @@ from ..core.parallel_state import LOSS_PARALLEL_ALL_REDUCES
 from . import holdings, plan_json, printout
 from .layer_plan import LayerPlan, RegionPlan
 from .prediction import Prediction
-from .sealed import NOT_IN_DOCUMENT, Sealed
+from ..core.sealed import NOT_IN_DOCUMENT, Sealed
 from .records import PLAN_FIELDS, Collective, ParameterRecord, PartialGradientBucket
 from ..constructs import record_constructs
 from ..constructs.attention import ReturnedAttentionWeights
