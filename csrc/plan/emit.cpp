@@ -1,14 +1,15 @@
-// From the settled pass to a Plan; plan_to_json (emit_json.cpp) writes it as the document the
-// Python layer reads.
+// From the settled pass to a Plan: the planner's own decisions here, each construct's records in
+// its file under constructs/ (constructs/registry.h); plan_to_json (emit_json.cpp) writes it as
+// the document the Python layer reads.
 #include "plan/emit.h"
 
 #include <algorithm>
 #include <map>
 #include <numeric>
-#include <set>
 
 #include <c10/util/Exception.h>
 
+#include "plan/constructs/registry.h"
 #include "plan/gradient_flow.h"
 #include "plan/reasons.h"
 
@@ -227,108 +228,6 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     if (node.summed_bias > 0) comm("backward", "all_reduce", node.summed_bias);
   }
 
-  // Entries: cut in forward, their gradient gathered back in backward.
-  for (const auto& [tensor, index] : pass.entry_of) {
-    const ModuleEntry& entry = graph.entries.at(index);
-    plan.sequence_entries.push_back(
-        {tensor, entry.module, entry.leaf, pass.layouts[tensor].factor.axis, pass.find(pass.layouts[tensor].region)});
-    if (flow.needs(tensor)) comm("backward", "all_gather", numel(graph.tensor(tensor).shape));
-  }
-
-  for (const auto& [tensor, index] : pass.gather_entry) {
-    const ModuleEntry& entry = graph.entries.at(index);
-    plan.sequence_gathers.push_back(
-        {tensor, entry.module, entry.leaf, pass.layouts[tensor].factor.axis, pass.find(pass.layouts[tensor].region)});
-    comm("forward", "all_gather", numel(graph.tensor(tensor).shape));
-    if (flow.needs(tensor)) comm("backward", "reduce_scatter", numel(graph.tensor(tensor).shape));
-  }
-
-  // Head cuts: a slice of a tensor no gradient reaches, no communication.
-  for (const auto& [index, region] : pass.cut_region) {
-    const ModuleEntry& entry = graph.entries.at(index);
-    const int root = pass.find(region);
-    if (pass.regions[root].conflict) continue;
-    const AxisFactor& f = pass.cut_factor.at(index);
-    plan.head_entries.push_back({entry.tensor, entry.module, entry.leaf, f.axis, f.outer, f.size, root});
-  }
-
-  // Embedding outputs cut as they leave the layer: their gradient gathered back in backward.
-  for (const auto& [n, region] : pass.node_cut_region) {
-    const Node& node = graph.nodes.at(n);
-    const int root = pass.find(region);
-    if (pass.regions[root].conflict || node.kind != Kind::Embedding) continue;
-    const AxisFactor& f = pass.node_cut_factor.at(n);
-    plan.head_outputs.push_back({node.outputs.at(0), node.label, 0, f.axis, f.outer, f.size, root});
-    if (flow.needs(node.outputs.at(0))) comm("backward", "all_gather", numel(graph.tensor(node.outputs.at(0)).shape));
-  }
-
-  // Attention weights averaged over split heads: an all-reduce of each rank's sum where read.
-  for (const auto& [n, returned] : pass.returned_weights) {
-    const int root = pass.find(returned.region);
-    if (pass.regions[root].conflict) continue;
-    plan.attention_weights.push_back({n, root, returned.read});
-    if (returned.read) comm("forward", "all_reduce", numel(graph.tensor(graph.nodes.at(n).outputs.at(0)).shape));
-  }
-
-  // Norms split by heads: the sum of squares all-reduced in forward, the scale's gradient in
-  // backward, one value per token each; a LayerNorm also its sum (the mean) and the mean's gradient.
-  for (const auto& [n, region] : pass.split_norms) {
-    const int root = pass.find(region);
-    if (pass.regions[root].conflict) continue;
-    const Node& node = graph.nodes.at(n);
-    const auto& out = graph.tensor(node.outputs.at(0)).shape;
-    if (node.per_channel) {
-      // Per channel: nothing to sum. A training forward all-gathers the running mean and
-      // variance of every rank's channels (ShardedBatchNorm); an evaluating one issues nothing.
-      plan.norms.push_back({n, root, out.at(1)});
-      if (node.running_stats) comm("forward", "all_gather", 2 * out.at(1));
-      continue;
-    }
-    plan.norms.push_back({n, root, out.back()});
-    for (int pass_over = 0; pass_over < (node.centered ? 2 : 1); ++pass_over) {
-      comm("forward", "all_reduce", numel(out) / out.back());
-      comm("backward", "all_reduce", numel(out) / out.back());
-    }
-  }
-
-  // Outputs whose gradient is summed where their replicated layer returns them.
-  for (const auto& [node, elements] : pass.summed_outputs) {
-    plan.summed_outputs.emplace_back(node, elements);
-    comm("backward", "all_reduce", elements);
-  }
-
-  // Parameters split with their heads: local parameters, no communication. The bias of a
-  // column layer whose weight the model multiplies itself is split by the layer already.
-  std::set<int64_t> split_by_layer;
-  for (size_t n = 0; n < graph.nodes.size(); ++n) {
-    const Node& node = graph.nodes[n];
-    if (is_layer(node) && node.functional && pass.roles[n] == Style::Column) split_by_layer.insert(node.bias_param);
-  }
-  for (const auto& [tensor, region] : pass.head_param_region) {
-    const int root = pass.find(region);
-    if (pass.regions[root].conflict || split_by_layer.count(graph.tensor(tensor).param)) continue;
-    const AxisFactor& f = pass.head_params.at(tensor);
-    const auto source = pass.head_param_sources.find(tensor);
-    const int from = source == pass.head_param_sources.end() ? -1 : source->second;
-    HeadParam param{tensor, graph.tensor(tensor).param, f.axis, f.size, root};
-    // Split part by part only with a layer (or a concatenation) whose output has parts here.
-    if (from >= 0 && pass.parts.count(from) && pass.parts.at(from).size() > 1) {
-      if (is_layer(graph.nodes[from])) {
-        param.layer = from;
-      } else {
-        param.parts = pass.parts.at(from);
-        const int64_t total = std::accumulate(param.parts.begin(), param.parts.end(), int64_t{0});
-        TORCH_CHECK(total > 0 && f.size % total == 0, "[plan.internal] parts ", total, " do not divide ", f.size);
-        for (int64_t& size : param.parts) size *= f.size / total;
-      }
-    }
-    plan.head_params.push_back(param);
-  }
-
-  // Large parameters outside the layers: one all-gather each where its module's call begins.
-  plan.gathered_params = gathered_params(graph, pass, world_size);
-  for (const GatheredParam& param : plan.gathered_params) comm("forward", "all_gather", param.elements);
-
   // Every sharded tensor, named by the region the plan reports it under (an entry is held
   // whole where it is made).
   std::map<int, int> coarse_to_fine;
@@ -357,7 +256,8 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
     plan.tensors.push_back(layout);
   }
   name_region_modules(graph, plan);
-  plan_adapters(graph, plan, world_size, kBucketElements);
+  // The constructs' records and their collectives, counted after the plan's own.
+  make_construct_records({graph, pass, flow, world_size, kBucketElements}, plan);
   return plan;
 }
 

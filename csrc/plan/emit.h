@@ -22,16 +22,8 @@ Plan emit_plan(const Graph& graph, Propagation& pass, const std::vector<Why>& wh
 // One more collective of `kind` in `phase`, of `elements` elements, in the plan's counts.
 void count_collective(Plan& plan, const char* phase, const char* kind, int64_t elements);
 
-// Large parameters outside the layers, stored split and gathered whole for each call of their module
-// (gathered_params.cpp).
-std::vector<GatheredParam> gathered_params(const Graph& graph, const Propagation& pass, int64_t world_size);
-
 // Names each region's module and, where its layers sit in several attentions, each
 // attention's (region_modules.cpp).
 void name_region_modules(const Graph& graph, Plan& plan);
-
-// The LoRA factors of the planned layers: split with their base layer or whole; the whole ones
-// of a split layer get a partial gradient, summed in buckets after the plan's own (adapters.cpp).
-void plan_adapters(const Graph& graph, Plan& plan, int64_t world_size, int64_t bucket_elements);
 
 }  // namespace autoshard::plan

@@ -11,23 +11,33 @@
 //    "partial_gradients": [{"params", "elements"}],
 //    "tensors": [{"tensor", "region", "coarse", "axis", "outer", "size", "sequence", "whole",
 //                 "repeat_axis" (only where there is one)}],
-//    "sequence_entries": [{"tensor", "module", "leaf", "dim", "region"}],
-//    "sequence_gathers": [{"tensor", "module", "leaf", "dim", "region"}],
-//    "sequence_exits": [{"tensor", "module", "leaf", "dim", "region"}],
-//    "head_entries": [{"tensor", "module", "leaf", "axis", "outer", "size", "region"}],
-//    "head_outputs": [{"tensor", "module", "axis", "outer", "size", "region"}],
-//    "attention_weights": [{"node", "region", "used"}],
-//    "head_params": [{"tensor", "param", "axis", "size", "region", "layer", "parts"}],
-//    "gathered_params": [{"tensor", "param", "axis", "size", "elements"}],
-//    "norms": [{"node", "region", "features"}],
-//    "adapters": [{"node", "split", "whole"}],
-//    "summed_outputs": [{"node", "elements"}]}
+//    and then each construct's records under its kind, every kind present, [] when it has none,
+//    written from the records its file under constructs/ makes:
+//    "sequence_entries", "sequence_gathers", "sequence_exits" (constructs/sequence_cuts.cpp):
+//        [{"tensor", "module", "leaf", "dim", "region"}],
+//    "head_entries": [{"tensor", "module", "leaf", "axis", "outer", "size", "region"}] and
+//    "head_outputs": [{"tensor", "module", "axis", "outer", "size", "region"}]
+//        (constructs/head_cuts.cpp),
+//    "attention_weights": [{"node", "region", "used"}] (constructs/attention_weights.cpp),
+//    "norms": [{"node", "region", "features"}] (constructs/norms.cpp),
+//    "summed_outputs": [{"node", "elements"}] (constructs/summed_outputs.cpp),
+//    "head_params": [{"tensor", "param", "axis", "size", "region", "layer", "parts"}]
+//        (constructs/head_params.cpp),
+//    "gathered_params": [{"tensor", "param", "axis", "size", "elements"}]
+//        (constructs/gathered_params.cpp),
+//    "adapters": [{"node", "split", "whole"}] (constructs/adapters.cpp)}
 // A layer's "sequence" is "reduce_scatter", "gather" (inside the layer), "gathered" (where a
 // module receives or returns its input) or "". Version 1 left the gathers before ops indexing
 // the token axis (sequence_exits) and the module inputs whose length may be read to the Python
 // layer; a version 1 answer lacks them, so it is not read as version 2.
+#include <algorithm>
 #include <sstream>
+#include <type_traits>
+#include <variant>
 
+#include <c10/util/Exception.h>
+
+#include "plan/constructs/registry.h"
 #include "plan/planner.h"
 
 namespace autoshard::plan {
@@ -57,6 +67,61 @@ void write_ints(std::ostringstream& out, const std::vector<int64_t>& values) {
   out << '[';
   for (size_t i = 0; i < values.size(); ++i) out << (i ? "," : "") << values[i];
   out << ']';
+}
+
+void write_value(std::ostringstream& out, const FieldValue& value) {
+  std::visit(
+      [&out](const auto& v) {
+        using T = std::decay_t<decltype(v)>;
+        if constexpr (std::is_same_v<T, int64_t>) {
+          out << v;
+        } else if constexpr (std::is_same_v<T, bool>) {
+          out << (v ? "true" : "false");
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          write_string(out, v);
+        } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+          write_ints(out, v);
+        } else {
+          out << '[';
+          for (size_t i = 0; i < v.size(); ++i) {
+            if (i) out << ',';
+            write_string(out, v[i]);
+          }
+          out << ']';
+        }
+      },
+      value);
+}
+
+// Every registered kind, in the registry's order, each one's records as objects of their fields
+// in the order the construct gave them; a kind with none as [], since Python reads some kinds
+// without a default.
+void write_records(std::ostringstream& out, const RecordsByKind& records) {
+  for (const auto& [kind, list] : records) {
+    const auto& kinds = record_kinds();
+    const bool registered = std::any_of(kinds.begin(), kinds.end(), [&](const RecordKind& k) { return kind == k.kind; });
+    TORCH_CHECK(registered, "[plan.internal] records of the unregistered kind ", kind);
+  }
+  for (const RecordKind& kind : record_kinds()) {
+    out << ',';
+    write_string(out, kind.kind);
+    out << ":[";
+    const auto found = records.find(kind.kind);
+    const std::vector<Record> none;
+    const std::vector<Record>& list = found == records.end() ? none : found->second;
+    for (size_t i = 0; i < list.size(); ++i) {
+      out << (i ? ",{" : "{");
+      const std::vector<Field>& fields = list[i].fields();
+      for (size_t k = 0; k < fields.size(); ++k) {
+        if (k) out << ',';
+        write_string(out, fields[k].name);
+        out << ':';
+        write_value(out, fields[k].value);
+      }
+      out << '}';
+    }
+    out << ']';
+  }
 }
 
 }  // namespace
@@ -125,75 +190,9 @@ std::string plan_to_json(const Plan& plan) {
     if (t.repeat_axis >= 0) out << ",\"repeat_axis\":" << t.repeat_axis;
     out << '}';
   }
-  const auto write_entries = [&out](const char* name, const std::vector<SequenceEntry>& entries) {
-    out << "],\"" << name << "\":[";
-    for (size_t i = 0; i < entries.size(); ++i) {
-      const SequenceEntry& e = entries[i];
-      out << (i ? "," : "") << "{\"tensor\":" << e.tensor << ",\"module\":";
-      write_string(out, e.module);
-      out << ",\"leaf\":" << e.leaf << ",\"dim\":" << e.dim << ",\"region\":" << e.region << '}';
-    }
-  };
-  write_entries("sequence_entries", plan.sequence_entries);
-  write_entries("sequence_gathers", plan.sequence_gathers);
-  write_entries("sequence_exits", plan.sequence_exits);
-  out << "],\"head_entries\":[";
-  for (size_t i = 0; i < plan.head_entries.size(); ++i) {
-    const HeadEntry& e = plan.head_entries[i];
-    out << (i ? "," : "") << "{\"tensor\":" << e.tensor << ",\"module\":";
-    write_string(out, e.module);
-    out << ",\"leaf\":" << e.leaf << ",\"axis\":" << e.axis << ",\"outer\":" << e.outer << ",\"size\":" << e.size
-        << ",\"region\":" << e.region << '}';
-  }
-  out << "],\"head_outputs\":[";
-  for (size_t i = 0; i < plan.head_outputs.size(); ++i) {
-    const HeadEntry& e = plan.head_outputs[i];
-    out << (i ? "," : "") << "{\"tensor\":" << e.tensor << ",\"module\":";
-    write_string(out, e.module);
-    out << ",\"axis\":" << e.axis << ",\"outer\":" << e.outer << ",\"size\":" << e.size
-        << ",\"region\":" << e.region << '}';
-  }
-  out << "],\"attention_weights\":[";
-  for (size_t i = 0; i < plan.attention_weights.size(); ++i) {
-    const AttentionWeightsDecision& w = plan.attention_weights[i];
-    out << (i ? "," : "") << "{\"node\":" << w.node << ",\"region\":" << w.region
-        << ",\"used\":" << (w.used ? "true" : "false") << '}';
-  }
-  out << "],\"norms\":[";
-  for (size_t i = 0; i < plan.norms.size(); ++i) {
-    const NormDecision& d = plan.norms[i];
-    out << (i ? "," : "") << "{\"node\":" << d.node << ",\"region\":" << d.region << ",\"features\":" << d.features
-        << '}';
-  }
-  out << "],\"head_params\":[";
-  for (size_t i = 0; i < plan.head_params.size(); ++i) {
-    const HeadParam& p = plan.head_params[i];
-    out << (i ? "," : "") << "{\"tensor\":" << p.tensor << ",\"param\":" << p.param << ",\"axis\":" << p.axis
-        << ",\"size\":" << p.size << ",\"region\":" << p.region << ",\"layer\":" << p.layer << ",\"parts\":[";
-    for (size_t k = 0; k < p.parts.size(); ++k) out << (k ? "," : "") << p.parts[k];
-    out << "]}";
-  }
-  out << "],\"gathered_params\":[";
-  for (size_t i = 0; i < plan.gathered_params.size(); ++i) {
-    const GatheredParam& p = plan.gathered_params[i];
-    out << (i ? "," : "") << "{\"tensor\":" << p.tensor << ",\"param\":" << p.param << ",\"axis\":" << p.axis
-        << ",\"size\":" << p.size << ",\"elements\":" << p.elements << '}';
-  }
-  out << "],\"adapters\":[";
-  for (size_t i = 0; i < plan.adapters.size(); ++i) {
-    const AdapterDecision& a = plan.adapters[i];
-    out << (i ? "," : "") << "{\"node\":" << a.node << ",\"split\":";
-    write_ints(out, a.split);
-    out << ",\"whole\":";
-    write_ints(out, a.whole);
-    out << '}';
-  }
-  out << "],\"summed_outputs\":[";
-  for (size_t i = 0; i < plan.summed_outputs.size(); ++i) {
-    out << (i ? "," : "") << "{\"node\":" << plan.summed_outputs[i].first << ",\"elements\":"
-        << plan.summed_outputs[i].second << '}';
-  }
-  out << "]}";
+  out << ']';
+  write_records(out, plan.records);
+  out << '}';
   return out.str();
 }
 

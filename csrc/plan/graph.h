@@ -158,7 +158,7 @@ struct Graph {
   // gathered (passes/unsplit_regions.cpp) rather than held whole on every rank; 0: never.
   int64_t gather_unpaired = 0;
   // Parameters (by index) whose every read lies inside one call of the module holding them, so
-  // that they can be gathered whole where that call begins (gathered_params.cpp).
+  // that they can be gathered whole where that call begins (constructs/gathered_params.cpp).
   std::set<int64_t> gatherable;
   std::vector<ModuleEntry> entries;
   // In the order the calls returned, each call's outputs in order (modules called more than

@@ -1,8 +1,9 @@
 // The walk back from a tensor held whole and read against heads-sharded ones, shared by head
-// cuts (head_cuts.cpp) and head parameters (head_params.cpp). It goes back through the ops that
-// keep each head's elements to themselves (permutes, slices of other axes, elementwise ops,
-// views, broadcasts of other axes), tracking the axis holding the heads, for at most 16 steps:
-// past those ops a cut or split at the start would no longer give each rank its own heads.
+// cuts (constructs/head_cuts.cpp) and head parameters (constructs/head_params.cpp). It goes back
+// through the ops that keep each head's elements to themselves (permutes, slices of other axes,
+// elementwise ops, views, broadcasts of other axes), tracking the axis holding the heads, for at
+// most 16 steps: past those ops a cut or split at the start would no longer give each rank its own
+// heads.
 #include <algorithm>
 
 #include "plan/propagation.h"

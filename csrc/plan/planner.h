@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "plan/graph.h"
+#include "plan/records.h"
 
 namespace autoshard::plan {
 
@@ -40,7 +41,7 @@ struct LayerDecision {
   bool summed_parts = false;
   int copy_group = -1;         // column layers reading the same input share one input copy
   // Its input copy sums nothing in backward: a replicated layer upstream sums the gradient
-  // where it returns its output (Plan::summed_outputs).
+  // where it returns its output (constructs/summed_outputs.cpp).
   bool deferred_copy = false;
   int64_t letter = 0;          // einsum layers: the weight letter split (a character code)
   // A KV projection whose KV heads are fewer than the ranks need: each of its `units` serves
@@ -104,100 +105,14 @@ struct TensorLayout {
   int repeat_axis = -1;
 };
 
-// A tensor held whole cut to this rank's tokens where a module receives it (sequence.cpp).
-struct SequenceEntry {
-  int tensor = -1;
-  std::string module;
-  int leaf = 0;  // its position among the module call's flattened inputs
-  int dim = -1;
-  int region = -1;
-};
-
-// A tensor held whole cut to this rank's heads where a module receives it (head_cuts.cpp): its
-// axis `axis` is `outer` x `size`, and `size` is split like the region's units.
-struct HeadEntry {
-  int tensor = -1;
-  std::string module;
-  int leaf = 0;  // its position among the module call's flattened inputs
-  int axis = -1;
-  int64_t outer = 1;
-  int64_t size = 0;
-  int region = -1;
-};
-
-// The attention weights of an nn.MultiheadAttention split by heads: averaged over the heads
-// and read by the model (`used`), each rank's sum over its heads is summed over the ranks (one
-// all-reduce in forward; the gradient reaches each rank's heads as it is); never read, the
-// sharded module returns None in their place and nothing is communicated.
-struct AttentionWeightsDecision {
-  int node = -1;
-  int region = -1;
-  bool used = false;
-};
-
-// An RMS norm over a layer's output features split by heads (norms.cpp): each rank's sum of
-// squares is summed over the ranks (one all-reduce in forward), and the gradient reaching the
-// norm's scale, partial on each rank, is summed in backward (one all-reduce); its weight is
-// split like the features.
-struct NormDecision {
-  int node = -1;
-  int region = -1;
-  int64_t features = 0;  // the norm's global size
-};
-
-// A parameter over the heads split with them (head_params.cpp): its axis `axis` (of length
-// `size`) holds the heads as its outer factor, split like the region's units.
-struct HeadParam {
-  int tensor = -1;
-  int64_t param = -1;
-  int axis = -1;
-  int64_t size = 0;
-  int region = -1;
-  int layer = -1;  // a fused layer whose parts it is split by, as its output's features are
-  // Or the parts of a concatenation of split layer outputs it is split by, each like the region.
-  std::vector<int64_t> parts;
-};
-
-// A parameter outside the layers stored split over the ranks on axis `axis` (of length `size`)
-// and all-gathered whole where each call of the module holding it begins (gathered_params.cpp).
-struct GatheredParam {
-  int tensor = -1;
-  int64_t param = -1;
-  int axis = -1;
-  int64_t size = 0;
-  int64_t elements = 0;
-};
-
-// A LoRA layer's factors: those split with its base layer (B's rows for a column layer, A's
-// columns for a row layer) and those held whole, parameter indices (adapters.cpp).
-struct AdapterDecision {
-  int node = -1;
-  std::vector<int64_t> split, whole;
-};
-
 struct Plan {
   std::vector<LayerDecision> layers;
   std::vector<RegionSummary> regions;
   std::vector<CommCount> comm;
   std::vector<PartialBucket> partial;
   std::vector<TensorLayout> tensors;  // every sharded tensor; the others are replicated
-  std::vector<SequenceEntry> sequence_entries;
-  std::vector<SequenceEntry> sequence_gathers;  // tensors gathered whole where a module receives them
-  // Tensors gathered whole where a module returns them, for column layers reading them through
-  // ops that index the token axis (token_indexing.cpp); leaf: its place among the call's outputs.
-  std::vector<SequenceEntry> sequence_exits;
-  std::vector<HeadEntry> head_entries;
-  // Replicated embeddings whose output is cut to this rank's heads as it leaves them (module,
-  // axis, outer, size, region; tensor is the output, leaf unused).
-  std::vector<HeadEntry> head_outputs;
-  std::vector<AttentionWeightsDecision> attention_weights;
-  std::vector<NormDecision> norms;
-  std::vector<HeadParam> head_params;
-  std::vector<GatheredParam> gathered_params;
-  std::vector<AdapterDecision> adapters;
-  // Replicated Linear layers whose output's gradient is all-reduced where they return it
-  // (gradients.cpp): node, and the output's elements.
-  std::vector<std::pair<int, int64_t>> summed_outputs;
+  // The constructs' records by kind, every registered kind present (constructs/registry.h).
+  RecordsByKind records;
 };
 
 // One settled plan of `graph` (settle.cpp).
@@ -207,7 +122,7 @@ Plan make_plan(const Graph& graph, int64_t world_size);
 // from the module calls around them ask for it (replan.cpp).
 Plan plan_model(Graph graph, int64_t world_size);
 
-// The plan as a versioned JSON document with named fields (see emit.cpp).
+// The plan as a versioned JSON document with named fields (see emit_json.cpp).
 std::string plan_to_json(const Plan& plan);
 
 }  // namespace autoshard::plan

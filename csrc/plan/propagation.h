@@ -69,7 +69,7 @@ class Propagation {
   Propagation(const Graph& graph, const std::vector<Force>& forced);
 
   // `cuts` (graph entry -> the factor of its tensor's axis holding heads): tensors held whole
-  // that are cut to this rank's heads where a module receives them (head_cuts.cpp).
+  // that are cut to this rank's heads where a module receives them (constructs/head_cuts.cpp).
   void run(const std::set<int>& vocab_embeddings, const std::map<int, AxisFactor>& cuts = {},
            const std::map<int, AxisFactor>& node_cuts = {});
   int find(int r);
@@ -144,9 +144,9 @@ class Propagation {
   std::set<int> dropped_cuts, dropped_node_cuts;
   std::map<int, int> node_cut_region;
   std::map<int, AxisFactor> node_cut_factor;
-  // Head parameters (head_params.cpp): a parameter over the heads (a per-head scale, a bias of
-  // all_head_size) split with them, by its tensor. Set before run: the splits to make and those
-  // found not to work, with why; found by run: the splits wanted, and this pass's regions.
+  // Head parameters (constructs/head_params.cpp): a parameter over the heads (a per-head scale, a
+  // bias of all_head_size) split with them, by its tensor. Set before run: the splits to make and
+  // those found not to work, with why; found by run: the splits wanted, and this pass's regions.
   std::map<int, AxisFactor> head_params;
   std::map<int, std::string> dropped_head_params;
   std::map<int, AxisFactor> wanted_head_params;
@@ -165,7 +165,8 @@ class Propagation {
   };
   std::map<int, ReturnedWeights> returned_weights;
 
-  // Norms over a layer's output whose features are split by heads: node -> region (norms.cpp).
+  // Norms over a layer's output whose features are split by heads: node -> region
+  // (constructs/norms.cpp).
   std::map<int, int> split_norms;
   // Refuses split norms over KV heads that several ranks hold (settle_links kept them apart):
   // each holder would count their squares again.

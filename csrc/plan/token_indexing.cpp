@@ -21,6 +21,7 @@
 #include <map>
 #include <set>
 
+#include "plan/constructs/sequence_cuts.h"
 #include "plan/reasons.h"
 #include "plan/sequence_rules.h"
 
@@ -86,7 +87,7 @@ std::optional<std::string> gather_before_token_indexing(const Graph& graph, Plan
     if (known == chains.end()) known = chains.emplace(chains.end(), tensor, std::vector<int>{});
     known->second.insert(known->second.end(), chain.begin(), chain.end());
   }
-  std::vector<SequenceEntry> exits;
+  std::vector<Record> exits;
   std::set<int> whole, gathered;
   for (const auto& [source, ops] : chains) {
     const int first_op = *std::min_element(ops.begin(), ops.end());
@@ -110,14 +111,14 @@ std::optional<std::string> gather_before_token_indexing(const Graph& graph, Plan
     }
     whole.insert(held.begin() + 1, held.end());
     gathered.insert(layers.begin(), layers.end());
-    exits.push_back({source, where->module, where->leaf, layout_of(source)->axis,
-                     gathering.at(*layers.begin())->sequence_region});
+    exits.push_back(sequence_cut(source, where->module, where->leaf, layout_of(source)->axis,
+                                 gathering.at(*layers.begin())->sequence_region));
   }
   for (int n : gathered) gathering.at(n)->sequence = "gathered";
   plan.tensors.erase(std::remove_if(plan.tensors.begin(), plan.tensors.end(),
                                     [&](const TensorLayout& t) { return whole.count(t.tensor) > 0; }),
                      plan.tensors.end());
-  plan.sequence_exits = std::move(exits);
+  plan.records[kSequenceExits] = std::move(exits);
   return std::nullopt;
 }
 

@@ -1,7 +1,7 @@
-// Head cuts and node cuts (head_cuts.cpp): kept while the scores they meet are split, dropped
-// for good once not, and the new ones a pass asked for taken for the next. A pass that found new
-// cuts (or dropped some) saw bias tensors held whole that the next one cuts: its conflicts and
-// partial gradients are not the model's, so nothing else is forced on them.
+// Head cuts and node cuts (constructs/head_cuts.cpp): kept while the scores they meet are split,
+// dropped for good once not, and the new ones a pass asked for taken for the next. A pass that
+// found new cuts (or dropped some) saw bias tensors held whole that the next one cuts: its
+// conflicts and partial gradients are not the model's, so nothing else is forced on them.
 #include <sstream>
 #include <string>
 #include <vector>

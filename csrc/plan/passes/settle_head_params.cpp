@@ -1,5 +1,5 @@
-// Head parameters (head_params.cpp): a split is kept while the heads it joins are split, and
-// dropped for good with why once not, so that the attention stays whole saying why. A pass that
+// Head parameters (constructs/head_params.cpp): a split is kept while the heads it joins are split,
+// and dropped for good with why once not, so that the attention stays whole saying why. A pass that
 // split new parameters (or dropped some) judged their reads whole: nothing else is forced on it.
 #include <string>
 

@@ -38,16 +38,16 @@ struct Settling {
   std::set<int64_t> params_read_elsewhere;
   // The biases of layers whose weight the model multiplies itself and whose bias it adds
   // outside that product (Mamba's dt_proj): split with the layer as a parameter of its channels
-  // (head_params.cpp) where every read of it meets them, or the layer stays whole.
+  // (constructs/head_params.cpp) where every read of it meets them, or the layer stays whole.
   std::set<int64_t> functional_biases;
 
-  // Head cuts (head_cuts.cpp): those in use, and those dropped because the scores they would
-  // meet are not sharded after all (never asked for again, so the passes settle).
-  // Likewise node cuts (an embedding's output, a tensor of one value), by node.
+  // Head cuts (constructs/head_cuts.cpp): those in use, and those dropped because the scores they
+  // would meet are not sharded after all (never asked for again, so the passes settle). Likewise
+  // node cuts (an embedding's output, a tensor of one value), by node.
   std::map<int, AxisFactor> cuts, node_cuts;
   std::set<int> dropped_cuts, dropped_node_cuts;
-  // Head parameters (head_params.cpp): those split (with the layer each meets), and those
-  // dropped with why.
+  // Head parameters (constructs/head_params.cpp): those split (with the layer each meets), and
+  // those dropped with why.
   std::map<int, AxisFactor> head_params;
   std::map<int, int> head_param_sources;
   std::map<int, std::string> dropped_head_params;

@@ -12,8 +12,19 @@
 // parameter itself: every read of it then sees it sharded, so a parameter also read where it
 // must stay whole (a reduction over its heads, a replicated tensor, another layout) conflicts,
 // the split is dropped (passes/settle_head_params.cpp) and the attention stays whole, saying why.
+//
+// Records (python/autoshard/constructs/head_parameter.py): {"tensor", "param", "axis", "size",
+// "region", "layer", "parts"}: axis `axis` (of length `size`) holds the heads as its outer factor,
+// split like the region's units; `layer`, a fused layer whose parts it is split by, as its
+// output's features are (-1: none); or `parts`, those of a concatenation of split layer outputs,
+// each split like the region.
+#include <numeric>
+#include <set>
 #include <string>
 
+#include <c10/util/Exception.h>
+
+#include "plan/constructs/registry.h"
 #include "plan/propagation.h"
 
 namespace autoshard::plan {
@@ -67,5 +78,49 @@ void Propagation::open_head_params() {
     head_param_region[tensor] = region;
   }
 }
+
+
+namespace {
+
+// Local parameters: no communication. The bias of a column layer whose weight the model
+// multiplies itself is split by the layer already.
+void make_head_params(const ConstructInput& in, Plan& plan) {
+  const Graph& graph = in.graph;
+  const Propagation& pass = in.pass;
+  std::vector<Record>& params = plan.records["head_params"];
+  std::set<int64_t> split_by_layer;
+  for (size_t n = 0; n < graph.nodes.size(); ++n) {
+    const Node& node = graph.nodes[n];
+    if (is_layer(node) && node.functional && pass.roles[n] == Style::Column) split_by_layer.insert(node.bias_param);
+  }
+  for (const auto& [tensor, region] : pass.head_param_region) {
+    const int root = in.pass.find(region);
+    if (pass.regions[root].conflict || split_by_layer.count(graph.tensor(tensor).param)) continue;
+    const AxisFactor& f = pass.head_params.at(tensor);
+    const auto source = pass.head_param_sources.find(tensor);
+    const int from = source == pass.head_param_sources.end() ? -1 : source->second;
+    int layer = -1;
+    std::vector<int64_t> parts;
+    // Split part by part only with a layer (or a concatenation) whose output has parts here.
+    if (from >= 0 && pass.parts.count(from) && pass.parts.at(from).size() > 1) {
+      if (is_layer(graph.nodes[from])) {
+        layer = from;
+      } else {
+        parts = pass.parts.at(from);
+        const int64_t total = std::accumulate(parts.begin(), parts.end(), int64_t{0});
+        TORCH_CHECK(total > 0 && f.size % total == 0, "[plan.internal] parts ", total, " do not divide ", f.size);
+        for (int64_t& size : parts) size *= f.size / total;
+      }
+    }
+    Record record;
+    record.add("tensor", tensor).add("param", graph.tensor(tensor).param).add("axis", f.axis).add("size", f.size);
+    record.add("region", root).add("layer", layer).add("parts", std::move(parts));
+    params.push_back(std::move(record));
+  }
+}
+
+[[maybe_unused]] const bool registered = register_record_kind({"head_params", 80, make_head_params});
+
+}  // namespace
 
 }  // namespace autoshard::plan

@@ -9,30 +9,35 @@
 // The partial gradients of trained whole factors are summed over the group in backward, in
 // buckets of their own after the plan's, one all-reduce each. A B split like KV heads held by
 // several ranks, or with parts held whole, sums its gradient as its base layer does.
-#include <c10/util/Exception.h>
-
+//
+// Records (python/autoshard/constructs/linear.py): {"node", "split", "whole"}, a LoRA layer's
+// factors split with its base layer and those held whole, parameter indices.
+#include "plan/constructs/registry.h"
 #include "plan/emit.h"
 
 namespace autoshard::plan {
+namespace {
 
-void plan_adapters(const Graph& graph, Plan& plan, int64_t world_size, int64_t bucket_elements) {
+void make_adapters(const ConstructInput& in, Plan& plan) {
+  const Graph& graph = in.graph;
+  const int64_t world_size = in.world_size, bucket_elements = in.bucket_elements;
+  std::vector<Record>& adapters = plan.records["adapters"];
   std::vector<std::pair<int64_t, int64_t>> partial;  // (parameter, elements), in forward order
   for (const LayerDecision& layer : plan.layers) {
     const Node& node = graph.nodes.at(layer.node);
     if (node.adapters.empty()) continue;
     const bool column = layer.style == Style::Column || layer.style == Style::ColumnGather;
     const bool split = column || layer.style == Style::Row;
-    AdapterDecision decision;
-    decision.node = layer.node;
+    std::vector<int64_t> split_factors, whole_factors;
     for (const AdapterFactors& f : node.adapters) {
       for (int side = 0; side < 2; ++side) {
         const bool b = side == 1;
         const int64_t param = b ? f.b : f.a;
         if (split && b == column) {
-          decision.split.push_back(param);
+          split_factors.push_back(param);
           continue;
         }
-        decision.whole.push_back(param);
+        whole_factors.push_back(param);
         const auto& shape = b ? f.b_shape : f.a_shape;
         if (split && (b ? f.b_trainable : f.a_trainable)) partial.emplace_back(param, shape[0] * shape[1]);
       }
@@ -45,7 +50,9 @@ void plan_adapters(const Graph& graph, Plan& plan, int64_t world_size, int64_t b
         count_collective(plan, "backward", "all_reduce", rows * f.b_shape[1]);
       }
     }
-    plan.adapters.push_back(std::move(decision));
+    Record record;
+    record.add("node", layer.node).add("split", std::move(split_factors)).add("whole", std::move(whole_factors));
+    adapters.push_back(std::move(record));
   }
   if (world_size <= 1 || partial.empty()) return;
   // In the order backward produces them: the reverse of the forward's.
@@ -61,4 +68,8 @@ void plan_adapters(const Graph& graph, Plan& plan, int64_t world_size, int64_t b
   }
 }
 
+// After the plan's own partial gradients, whose buckets come first.
+[[maybe_unused]] const bool registered = register_record_kind({"adapters", 100, make_adapters});
+
+}  // namespace
 }  // namespace autoshard::plan

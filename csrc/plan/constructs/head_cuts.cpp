@@ -11,6 +11,13 @@
 // gradient reaches (a bias made from the mask or from positions), so backward never crosses it.
 // Inside the call the tensor is sharded like the scores; outside it is held whole, so one bias
 // passed to every block is cut once per attention.
+//
+// Records (python/autoshard/constructs/head_cut.py): head_entries, a tensor cut where a module
+// receives it, {"tensor", "module", "leaf" (its place among the call's flattened inputs), "axis",
+// "outer", "size", "region"}: its axis `axis` is `outer` x `size`, and `size` is split like the
+// region's units; head_outputs, a replicated embedding's output cut as it leaves the embedding,
+// {"tensor" (the output), "module", "axis", "outer", "size", "region"}.
+#include "plan/constructs/registry.h"
 #include "plan/propagation.h"
 
 namespace autoshard::plan {
@@ -87,5 +94,43 @@ void Propagation::open_cuts(int n, const std::map<int, AxisFactor>& cuts) {
     cut_factor[index] = factor;
   }
 }
+
+
+namespace {
+
+// A slice of a tensor no gradient reaches: no communication.
+void make_head_entries(const ConstructInput& in, Plan& plan) {
+  for (const auto& [index, region] : in.pass.cut_region) {
+    const ModuleEntry& entry = in.graph.entries.at(index);
+    const int root = in.pass.find(region);
+    if (in.pass.regions[root].conflict) continue;
+    const AxisFactor& f = in.pass.cut_factor.at(index);
+    Record record;
+    record.add("tensor", entry.tensor).add("module", entry.module).add("leaf", entry.leaf);
+    record.add("axis", f.axis).add("outer", f.outer).add("size", f.size).add("region", root);
+    plan.records["head_entries"].push_back(std::move(record));
+  }
+}
+
+// Embedding outputs cut as they leave the layer: their gradient gathered back in backward.
+void make_head_outputs(const ConstructInput& in, Plan& plan) {
+  for (const auto& [n, region] : in.pass.node_cut_region) {
+    const Node& node = in.graph.nodes.at(n);
+    const int root = in.pass.find(region);
+    if (in.pass.regions[root].conflict || node.kind != Kind::Embedding) continue;
+    const AxisFactor& f = in.pass.node_cut_factor.at(n);
+    const int output = node.outputs.at(0);
+    Record record;
+    record.add("tensor", output).add("module", node.label);
+    record.add("axis", f.axis).add("outer", f.outer).add("size", f.size).add("region", root);
+    plan.records["head_outputs"].push_back(std::move(record));
+    if (in.flow.needs(output)) in.count(plan, "backward", "all_gather", in.elements(output));
+  }
+}
+
+[[maybe_unused]] const bool registered = register_record_kind({"head_entries", 30, make_head_entries}) &&
+                                         register_record_kind({"head_outputs", 40, make_head_outputs});
+
+}  // namespace
 
 }  // namespace autoshard::plan

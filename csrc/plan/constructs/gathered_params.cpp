@@ -6,16 +6,23 @@
 // parameter read inside that one call (Graph::gatherable) and whose every reader computes on
 // tensors held whole qualifies: its gradient is then the same on every rank, and each keeps its
 // own piece of it with no collective in backward.
+//
+// Records (python/autoshard/constructs/gathered_parameter.py): {"tensor", "param", "axis", "size",
+// "elements"}: stored split on axis `axis` (of length `size`); one all-gather of `elements` each
+// where its module's call begins.
 #include <algorithm>
 #include <set>
 
-#include "plan/emit.h"
+#include "plan/constructs/registry.h"
 
 namespace autoshard::plan {
+namespace {
 
-std::vector<GatheredParam> gathered_params(const Graph& graph, const Propagation& pass, int64_t world_size) {
-  std::vector<GatheredParam> chosen;
-  if (graph.gather_unpaired <= 0 || world_size <= 1) return chosen;
+void make_gathered_params(const ConstructInput& in, Plan& plan) {
+  const Graph& graph = in.graph;
+  const Propagation& pass = in.pass;
+  std::vector<Record>& chosen = plan.records["gathered_params"];
+  if (graph.gather_unpaired <= 0 || in.world_size <= 1) return;
   // Parameters a layer, a norm or an adapter holds are split (or kept) by their own rules.
   std::set<int64_t> owned;
   for (const Node& node : graph.nodes) {
@@ -48,11 +55,17 @@ std::vector<GatheredParam> gathered_params(const Graph& graph, const Propagation
     }
     if (!read || !whole) continue;
     const auto longest = std::max_element(info.shape.begin(), info.shape.end());
-    if (*longest < world_size) continue;
-    chosen.push_back({static_cast<int>(t), info.param, static_cast<int>(longest - info.shape.begin()), *longest,
-                      elements});
+    if (*longest < in.world_size) continue;
+    Record record;
+    record.add("tensor", t).add("param", info.param).add("axis", longest - info.shape.begin());
+    record.add("size", *longest).add("elements", elements);
+    chosen.push_back(std::move(record));
+    in.count(plan, "forward", "all_gather", elements);
   }
-  return chosen;
 }
+
+[[maybe_unused]] const bool registered = register_record_kind({"gathered_params", 90, make_gathered_params});
+
+}  // namespace
 
 }  // namespace autoshard::plan

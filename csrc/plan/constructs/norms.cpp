@@ -7,6 +7,10 @@
 // all-reduced before its variance. A BatchNorm after a convolution split on its output channels
 // splits with them: its statistics are per channel, so it needs no communication in forward or
 // backward (its running statistics aside: nn/batch_norm.py).
+//
+// Records (python/autoshard/constructs/split_norm.py): {"node", "region", "features"}, the norm's
+// global size; its weight is split like the features.
+#include "plan/constructs/registry.h"
 #include "plan/propagation.h"
 
 namespace autoshard::plan {
@@ -45,5 +49,39 @@ void Propagation::refuse_shared_norms() {
     }
   }
 }
+
+
+namespace {
+
+// The sum of squares all-reduced in forward, the scale's gradient in backward, one value per
+// token each; a LayerNorm also its sum (the mean) and the mean's gradient.
+void make_norms(const ConstructInput& in, Plan& plan) {
+  std::vector<Record>& norms = plan.records["norms"];
+  for (const auto& [n, region] : in.pass.split_norms) {
+    const int root = in.pass.find(region);
+    if (in.pass.regions[root].conflict) continue;
+    const Node& node = in.graph.nodes.at(n);
+    const int output = node.outputs.at(0);
+    const auto& out = in.graph.tensor(output).shape;
+    const int64_t features = node.per_channel ? out.at(1) : out.back();
+    Record record;
+    record.add("node", n).add("region", root).add("features", features);
+    norms.push_back(std::move(record));
+    if (node.per_channel) {
+      // Per channel: nothing to sum. A training forward all-gathers the running mean and
+      // variance of every rank's channels (ShardedBatchNorm); an evaluating one issues nothing.
+      if (node.running_stats) in.count(plan, "forward", "all_gather", 2 * features);
+      continue;
+    }
+    for (int pass_over = 0; pass_over < (node.centered ? 2 : 1); ++pass_over) {
+      in.count(plan, "forward", "all_reduce", in.elements(output) / features);
+      in.count(plan, "backward", "all_reduce", in.elements(output) / features);
+    }
+  }
+}
+
+[[maybe_unused]] const bool registered = register_record_kind({"norms", 60, make_norms});
+
+}  // namespace
 
 }  // namespace autoshard::plan
