@@ -1,5 +1,5 @@
 """Large parameters outside the layers, stored split and gathered whole for each call of their
-module (csrc/plan/gathered_params.cpp, nn/gathered_parameters.py), and position tables split by
+module (csrc/plan/constructs/gathered_params.cpp, nn/gathered_parameters.py), and position tables split by
 their rows (csrc/plan/passes/settling.cpp's split_tables): the planner on graphs written by hand, then a
 model of our own on 2 and 3 gloo ranks against the unsharded model."""
 

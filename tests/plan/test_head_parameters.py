@@ -1,4 +1,4 @@
-"""Parameters over the attention heads split with them (csrc/plan/head_params.cpp): the
+"""Parameters over the attention heads split with them (csrc/plan/constructs/head_params.cpp): the
 planner on graphs written by hand (each layout it follows, each it refuses and why), then
 plan() on small models of our own. Exactness is checked by the conformance entries (deberta,
 own_head_scale, own_score_gain); loading and checkpoints by tests/checkpoint/test_head_parameters_loaded.py."""

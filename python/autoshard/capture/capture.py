@@ -332,7 +332,7 @@ def _record_gradient_facts(document: dict, layers: dict, shadow: nn.Module, floa
 
 def _record_adapters(document: dict, layers: dict, shadow: nn.Module) -> None:
     """Writes each LoRA layer's factors into its node of the graph document (parameter indices,
-    shapes, whether trained): the planner splits them with the layer (csrc/plan/adapters.cpp)."""
+    shapes, whether trained): the planner splits them with the layer (csrc/plan/constructs/adapters.cpp)."""
     params = [p for _, p in shadow.named_parameters(remove_duplicate=True)]
     for node, info in layers.items():
         if info.adapters:

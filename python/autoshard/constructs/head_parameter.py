@@ -1,7 +1,7 @@
 """Parameters over the attention heads split with them: a per-head scale, or a bias of
 all_head_size added to the query or value heads (DeBERTa's q_bias and v_bias). The planner
 finds them from the dataflow, meeting the heads-sharded attention only in elementwise ops
-(csrc/plan/head_params.cpp); each rank keeps its heads' slice as a local parameter of the same
+(csrc/plan/constructs/head_params.cpp); each rank keeps its heads' slice as a local parameter of the same
 module, under the same name (nn/head_parameters.py), with no collective."""
 
 import dataclasses

@@ -1,7 +1,7 @@
 """Split norms: an RMS norm or a LayerNorm over a layer's output features that are split by
 heads (OLMo 2's q_norm and k_norm over q_proj's and k_proj's outputs, ESM-C's LayerNorms over
 them). The capture records a call of one on a layer's output as one "norm" node
-(capture/module_calls.py), the planner splits it with the layer's features (csrc/plan/norms.cpp),
+(capture/module_calls.py), the planner splits it with the layer's features (csrc/plan/constructs/norms.cpp),
 and each becomes nn.rms_norm.ShardedRMSNorm (one all-reduce of the squares' sums in forward, one
 in backward) or nn.layer_norm.ShardedLayerNorm (two each: the mean, then the variance).
 

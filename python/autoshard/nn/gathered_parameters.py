@@ -6,7 +6,7 @@ layer's), and the parameter is all-gathered whole where each call of that module
 back to the piece where the call returns, as a fully sharded data-parallel parameter is.
 
 The plan gathers only a parameter that every read of which lies inside its module's call and
-computes on tensors held whole (csrc/plan/gathered_params.cpp): its gradient is then the same
+computes on tensors held whole (csrc/plan/constructs/gathered_params.cpp): its gradient is then the same
 on every rank, and the gather's backward keeps this rank's piece of it, with no collective.
 """
 

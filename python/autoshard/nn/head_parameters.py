@@ -1,7 +1,7 @@
 """Parameters over the attention heads split with them (``ShardingPlan.head_parameters``): a
 per-head scale, or a bias of all_head_size added to the query or value heads (DeBERTa's
 ``q_bias`` and ``v_bias``), that the plan found meeting the heads-sharded attention only in
-elementwise ops (csrc/plan/head_params.cpp).
+elementwise ops (csrc/plan/constructs/head_params.cpp).
 
 Each rank keeps the slice for its heads as a plain local parameter of the same module, under
 the same name, recorded in the module's ``shard_specs``: loading, saving, gathering the full

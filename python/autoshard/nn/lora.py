@@ -7,7 +7,7 @@ its base layer is, with one collective for both:
   held whole and reads the base's input copy. The sum of both paths' input gradients is
   all-reduced once, by that copy; A's weight gradient is partial on each rank (it meets
   only this rank's rows of B) and is summed over the group in backward as a partial
-  gradient (the plan lists it, see csrc/plan/adapters.cpp).
+  gradient (the plan lists it, see csrc/plan/constructs/adapters.cpp).
 - a row base layer (input features split): A's columns are split like the base's, so A's
   output is a partial sum; B, held whole, is linear, so B applied to it is a partial sum of
   B's output, added to the base's partial sum before the layer's one all-reduce. B's weight

@@ -159,7 +159,7 @@ RETURNED_WEIGHTS = ("all_reduce", "none")
 
 class ReturnedWeights(nn.Module):
     """The attention weights a ParallelMultiheadAttention returns, from this rank's heads, as a
-    layer call (the planner records it as one node, csrc/plan/attention_weights.cpp).
+    layer call (the planner records it as one node, csrc/plan/constructs/attention_weights.cpp).
 
     With `returned` "all_reduce", the weights averaged over every head: this rank's sum over its
     heads divided by the global head count, summed over the ranks (all-reduce in forward; the

@@ -32,7 +32,7 @@ def read_answer(document: str, graph: CapturedGraph, world_size: int, element_si
         raise RuntimeError(f"plan: the planner answered with document version {data.get('version')!r}, "
                            f"this layer reads version {2}; rebuild the extension")
     names = graph.param_names
-    # The planner names parameters by index in its notes (csrc/plan/head_params.cpp).
+    # The planner names parameters by index in its notes (csrc/plan/constructs/head_params.cpp).
     named = lambda text: re.sub(r"parameter #(\d+)", lambda m: f"parameter {names[int(m.group(1))]!r}", text)
     layers = []
     for record in data["layers"]:

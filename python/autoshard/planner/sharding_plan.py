@@ -63,7 +63,7 @@ class ShardingPlan(Sealed):
     # Large parameters outside the layers stored split and gathered whole for each call of their
     # module (see nn/gathered_parameters.py).
     gathered_parameters: List[GatheredParameter] = field(default_factory=list)
-    # LoRA layers (see csrc/plan/adapters.cpp).
+    # LoRA layers (see csrc/plan/constructs/adapters.cpp).
     adapters: List[AdapterFactors] = field(default_factory=list)
     # Replicated layers whose output's gradient is summed where they return it (csrc/plan/gradients.cpp).
     summed_outputs: List[SummedOutput] = field(default_factory=list)
