@@ -253,13 +253,17 @@ class KnownValues(TorchDispatchMode):
 class _IndexingValues(TorchFunctionMode):
     """Indexing with a Python sequence (`input_ids[:, [-1, 0]]`) makes its index tensor on meta
     out of the dispatcher's sight, so its values never reach KnownValues: the twin of such an
-    index is taken here, from the indexed tensor's twin and the index as written."""
+    index is taken here, from the indexed tensor's twin and the index as written. A device move
+    (Tensor.to) is told apart from a read of values here too, where the call is still seen."""
 
     def __init__(self, values: KnownValues):
         super().__init__()
         self.values = values
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        moved = self._device_move(func, args, kwargs or {})
+        if moved is not None:
+            return moved
         out = func(*args, **(kwargs or {}))
         if (func is torch.Tensor.__getitem__ and _is_meta(out) and self.values.twin(out) is None
                 and len(args) == 2):
@@ -286,6 +290,22 @@ class _IndexingValues(TorchFunctionMode):
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(out.shape):
                     self.values.know(out, value)
         return out
+
+
+    def _device_move(self, func, args, kwargs) -> Optional[torch.Tensor]:
+        """`x.to(device)` of a meta tensor whose values are unknown (TransformerLens's
+        `residual.to(cfg.device)`): a device move reads no value, so on meta it stays on meta, with
+        the dtype asked for. Only Tensor.to is read so: .cpu(), .tolist() and .numpy() ask for the
+        values themselves, and the dispatcher sees one copy off meta for all of them."""
+        if func is not torch.Tensor.to or not args or not _is_meta(args[0]):
+            return None
+        if self.values.twin(args[0]) is not None:
+            return None  # known values: copied off meta as they are, for what reads them
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+        if device is None or device.type == "meta":
+            return None
+        options = {} if memory_format is None else {"memory_format": memory_format}
+        return args[0].to(device="meta", dtype=dtype or args[0].dtype, non_blocking=non_blocking, **options)
 
 
 def _twins(values: KnownValues, tree):
