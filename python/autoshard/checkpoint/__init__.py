@@ -12,7 +12,7 @@ from .manifest import Manifest, UncommittedCheckpointError, read_manifest
 from .pending import CheckpointSaveError, SaveHandle, wait_for_pending_save
 from .save import save
 from .snapshot import release_snapshot_buffers
-from .targets import Target, model_targets
+from .contents import Target, model_targets
 from ..tensor_io import (
     CheckpointCorruptError,
     SafetensorsReader,

@@ -9,6 +9,7 @@ as ``save_pretrained`` does; optimizer state is left out.
 
 import contextlib
 import json
+import math
 import os
 import re
 from typing import Dict, List, Optional
@@ -16,7 +17,6 @@ from typing import Dict, List, Optional
 import torch
 
 from . import manifest as mf
-from . import rank_extra as per_rank
 from . import rng
 from .contents import OPTIMIZER_PREFIX
 from .files import CheckpointFiles
@@ -42,7 +42,7 @@ def _parse_size(value) -> Optional[int]:
 
 
 def _nbytes(record: mf.TensorRecord) -> int:
-    return record.volume() * mf.dtype_of(record.dtype).itemsize
+    return math.prod(record.shape) * mf.dtype_of(record.dtype).itemsize
 
 
 def _group_files(names: List[str], tensors: Dict[str, mf.TensorRecord], limit: Optional[int]) -> List[List[str]]:
@@ -65,10 +65,7 @@ def _row_blocks(shape: List[int], itemsize: int):
     if not shape:
         yield Selection((), ())
         return
-    row_bytes = itemsize
-    for size in shape[1:]:
-        row_bytes *= size
-    rows = max(1, _ROW_BLOCK_BYTES // max(1, row_bytes))
+    rows = max(1, _ROW_BLOCK_BYTES // max(1, math.prod(shape[1:]) * itemsize))
     rest = tuple(((0, size),) for size in shape[1:])
     for start in range(0, max(shape[0], 1), rows):
         length = min(rows, shape[0] - start)
@@ -105,12 +102,10 @@ def consolidate(path, out_dir, max_shard_size=None) -> List[str]:
     limit = _parse_size(max_shard_size)
     path, out_dir = os.path.abspath(os.fspath(path)), os.path.abspath(os.fspath(out_dir))
     manifest = mf.read_manifest(path, "consolidate")
-    names = [k for k in manifest.tensors if not k.startswith((OPTIMIZER_PREFIX, rng.PREFIX, per_rank.PREFIX))]
+    names = [k for k in manifest.tensors if not k.startswith((OPTIMIZER_PREFIX, rng.PREFIX, rng.EXTRA_PREFIX))]
     groups = _group_files(names, manifest.tensors, limit)
-    if len(groups) == 1:
-        file_names = [SAFETENSORS_FILE]
-    else:
-        file_names = [safetensors_shard_file(i + 1, len(groups)) for i in range(len(groups))]
+    file_names = ([SAFETENSORS_FILE] if len(groups) == 1 else
+                  [safetensors_shard_file(i + 1, len(groups)) for i in range(len(groups))])
     outputs = [os.path.join(out_dir, n) for n in file_names]
     if len(groups) > 1:
         outputs.append(os.path.join(out_dir, SAFETENSORS_INDEX_FILE))

@@ -1,6 +1,6 @@
 """What a rank holds that a checkpoint stores: the model's parameters and persistent buffers
-(tied tensors once), and the optimizer's state, each with the part of the global tensor it
-holds (its selection).
+(tied tensors once, its targets, which a load fills too), and the optimizer's state, each with
+the part of the global tensor it holds (its selection).
 
 Optimizer state is stored under ``optimizer/<parameter name>/<state key>``, in one of three
 layouts: "param", a tensor shaped like its parameter (AdamW's moments, SGD's momentum),
@@ -11,17 +11,76 @@ Non-tensor values go into the manifest as JSON.
 """
 
 import json
-from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..core.spec import ShardSpec, module_shards
 from ..runtime.optimizer_partition import piece_of
-from ..tensor_io import Selection, full_selection, json_input
+from ..tensor_io import Selection, full_selection, json_input, selection_of
 from .manifest import MAX_VALUE_DEPTH
-from .targets import Target, model_targets
 
 OPTIMIZER_PREFIX = "optimizer/"
+
+
+@dataclass
+class Target:
+    name: str  # the first name the module tree gives it
+    tensor: torch.Tensor  # the local tensor (a Parameter or a buffer; may be on meta)
+    selection: Selection  # which part of the full tensor it holds
+    is_parameter: bool
+    aliases: List[str] = field(default_factory=list)  # every name of a tied tensor, `name` first
+    spec: Optional[ShardSpec] = None
+
+    def owned(self, local: torch.Tensor) -> Optional[Tuple[torch.Tensor, Selection]]:
+        """The part of `local` (shaped like this target's tensor) that this rank saves, and its
+        selection: all of it, except where several ranks hold the same KV heads, which the
+        lowest-ranked holder saves; None when another rank saves all of it."""
+        if self.spec is None or not self.spec.overlaps:
+            return local, self.selection
+        part = self.spec.owned_part(local)
+        if part is None:
+            return None
+        runs = list(self.selection.runs)
+        runs[self.spec.dim] = tuple(self.spec.owned_ranges())
+        return part, Selection(self.selection.shape, tuple(runs))
+
+
+def _refuse_fully_sharded(model: torch.nn.Module) -> None:
+    # FSDP's DTensor of a tensor-parallel shard holds a piece the selections here do not describe.
+    name = next((n for n, p in model.named_parameters() if hasattr(p, "device_mesh")), None)
+    if name is not None:
+        raise ValueError(f"autoshard.checkpoint and load_pretrained do not read or write a model under fully_shard "
+                         f"({name!r} is FSDP's piece of a parameter). Save autoshard.full_state_dict(model) instead, "
+                         "load weights before fully_shard, or use the mesh path without fully_shard, "
+                         "parallelize(model, mesh=mesh)")
+
+
+def model_targets(model: torch.nn.Module, persistent_only: bool = True) -> Dict[str, Target]:
+    """Name -> Target for every parameter and (persistent) buffer, tied tensors once."""
+    _refuse_fully_sharded(model)
+    specs = module_shards(model.modules())
+    targets: Dict[str, Target] = {}
+    by_id: Dict[int, Target] = {}
+
+    def add(name: str, tensor: torch.Tensor, is_parameter: bool) -> None:
+        if id(tensor) in by_id:
+            by_id[id(tensor)].aliases.append(name)
+            return
+        spec = specs.get(id(tensor), (None, None))[0] if is_parameter else None
+        full_shape = spec.full_shape(tensor.shape) if spec is not None else tuple(tensor.shape)
+        target = Target(name, tensor, selection_of(spec, full_shape), is_parameter, [name], spec)
+        targets[name] = by_id[id(tensor)] = target
+
+    for name, param in model.named_parameters(remove_duplicate=False):
+        add(name, param, True)
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        skipped = getattr(module, "_non_persistent_buffers_set", set()) if persistent_only else set()
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and buffer_name not in skipped:
+                add(f"{module_name}.{buffer_name}" if module_name else buffer_name, buffer, False)
+    return targets
 
 
 @dataclass
@@ -29,10 +88,6 @@ class Held:
     key: str  # the name it is stored under
     tensor: torch.Tensor  # this rank's local tensor
     selection: Selection
-
-
-def optimizer_key(param_name: str, state_key: str) -> str:
-    return f"{OPTIMIZER_PREFIX}{param_name}/{state_key}"
 
 
 def json_value(value: Any, where: str) -> Any:
@@ -96,7 +151,7 @@ def optimizer_holdings(optimizer: torch.optim.Optimizer, targets: Dict[str, Targ
             piece = piece_of(p)
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
-                    stored = optimizer_key(name, key)
+                    stored = f"{OPTIMIZER_PREFIX}{name}/{key}"
                     value = value.detach()
                     if piece is not None and value.dim() == 1 and value.numel() == piece.numel:
                         layout = "flat"

@@ -9,7 +9,7 @@ import torch
 
 from . import manifest as mf
 from .validate import plain_file_name
-from ..tensor_io import CheckpointCorruptError, SafetensorsReader, Selection
+from ..tensor_io import CheckpointCorruptError, SafetensorsReader, Selection, full_selection
 
 
 def _overlaps(a: Selection, b: Selection) -> bool:
@@ -79,3 +79,12 @@ class CheckpointFiles:
             reader.read_into(key, out, dest_selection, source)
         if out is not dest:
             dest.copy_(out)
+
+    def read_whole(self, key: str) -> torch.Tensor:
+        """Stored tensor ``key`` whole, on the CPU, its blocks verified."""
+        record = self.manifest.tensors[key]
+        selection = full_selection(record.shape)
+        self.verify(key, selection)
+        tensor = torch.empty(record.shape, dtype=mf.dtype_of(record.dtype))
+        self.fill(key, tensor, selection)
+        return tensor

@@ -11,14 +11,12 @@ import torch
 import torch.distributed as dist
 
 from . import manifest as mf
-from . import rank_extra as per_rank
 from . import rng
 from ..runtime.optimizer_partition import piece_of
-from .contents import OPTIMIZER_PREFIX
 from .files import CheckpointFiles
-from .hyperparameters import check_hyperparameters, check_state, step_problem
+from .validate import check_hyperparameters, check_state, step_problem
 from .pending import wait_for_pending_save
-from .targets import Target, model_targets
+from .contents import OPTIMIZER_PREFIX, Target, model_targets
 from ..tensor_io import CheckpointCorruptError, Selection, full_selection
 
 
@@ -52,7 +50,7 @@ def _model_reads(model, manifest: mf.Manifest, strict: bool) -> Tuple[Dict[str, 
         used.add(stored)
         reads.append((stored, target.tensor.detach(), target.selection))
     unexpected = [k for k in manifest.tensors
-                  if not k.startswith((OPTIMIZER_PREFIX, rng.PREFIX, per_rank.PREFIX)) and k not in used]
+                  if not k.startswith((OPTIMIZER_PREFIX, rng.PREFIX, rng.EXTRA_PREFIX)) and k not in used]
     if strict and (missing or unexpected):
         raise ValueError(f"load: the model and the checkpoint differ: missing from the checkpoint {missing}, "
                          f"not in the model {unexpected} (strict=False loads the tensors they share)")
@@ -108,7 +106,6 @@ def _apply_hyperparameters(optimizer, hyperparameters: List[dict]) -> None:
 
 
 def _cut(full: torch.Tensor, selection: Selection) -> torch.Tensor:
-    """The local tensor of ``selection``, cut from the full tensor."""
     for dim, runs in enumerate(selection.runs):
         if runs != ((0, full.shape[dim]),):
             full = torch.cat([full.narrow(dim, start, length) for start, length in runs], dim=dim)
@@ -121,9 +118,7 @@ def _state_through_full(files: CheckpointFiles, key: str, record: mf.TensorRecor
     the parameter's state is partitioned (flattened), else the parameter's selection. Used
     where the stored and the kept layout differ (one side partitioned); such parameters are
     replicated on that side, so the whole tensor is no larger than the parameter itself."""
-    full = torch.empty(record.shape, dtype=mf.dtype_of(record.dtype))
-    files.fill(key, full, full_selection(record.shape))
-    full = full.reshape(selection.shape)
+    full = files.read_whole(key).reshape(selection.shape)
     piece = piece_of(p)
     if piece is not None:
         kept = full.reshape(-1).narrow(0, piece.starts[piece.rank], piece.numel)
@@ -166,12 +161,9 @@ def _check_stored_steps(params, manifest: mf.Manifest, files: CheckpointFiles, m
         entry = (entries or {}).get("step")
         if entry is None or "tensor" not in entry:
             continue
-        record = manifest.tensors[entry["tensor"]]
-        if math.prod(record.shape) != 1:
+        if math.prod(manifest.tensors[entry["tensor"]].shape) != 1:
             continue  # refused by check_state for the optimizers whose state is known
-        value = torch.empty(record.shape, dtype=mf.dtype_of(record.dtype))
-        files.fill(entry["tensor"], value, full_selection(record.shape))
-        number = value.item()
+        number = files.read_whole(entry["tensor"]).item()
         problem = step_problem(number if isinstance(number, (int, float)) else None)
         if problem is not None:
             raise CheckpointCorruptError(f"load: {manifest_path!r}: optimizer.state[{name!r}]['step'] (stored in "
@@ -249,12 +241,11 @@ def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
             _check_stored_steps(optimizer_plan[1], manifest, files, os.path.join(path, mf.MANIFEST))
         restore = lambda: None  # noqa: E731
         rank, world_size = _rank_and_world()
-        read_stored = rng.stored_tensor(files, manifest.tensors, mf.dtype_of)
         own_extra = None
         if return_rank_extra:
-            own_extra = per_rank.read(manifest.tensors, rank, world_size, manifest.world_size, read_stored, path)
+            own_extra = rng.read_extra(manifest.tensors, rank, world_size, manifest.world_size, files.read_whole, path)
         if restore_rng:
-            restore = rng.restorer(manifest.tensors, rank, world_size, manifest.world_size, read_stored, path)
+            restore = rng.restorer(manifest.tensors, rank, world_size, manifest.world_size, files.read_whole, path)
         for key, tensor, selection in reads:
             files.fill(key, tensor, selection)
         if optimizer_plan is not None:

@@ -88,12 +88,8 @@ class CheckpointManager:
 
     def steps(self) -> List[int]:
         """The steps of the committed checkpoints, oldest first."""
-        found = []
-        for name in os.listdir(self.directory):
-            match = _STEP_DIR.match(name)
-            if match and mf.is_committed(os.path.join(self.directory, name)):
-                found.append(int(match.group(1)))
-        return sorted(found)
+        matches = [(_STEP_DIR.match(name), os.path.join(self.directory, name)) for name in os.listdir(self.directory)]
+        return sorted(int(match.group(1)) for match, path in matches if match and mf.is_committed(path))
 
     def latest_step(self) -> Optional[int]:
         steps = self.steps()
@@ -130,14 +126,6 @@ class CheckpointManager:
             self._reported.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    def _retain(self) -> None:
-        """Deletes the checkpoints that are neither among the last max_to_keep nor the best.
-        Runs after a commit: it reports what it cannot do and never raises."""
-        try:
-            self._retain_checkpoints()
-        except Exception as e:
-            self._report(f"retain:{e}", f"CheckpointManager: retention in {self.directory!r} failed: {e}")
-
     def _ours(self, path: str) -> bool:
         try:
             names = os.listdir(path)
@@ -160,38 +148,38 @@ class CheckpointManager:
         except OSError as e:
             self._report(path, f"CheckpointManager: could not delete {path!r}: {e}")
 
-    def _retain_checkpoints(self) -> None:
-        steps = []
-        metrics: Dict[int, dict] = {}
-        for step in self.steps():
-            path = self.path_for(step)
-            if self.keep_best is not None:
-                try:
-                    metrics[step] = mf.read_manifest(path, "CheckpointManager").metrics or {}
-                except Exception as e:
-                    self._report(path, f"CheckpointManager: skipped {path!r}, which it cannot read: {e}")
-                    continue
-            steps.append(step)
-        keep = set(steps if self.max_to_keep is None else steps[-self.max_to_keep:])
-        if self.keep_best is not None:
-            scored = []
-            for step in steps:
-                value = metrics[step].get(self.keep_best)
-                if isinstance(value, numbers.Real) and not isinstance(value, bool):
-                    scored.append((value if self.mode == "min" else -value, -step, step))
+    def _retain(self) -> None:
+        """Deletes the checkpoints that are neither among the last max_to_keep nor the best.
+        Runs after a commit: it reports what it cannot do and never raises."""
+        try:
+            steps, scored = [], []
+            for step in self.steps():
+                path = self.path_for(step)
+                if self.keep_best is not None:
+                    try:
+                        value = (mf.read_manifest(path, "CheckpointManager").metrics or {}).get(self.keep_best)
+                    except Exception as e:
+                        self._report(path, f"CheckpointManager: skipped {path!r}, which it cannot read: {e}")
+                        continue
+                    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                        scored.append((value if self.mode == "min" else -value, -step, step))
+                steps.append(step)
+            keep = set(steps if self.max_to_keep is None else steps[-self.max_to_keep:])
             if scored:
                 keep.add(min(scored)[2])
-        for step in steps:
-            if step not in keep and self._ours(self.path_for(step)):
-                self._delete(self.path_for(step))
-        # Step directories a save never committed (copied in part, or written by an old version).
-        newest = steps[-1] if steps else None
-        for name in os.listdir(self.directory):
-            match = _STEP_DIR.match(name)
-            path = os.path.join(self.directory, name)
-            if (match and newest is not None and int(match.group(1)) < newest and os.path.isdir(path)
-                    and not mf.is_committed(path) and self._ours(path)):
-                self._delete(path)
+            for step in steps:
+                if step not in keep and self._ours(self.path_for(step)):
+                    self._delete(self.path_for(step))
+            # Step directories a save never committed (copied in part, or written by an old version).
+            newest = steps[-1] if steps else None
+            for name in os.listdir(self.directory):
+                match = _STEP_DIR.match(name)
+                path = os.path.join(self.directory, name)
+                if (match and newest is not None and int(match.group(1)) < newest and os.path.isdir(path)
+                        and not mf.is_committed(path) and self._ours(path)):
+                    self._delete(path)
+        except Exception as e:
+            self._report(f"retain:{e}", f"CheckpointManager: retention in {self.directory!r} failed: {e}")
 
     def wait(self) -> None:
         """Blocks until the save in flight is committed; raises its error."""

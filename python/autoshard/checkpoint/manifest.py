@@ -17,7 +17,6 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..tensor_io import CheckpointCorruptError, Selection, json_input
-from ..tensor_io.safetensors import DTYPE_NAMES
 from . import validate
 
 FORMAT_VERSION = 1
@@ -67,12 +66,6 @@ class TensorRecord:
     shape: List[int]
     dtype: str
     pieces: List[StoredPiece]
-
-    def volume(self) -> int:
-        n = 1
-        for size in self.shape:
-            n *= size
-        return n
 
 
 @dataclass
@@ -192,15 +185,10 @@ def read_manifest(path, function: str = "load") -> Manifest:
     if isinstance(raw, dict) and raw.get("format_version") != FORMAT_VERSION:
         raise CheckpointCorruptError(f"{function}: {manifest_path!r} has format version {raw.get('format_version')!r}, "
                                      f"this autoshard reads {FORMAT_VERSION}")
-    validate.check_manifest_data(raw, manifest_path, function, _known_dtype)
+    validate.check_manifest_data(raw, manifest_path, function)
     try:
         manifest = Manifest.from_data(raw)
     except (ValueError, KeyError, TypeError) as error:
         raise CheckpointCorruptError(f"{function}: {manifest_path!r} is not a valid manifest: {error}") from error
     validate.check_coverage(manifest.tensors, manifest_path, function)
     return manifest
-
-
-def _known_dtype(name: str) -> bool:
-    dtype = getattr(torch, name, None)
-    return isinstance(dtype, torch.dtype) and dtype in DTYPE_NAMES

@@ -1,11 +1,12 @@
-"""Each rank's random number generator states, saved with a checkpoint and restored by ``load``.
+"""What each rank saves for itself, in its own file (so checksummed like every tensor, and each
+rank reads only its own): its random number generator states, restored by ``load``, and its
+per-rank ``extra``.
 
 Dropout draws from torch's generator: inside a sharded region each rank draws its own masks
 from a state the region seeds from the synchronised one (see region_generators), and Python's
 and numpy's generators, or a generator a rank seeded itself, may be the rank's own; a resumed
 run repeats the uninterrupted one only if every rank gets its generators back. ``save``
-stores, for each rank ``r``, under ``rng/rank-<r>/<name>`` in that rank's own file (so
-checksummed like every tensor, and each rank reads only its own):
+stores, for each rank ``r``, under ``rng/rank-<r>/<name>``:
 
 - ``torch``: ``torch.get_rng_state()`` (uint8);
 - ``cuda``: ``torch.cuda.get_rng_state_all()`` stacked (uint8, one row per device), when CUDA
@@ -18,17 +19,27 @@ checksummed like every tensor, and each rank reads only its own):
 ``load`` restores them when the checkpoint was saved by as many ranks as load it (rank ``r``
 gets rank ``r``'s); on another world size no rank's states fit, so none is restored and a
 warning says so.
+
+Per-rank ``extra`` is a JSON-able value each rank saves for itself (its data loader's position,
+its own counters) with ``save(..., rank_extra=...)``, returned to the same rank by
+``load(..., return_rank_extra=True)``. Rank ``r``'s value is stored as its JSON text (UTF-8
+bytes, uint8) under ``rank_extra/rank-<r>``. It belongs to a rank of one world size: loaded by
+another number of ranks, no rank's value fits, and asking for it is refused before anything is
+changed.
 """
 
+import json
 import math
 import random
 import sys
 import warnings
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ..tensor_io import CheckpointCorruptError, full_selection
+from ..tensor_io import CheckpointCorruptError, json_input
+from .contents import json_value
+from .manifest import MAX_VALUE_DEPTH
 
 PREFIX = "rng/"
 _PYTHON_WORDS = 625  # the Mersenne Twister's 624 words and its position
@@ -87,7 +98,7 @@ def _python_setter(values: List[float], where: str) -> Callable[[], None]:
     return lambda: random.setstate(state)
 
 
-def _numpy_setter(values: List[float], where: str) -> Optional[Callable[[], None]]:
+def _numpy_setter(values: List[float], where: str) -> Callable[[], None]:
     if len(values) != _NUMPY_WORDS + 3:
         raise CheckpointCorruptError(f"{where}: expected [{_NUMPY_WORDS} words, pos, has_gauss, cached_gaussian] "
                                      f"({_NUMPY_WORDS + 3} numbers), got {len(values)}")
@@ -99,15 +110,9 @@ def _numpy_setter(values: List[float], where: str) -> Optional[Callable[[], None
     try:
         import numpy  # noqa: PLC0415  (optional: without it nothing in this process draws from numpy)
     except ImportError:
-        return None  # nothing in this process can draw from it
+        return lambda: None  # nothing in this process can draw from it
     state = ("MT19937", numpy.array(words, dtype=numpy.uint32), int(pos), int(has_gauss), gauss)
     return lambda: numpy.random.set_state(state)
-
-
-def _current_cuda_states() -> Optional[List[torch.Tensor]]:
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_rng_state_all()
 
 
 def restorer(stored: Dict[str, object], rank: int, world_size: int, saved_world_size: int,
@@ -136,18 +141,14 @@ def restorer(stored: Dict[str, object], rank: int, world_size: int, saved_world_
                                      f"got {state.dtype} of shape {list(state.shape)}")
     setters.append(lambda: torch.set_rng_state(state))
 
-    python_key = key(rank, "python")
-    if python_key in stored:
-        setters.append(_python_setter(read(python_key).tolist(), f"load: {where!r}: {python_key!r}"))
-    numpy_key = key(rank, "numpy")
-    if numpy_key in stored:
-        setter = _numpy_setter(read(numpy_key).tolist(), f"load: {where!r}: {numpy_key!r}")
-        if setter is not None:
-            setters.append(setter)
+    for name, make_setter in (("python", _python_setter), ("numpy", _numpy_setter)):
+        state_key = key(rank, name)
+        if state_key in stored:
+            setters.append(make_setter(read(state_key).tolist(), f"load: {where!r}: {state_key!r}"))
     cuda_key = key(rank, "cuda")
     if cuda_key in stored:
         cuda = read(cuda_key)
-        current = _current_cuda_states()
+        current = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         if current is None or cuda.dim() != 2 or cuda.shape[0] != len(current) or cuda.dtype != torch.uint8:
             present = 0 if current is None else len(current)
             warnings.warn(f"load: {where!r} holds the CUDA generator states of {cuda.shape[0] if cuda.dim() else 0} "
@@ -166,13 +167,39 @@ def restorer(stored: Dict[str, object], rank: int, world_size: int, saved_world_
     return restore
 
 
-def stored_tensor(files, stored: Dict[str, object], dtype_of) -> Callable[[str], torch.Tensor]:
-    """``read(key)`` for ``restorer``: the whole stored tensor, its blocks verified."""
-    def read(name: str) -> torch.Tensor:
-        record = stored[name]
-        selection = full_selection(record.shape)
-        files.verify(name, selection)
-        tensor = torch.empty(record.shape, dtype=dtype_of(record.dtype))
-        files.fill(name, tensor, selection)
-        return tensor
-    return read
+EXTRA_PREFIX = "rank_extra/"
+
+
+def extra_key(rank: int) -> str:
+    return f"{EXTRA_PREFIX}rank-{rank:05d}"
+
+
+def encode_extra(value: Any) -> torch.Tensor:
+    """``value`` (checked and copied as ``extra`` is) as its JSON text in a uint8 tensor."""
+    value = json_value(value, "rank_extra")
+    return torch.frombuffer(bytearray(json.dumps(value).encode("utf-8")), dtype=torch.uint8)
+
+
+def read_extra(stored: Dict[str, object], rank: int, world_size: int, saved_world_size: int,
+               read_tensor: Callable[[str], torch.Tensor], where: str) -> Optional[Any]:
+    """This rank's saved value (None when the checkpoint holds none for it); raises ValueError
+    when the checkpoint holds per-rank values of another world size. ``stored`` is the
+    manifest's tensors; ``read_tensor(key)`` returns a stored tensor, its blocks verified."""
+    if not any(k.startswith(EXTRA_PREFIX) for k in stored):
+        return None
+    if saved_world_size != world_size:
+        raise ValueError(f"load: {where!r} holds per-rank extra saved by {saved_world_size} ranks, and {world_size} "
+                         "ranks load it: no rank's value belongs to a rank of this job (load with "
+                         "return_rank_extra=False to load the rest)")
+    name = extra_key(rank)
+    record = stored.get(name)
+    if record is None:
+        return None  # this rank saved none
+    if record.dtype != "uint8" or len(record.shape) != 1 or record.shape[0] > json_input.MAX_JSON_BYTES:
+        raise CheckpointCorruptError(f"load: {where!r}: {name!r} must be uint8 JSON text of at most "
+                                     f"{json_input.MAX_JSON_BYTES} bytes, got {record.dtype} of shape {record.shape}")
+    data = read_tensor(name).numpy().tobytes()
+    try:
+        return json_input.loads(data, MAX_VALUE_DEPTH, json_input.MAX_JSON_VALUES // 2)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"load: {where!r}: {name!r} is not the JSON text a save writes: {e}") from None

@@ -29,14 +29,12 @@ import torch.distributed as dist
 
 from . import claim
 from . import manifest as mf
-from . import rank_extra as per_rank
 from . import rng
 from ..conventions.huggingface import config_json
 from ..core.parallel_state import state_of
-from .save_agreement import Agreement, claimed_message, start_agreement
+from .save_agreement import Agreement, PendingAgreement, claimed_message
 from .contents import Held, json_value, model_holdings, optimizer_holdings
-from .group import CheckpointGroup
-from .pending import WRITER, CheckpointSaveError, SaveHandle, wait_for_pending_save
+from .pending import WRITER, CheckpointGroup, CheckpointSaveError, SaveHandle, wait_for_pending_save
 from .snapshot import Snapshot, SnapshotError, forget_buffers, take_snapshot
 from ..tensor_io import full_selection, write_safetensors
 
@@ -80,55 +78,33 @@ def _tp_ranks(model: torch.nn.Module) -> Optional[List[int]]:
     return None
 
 
-def _plan(model: torch.nn.Module):
-    """The model's ShardingPlan (attached by parallelize; never changed afterwards), or None."""
-    state = state_of(model)
-    return None if state is None else state.plan
-
-
-def _versions() -> Dict[str, str]:
+def _manifest_start(comm: CheckpointGroup, model: torch.nn.Module, agreement: Agreement, aliases: Dict[str, str],
+                    extra, metrics: Optional[Dict[str, float]]) -> mf.Manifest:
+    """Rank 0's manifest as far as it is known before ``save`` returns; the background writer
+    adds the plan's JSON (the plan is never changed once parallelize attached it), the merged
+    optimizer description and the files."""
     autoshard = sys.modules.get("autoshard")
-    return {"autoshard": getattr(autoshard, "__version__", "unknown"), "torch": torch.__version__}
-
-
-class _ManifestParts:
-    """What rank 0 builds the manifest from, taken before ``save`` returns; the manifest itself
-    (the plan's JSON above all) is built by the background writer."""
-
-    def __init__(self, comm: CheckpointGroup, model: torch.nn.Module, agreement: Agreement, aliases: Dict[str, str],
-                 extra, metrics: Optional[Dict[str, float]]):
-        self.world_size = comm.size
-        self.records = agreement.records
-        self.aliases = aliases
-        self.tp_ranks = _tp_ranks(model)
-        self.plan = _plan(model)
-        self.extra = extra  # a copy (json_value)
-        self.metrics = metrics
-        self.model_config = config_json(model)
-
-    def build(self, optimizer_descriptions: List[Optional[dict]]) -> mf.Manifest:
-        return mf.Manifest(
-            world_size=self.world_size, tensors=self.records, files={}, aliases=self.aliases,
-            tp_ranks=self.tp_ranks, versions=_versions(), plan=None if self.plan is None else self.plan.to_json(),
-            optimizer=_merge_optimizers(optimizer_descriptions), extra=self.extra, metrics=self.metrics,
-            model_config=self.model_config)
+    versions = {"autoshard": getattr(autoshard, "__version__", "unknown"), "torch": torch.__version__}
+    return mf.Manifest(world_size=comm.size, tensors=agreement.records, files={}, aliases=aliases,
+                       tp_ranks=_tp_ranks(model), versions=versions, extra=extra, metrics=metrics,
+                       model_config=config_json(model))
 
 
 class _Job:
     """The part of a save that runs after the snapshot: claim, write, report, commit."""
 
     def __init__(self, comm: CheckpointGroup, path: str, snapshot: Union[Snapshot, str],
-                 optimizer_description: Optional[dict],
-                 manifest_parts: Optional[_ManifestParts], after_commit: Optional[Callable[[], None]]):
+                 optimizer_description: Optional[dict], manifest: Optional[mf.Manifest], plan,
+                 after_commit: Optional[Callable[[], None]], keeps_buffers: bool):
         self.comm = comm
         self.path = path
         self.partial = path + mf.PARTIAL_SUFFIX
         self.snapshot = snapshot
         self.optimizer_description = optimizer_description
-        self.manifest_parts = manifest_parts  # on rank 0 only
+        self.manifest, self.plan = manifest, plan  # on rank 0 only
         self.after_commit = after_commit
         self.token: Optional[str] = None  # rank 0's claim on self.partial
-        self.keeps_buffers = False  # the snapshot's buffers are kept for the next save (async)
+        self.keeps_buffers = keeps_buffers  # the snapshot's buffers are kept for the next save (async)
 
     def _agree(self, error: Optional[str]) -> None:
         """Rank 0's verdict, on every rank."""
@@ -172,7 +148,7 @@ class _Job:
                 error = f"rank {rank} could not write {mf.rank_file(rank)!r} in {self.partial!r}: {type(e).__name__}: {e}"
             tensors = None
         self.snapshot = None  # the host copy is not needed any more
-        reports = self.comm.gather((record, self.optimizer_description, error))
+        reports = self.comm.all_gather((record, self.optimizer_description, error))
 
         error = None
         if rank == 0:
@@ -188,7 +164,9 @@ class _Job:
         # Every failure before the rename removes our .partial (it holds the space a retry needs),
         # and none touches a .partial that is no longer ours.
         try:
-            manifest = self.manifest_parts.build(optimizer_descriptions)
+            manifest = self.manifest
+            manifest.plan = None if self.plan is None else self.plan.to_json()
+            manifest.optimizer = _merge_optimizers(optimizer_descriptions)
             manifest.files = {
                 mf.rank_file(r): mf.FileEntry(rec.size, list(rec.block_crc32))
                 for r, rec in enumerate(records) if rec is not None
@@ -253,8 +231,8 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
         held += [Held(rng.key(comm.rank, name), state, full_selection(state.shape))
                  for name, state in generators.items()]
         if rank_extra is not None:
-            own = per_rank.encode(rank_extra)  # a copy: the caller may change theirs once save returns
-            held.append(Held(per_rank.key(comm.rank), own, full_selection(own.shape)))
+            own = rng.encode_extra(rank_extra)  # a copy: the caller may change theirs once save returns
+            held.append(Held(rng.extra_key(comm.rank), own, full_selection(own.shape)))
     except (TypeError, ValueError) as e:
         error = f"rank {comm.rank}: {e}"
     if comm.rank == 0:
@@ -266,7 +244,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
             error = missing if error is None else f"{error}; {missing}"
     exists = comm.rank == 0 and os.path.exists(path)
     claimed = comm.rank == 0 and os.path.lexists(path + mf.PARTIAL_SUFFIX)
-    pending = start_agreement(comm, path, held, error, exists, claimed)
+    pending = PendingAgreement(comm, path, held, error, exists, claimed)
     snapshot = None
     if async_save and pending.guess is not None:
         snapshot = _snapshot(held, pending.guess, comm.rank, copy=True)  # while the summaries travel
@@ -274,13 +252,13 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False, m
     if snapshot is None or agreement is not pending.guess:
         snapshot = _snapshot(held, agreement, comm.rank, copy=async_save)
 
-    parts = _ManifestParts(comm, model, agreement, aliases, extra, metrics) if comm.rank == 0 else None
-    job = _Job(comm, path, snapshot, optimizer_description, parts, after_commit)
-    job.keeps_buffers = async_save
+    manifest = _manifest_start(comm, model, agreement, aliases, extra, metrics) if comm.rank == 0 else None
+    plan = getattr(state_of(model), "plan", None)
+    job = _Job(comm, path, snapshot, optimizer_description, manifest, plan, after_commit, async_save)
     if not async_save:
         job.run()
         return SaveHandle(path)
-    return WRITER.track(SaveHandle.in_background(path, job.run))
+    return SaveHandle.in_background(path, job.run)
 
 
 def _snapshot(held: List[Held], agreement: Agreement, rank: int, copy: bool) -> Union[Snapshot, str]:

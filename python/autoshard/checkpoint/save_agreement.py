@@ -23,8 +23,7 @@ import torch
 from . import manifest as mf
 from .claim import describe_owner
 from .contents import Held
-from .group import CheckpointGroup
-from .pending import WRITER, CheckpointSaveError
+from .pending import WRITER, CheckpointGroup, CheckpointSaveError
 
 _ERROR, _EXISTS, _CLAIMED = 1, 2, 4  # summary flags
 
@@ -33,12 +32,6 @@ _ERROR, _EXISTS, _CLAIMED = 1, 2, 4  # summary flags
 class Agreement:
     writer: Dict[tuple, int]  # (key, repr(runs)) -> the rank that writes that piece
     records: Dict[str, mf.TensorRecord]  # the manifest's tensors (never changed once made)
-
-
-def describe(held: List[Held]) -> List[tuple]:
-    """(key, dtype, global shape, runs) of each held tensor: what the ranks exchange to plan writes."""
-    return [(h.key, mf.dtype_name(h.tensor.dtype), list(h.selection.shape), h.selection.to_json()["runs"])
-            for h in held]
 
 
 def assign_writers(described: List[List[tuple]]) -> Dict[tuple, int]:
@@ -87,14 +80,17 @@ def _ints(digest: bytes) -> List[int]:
 
 
 class PendingAgreement:
-    """An agreement whose summaries are being gathered (one collective, started by
-    ``start_agreement``); ``guess`` is the last agreement when this rank's pieces are the same
-    as then (the one ``finish`` returns unless another rank's changed), to work with meanwhile."""
+    """An agreement whose summaries are being gathered (one collective, started on construction:
+    every rank makes one, then calls ``finish()``); ``guess`` is the last agreement when this
+    rank's pieces are the same as then (the one ``finish`` returns unless another rank's
+    changed), to work with meanwhile."""
 
     def __init__(self, comm: CheckpointGroup, path: str, held: List[Held], error: Optional[str],
                  exists: bool, claimed: bool):
         self.comm, self.path, self.error = comm, path, error
-        self.described = describe(held)
+        # (key, dtype, global shape, runs) of each held tensor: what the ranks exchange to plan writes.
+        self.described = [(h.key, mf.dtype_name(h.tensor.dtype), list(h.selection.shape), h.selection.to_json()["runs"])
+                          for h in held]
         self.pieces = hashlib.blake2b(repr(self.described).encode(), digest_size=16).digest()
         last = WRITER.last_agreement
         self.guess = last[1] if last is not None and last[2] == self.pieces else None
@@ -127,12 +123,6 @@ class PendingAgreement:
         agreement = Agreement(writer, tensor_records(everyone, writer))  # on every rank: a mismatch raises on all
         WRITER.last_agreement = (agreement_id, agreement, self.pieces)
         return agreement
-
-
-def start_agreement(comm: CheckpointGroup, path: str, held: List[Held], error: Optional[str],
-                    exists: bool, claimed: bool) -> PendingAgreement:
-    """Starts agreeing on this save (a collective: every rank calls it, then ``finish()``)."""
-    return PendingAgreement(comm, path, held, error, exists, claimed)
 
 
 def _exchange(comm: CheckpointGroup, path: str, described: List[tuple], error: Optional[str]) -> List[List[tuple]]:

@@ -86,9 +86,6 @@ class SnapshotBuffers:
             copied.synchronize()  # a save that failed early may not have waited for its copies
         self.buffers.clear()
 
-    def kept_bytes(self) -> int:
-        return sum(buffer.numel() * buffer.element_size() for buffer, _ in self.buffers.values())
-
 
 WRITER.snapshot_buffers = SnapshotBuffers()
 
@@ -137,7 +134,7 @@ def forget_buffers() -> None:
 
 def kept_bytes() -> int:
     """How many bytes of host buffers are kept for the next asynchronous save."""
-    return WRITER.snapshot_buffers.kept_bytes()
+    return sum(buffer.numel() * buffer.element_size() for buffer, _ in WRITER.snapshot_buffers.buffers.values())
 
 
 def release_snapshot_buffers() -> None:

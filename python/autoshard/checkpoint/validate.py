@@ -4,13 +4,28 @@ A manifest is input like any other: a damaged or crafted one must be refused wit
 the field named, never turned into an AttributeError deep inside a load, a read outside the
 checkpoint directory (file names are plain names of files in it), or a load that fills only
 part of a tensor (the pieces of each tensor must cover it exactly once).
+
+The optimizer's hyperparameters and state it holds are checked before a load changes the model or
+the optimizer. A manifest's ``lr`` becomes the optimizer's: a negative learning rate or betas
+outside [0, 1) would train silently wrong, so they are refused like a damaged file, with the
+field named. So are a key the optimizer's groups do not have (it would be copied into them
+silently; but for the few that torch's and autoshard's optimizers of one kind do not share), a
+value whose type is not the optimizer's own (where the optimizer's own is None, as autoshard's
+``master_weights`` by default, only None, a bool or, but for ``master_weights``, a string), and,
+for the optimizers whose state is known (AdamW, Adam, SGD), a state key they do not keep, a
+``step`` that is not one whole number >= 0 (a stored ``step`` tensor is read and checked before
+anything changes too, by load.py).
 """
 
 import math
 import os
 from typing import Any, Dict, List
 
+import torch
+
 from ..tensor_io import CheckpointCorruptError
+from ..tensor_io.json_input import JSONRefusal
+from ..tensor_io.safetensors import DTYPE_NAMES
 
 _TOP = {"world_size", "tensors", "files", "aliases", "tp_ranks", "versions", "plan", "optimizer", "extra",
         "metrics", "model_config", "format_version"}
@@ -18,15 +33,9 @@ _REQUIRED = {"world_size", "tensors", "files", "format_version"}
 _LAYOUTS = ("param", "flat", "whole")
 
 
-class _Refusal(Exception):
-    def __init__(self, field: str, problem: str):
-        super().__init__(field, problem)
-        self.field, self.problem = field, problem
-
-
 def _expect(condition: bool, field: str, problem: str) -> None:
     if not condition:
-        raise _Refusal(field, problem)
+        raise JSONRefusal(field, problem)
 
 
 def _is_int(value) -> bool:
@@ -80,14 +89,15 @@ def _check_runs(runs, shape: List[int], field: str) -> None:
             _expect(start + length <= following, where, f"runs overlap: {dim_runs}")
 
 
-def _check_tensors(tensors, files: dict, known_dtype) -> None:
+def _check_tensors(tensors, files: dict) -> None:
     for name, record in _dict(tensors, "tensors").items():
         field = f"tensors[{name!r}]"
         _keys(_dict(record, field), field, {"shape", "dtype", "pieces"}, {"shape", "dtype", "pieces"})
         shape = _list(record["shape"], field + ".shape")
         _expect(all(_is_int(n) and n >= 0 for n in shape), field + ".shape",
                 f"must be a list of ints >= 0, got {shape!r}")
-        _expect(isinstance(record["dtype"], str) and known_dtype(record["dtype"]), field + ".dtype",
+        dtype = getattr(torch, record["dtype"], None) if isinstance(record["dtype"], str) else None
+        _expect(isinstance(dtype, torch.dtype) and dtype in DTYPE_NAMES, field + ".dtype",
                 f"is not a dtype a checkpoint holds: {record['dtype']!r}")
         for i, piece in enumerate(_list(record["pieces"], field + ".pieces")):
             where = f"{field}.pieces[{i}]"
@@ -121,7 +131,7 @@ def _check_optimizer(optimizer, tensors: dict) -> None:
             _expect(entry["layout"] in _LAYOUTS, field + ".layout", f"must be one of {_LAYOUTS}, got {entry['layout']!r}")
 
 
-def _check_structure(data: Any, known_dtype) -> None:
+def _check_structure(data: Any) -> None:
     _dict(data, "the manifest")
     _keys(data, "the manifest", _REQUIRED, _TOP)
     _expect(_is_int(data["world_size"]) and data["world_size"] >= 1, "world_size",
@@ -134,7 +144,7 @@ def _check_structure(data: Any, known_dtype) -> None:
         _expect(_is_int(entry["size"]) and entry["size"] >= 0, field + ".size", f"must be an int >= 0, got {entry['size']!r}")
         crcs = _list(entry["block_crc32"], field + ".block_crc32")
         _expect(all(_is_int(c) and 0 <= c < 2**32 for c in crcs), field + ".block_crc32", "must be a list of crc32 values")
-    _check_tensors(data["tensors"], files, known_dtype)
+    _check_tensors(data["tensors"], files)
     tensors = data["tensors"]
     for alias, stored in _dict(data.get("aliases", {}), "aliases").items():
         _expect(isinstance(stored, str) and stored in tensors, f"aliases[{alias!r}]",
@@ -153,11 +163,11 @@ def _check_structure(data: Any, known_dtype) -> None:
     _check_optimizer(data.get("optimizer"), tensors)
 
 
-def check_manifest_data(data: Any, manifest_path: str, function: str, known_dtype) -> None:
+def check_manifest_data(data: Any, manifest_path: str, function: str) -> None:
     """Refuses a parsed manifest.json whose structure is not what a save writes."""
     try:
-        _check_structure(data, known_dtype)
-    except _Refusal as refusal:
+        _check_structure(data)
+    except JSONRefusal as refusal:
         raise CheckpointCorruptError(f"{function}: {manifest_path!r}: {refusal.field} {refusal.problem}") from None
 
 
@@ -232,3 +242,95 @@ def check_coverage(tensors: Dict[str, Any], manifest_path: str, function: str) -
             raise CheckpointCorruptError(
                 f"{function}: {manifest_path!r}: tensors[{name!r}] has pieces that overlap: {where}, "
                 "so some elements would never be read")
+
+
+# The optimizer's hyperparameters and state (see the module's docstring).
+_AT_LEAST_ZERO = ("lr", "eps", "weight_decay", "momentum", "dampening")
+_BOOL_OR_NONE = ("master_weights", "foreach", "fused", "capturable", "differentiable")
+# Hyperparameters that torch's AdamW, Adam and SGD keep and autoshard's do not, or the reverse
+# (with a value of the type they take): a checkpoint of one loads into the other (copied into its
+# groups, as before, once checked); any other key the optimizer's groups lack is refused.
+_ONE_FAMILY = {"master_weights": None, "amsgrad": False, "foreach": None, "capturable": False,
+               "differentiable": False, "fused": None, "decoupled_weight_decay": False}
+# State keys of the optimizers whose state is known (autoshard's and torch's of these names).
+_MASTER = "master"
+KNOWN_STATE = {
+    "AdamW": {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", _MASTER},
+    "Adam": {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", _MASTER},
+    "SGD": {"momentum_buffer", _MASTER},
+}
+
+
+def step_problem(value):
+    """What is wrong with a ``step`` count (None: nothing)."""
+    if not _is_number(value) or value < 0 or value != int(value):
+        return "must be a whole number >= 0"
+    return None
+
+
+def _problem(key: str, value, current):
+    """What is wrong with ``value`` for hyperparameter ``key`` (None: nothing)."""
+    if key in _BOOL_OR_NONE and not (value is None or isinstance(value, bool)):
+        return "must be null, true or false"
+    if current is None and not (value is None or isinstance(value, (bool, str))):
+        return "must be null, a bool or a string (the optimizer's own value is None)"
+    if isinstance(current, str) and not isinstance(value, str):
+        return "must be a string"
+    if isinstance(current, bool) and not isinstance(value, bool):
+        return "must be a bool"
+    if (isinstance(current, (int, float)) and not isinstance(current, bool)) or isinstance(current, torch.Tensor):
+        if not _is_number(value):
+            return "must be a finite number"
+    if isinstance(current, (tuple, list)):
+        if not (isinstance(value, list) and len(value) == len(current) and all(_is_number(v) for v in value)):
+            return f"must be a list of {len(current)} finite numbers"
+    if key in _AT_LEAST_ZERO and not (_is_number(value) and value >= 0):
+        return "must be a finite number >= 0"
+    if key == "betas" and not (isinstance(value, list) and len(value) == 2
+                               and all(_is_number(b) and 0 <= b < 1 for b in value)):
+        return "must be two numbers in [0, 1)"
+    return None
+
+
+def check_hyperparameters(saved_groups: List[dict], optimizer: torch.optim.Optimizer, manifest_path: str) -> None:
+    for g, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
+        for key, value in saved.items():
+            if key == "params":
+                continue
+            if key not in group and key not in _ONE_FAMILY:
+                raise CheckpointCorruptError(
+                    f"load: {manifest_path!r}: optimizer.param_groups[{g}][{key!r}] is not a hyperparameter of "
+                    f"this {type(optimizer).__name__}, whose groups hold {sorted(k for k in group if k != 'params')}")
+            problem = _problem(key, value, group[key] if key in group else _ONE_FAMILY[key])
+            if problem is not None:
+                raise CheckpointCorruptError(f"load: {manifest_path!r}: optimizer.param_groups[{g}][{key!r}] {problem}, "
+                                             f"got {value!r}")
+
+
+def check_state(saved: Dict, optimizer: torch.optim.Optimizer, tensors: Dict, manifest_path: str) -> None:
+    """The manifest's optimizer state (``saved["state"]``: name -> key -> entry), for the
+    optimizers whose state is known; ``tensors`` are the manifest's tensor records."""
+    known = KNOWN_STATE.get(type(optimizer).__name__)
+    if known is None or saved.get("type") not in KNOWN_STATE:
+        return
+    for name, entries in saved["state"].items():
+        for key, entry in entries.items():
+            field = f"optimizer.state[{name!r}][{key!r}]"
+
+            def refuse(problem: str, field=field):
+                return CheckpointCorruptError(f"load: {manifest_path!r}: {field} {problem}")
+
+            if key not in known:
+                raise refuse(f"is not state that {type(optimizer).__name__} keeps (it keeps {sorted(known)})")
+            if "value" in entry:
+                value = entry["value"]
+                if key == "step":
+                    problem = step_problem(value)
+                    if problem is not None:
+                        raise refuse(f"{problem}, got {value!r}")
+                elif not (key == "momentum_buffer" and value is None):
+                    raise refuse(f"must be a tensor, got {value!r}")
+                continue
+            record = tensors[entry["tensor"]]
+            if key == "step" and math.prod(record.shape) != 1:
+                raise refuse(f"must be one number, got a tensor of shape {record.shape}")

@@ -17,21 +17,16 @@ from ..tensor_io import SafetensorsReader, json_input
 _MAX_INDEX_DEPTH = 16  # an index is {"metadata": {...}, "weight_map": {name: file}}
 
 
-def _allowed_roots(directory: str) -> List[str]:
-    """Where the files a checkpoint directory names may resolve to: the directory itself and,
-    when it is a snapshot of a Hugging Face cache repository (``<repo>/snapshots/<revision>``,
-    whose files are symbolic links to ``../../blobs/<hash>``), that repository's ``blobs``."""
-    real = os.path.realpath(directory)
-    blobs = hub_cache_blobs(real)
-    return [real] if blobs is None else [real, blobs]
-
-
 def _inside(directory: str, name: str, what: str) -> str:
     """The path of file ``name`` of ``directory``, refused if a symbolic link leads it out of
-    the places ``_allowed_roots`` allows."""
+    the directory and, when it is a snapshot of a Hugging Face cache repository
+    (``<repo>/snapshots/<revision>``, whose files are symbolic links to ``../../blobs/<hash>``),
+    out of that repository's ``blobs``."""
     path = os.path.join(directory, name)
     real = os.path.realpath(path)
-    roots = _allowed_roots(directory)
+    roots = [os.path.realpath(directory)]
+    blobs = hub_cache_blobs(roots[0])
+    roots += [] if blobs is None else [blobs]
     if not any(os.path.commonpath([real, root]) == root for root in roots):
         raise ValueError(f"load_pretrained: {path} ({what}) is a symbolic link to {real}, outside "
                          f"{' and '.join(roots)}; a checkpoint's files must lie in its directory (or, in a "

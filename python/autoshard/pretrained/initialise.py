@@ -18,14 +18,10 @@ from ..conventions.huggingface import INITIALISED_FLAG, initialises_itself
 from ..core.parallel_state import keep_state_across_swap
 
 
-def _held_weakly(tensor: torch.Tensor) -> bool:
-    return weakref.getweakrefcount(tensor) > 0
-
-
 def check_movable(tensors: Dict[str, torch.Tensor]) -> None:
     """Raises, before anything changes, if a meta tensor cannot get storage in place (torch
     refuses to swap the storage of a tensor that something holds a weak reference to)."""
-    held = [name for name, t in tensors.items() if t.device.type == "meta" and _held_weakly(t)]
+    held = [name for name, t in tensors.items() if t.device.type == "meta" and weakref.getweakrefcount(t) > 0]
     if held:
         raise RuntimeError(f"load_pretrained: {held} are on the meta device and something holds weak references "
                            "to them, so they cannot be given storage in place; drop those references, or "

@@ -9,6 +9,7 @@ that part occupies in the file (one run for a row slice, one per row for a colum
 per fused part for QKV) are computed in C++ (``autoshard.ops.copy_runs``).
 """
 
+import math
 import os
 import re
 from contextlib import ExitStack
@@ -110,11 +111,11 @@ def _expert_blocks(target: Target, entries: List[Tuple[str, StackedExpert]], whe
 
 
 def _plan_reads(model: nn.Module, path, where: Dict[str, SafetensorsReader], targets: Dict[str, Target],
-                strict: bool) -> List[Tuple[Target, str, SafetensorsReader, Optional[Selection]]]:
+                computed: Dict[str, torch.Tensor], strict: bool
+                ) -> List[Tuple[Target, str, SafetensorsReader, Optional[Selection]]]:
     """(target, checkpoint key, reader, the part of the target's full tensor the key holds (None:
     all of it)) for every tensor to read; every check is made here, before anything is changed."""
     by_alias = {alias: target for target in targets.values() for alias in target.aliases}
-    computed = _non_persistent_buffers(model)
     matched, converted = match_names(model, where, list(by_alias) + list(computed))
     stacked: Dict[str, List[Tuple[str, StackedExpert]]] = {}
     for key, expert in stacked_experts(model, converted, by_alias).items():
@@ -178,13 +179,11 @@ def _progress_bar(total: int, enabled: bool):
 
 
 def _local_bytes(target: Target, reader: SafetensorsReader, key: str, block: Optional[Selection] = None) -> int:
-    numel = 1
-    for dim, n in enumerate(target.selection.local_shape):
-        if block is not None:  # the part of the block this rank holds
-            n = sum(max(0, min(s + k, b + m) - max(s, b)) for s, k in target.selection.runs[dim]
-                    for b, m in block.runs[dim])
-        numel *= n
-    return numel * reader.tensors[key].dtype.itemsize
+    sizes = target.selection.local_shape
+    if block is not None:  # the part of the block this rank holds
+        sizes = [sum(max(0, min(s + k, b + m) - max(s, b)) for s, k in runs for b, m in block_runs)
+                 for runs, block_runs in zip(target.selection.runs, block.runs)]
+    return math.prod(sizes) * reader.tensors[key].dtype.itemsize
 
 
 def _check_dtype_applies(targets: Dict[str, Target], dtype: Optional[torch.dtype]) -> None:
@@ -221,13 +220,14 @@ def load_pretrained(model: nn.Module, path, device=None, dtype: Optional[torch.d
     with ExitStack() as stack:
         where = open_checkpoint(path, stack)
         targets = model_targets(model)
-        reads = _plan_reads(model, path, where, targets, strict)
-
-        check_movable({**{t.name: t.tensor for t in targets.values()}, **_non_persistent_buffers(model)})
-        _check_dtype_applies(targets, dtype)
+        computed = _non_persistent_buffers(model)
+        reads = _plan_reads(model, path, where, targets, computed, strict)
         read_names = {target.name for target, _, _, _ in reads}
-        check_computable(model, {**{t.name: t.tensor for t in targets.values() if t.name not in read_names},
-                                 **_non_persistent_buffers(model)})
+        left = {**{t.name: t.tensor for t in targets.values() if t.name not in read_names}, **computed}
+
+        check_movable({**{t.name: t.tensor for t in targets.values()}, **computed})
+        _check_dtype_applies(targets, dtype)
+        check_computable(model, left)
 
         def dtype_of(tensor: torch.Tensor) -> torch.dtype:
             return dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
@@ -238,10 +238,7 @@ def load_pretrained(model: nn.Module, path, device=None, dtype: Optional[torch.d
                 materialize(target.tensor, target_device, dtype_of(target.tensor))
             loaded[target.name] = target.tensor
         pending: Dict[str, torch.Tensor] = {}
-        read_names = {target.name for target, _, _, _ in reads}
-        left = [(t.name, t.tensor) for t in targets.values() if t.name not in read_names]
-        left += list(_non_persistent_buffers(model).items())
-        for name, tensor in left:
+        for name, tensor in left.items():
             if tensor.device.type == "meta":
                 materialize(tensor, target_device, dtype_of(tensor) if isinstance(tensor, nn.Parameter) else tensor.dtype)
                 pending[name] = tensor

@@ -14,23 +14,9 @@ module is matched by name exactly.
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from ..conventions import huggingface as hf
-
-
-def _transformers_renamer(model, model_names: Iterable[str]) -> Optional[Callable[[str], Tuple[str, bool]]]:
-    """key -> (model name, whether the key needs a conversion beyond renaming), or None when
-    ``model`` is not a transformers model."""
-    rules = hf.conversion_rules(model, model_names)
-    if rules is None:
-        return None
-
-    def rename(key: str) -> Tuple[str, bool]:
-        name, converter = rules.rename(key)
-        return name, converter is not None
-
-    return rename
 
 
 def match_names(model, checkpoint_keys: Iterable[str], model_names: Iterable[str]
@@ -41,17 +27,14 @@ def match_names(model, checkpoint_keys: Iterable[str], model_names: Iterable[str
     model_names = set(model_names)
     checkpoint_keys = sorted(checkpoint_keys)
     # Building transformers' rules takes a while (hundreds of regular expressions): only when
-    # some name differs.
+    # some name differs. None: not a transformers model.
     exact = all(key in model_names for key in checkpoint_keys)
-    rename = None if exact else _transformers_renamer(model, model_names)
+    rules = None if exact else hf.conversion_rules(model, model_names)
     matched: Dict[str, str] = {}
     converted: List[str] = []
     for key in checkpoint_keys:
-        if key in model_names or rename is None:
-            name, needs_conversion = key, False
-        else:
-            name, needs_conversion = rename(key)
-        if needs_conversion:
+        name, pattern = (key, None) if key in model_names or rules is None else rules.rename(key)
+        if pattern is not None:  # a conversion beyond renaming
             converted.append(key)
         elif name in model_names:
             matched[key] = name

@@ -43,10 +43,6 @@ def _sharded_by_key(optimizer: torch.optim.Optimizer, state_dict: Dict) -> Dict[
     return found
 
 
-def _has_shards(optimizer: torch.optim.Optimizer) -> bool:
-    return bool(shards_of(p for group in optimizer.param_groups for p in group["params"]))
-
-
 def _views_on_save(optimizer, state_dict):
     state = dict(state_dict.get("state", {}))
     for index, (param, spec) in _sharded_by_key(optimizer, state_dict).items():
@@ -110,7 +106,7 @@ def _on_step(optimizer, args, kwargs) -> None:
     count = sum(len(group["params"]) for group in optimizer.param_groups)
     if optimizer.__dict__.get(_CHECKED) != count:
         optimizer.__dict__[_CHECKED] = count
-        if _has_shards(optimizer):
+        if shards_of(p for group in optimizer.param_groups for p in group["params"]):
             install_optimizer_views(optimizer)
 
 

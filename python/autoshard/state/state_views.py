@@ -165,31 +165,21 @@ def unwrap_shard_views(tree):
     return tree_map_only(ShardView, lambda v: v.local, tree)
 
 
-def _sharded_registrations(model: nn.Module, shards: Dict[int, Tuple[ShardSpec, object]]):
-    """module -> {attribute: spec} for every module registering a sharded parameter (a tied one
-    under each of its owners)."""
-    found: Dict[nn.Module, Dict[str, ShardSpec]] = {}
-    for module in model.modules():
-        for attr, param in module._parameters.items():
-            if param is not None and id(param) in shards:
-                found.setdefault(module, {})[attr] = shards[id(param)][0]
-    return found
-
-
 def install_state_dict_views(model: nn.Module, shards: Dict[int, Tuple[ShardSpec, object]]) -> None:
     """Makes `model.state_dict()` (and any submodule's) give ShardViews for the sharded
-    parameters, and `load_state_dict` take them, or full tensors, back."""
-    for module, specs in _sharded_registrations(model, shards).items():
-        module.register_state_dict_post_hook(_ViewsOnSave(specs))
-        module.register_load_state_dict_pre_hook(_LocalOnLoad(specs))
+    parameters, and `load_state_dict` take them, or full tensors, back: on every module that
+    registers a sharded parameter (a tied one under each of its owners)."""
+    for module in model.modules():
+        specs = {attr: shards[id(param)][0] for attr, param in module._parameters.items()
+                 if param is not None and id(param) in shards}
+        if specs:
+            module.register_state_dict_post_hook(_views_on_save(specs))
+            module.register_load_state_dict_pre_hook(_local_on_load(specs))
 
 
-class _ViewsOnSave:
-    def __init__(self, specs: Dict[str, ShardSpec]):
-        self.specs = specs
-
-    def __call__(self, module, state_dict, prefix, local_metadata) -> None:
-        for attr, spec in self.specs.items():
+def _views_on_save(specs: Dict[str, ShardSpec]):
+    def hook(module, state_dict, prefix, local_metadata) -> None:
+        for attr, spec in specs.items():
             key = prefix + attr
             value = state_dict.get(key)
             # keep_vars=True asks for the parameters themselves (DDP, FSDP, accelerate): left as they
@@ -199,6 +189,7 @@ class _ViewsOnSave:
             if isinstance(value, torch.Tensor) and not isinstance(value, (nn.Parameter, ShardView)) \
                     and value.dim() > spec.dim and value.shape[spec.dim] == spec.local_size():
                 state_dict[key] = ShardView(value, spec)
+    return hook
 
 
 def fully_sharded_entry(what: str) -> ValueError:
@@ -211,13 +202,9 @@ def fully_sharded_entry(what: str) -> ValueError:
                       "use autoshard's own dp x tp path, parallelize(model, mesh=mesh), with torch.distributed.checkpoint")
 
 
-class _LocalOnLoad:
-    def __init__(self, specs: Dict[str, ShardSpec]):
-        self.specs = specs
-
-    def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                 error_msgs) -> None:
-        for attr, spec in self.specs.items():
+def _local_on_load(specs: Dict[str, ShardSpec]):
+    def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+        for attr, spec in specs.items():
             key = prefix + attr
             value = state_dict.get(key)
             if isinstance(value, torch.Tensor):
@@ -225,6 +212,7 @@ class _LocalOnLoad:
                     state_dict[key] = local_of(value, spec)
                 except ValueError as error:
                     error_msgs.append(f"{key}: {error}")
+    return hook
 
 
 def local_of(value: torch.Tensor, spec: ShardSpec) -> torch.Tensor:

@@ -27,9 +27,7 @@ def gather_full(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
         raise ValueError("full_state_dict: the model is still on the meta device; load or initialise its weights first")
     others = [replace(spec, rank=r) for r in range(spec.world_size)]
     gathered = all_gather_uneven(local.detach(), spec.dim, [other.local_size() for other in others], group)
-    full_shape = list(local.shape)
-    full_shape[spec.dim] = spec.full_size
-    full = local.new_empty(full_shape)
+    full = local.new_empty(spec.full_shape(local.shape))
     offset = 0
     for other in others:
         for start, length in other.local_ranges():

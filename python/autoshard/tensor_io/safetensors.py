@@ -8,6 +8,7 @@ checkpoints), every block is read whole and verified before any of its bytes are
 """
 
 import json
+import math
 import os
 import struct
 import zlib
@@ -17,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..core import ops
-from .header import HeaderRefusal, parse_header
+from .json_input import JSONRefusal, parse_header
 from .selection import Selection, byte_runs, full_selection
 
 BLOCK_SIZE = 4 << 20  # checksum granularity, and the window small runs are read through
@@ -50,9 +51,6 @@ class FileRecord:
     name: str
     size: int
     block_crc32: List[int] = field(default_factory=list)
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "size": self.size, "block_size": BLOCK_SIZE, "block_crc32": self.block_crc32}
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -114,7 +112,7 @@ class SafetensorsReader:
             raise self._corrupt(f"unreadable header ({error})") from None
         try:
             entries, metadata = parse_header(text)
-        except HeaderRefusal as refusal:
+        except JSONRefusal as refusal:
             raise self._corrupt(f"safetensors header: {refusal.field} {refusal.problem}") from None
         data_start = 8 + length
         tensors = {}
@@ -126,10 +124,7 @@ class SafetensorsReader:
                                     f"not one of {sorted(DTYPES)}") from None
             shape = tuple(entry["shape"])
             begin, end = (data_start + x for x in entry["data_offsets"])
-            numel = 1
-            for n in shape:
-                numel *= n
-            if not data_start <= begin <= end <= self.size or end - begin != numel * dtype.itemsize:
+            if not data_start <= begin <= end <= self.size or end - begin != math.prod(shape) * dtype.itemsize:
                 raise self._corrupt(f"tensor {name!r} ({entry['dtype']} {list(shape)}) does not fit its byte range")
             tensors[name] = TensorInfo(dtype, shape, begin, end)
         ranges = sorted((info.begin, info.end, name) for name, info in tensors.items() if info.end > info.begin)
@@ -256,30 +251,6 @@ class SafetensorsReader:
         self.bytes_read += len(out)
 
 
-class _BlockChecksums:
-    """crc32 of every BLOCK_SIZE block of a byte stream, fed in pieces."""
-
-    def __init__(self):
-        self.crcs: List[int] = []
-        self._crc = 0
-        self._filled = 0
-
-    def update(self, data: memoryview) -> None:
-        while len(data):
-            take = min(len(data), BLOCK_SIZE - self._filled)
-            self._crc = zlib.crc32(data[:take], self._crc)
-            self._filled += take
-            data = data[take:]
-            if self._filled == BLOCK_SIZE:
-                self.crcs.append(self._crc)
-                self._crc, self._filled = 0, 0
-
-    def finish(self) -> List[int]:
-        if self._filled or not self.crcs:
-            self.crcs.append(self._crc)
-        return self.crcs
-
-
 def safetensors_header(tensors: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]],
                        metadata: Optional[Dict[str, str]] = None) -> Tuple[bytes, Dict[str, Tuple[int, int]]]:
     """The header bytes (length prefix included, padded to 8 bytes) for tensors written in
@@ -292,10 +263,7 @@ def safetensors_header(tensors: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]],
     for name, (dtype, shape) in tensors.items():
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"safetensors cannot store tensor {name!r} of dtype {dtype}")
-        numel = 1
-        for n in shape:
-            numel *= n
-        offsets[name] = (position, position + numel * dtype.itemsize)
+        offsets[name] = (position, position + math.prod(shape) * dtype.itemsize)
         header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": list(offsets[name])}
         position = offsets[name][1]
     encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -314,7 +282,8 @@ class SafetensorsWriter:
         self._header, self._offsets = safetensors_header(tensors, metadata)
         self._order = list(tensors)
         self._next = 0
-        self._checksums = _BlockChecksums()
+        self._crcs: List[int] = []  # crc32 of every whole BLOCK_SIZE block written so far
+        self._crc = 0  # of the block being written
         self._file = open(self.path, "wb")
         self._size = 0
         self._write(memoryview(self._header))
@@ -323,8 +292,14 @@ class SafetensorsWriter:
         for start in range(0, len(data), self._CHUNK):
             piece = data[start:start + self._CHUNK]
             self._file.write(piece)
-            self._checksums.update(piece)
-        self._size += len(data)
+            while len(piece):
+                take = min(len(piece), BLOCK_SIZE - self._size % BLOCK_SIZE)
+                self._crc = zlib.crc32(piece[:take], self._crc)
+                self._size += take
+                piece = piece[take:]
+                if self._size % BLOCK_SIZE == 0:
+                    self._crcs.append(self._crc)
+                    self._crc = 0
 
     def write(self, name: str, data: memoryview) -> None:
         """Appends (part of) the bytes of tensor ``name``; tensors come in header order."""
@@ -345,7 +320,9 @@ class SafetensorsWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        return FileRecord(os.path.basename(self.path), self._size, self._checksums.finish())
+        if self._size % BLOCK_SIZE or not self._crcs:
+            self._crcs.append(self._crc)
+        return FileRecord(os.path.basename(self.path), self._size, self._crcs)
 
     def abort(self) -> None:
         self._file.close()
