@@ -239,13 +239,10 @@ def load(path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
             for key, selection in _optimizer_reads(optimizer_plan[1], targets, manifest):
                 files.verify(key, selection)
             _check_stored_steps(optimizer_plan[1], manifest, files, os.path.join(path, mf.MANIFEST))
-        restore = lambda: None  # noqa: E731
         rank, world_size = _rank_and_world()
-        own_extra = None
-        if return_rank_extra:
-            own_extra = rng.read_extra(manifest.tensors, rank, world_size, manifest.world_size, files.read_whole, path)
-        if restore_rng:
-            restore = rng.restorer(manifest.tensors, rank, world_size, manifest.world_size, files.read_whole, path)
+        own = (manifest.tensors, rank, world_size, manifest.world_size, files.read_whole, path)
+        own_extra = rng.read_extra(*own) if return_rank_extra else None
+        restore = rng.restorer(*own) if restore_rng else (lambda: None)
         for key, tensor, selection in reads:
             files.fill(key, tensor, selection)
         if optimizer_plan is not None:

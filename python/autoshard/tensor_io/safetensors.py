@@ -117,11 +117,10 @@ class SafetensorsReader:
         data_start = 8 + length
         tensors = {}
         for name, entry in entries.items():
-            try:
-                dtype = DTYPES[entry["dtype"]]
-            except KeyError:
+            dtype = DTYPES.get(entry["dtype"])
+            if dtype is None:
                 raise self._corrupt(f"safetensors header: tensor {name!r}['dtype'] is {entry['dtype']!r}, "
-                                    f"not one of {sorted(DTYPES)}") from None
+                                    f"not one of {sorted(DTYPES)}")
             shape = tuple(entry["shape"])
             begin, end = (data_start + x for x in entry["data_offsets"])
             if not data_start <= begin <= end <= self.size or end - begin != math.prod(shape) * dtype.itemsize:
