@@ -78,35 +78,18 @@ def _unique_pairs(pairs):
 
 def _deep_field(text: str, max_depth: int) -> str:
     """The top-level field that nests too deeply (the error path only)."""
-    decoder = json.JSONDecoder()
-    pos = _WS.match(text, 0).end()
-    if not text.startswith("{", pos):
-        return "the document"
-    pos += 1
-    while True:
-        pos = _WS.match(text, pos).end()
-        if not text.startswith('"', pos):
-            return "the document"
-        try:
-            key, pos = json.decoder.scanstring(text, pos + 1, True)
-        except ValueError:
-            return "the document"
-        pos = _WS.match(text, pos).end()
-        if not text.startswith(":", pos):
-            return "the document"
-        start = _WS.match(text, pos + 1).end()
-        try:
-            _, pos = decoder.raw_decode(text, start)
-        except RecursionError:
-            return repr(key)
-        except ValueError:
-            return "the document"
-        if too_deep(text[start:pos].encode(), max_depth - 1):
-            return repr(key)
-        pos = _WS.match(text, pos).end()
-        if not text.startswith(",", pos):
-            return "the document"
-        pos += 1
+    parser = _Parser(text)
+    try:
+        for key in parser.members("the document", unique=False):
+            start = parser.pos
+            _, parser.pos = json.JSONDecoder().raw_decode(text, start)
+            if too_deep(text[start:parser.pos].encode(), max_depth - 1):
+                return repr(key)
+    except RecursionError:
+        return repr(key)
+    except ValueError:  # malformed where the parser stands: the parser of loads names it
+        pass
+    return "the document"
 
 
 def loads(data: bytes, max_depth: int, max_values: int = MAX_JSON_VALUES) -> Any:
@@ -183,9 +166,9 @@ class _Parser:
             raise JSONRefusal(field, f"holds a malformed string ({error})") from None
         return value
 
-    def members(self, field: str):
+    def members(self, field: str, unique: bool = True):
         """Yields each key of the object at the cursor (its value is then read by the caller),
-        refusing a key that appears twice."""
+        refusing a key that appears twice if ``unique``."""
         self.expect("{", field)
         self.ws()
         if self.at("}"):
@@ -194,7 +177,7 @@ class _Parser:
         seen = set()
         while True:
             key = self.string(f"a key of {field}")
-            if key in seen:
+            if unique and key in seen:
                 raise JSONRefusal(f"{field}[{key!r}]", "appears twice (duplicate key)")
             seen.add(key)
             self.expect(":", f"{field}[{key!r}]")
