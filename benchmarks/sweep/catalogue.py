@@ -19,7 +19,8 @@ from autoshard.inputs.hf_inputs import encoder_states_argument, encoder_states_w
 logging.set_verbosity_error()
 
 BATCH, SEQ, DECODER_SEQ = 2, 7, 5  # 7 tokens: neither 2 nor 3 ranks divide it
-from autoshard.inputs.audio_inputs import AUDIO_SAMPLES, configs_within, first_int  # noqa: E402 - shared with autoshard's inputs
+from autoshard.inputs.audio_inputs import AUDIO_SAMPLES, audio_features, configs_within, first_int  # noqa: E402 - shared with autoshard's inputs
+from autoshard.inputs.image_inputs import count_at_check, ids_with_tokens  # noqa: E402 - shared with autoshard's inputs
 
 
 class NoSuchInputs(LookupError):
@@ -163,52 +164,20 @@ def takes_media_beside_text(model: torch.nn.Module) -> bool:
             and bool(_accepted(model) & set(IMAGE_INPUTS + AUDIO_INPUTS)))
 
 
-class _Counted(BaseException):
-    """Raised at the placeholder check with the number of tokens the image or audio features fill."""
-
-    def __init__(self, count: int):
-        super().__init__(count)
-        self.count = count
+def _placeholder_checks(module: torch.nn.Module) -> List[str]:
+    # get_placeholder_mask, get_audio_placeholder_mask, ...; Idefics3 checks in inputs_merger
+    return [name for name in dir(type(module))
+            if (name.startswith("get_") and name.endswith("placeholder_mask")) or name == "inputs_merger"]
 
 
 def placeholder_count(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -> Optional[int]:
     """Runs the forward on `inputs` up to the check where the model puts image or audio features in
     place of their tokens in the ids (get_placeholder_mask, get_audio_placeholder_mask): the number
     of tokens the features fill, or None where the forward ends without such a check. Raises what
-    the forward raises before it. Real tensors, not meta ones: a tiny model runs in milliseconds,
-    and the count is then the one the judged forward sees."""
-    patched = []
-    for module in model.modules():
-        for attribute in dir(type(module)):
-            # get_placeholder_mask, get_audio_placeholder_mask, ...; Idefics3 checks in inputs_merger
-            if not (attribute.startswith("get_") and attribute.endswith("placeholder_mask")) and \
-                    attribute != "inputs_merger":
-                continue
-            check = getattr(module, attribute)
-            signature = inspect.signature(check)
-
-            def counting(*args, check=check, signature=signature, **kwargs):
-                bound = signature.bind_partial(*args, **kwargs).arguments
-                embeds = bound.get("inputs_embeds")
-                # Inkling2's one check for every kind names its argument `features`.
-                features = [v for k, v in bound.items() if (k.endswith("_features") or k.endswith("_hidden_states")
-                                                            or k == "features") and v is not None]
-                if not features or not isinstance(embeds, torch.Tensor):
-                    return check(*args, **kwargs)
-                tensors = [t for f in features for t in (f if isinstance(f, (list, tuple)) else [f])]
-                raise _Counted(sum(t.numel() for t in tensors) // embeds.shape[-1])
-
-            setattr(module, attribute, counting)
-            patched.append((module, attribute))
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    except _Counted as counted:
-        return counted.count
-    finally:
-        for module, attribute in patched:
-            delattr(module, attribute)
-    return None
+    the forward raises before it. autoshard's own count (inputs/image_inputs.py), on real tensors,
+    not meta ones: a tiny model runs in milliseconds, and the count is then the one the judged
+    forward sees. Inkling2's one check for every kind names its argument `features`."""
+    return count_at_check(model, inputs, _placeholder_checks, audio_features, on_meta=False)
 
 
 def _media_token(config, kind: str) -> Optional[int]:
@@ -231,15 +200,7 @@ def _ids_with_tokens(ids: torch.Tensor, config, token: int, count: int, kind: st
                                                               "boi_token_index")) if v is not None), None)
         end = next((v for v in (first_int(config, n) for n in ("vision_end_token_id", "image_end_token_id",
                                                             "eoi_token_index")) if v is not None), None)
-    batch = ids.shape[0]
-    rows = []
-    for i in range(batch):
-        mine = count // batch + (1 if i < count % batch else 0)
-        block = ([start] if start is not None else []) + [token] * mine + ([end] if end is not None else [])
-        rows.append(ids[i, :1].tolist() + block + ids[i, 1:].tolist())
-    length = max(len(r) for r in rows)
-    # Rows of uneven length end in their own last text id repeated (no padding token, no mask).
-    return torch.tensor([r + [r[-1]] * (length - len(r)) for r in rows], dtype=ids.dtype)
+    return ids_with_tokens(ids, token, count, start, end)
 
 
 def _image_layouts(model: torch.nn.Module, generator) -> List[Dict[str, torch.Tensor]]:

@@ -41,15 +41,9 @@ _WHY = {DDP: "DDP takes the ranks' different shards of a parameter for copies of
         "FullyShardedDataParallel": _FSDP_WHY,
         FULLY_SHARD: _FSDP_WHY}
 
-_TYPES: Optional[Tuple[type, type, type]] = None
-
-
 def wrapper_types() -> Tuple[type, type, type]:
-    """(DistributedDataParallel, FullyShardedDataParallel, FSDPModule), imported when first needed."""
-    global _TYPES
-    if _TYPES is None:
-        _TYPES = (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)
-    return _TYPES
+    """(DistributedDataParallel, FullyShardedDataParallel, FSDPModule)."""
+    return DistributedDataParallel, FullyShardedDataParallel, FSDPModule
 
 
 def ranks_of(groups: Iterable) -> Set[int]:

@@ -31,7 +31,8 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from .image_inputs import count_at_check
+from .image_inputs import count_at_check, ids_with_tokens, shapes, with_ids
+from .module_inputs import as_dtype, float_dtype, forward_arguments
 
 AUDIO_INPUTS = ("input_features", "input_values")
 AUDIO_TOKEN = ("audio_token_id", "audio_token_index")
@@ -44,13 +45,6 @@ FEATURE_MASKS = ("input_features_mask", "feature_attention_mask")
 # transformers' refusal of features and placeholder tokens of different counts, naming the count
 # of features (the tokens they fill). MusicFlamingo checks it before its placeholder check.
 _MISMATCH = re.compile(r"audio features and audio tokens do not match[,:] tokens: \S+, features:? (\d+)", re.IGNORECASE)
-
-
-def _accepted(module: nn.Module) -> set:
-    try:
-        return set(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
 
 
 def configs_within(config) -> List[object]:
@@ -78,13 +72,13 @@ def audio_token(config) -> Optional[int]:
 def audio_beside_text(model: nn.Module) -> bool:
     """Whether autoshard makes audio beside the text of this model: its forward reads input_ids
     first and takes audio features or a waveform."""
-    return getattr(model, "main_input_name", None) == "input_ids" and bool(_accepted(model) & set(AUDIO_INPUTS))
+    return getattr(model, "main_input_name", None) == "input_ids" and bool(forward_arguments(model) & set(AUDIO_INPUTS))
 
 
 def tower_input_width(model: nn.Module) -> Optional[int]:
     """The width of features the first weighted layer of the model's audio tower (the first module
     below it whose forward takes input_features) reads."""
-    tower = next((m for name, m in model.named_modules() if name and "input_features" in _accepted(m)), None)
+    tower = next((m for name, m in model.named_modules() if name and "input_features" in forward_arguments(m)), None)
     for layer in tower.modules() if tower is not None else ():
         if isinstance(layer, nn.Conv1d):
             return layer.in_channels
@@ -99,7 +93,7 @@ def _waveform_layouts(model: nn.Module, batch: int) -> List[Dict[str, torch.Tens
     layouts = []
     for shape in ((batch, AUDIO_SAMPLES), (batch, 1, AUDIO_SAMPLES)):
         layout = {"input_values": torch.zeros(shape)}
-        if "padding_mask" in _accepted(model):
+        if "padding_mask" in forward_arguments(model):
             layout["padding_mask"] = torch.ones(batch, AUDIO_SAMPLES, dtype=torch.long)
         layouts.append(layout)
     return layouts
@@ -108,7 +102,7 @@ def _waveform_layouts(model: nn.Module, batch: int) -> List[Dict[str, torch.Tens
 def audio_layouts(model: nn.Module, batch: int) -> List[Dict[str, torch.Tensor]]:
     """The layouts of audio tried for the model, in order (the module docstring), zeros in their
     floating-point tensors."""
-    accepted = _accepted(model)
+    accepted = forward_arguments(model)
     if "input_features" not in accepted:
         return _waveform_layouts(model, batch) if "input_values" in accepted else []
     config = model.config
@@ -138,7 +132,7 @@ def _audio_checks(module: nn.Module):
     return [name for name in dir(type(module)) if name.startswith("get_") and name.endswith("placeholder_mask")]
 
 
-def _audio_features(bound: dict):
+def audio_features(bound: dict):
     """Every feature tensor a placeholder check was called with (audio_features,
     audio_hidden_states, a shared check's `features`), or None."""
     features = [v for k, v in bound.items()
@@ -146,34 +140,13 @@ def _audio_features(bound: dict):
     return [t for f in features for t in (f if isinstance(f, (list, tuple)) else [f])] or None
 
 
-def ids_with_tokens(ids: torch.Tensor, token: int, count: int) -> torch.Tensor:
-    """`ids` with `count` tokens `token` after each sample's first id, shared out over the samples;
-    shorter rows end in their own last id repeated."""
-    rows = []
-    for i in range(ids.shape[0]):
-        mine = count // ids.shape[0] + (1 if i < count % ids.shape[0] else 0)
-        rows.append(ids[i, :1].tolist() + [token] * mine + ids[i, 1:].tolist())
-    length = max(len(r) for r in rows)
-    return torch.tensor([r + [r[-1]] * (length - len(r)) for r in rows], dtype=ids.dtype)
-
-
-def _with_ids(inputs: Dict[str, torch.Tensor], ids: torch.Tensor) -> Dict[str, torch.Tensor]:
-    inputs = {**inputs, "input_ids": ids}
-    for name, value in (("attention_mask", torch.ones_like(ids)), ("token_type_ids", torch.zeros_like(ids))):
-        if name in inputs:
-            inputs[name] = value
-    return inputs
-
-
 def with_audio(model: nn.Module, config, kwargs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """kwargs (input_ids among them) with the model's audio inputs, and audio tokens in the ids
     where its forward places the audio features by them. Raises RuntimeError naming each layout's
     failure where none runs."""
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     token = audio_token(config)
     ids = kwargs["input_ids"]
-    layouts = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in layout.items()}
-               for layout in audio_layouts(model, ids.shape[0])]
+    layouts = [as_dtype(layout, float_dtype(model)) for layout in audio_layouts(model, ids.shape[0])]
     failures = []
     # The second pass, with tokens already in the ids, comes after every layout without them, so
     # that a model that runs with one of those keeps it.
@@ -181,22 +154,18 @@ def with_audio(model: nn.Module, config, kwargs: Dict[str, torch.Tensor]) -> Dic
         for layout in layouts:
             tried = {**kwargs, **layout}
             if seeded:
-                tried = _with_ids(tried, ids_with_tokens(ids, token, 2 * ids.shape[0]))
+                tried = with_ids(tried, ids_with_tokens(ids, token, 2 * ids.shape[0]))
             try:
-                count = count_at_check(model, tried, _audio_checks, _audio_features)
+                count = count_at_check(model, tried, _audio_checks, audio_features)
             except Exception as error:  # noqa: BLE001 - the model's own error, told in ours
                 found = _MISMATCH.search(str(error))
                 if found is None:
-                    failures.append(f"{_shapes(layout)}{' with audio tokens in the ids' if seeded else ''}: "
+                    failures.append(f"{shapes(layout)}{' with audio tokens in the ids' if seeded else ''}: "
                                     f"{type(error).__name__}: {str(error)[:200]}")
                     continue
                 count = int(found.group(1))
             if count is not None and token is not None:
-                tried = _with_ids(tried, ids_with_tokens(ids, token, count))
+                tried = with_ids(tried, ids_with_tokens(ids, token, count))
             return tried
     raise RuntimeError("plan: the forward failed with each layout of audio autoshard made ("
                        + "; ".join(failures) + ")")
-
-
-def _shapes(inputs: Dict[str, torch.Tensor]) -> str:
-    return ", ".join(f"{k} {tuple(v.shape)}" for k, v in inputs.items())

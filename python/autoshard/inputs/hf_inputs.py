@@ -15,7 +15,6 @@ example_inputs from the caller: a tuple of positional arguments, one tensor, or 
 keyword arguments.
 """
 
-import inspect
 import math
 from typing import Dict, Optional, Tuple
 
@@ -24,25 +23,21 @@ from torch import nn
 
 from ..conventions import huggingface as hf
 from .audio_inputs import AUDIO_INPUTS, audio_beside_text, with_audio
-from .image_inputs import with_images
+from .image_inputs import first_of, with_images
 from .missing import HOW_TO_PASS, MissingInputs
-from .module_inputs import example_inputs_for_module, fits_first_layer
+from .module_inputs import (as_dtype, example_inputs_for_module, fits_first_layer, float_dtype, forward_arguments,
+                            required_parameters)
 
 BATCH = 2
 SEQUENCE = 8
 DEFAULT_IMAGE_SIZE = 224
 VIDEO_FRAMES = ("num_frames", "frames_per_clip")
 
+
 def _config_value(config, *names, default=None):
     """The first of `names` the config (or its nested text / vision / audio config) holds."""
-    for holder in (config, *(getattr(config, nested, None) for nested in hf.NESTED_CONFIGS)):
-        if holder is None:
-            continue
-        for name in names:
-            value = getattr(holder, name, None)
-            if value is not None:
-                return value
-    return default
+    holders = (config, *(getattr(config, nested, None) for nested in hf.NESTED_CONFIGS))
+    return next((v for v in (first_of(h, *names) for h in holders if h is not None) if v is not None), default)
 
 
 def ordinary_token(config) -> int:
@@ -134,11 +129,6 @@ def _main_input(model: nn.Module, config, name: str) -> torch.Tensor:
                         f"not its main input {name!r}")
 
 
-# Main inputs whose layout the config does not settle: the same config fields serve waveforms
-# taken as (batch, samples) and as (batch, 1, samples).
-_AUDIO_MAIN_INPUTS = ("input_values", "input_features")
-
-
 def _main_or_inferred(model: nn.Module, config, name: str) -> torch.Tensor:
     """The main input made from the config, or where the config does not say its shape (an audio
     codec's waveform, an encoder's features of a width no field names), inferred from the first
@@ -152,7 +142,9 @@ def _main_or_inferred(model: nn.Module, config, name: str) -> torch.Tensor:
             return example_inputs_for_module(model, argument=name)[1][name]
         except MissingInputs as inferred:
             raise MissingInputs(f"{from_config}, and inferring it from the first layer failed ({inferred.reason})") from None
-    if name not in _AUDIO_MAIN_INPUTS or fits_first_layer(model, name, made):
+    # An audio input's layout the config does not settle: the same config fields serve waveforms
+    # taken as (batch, samples) and as (batch, 1, samples).
+    if name not in AUDIO_INPUTS or fits_first_layer(model, name, made):
         return made
     try:
         return example_inputs_for_module(model, argument=name)[1][name]
@@ -160,29 +152,12 @@ def _main_or_inferred(model: nn.Module, config, name: str) -> torch.Tensor:
         return made  # the model's own error then names what it expected
 
 
-def _accepted(model: nn.Module):
-    try:
-        return set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
-
-
-def _required(model: nn.Module):
-    """The forward's parameters without a default."""
-    try:
-        parameters = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    return [p.name for p in parameters
-            if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-
-
 def images_beside_text(model: nn.Module) -> bool:
     """Whether autoshard makes images beside the text of this model (a vision config, a forward
     that reads input_ids first and takes pixel_values)."""
     config = getattr(model, "config", None)
     return (getattr(model, "main_input_name", None) == "input_ids" and getattr(config, "vision_config", None) is not None
-            and "pixel_values" in _accepted(model))
+            and "pixel_values" in forward_arguments(model))
 
 
 def media_beside_text(model: nn.Module) -> bool:
@@ -210,7 +185,7 @@ def example_inputs_for(model: nn.Module, media: bool = True) -> Tuple[tuple, Dic
         # A model of text and images reads both: its images have a config of their own.
         beside_text = images_beside_text(model)
         audio = not beside_text and audio_beside_text(model)
-        for extra in _required(model):
+        for extra in (p.name for p in required_parameters(model)[0]):
             if extra in kwargs or (beside_text and extra in hf.IMAGE_INPUTS) or (audio and extra in AUDIO_INPUTS):
                 continue
             if extra == "attention_mask":
@@ -233,8 +208,7 @@ def example_inputs_for(model: nn.Module, media: bool = True) -> Tuple[tuple, Dic
         raise MissingInputs(f"plan: cannot make example inputs for {type(model).__name__} (main input "
                             f"{name!r}): {error}; {HOW_TO_PASS}") from None
     # Images and features in the model's own floating-point dtype, as its processor would give them.
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    return (), {k: v.to(dtype) if v.is_floating_point() else v for k, v in kwargs.items()}
+    return (), as_dtype(kwargs, float_dtype(model))
 
 
 def encoder_states_width(model: nn.Module) -> Optional[int]:
@@ -249,7 +223,7 @@ def encoder_states_width(model: nn.Module) -> Optional[int]:
     takes_outputs = encoder_states_argument(model) == "encoder_outputs"
     if not takes_outputs and (not getattr(config, "is_decoder", False)
                               or getattr(config, "add_cross_attention", None) is False
-                              or "encoder_hidden_states" not in _accepted(model)):
+                              or "encoder_hidden_states" not in forward_arguments(model)):
         return None
     return _config_value(config, "cross_attention_hidden_size", "encoder_hidden_size", "d_model", "hidden_size")
 
@@ -257,7 +231,7 @@ def encoder_states_width(model: nn.Module) -> Optional[int]:
 def encoder_states_argument(model: nn.Module) -> str:
     """The argument through which a decoder alone takes its encoder's states: encoder_hidden_states,
     or encoder_outputs where its forward takes only that."""
-    accepted = _accepted(model)
+    accepted = forward_arguments(model)
     return "encoder_outputs" if "encoder_outputs" in accepted and "encoder_hidden_states" not in accepted \
         else "encoder_hidden_states"
 

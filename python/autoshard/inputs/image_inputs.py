@@ -34,20 +34,12 @@ import torch
 from torch import nn
 
 from ..conventions import huggingface as hf
-from .meta_autocast import meta_autocast
-from .meta_values import KnownValues
 from .meta_shadow import meta_shadow
+from .module_inputs import Stop, as_dtype, float_dtype, forward_arguments, forward_on_meta
 
 
-class _Counted(BaseException):
-    """Raised at the placeholder check with the number of tokens the features fill."""
-
-    def __init__(self, count: int):
-        super().__init__(count)
-        self.count = count
-
-
-def _get(config, *names):
+def first_of(config, *names):
+    """The first of `names` the config holds (not None), or None."""
     for name in names:
         value = getattr(config, name, None)
         if value is not None:
@@ -57,38 +49,32 @@ def _get(config, *names):
 
 def image_token(config) -> Optional[int]:
     for holder in (config, getattr(config, "text_config", None)):
-        value = _get(holder, *hf.IMAGE_TOKEN) if holder is not None else None
+        value = first_of(holder, *hf.IMAGE_TOKEN) if holder is not None else None
         if isinstance(value, int):
             return value
     return None
 
 
+def _positive(vision, names, default):
+    """The first of `names` the vision config holds (of a list, its first entry) if a positive
+    integer, else `default`."""
+    value = first_of(vision, *names)
+    if isinstance(value, (list, tuple)):
+        value = value[0]
+    return value if isinstance(value, int) and value > 0 else default
+
+
 def _patch(vision) -> int:
-    patch = _get(vision, *hf.PATCH_SIZE)
-    if isinstance(patch, (list, tuple)):
-        patch = patch[0]
-    return patch if isinstance(patch, int) and patch > 0 else 16
-
-
-def _merge(vision) -> int:
-    merge = _get(vision, *hf.SPATIAL_MERGE)
-    if isinstance(merge, (list, tuple)):
-        merge = merge[0]
-    return merge if isinstance(merge, int) and merge > 0 else 1
+    return _positive(vision, hf.PATCH_SIZE, 16)
 
 
 def _image_size(vision) -> int:
-    size = _get(vision, hf.IMAGE_SIZE)
-    if isinstance(size, (list, tuple)):
-        size = size[0]
-    if isinstance(size, int) and size > 0:
-        return size
     # No image size: a few patches, as many as the spatial merge takes together.
-    return 4 * _patch(vision) * _merge(vision)
+    return _positive(vision, (hf.IMAGE_SIZE,), None) or 4 * _patch(vision) * _positive(vision, hf.SPATIAL_MERGE, 1)
 
 
 def _channels(vision) -> int:
-    value = _get(vision, *hf.IMAGE_CHANNELS)
+    value = first_of(vision, *hf.IMAGE_CHANNELS)
     return value if isinstance(value, int) and value > 0 else 3
 
 
@@ -148,8 +134,8 @@ def _grid_layouts(vision, accepted, channels: int, batch: int) -> List[Dict[str,
     """One image per sample of side x side patches, side twice the spatial merge, its patches in
     each of the layouts a patch embedding takes; with the merge of each image where the forward
     takes it."""
-    patch, merge = _patch(vision), _merge(vision)
-    temporal = _get(vision, *hf.TEMPORAL_PATCH_SIZE) or 1
+    patch, merge = _patch(vision), _positive(vision, hf.SPATIAL_MERGE, 1)
+    temporal = first_of(vision, *hf.TEMPORAL_PATCH_SIZE) or 1
     side = 2 * merge
     patches = batch * side * side
     grid = torch.tensor([[1, side, side]] * batch)
@@ -190,8 +176,8 @@ def _projector_image_size(config, vision) -> Optional[int]:
 def _tiles(vision, channels: int, size: int, batch: int) -> Dict[str, torch.Tensor]:
     """One image per sample cut into the vision config's max_num_tiles tiles (Mllama), of its
     first supported aspect ratio (ids count from one, 0 being padding), the tiles it spans real."""
-    tiles = _get(vision, "max_num_tiles") or 1
-    ratios = _get(vision, "supported_aspect_ratios") or [[1, 1]]
+    tiles = first_of(vision, "max_num_tiles") or 1
+    ratios = first_of(vision, "supported_aspect_ratios") or [[1, 1]]
     real = min(tiles, math.prod(ratios[0]))
     mask = torch.zeros(batch, 1, tiles, dtype=torch.long)
     mask[..., :real] = 1
@@ -204,7 +190,7 @@ def _pooled_patches(vision, channels: int, batch: int) -> Dict[str, torch.Tensor
     into image tokens by the indices of the patches each token pools (Molmo2): 4 tokens a crop,
     each of 4 patches, and each image's grids of tokens (its whole and its crops: 2 x 2 and none)."""
     patch = _patch(vision)
-    positions = _get(vision, "num_position_embeddings")
+    positions = first_of(vision, "num_position_embeddings")
     if not isinstance(positions, int):
         positions = (_image_size(vision) // patch) ** 2
     tokens, pooled = 4, 4
@@ -233,14 +219,17 @@ def _image_features(bound: dict):
 
 
 def count_at_check(model: nn.Module, kwargs: dict, checks=lambda module: hf.PLACEHOLDER_CHECKS,
-                   features_of=_image_features) -> Optional[int]:
+                   features_of=_image_features, on_meta: bool = True) -> Optional[int]:
     """The number of tokens the features fill at the model's placeholder check (for images unless
     told otherwise: `checks(module)` names a module's check methods, `features_of(arguments)`
     picks the features from a check's bound arguments), or None if the forward ends without one.
     Raises what the forward raises before it. The forward runs on a meta copy of the model: one
     that changes its own state as it runs (SeamlessM4T's relative positions extend a buffer)
-    must reach the planner's trace as it was before, as it reaches the dry run."""
-    model = meta_shadow(model, always_copy=True)
+    must reach the planner's trace as it was before, as it reaches the dry run. With
+    on_meta=False it runs on the model and kwargs themselves (a tiny model runs in milliseconds,
+    and the count is then the one its own forward sees)."""
+    if on_meta:
+        model = meta_shadow(model, always_copy=True)
     patched = []
     for module in model.modules():
         for name in checks(module):
@@ -256,71 +245,74 @@ def count_at_check(model: nn.Module, kwargs: dict, checks=lambda module: hf.PLAC
                 if features is None or not isinstance(embeds, torch.Tensor):
                     return check(*args, **kw)
                 tensors = features if isinstance(features, (list, tuple)) else [features]
-                raise _Counted(sum(t.numel() for t in tensors) // embeds.shape[-1])
+                raise Stop(sum(t.numel() for t in tensors) // embeds.shape[-1])
 
             setattr(module, name, counting)
             patched.append((module, name))
-    values = KnownValues()
-    meta = values.to_meta(kwargs)
     try:
-        with torch.no_grad(), meta_autocast(), values:
-            model(**meta)
-    except _Counted as counted:
-        return counted.count
+        if on_meta:
+            forward_on_meta(model, (), kwargs)
+        else:
+            with torch.no_grad():
+                model(**kwargs)
+    except Stop as counted:  # the number of tokens the features fill
+        return counted.found
     finally:
         for module, name in patched:
             delattr(module, name)
     return None
 
 
-def _ids_with_images(ids: torch.Tensor, config, count: int) -> torch.Tensor:
-    """`ids` with `count` image tokens added, shared out over the samples, each sample's between
-    the vision start and end tokens where the config has them."""
-    batch = ids.shape[0]
-    token = image_token(config)
-    start = _get(config, *hf.VISION_START_TOKEN)
-    end = _get(config, *hf.VISION_END_TOKEN)
+def ids_with_tokens(ids: torch.Tensor, token: int, count: int, start: Optional[int] = None,
+                    end: Optional[int] = None) -> torch.Tensor:
+    """`ids` with `count` tokens `token` after each sample's first id, shared out over the samples,
+    each sample's between `start` and `end` where given. Rows of uneven length end in their own
+    last id repeated (no padding token, no mask)."""
     rows = []
-    for i in range(batch):
-        mine = count // batch + (1 if i < count % batch else 0)
+    for i in range(ids.shape[0]):
+        mine = count // ids.shape[0] + (1 if i < count % ids.shape[0] else 0)
         block = ([start] if isinstance(start, int) else []) + [token] * mine + ([end] if isinstance(end, int) else [])
         rows.append(ids[i, :1].tolist() + block + ids[i, 1:].tolist())
     length = max(len(r) for r in rows)
-    filler = int(ids[0, -1])
-    return torch.tensor([r + [filler] * (length - len(r)) for r in rows], dtype=ids.dtype)
+    return torch.tensor([r + [r[-1]] * (length - len(r)) for r in rows], dtype=ids.dtype)
+
+
+def with_ids(inputs: Dict[str, torch.Tensor], ids: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """`inputs` with input_ids `ids`, and the attention mask and token types given made for them."""
+    inputs = {**inputs, "input_ids": ids}
+    for name, value in (("attention_mask", torch.ones_like(ids)), ("token_type_ids", torch.zeros_like(ids))):
+        if name in inputs:
+            inputs[name] = value
+    return inputs
+
+
+def shapes(inputs: Dict[str, torch.Tensor]) -> str:
+    return ", ".join(f"{k} {tuple(v.shape)}" for k, v in inputs.items())
 
 
 def with_images(model: nn.Module, config, kwargs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """kwargs (input_ids among them) with the model's image inputs, and image tokens in the ids
     where its forward places the image features by them. The layouts of image_layouts() are
     tried in turn by running the forward on meta copies up to the placeholder check."""
-    batch = kwargs["input_ids"].shape[0]
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype = float_dtype(model)
     token = image_token(config)
     failures = []
-    for images in image_layouts(model, config, batch):
-        images = {k: v.to(dtype) if v.is_floating_point() else v for k, v in images.items()}
+    for images in image_layouts(model, config, kwargs["input_ids"].shape[0]):
+        images = as_dtype(images, dtype)
         tried = {**kwargs, **images}
         if token is None:
             return tried  # a dual encoder (CLIP): its images need no tokens
         try:
             count = count_at_check(model, tried)
         except Exception as error:  # noqa: BLE001 - the model's own error, told in ours
-            failures.append(f"{_shapes(images)}: {type(error).__name__}: {str(error)[:300]}")
+            failures.append(f"{shapes(images)}: {type(error).__name__}: {str(error)[:300]}")
             continue
         if count is None:
             return tried
-        ids = _ids_with_images(kwargs["input_ids"], config, count)
-        tried["input_ids"] = ids
-        for name, value in (("attention_mask", torch.ones_like(ids)), ("token_type_ids", torch.zeros_like(ids))):
-            if name in tried:
-                tried[name] = value
-        if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
-            tried["mm_token_type_ids"] = (ids == token).long()  # 1 where an image token is
+        start, end = first_of(config, *hf.VISION_START_TOKEN), first_of(config, *hf.VISION_END_TOKEN)
+        tried = with_ids(tried, ids_with_tokens(kwargs["input_ids"], token, count, start, end))
+        if "mm_token_type_ids" in forward_arguments(model):
+            tried["mm_token_type_ids"] = (tried["input_ids"] == token).long()  # 1 where an image token is
         return tried
     raise RuntimeError("plan: the forward failed with each layout of images autoshard made ("
                        + "; ".join(failures) + ")")
-
-
-def _shapes(images: Dict[str, torch.Tensor]) -> str:
-    return ", ".join(f"{k} {tuple(v.shape)}" for k, v in images.items())

@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .hf_inputs import example_inputs_for
+from .meta_shadow import tensors_within
 from .meta_values import KnownValues
 
 
@@ -75,21 +76,7 @@ def _copy_structure(state):
     """A deep copy of `state` that shares its tensors: the containers and objects that a cache
     rebinds as it grows are copied, while meta tensors, which hold no data to change, are not
     (copying them would make the capture's cost grow with the square of the layer count)."""
-    memo, seen, stack = {}, set(), [state]
-    while stack:
-        value = stack.pop()
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        if isinstance(value, torch.Tensor):
-            memo[id(value)] = value
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            stack.extend(value)
-        elif isinstance(value, dict):
-            stack.extend(value.values())
-        elif hasattr(value, "__dict__") and not isinstance(value, type):
-            stack.extend(vars(value).values())
-    return copy.deepcopy(state, memo)
+    return copy.deepcopy(state, {id(t): t for t in tensors_within(state)})
 
 
 def replayable(value):
@@ -114,9 +101,5 @@ def replay_inputs(value):
 
 def input_shapes(args, kwargs) -> str:
     """The example inputs' shapes in words: "input_ids (2, 8), ..."."""
-    return ", ".join(f"{k} {tuple(v.shape)}" for k, v in _named_tensors(args, kwargs))
-
-
-def _named_tensors(args, kwargs):
     named = [(f"input {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
-    return [(k, v) for k, v in named if isinstance(v, torch.Tensor)]
+    return ", ".join(f"{k} {tuple(v.shape)}" for k, v in named if isinstance(v, torch.Tensor))

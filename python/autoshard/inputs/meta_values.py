@@ -90,28 +90,20 @@ class KnownValues(TorchDispatchMode):
         if not _is_meta(value):
             return value
         entry = self._twins.get(id(value))
-        if entry is None or entry[0]() is not value:
-            return None
-        if entry[1].untyped_storage().data_ptr() in self._stale:
+        if entry is None or entry[0]() is not value or entry[1].untyped_storage().data_ptr() in self._stale:
             return None
         return entry[1]
 
     def to_meta(self, value):
         """`value` (tensors anywhere in it) on meta, each tensor's values kept as its twin."""
         def convert(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            if _is_meta(t):
+            if not isinstance(t, torch.Tensor) or _is_meta(t):
                 return t
             twin = t.detach().to("cpu").clone()
             meta = t.to("meta")
             self.know(meta, twin)
             return meta
         return tree_map(convert, value)
-
-    def clear(self) -> None:
-        self._twins.clear()
-        self._stale.clear()
 
     # ---- dispatch
 
@@ -137,17 +129,6 @@ class KnownValues(TorchDispatchMode):
         self._follow(func, args, kwargs, out)
         return out
 
-    def _twin_arguments(self, args, kwargs):
-        """args and kwargs with every meta tensor replaced by its twin (and device="meta" by
-        the CPU), or None if some meta tensor has no known values."""
-        replaced = _twins(self, (args, kwargs))
-        if replaced is None:
-            return None
-        twin_args, twin_kwargs = replaced
-        if twin_kwargs.get("device") == "meta":
-            twin_kwargs["device"] = torch.device("cpu")
-        return twin_args, twin_kwargs
-
     def _mutated(self, func, args, kwargs):
         written = self._written.get(func)
         if written is None:
@@ -171,10 +152,9 @@ class KnownValues(TorchDispatchMode):
             return
         tensors = _shallow_tensors(args) + _shallow_tensors(kwargs.values())
         # Most ops read a weight or an activation: no twin, nothing to compute.
-        known = all(self.twin(t) is not None for t in tensors)
-        if known:
-            known = (torch.Tag.nondeterministic_seeded not in func.tags and func.overloadpacket not in _UNINITIALIZED
-                     and all(o.numel() <= TWIN_ELEMENT_LIMIT for o in outputs))
+        known = (all(self.twin(t) is not None for t in tensors) and func.overloadpacket not in _UNINITIALIZED
+                 and torch.Tag.nondeterministic_seeded not in func.tags
+                 and all(o.numel() <= TWIN_ELEMENT_LIMIT for o in outputs))
         twin_out = self._run_on_twins(func, args, kwargs) if known else None
         if twin_out is None:
             if self._twins:
@@ -186,7 +166,7 @@ class KnownValues(TorchDispatchMode):
                 self.know(meta, twin)
 
     def _run_on_twins(self, func, args, kwargs):
-        replaced = self._twin_arguments(args, kwargs)
+        replaced = _twins(self, (args, kwargs))
         if replaced is None:
             return None
         try:
@@ -195,7 +175,7 @@ class KnownValues(TorchDispatchMode):
             return None
 
     def _answer(self, func, args, kwargs, error: Exception):
-        replaced = self._twin_arguments(args, kwargs)
+        replaced = _twins(self, (args, kwargs))
         if replaced is None and func.overloadpacket is torch.ops.aten.nonzero and _is_meta(args[0]):
             # Routing: which tokens an expert receives depends on the router's weights. Every
             # token is assumed to reach every expert, so that the capture follows each expert.
@@ -216,7 +196,16 @@ class KnownValues(TorchDispatchMode):
             result = func(*replaced[0], **replaced[1])
         except Exception:  # noqa: BLE001 - the twins cannot compute it either: meta's own error
             raise error from None
-        return self._back_to_meta(func, args, kwargs, result)
+        if _wants_host_copy(func, args, kwargs):
+            return result  # an explicit copy off meta (.tolist(), .cpu()): the values themselves
+
+        def back_to_meta(value):  # the twins' result as meta tensors whose values are known
+            if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+                return value
+            meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+            self.know(meta, value)
+            return meta
+        return tree_map(back_to_meta, result)
 
     def _selected_shape(self, func, args, kwargs) -> Optional[torch.Tensor]:
         """Indexing an unknown tensor by known indices (`inputs_embeds[mask]`, the mask made from the
@@ -235,20 +224,6 @@ class KnownValues(TorchDispatchMode):
             return None
         return torch.empty(result.shape, dtype=result.dtype, device="meta")
 
-    def _back_to_meta(self, func, args, kwargs, result):
-        """The twins' result as meta tensors whose values are known (or, for an explicit copy off
-        meta, the values themselves)."""
-
-        def back_to_meta(value):
-            if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
-                return value
-            if _wants_host_copy(func, args, kwargs):
-                return value  # an explicit copy off meta (.tolist(), .cpu()): the values themselves
-            meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-            self.know(meta, value)
-            return meta
-        return tree_map(back_to_meta, result)
-
 
 class _IndexingValues(TorchFunctionMode):
     """Indexing with a Python sequence (`input_ids[:, [-1, 0]]`) makes its index tensor on meta
@@ -265,32 +240,29 @@ class _IndexingValues(TorchFunctionMode):
         if moved is not None:
             return moved
         out = func(*args, **(kwargs or {}))
-        if (func is torch.Tensor.__getitem__ and _is_meta(out) and self.values.twin(out) is None
-                and len(args) == 2):
-            source = self.values.twin(args[0])
-            index = _twins(self.values, args[1])
+        if not _is_meta(out) or self.values.twin(out) is not None:
+            return out
+        if func is torch.Tensor.__getitem__ and len(args) == 2:
+            source, index = self.values.twin(args[0]), _twins(self.values, args[1])
             if source is not None and index is not None:
-                with _disable_current_modes():
-                    try:
-                        value = source[index]
-                    except Exception:  # noqa: BLE001 - an index the twin cannot take stays unknown
-                        value = None
-                if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(out.shape):
-                    self.values.know(out, value)
-        elif func in (torch.tensor, torch.as_tensor) and _is_meta(out) and self.values.twin(out) is None:
+                self._know(out, lambda: source[index])
+        elif func in (torch.tensor, torch.as_tensor):
             # A tensor written out in Python (torch.tensor([2], device=...)) is made on meta out
             # of the dispatcher's sight: its twin is made from the same data on the CPU.
             data = _twins(self.values, (args, kwargs))
             if data is not None:
-                with _disable_current_modes():
-                    try:
-                        value = func(*data[0], **{**data[1], "device": "cpu"})
-                    except Exception:  # noqa: BLE001 - data the twin cannot take stays unknown
-                        value = None
-                if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(out.shape):
-                    self.values.know(out, value)
+                self._know(out, lambda: func(*data[0], **{**data[1], "device": "cpu"}))
         return out
 
+    def _know(self, out: torch.Tensor, compute) -> None:
+        """`out`'s twin computed from twins by `compute`, where it computes one of out's shape."""
+        with _disable_current_modes():
+            try:
+                value = compute()
+            except Exception:  # noqa: BLE001 - what the twins cannot take stays unknown
+                return
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(out.shape):
+            self.values.know(out, value)
 
     def _device_move(self, func, args, kwargs) -> Optional[torch.Tensor]:
         """`x.to(device)` of a meta tensor whose values are unknown (TransformerLens's
@@ -318,7 +290,7 @@ def _twins(values: KnownValues, tree):
             value = values.twin(value)
             if value is None:
                 return None
-        elif isinstance(value, torch.device) and value.type == "meta":
+        elif isinstance(value, torch.device) and value.type == "meta" or isinstance(value, str) and value == "meta":
             value = torch.device("cpu")
         replaced.append(value)
     return tree_unflatten(replaced, spec)

@@ -46,25 +46,45 @@ class _Reached:
     received: Tuple
 
 
-class _Stop(BaseException):
-    """Raised by the hook of the first recognised layer called, to end the probing forward
-    (BaseException: a model's own `except Exception` does not swallow it)."""
+class Stop(BaseException):
+    """Raised by a hook to end a probing forward with what it found (the first recognised layer
+    called, the count at a placeholder check): BaseException, so that a model's own `except
+    Exception` does not swallow it."""
 
-    def __init__(self, reached: _Reached):
-        super().__init__(reached.name)
-        self.reached = reached
+    def __init__(self, found):
+        super().__init__(found)
+        self.found = found
 
 
-def _einsum_dense():
-    return EinsumDense
+def forward_on_meta(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Runs the model (a meta copy) on meta copies of args and kwargs, without autograd, the
+    values of their tensors known to the ops that read them (KnownValues) and autocast on meta."""
+    values = KnownValues()
+    args, kwargs = values.to_meta((args, kwargs))
+    with torch.no_grad(), meta_autocast(), values:
+        model(*args, **kwargs)
 
 
 def _recognised(module: nn.Module) -> bool:
-    return isinstance(module, (nn.Linear, nn.Embedding, nn.MultiheadAttention, _einsum_dense()) + _CONV + _NORMS)
+    return isinstance(module, (nn.Linear, nn.Embedding, nn.MultiheadAttention, EinsumDense) + _CONV + _NORMS)
 
 
-def _dtype(module: nn.Module) -> torch.dtype:
+def float_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype of the module's first floating-point parameter (float32 where it has none)."""
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+
+
+def as_dtype(tensors: Dict[str, torch.Tensor], dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """`tensors` with the floating-point ones cast to `dtype`, as a processor would give them."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+
+
+def forward_arguments(module: nn.Module) -> set:
+    """The names of the parameters the module's forward takes (none where it has no signature)."""
+    try:
+        return set(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def _pair(value, dims: int) -> Tuple[int, ...]:
@@ -99,7 +119,7 @@ def _ids(embedding: nn.Embedding) -> torch.Tensor:
 def _tensor_for(layer: nn.Module, model: nn.Module) -> torch.Tensor:
     """An input of the shape `layer` takes, in the model's floating-point dtype."""
     generator = torch.Generator().manual_seed(0)
-    dtype = _dtype(layer)
+    dtype = float_dtype(layer)
     if isinstance(layer, nn.Embedding):
         return _ids(layer)
     if isinstance(layer, nn.Linear):
@@ -139,7 +159,7 @@ def _fits(layer: nn.Module, received: Tuple) -> bool:
     return x.dim() == len(wanted) + 1 and all(w is None or s == w for s, w in zip(x.shape[1:], wanted))
 
 
-def _required(model: nn.Module) -> Tuple[List[inspect.Parameter], bool]:
+def required_parameters(model: nn.Module) -> Tuple[List[inspect.Parameter], bool]:
     """The forward's parameters without a default, and whether it takes *args."""
     try:
         parameters = list(inspect.signature(model.forward).parameters.values())
@@ -164,16 +184,13 @@ def _probe(model: nn.Module, parameter: inspect.Parameter, tensor: torch.Tensor,
     for name, module in model.named_modules():
         if _recognised(module):
             def stop(mod, args, kwargs, name=name):
-                raise _Stop(_Reached(name, mod, tuple(args) + tuple(kwargs.values())))
+                raise Stop(_Reached(name, mod, tuple(args) + tuple(kwargs.values())))
 
             handles.append(module.register_forward_pre_hook(stop, with_kwargs=True))
-    values = KnownValues()
-    args, kwargs = values.to_meta(_call(parameter, tensor, by_keyword))
     try:
-        with torch.no_grad(), meta_autocast(), values:
-            model(*args, **kwargs)
-    except _Stop as stopped:
-        return stopped.reached
+        forward_on_meta(model, *_call(parameter, tensor, by_keyword))
+    except Stop as stopped:
+        return stopped.found
     finally:
         for handle in handles:
             handle.remove()
@@ -195,7 +212,7 @@ def example_inputs_for_module(model: nn.Module, argument: Optional[str] = None) 
     argument is the one inferred, passed by keyword."""
     if argument is not None:
         return _inferred(model, _parameter(model, argument), by_keyword=True)
-    required, var_positional = _required(model)
+    required, var_positional = required_parameters(model)
     if not required:
         if var_positional:
             raise _refuse(model, "its forward takes *args, whose tensors autoshard cannot infer")

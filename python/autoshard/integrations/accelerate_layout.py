@@ -41,10 +41,6 @@ class Layout:
     dp_size: int
     rank: int
 
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp_size
-
 
 def layout_of(model: torch.nn.Module) -> Optional[Layout]:
     """The layout of a parallelized `model` over the world; None for a model parallelize did not
@@ -87,40 +83,28 @@ def data_mesh(layout: Layout):
                                  mesh_dim_names=("dp_replicate", "tp"))
 
 
-def _one_copy_per_replica(accelerator, layout: Layout, data, use_gather_object: bool):
-    """The world's `data` gathered, keeping the ranks of tensor-parallel rank 0 (every rank of a
-    tensor-parallel group holds the same results)."""
-    if layout.dp_size == 1:
-        return data
-    if use_gather_object:
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, data)
-        kept = every[::layout.tp_size]
-        return [item for part in kept for item in part] if all(isinstance(p, list) for p in kept) else kept
-
+def _gather_for_metrics(accelerator, layout: Layout):
+    """accelerate's gather_for_metrics, with one copy per replica: the world's data gathered,
+    keeping the ranks of tensor-parallel rank 0 (every rank of a tensor-parallel group holds the
+    same results)."""
     from accelerate.utils import recursively_apply  # noqa: PLC0415  (accelerate is optional)
 
-    world = dist.get_world_size()
-
-    def keep(tensor):  # accelerate's gather concatenates the ranks' equal-sized pieces in rank order
-        return torch.cat(tensor.chunk(world)[::layout.tp_size])
-
-    return recursively_apply(keep, accelerator.gather(data))
-
-
-def _gather_for_metrics(accelerator, layout: Layout):
-    """accelerate's gather_for_metrics, with one copy per replica."""
-
     def gather_for_metrics(input_data, use_gather_object=False):
-        from accelerate.utils import recursively_apply  # noqa: PLC0415  (accelerate is optional)
-
         try:
             recursively_apply(lambda x: x, input_data, error_on_other_type=True)
             all_tensors = True
         except TypeError:
             all_tensors = False
         use_gather_object = use_gather_object or not all_tensors
-        data = _one_copy_per_replica(accelerator, layout, input_data, use_gather_object)
+        data, world = input_data, dist.get_world_size()
+        if layout.dp_size > 1 and use_gather_object:
+            every = [None] * world
+            dist.all_gather_object(every, input_data)
+            kept = every[::layout.tp_size]
+            data = [item for part in kept for item in part] if all(isinstance(p, list) for p in kept) else kept
+        elif layout.dp_size > 1:
+            # accelerate's gather concatenates the ranks' equal-sized pieces in rank order
+            data = recursively_apply(lambda t: torch.cat(t.chunk(world)[::layout.tp_size]), accelerator.gather(data))
         state = accelerator.gradient_state
         # As accelerate does: the last batches were padded to make the replicas even; drop the padding.
         if state.end_of_dataloader and state.remainder > 0:

@@ -26,16 +26,6 @@ from ..runtime.shard_guard import local
 __all__ = ["quantize_"]
 
 
-def _refuse_unless_supported(config) -> None:
-    from torchao.quantization import Int8WeightOnlyConfig, PerRow  # noqa: PLC0415  (torchao is optional)
-
-    if type(config) is not Int8WeightOnlyConfig or not isinstance(config.granularity, PerRow):
-        raise ValueError(
-            f"autoshard.integrations.torchao_quantize.quantize_: config must be torchao's "
-            f"Int8WeightOnlyConfig(granularity=PerRow()), got {config!r}; other configs compute scales (or "
-            "quantize activations) that autoshard does not yet take over the shards, so they are refused")
-
-
 def _row_scales(weight: torch.Tensor, group_name: str):
     """The scale and zero point torchao gives each whole row of a weight whose columns are split."""
     from torchao.quantization.quant_primitives import _DTYPE_TO_QVALUE_BOUNDS, MappingType, choose_qparams_affine  # noqa: PLC0415  (torchao is optional)
@@ -69,12 +59,17 @@ def quantize_(model: nn.Module, config) -> nn.Module:
     """Quantizes every Linear layer of the parallelized `model` in place with torchao's `config`
     (``Int8WeightOnlyConfig()``), sharded layers with their whole rows' scales; returns the model.
     For inference: the quantized weights are frozen."""
+    from torchao.quantization import Int8WeightOnlyConfig, PerRow  # noqa: PLC0415  (torchao is optional)
     from torchao.quantization import quantize_ as torchao_quantize  # noqa: PLC0415  (torchao is optional)
 
     if state_of(model) is None:
         raise ValueError("autoshard.integrations.torchao_quantize.quantize_: model is not parallelized; quantize an "
                          "unsharded model with torchao's quantize_ itself")
-    _refuse_unless_supported(config)
+    if type(config) is not Int8WeightOnlyConfig or not isinstance(config.granularity, PerRow):
+        raise ValueError(
+            f"autoshard.integrations.torchao_quantize.quantize_: config must be torchao's "
+            f"Int8WeightOnlyConfig(granularity=PerRow()), got {config!r}; other configs compute scales (or "
+            "quantize activations) that autoshard does not yet take over the shards, so they are refused")
     sharded = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     for layer in sharded:  # every refusal before the first change
         if layer.transposed_weight or (isinstance(layer, ColumnParallelLinear) and not layer.plain_product):

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..conventions import huggingface as hf
 from ..core import ops
 from ..nn.linear import ColumnParallelLinear
 
@@ -82,8 +83,7 @@ class VocabParallelLogProbs:
 
 
 def _sharded_head(model: nn.Module) -> Optional[ColumnParallelLinear]:
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
+    head = hf.output_embeddings(model)
     # One contiguous run of the vocabulary per rank, as a loss over the vocabulary needs.
     if isinstance(head, ColumnParallelLinear) and len(head.shard_specs["weight"].local_ranges()) == 1:
         return head
@@ -97,7 +97,8 @@ def fuse_over_shards(model: nn.Module) -> bool:
     func = getattr(forward, "__func__", None)
     if func is None or getattr(func, _REBOUND, False):
         return func is not None
-    if func.__code__.co_name != "_fused_forward" or _sharded_head(model) is None:
+    head = _sharded_head(model)
+    if func.__code__.co_name != "_fused_forward" or head is None:
         return False
     if _CHUNKED not in func.__globals__ or not {_CHUNKED, "apply"} <= set(func.__code__.co_names):
         raise RuntimeError(
@@ -105,7 +106,7 @@ def fuse_over_shards(model: nn.Module) -> bool:
             "computes over the vocabulary shards; use the TRL version requirements-dev.txt names, or parallelize "
             "the model with loss_parallel=False and a plan that keeps the output head whole")
     namespace = dict(func.__globals__)
-    namespace[_CHUNKED] = VocabParallelLogProbs(_sharded_head(model))
+    namespace[_CHUNKED] = VocabParallelLogProbs(head)
     rebound = types.FunctionType(func.__code__, namespace, func.__name__, func.__defaults__, func.__closure__)
     rebound.__kwdefaults__ = func.__kwdefaults__
     rebound.__dict__.update(func.__dict__)  # functools.wraps' __wrapped__: generate() reads the signature
