@@ -76,11 +76,6 @@ def _pixel_values(config, video: bool = False) -> torch.Tensor:
     return torch.zeros(BATCH, channels, height, width)
 
 
-def _conv_strides(model: nn.Module) -> int:
-    encoder = model.get_encoder() if hasattr(model, "get_encoder") else model
-    return math.prod(m.stride[0] for m in encoder.modules() if isinstance(m, nn.Conv1d))
-
-
 def _input_features(model: nn.Module, config) -> torch.Tensor:
     per_channel = _config_value(config, "input_feat_per_channel")
     if per_channel is not None:
@@ -94,7 +89,9 @@ def _input_features(model: nn.Module, config) -> torch.Tensor:
         raise MissingInputs("its config has no num_mel_bins and max_source_positions to make input_features from "
                             "(autoshard knows Whisper's layout, batch x mel bins x frames, and Speech2Text's)")
     # The encoder's convolutions subsample the frames to its positions (Whisper checks it).
-    return torch.zeros(BATCH, mel_bins, positions * _conv_strides(model))
+    encoder = model.get_encoder() if hasattr(model, "get_encoder") else model
+    strides = math.prod(m.stride[0] for m in encoder.modules() if isinstance(m, nn.Conv1d))
+    return torch.zeros(BATCH, mel_bins, positions * strides)
 
 
 def _input_values(config) -> torch.Tensor:

@@ -48,11 +48,8 @@ def first_of(config, *names):
 
 
 def image_token(config) -> Optional[int]:
-    for holder in (config, getattr(config, "text_config", None)):
-        value = first_of(holder, *hf.IMAGE_TOKEN) if holder is not None else None
-        if isinstance(value, int):
-            return value
-    return None
+    values = (first_of(holder, *hf.IMAGE_TOKEN) for holder in (config, getattr(config, "text_config", None)))
+    return next((v for v in values if isinstance(v, int)), None)
 
 
 def _positive(vision, names, default):

@@ -13,9 +13,6 @@ from .meta_shadow import tensors_within
 from .meta_values import KnownValues
 
 
-aten = torch.ops.aten
-
-
 def split_inputs(example_inputs) -> Tuple[tuple, dict]:
     """example_inputs as (args, kwargs): a dict is keyword arguments, a tuple or list positional
     arguments, anything else the one positional argument."""
@@ -41,15 +38,12 @@ def clone_or_none(value: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def describe_inputs(args, kwargs) -> Dict[str, Any]:
-    """The shapes and dtypes of example inputs, as a plan records them."""
-    return {"args": [_describe(a) for a in args],
-            "kwargs": {k: _describe(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)}}
-
-
-def _describe(value):
-    if not isinstance(value, torch.Tensor):
-        return None
-    return {"shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
+    """The shapes and dtypes of example inputs, as a plan records them (None for an argument that
+    is no tensor)."""
+    describe = lambda v: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")} \
+        if isinstance(v, torch.Tensor) else None
+    return {"args": [describe(a) for a in args],
+            "kwargs": {k: describe(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)}}
 
 
 class StateAtCall:
