@@ -188,11 +188,11 @@ def copy(x: torch.Tensor, group_name: str, readers: Sequence[torch.nn.Module],
     """x copied into the parallel region (with `tokens` = (dim, length), every rank's tokens
     of it) for `readers` (column layers), with their weight gradients computed during the input
     gradient's collective; copy_to_parallel (all_gather_from_sequence) where that does not apply
-    (no gradient to x, autocast)."""
+    (no readers, no gradient to x, autocast)."""
     # torch.compile traces the path without overlap: its graphs refuse the autograd nodes' shared
     # state (a side effect under fullgraph), and it orders the collectives itself. torch.jit.trace
     # too: it would keep this forward's _Overlap in its graph, shared by every later call.
-    if not (torch.is_grad_enabled() and x.requires_grad) or torch.is_autocast_enabled(x.device.type) \
+    if not (readers and torch.is_grad_enabled() and x.requires_grad) or torch.is_autocast_enabled(x.device.type) \
             or torch.compiler.is_compiling() or torch.jit.is_tracing():
         if tokens is None:
             return ops.copy_to_parallel(x, group_name)

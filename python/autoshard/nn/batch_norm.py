@@ -25,6 +25,7 @@ from ..core import comm
 from ..core.distributed import resolve
 from ..core.parallel_state import attach_layer_state
 from ..core.spec import ShardSpec
+from .layer_norm import take_parameters
 
 
 def is_batch_norm(module: nn.Module) -> bool:
@@ -62,14 +63,7 @@ class ShardedBatchNorm(nn.Module):
         self.rank_ranges: List[List[Tuple[int, int]]] = [replace(spec, rank=r).local_ranges()
                                                          for r in range(spec.world_size)]
         self.local_features = spec.local_size()
-        self.shard_specs = {}
-        for name in ("weight", "bias"):
-            value = getattr(norm, name, None)
-            if value is None:
-                self.register_parameter(name, None)
-            else:
-                self.shard_specs[name] = spec
-                setattr(self, name, nn.Parameter(spec.take(value.detach()), requires_grad=value.requires_grad))
+        take_parameters(self, spec, weight=getattr(norm, "weight", None), bias=getattr(norm, "bias", None))
         for name in ("running_mean", "running_var", "num_batches_tracked"):
             self.register_buffer(name, getattr(norm, name, None), persistent=name not in norm._non_persistent_buffers_set)
         self.train(norm.training)  # a model parallelized in eval mode stays so

@@ -50,11 +50,8 @@ def _as_shape(value: Union[int, Sequence[Optional[int]]], argument: str) -> Shap
         ) from None
     shape = []
     for entry in entries:
-        if entry is None:
-            shape.append(None)
-            continue
         try:
-            shape.append(operator.index(entry))
+            shape.append(None if entry is None else operator.index(entry))
         except TypeError:
             raise TypeError(
                 f"EinsumDense: {argument} must hold ints and Nones, got {entry!r} in {tuple(entries)!r}"
@@ -236,27 +233,17 @@ class ShardedEinsumDense(nn.Module):
         attach_layer_state(self)
 
     @classmethod
-    def from_einsum_dense(
-        cls,
-        layer: EinsumDense,
-        shard_axis: str,
-        group=None,
-        *,
-        gather_output: bool = False,
-        input_is_parallel: bool = True,
-    ) -> "ShardedEinsumDense":
-        """This rank's shard of ``layer``, split along weight letter ``shard_axis``."""
-        return cls(layer, shard_axis, group, gather_output=gather_output, input_is_parallel=input_is_parallel)
-
-    def _expected_input(self, local: bool) -> Shape:
-        shape = [None, *self.input_shape]
-        if local:
-            shape[self._input_dim] = self.local_size
-        return tuple(shape)
+    def from_einsum_dense(cls, layer: EinsumDense, shard_axis: str, group=None, **options) -> "ShardedEinsumDense":
+        """This rank's shard of ``layer``, split along weight letter ``shard_axis``; ``options``
+        are the constructor's (``gather_output``, ``input_is_parallel``)."""
+        return cls(layer, shard_axis, group, **options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        expected = [None, *self.input_shape]
+        if self.style is Style.ROW and self.input_is_parallel:  # else the input is whole
+            expected[self._input_dim] = self.local_size
+        _check_input(x, tuple(expected), "ShardedEinsumDense")
         if self.style is Style.COLUMN:
-            _check_input(x, self._expected_input(local=False), "ShardedEinsumDense")
             x = self.input_copy(x) if self.input_copy is not None else comm.copy_to_parallel(x, self.group)
             region_generators.enter(x, self.group.group_name, self.training)
             y = torch.einsum(self.equation, x, self.weight)
@@ -272,10 +259,7 @@ class ShardedEinsumDense(nn.Module):
                 y = comm.gather_from_parallel(y, self._output_dim % y.dim(), self.full_size, self.group)
                 region_generators.leave(y)
             return y
-        if self.input_is_parallel:
-            _check_input(x, self._expected_input(local=True), "ShardedEinsumDense")
-        else:
-            _check_input(x, self._expected_input(local=False), "ShardedEinsumDense")
+        if not self.input_is_parallel:
             x = comm.scatter_to_parallel(x, self._input_dim % x.dim(), self.group)
         y = region_generators.leave(comm.reduce_from_parallel(torch.einsum(self.equation, x, self.weight), self.group))
         return y if self.bias is None else y + self.bias

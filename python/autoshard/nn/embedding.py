@@ -5,7 +5,6 @@ all-reduce sums the ranks' partial outputs into the full lookup. The backward ne
 collective: every rank receives the full output gradient and accumulates its own rows.
 """
 
-import operator
 from typing import Optional
 
 import torch
@@ -15,13 +14,9 @@ from ..core import comm, ops
 from ..core.distributed import resolve
 from ..core.parallel_state import attach_layer_state
 from ..core.spec import ShardSpec
+from .linear import as_int
 
-
-def _as_int(value, argument: str) -> int:
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"VocabParallelEmbedding: {argument} must be an int, got {type(value).__name__}") from None
+_NAME = "VocabParallelEmbedding"
 
 
 def _reject_max_norm(max_norm) -> None:
@@ -32,19 +27,6 @@ def _reject_max_norm(max_norm) -> None:
             "VocabParallelEmbedding: max_norm is not supported by the vocab-parallel table "
             f"(got max_norm={max_norm!r}); use max_norm=None"
         )
-
-
-def _normalise_padding_idx(padding_idx, num_embeddings: int) -> Optional[int]:
-    """nn.Embedding's rule: a negative index counts from the end of the full table."""
-    if padding_idx is None:
-        return None
-    padding_idx = _as_int(padding_idx, "padding_idx")
-    if not -num_embeddings <= padding_idx < num_embeddings:
-        raise ValueError(
-            f"VocabParallelEmbedding: padding_idx must be in [{-num_embeddings}, {num_embeddings}) for "
-            f"num_embeddings={num_embeddings}, got {padding_idx}"
-        )
-    return padding_idx + num_embeddings if padding_idx < 0 else padding_idx
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -64,15 +46,21 @@ class VocabParallelEmbedding(nn.Module):
     ):
         super().__init__()
         _reject_max_norm(max_norm)
-        num_embeddings = _as_int(num_embeddings, "num_embeddings")
-        embedding_dim = _as_int(embedding_dim, "embedding_dim")
+        num_embeddings = as_int(num_embeddings, "num_embeddings", _NAME)
+        embedding_dim = as_int(embedding_dim, "embedding_dim", _NAME)
         if num_embeddings <= 0:
             raise ValueError(f"VocabParallelEmbedding: num_embeddings must be positive, got {num_embeddings}")
         if embedding_dim < 0:
             raise ValueError(f"VocabParallelEmbedding: embedding_dim must be >= 0, got {embedding_dim}")
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.padding_idx = _normalise_padding_idx(padding_idx, num_embeddings)
+        if padding_idx is not None:  # nn.Embedding's rule: a negative index counts from the end of the full table
+            padding_idx = as_int(padding_idx, "padding_idx", _NAME)
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"VocabParallelEmbedding: padding_idx must be in [{-num_embeddings}, "
+                                 f"{num_embeddings}) for num_embeddings={num_embeddings}, got {padding_idx}")
+            padding_idx += num_embeddings if padding_idx < 0 else 0
+        self.padding_idx = padding_idx
         self.max_norm = None
         # Resolved now: the table is split for this group, whatever the default is later.
         self.group = resolve(group, "VocabParallelEmbedding")
@@ -124,12 +112,7 @@ class VocabParallelEmbedding(nn.Module):
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        padding_idx = -1 if self.padding_idx is None else self.padding_idx
-        partial = ops.vocab_parallel_lookup(ids, self.weight, self.vocab_start, padding_idx, self.num_embeddings)
-        output_tokens = getattr(self, "output_tokens", None)
-        if output_tokens is not None:
-            return output_tokens(partial, self.training)  # sequence parallelism: this rank's tokens of the sum
-        return comm.reduce_from_parallel(partial, self.group)
+        return lookup(self, ids, self.padding_idx)
 
     def extra_repr(self) -> str:
         spec = self.shard_specs["weight"]
@@ -138,3 +121,15 @@ class VocabParallelEmbedding(nn.Module):
             f"on rank {spec.rank} of {spec.world_size}"
         )
         return text if self.padding_idx is None else f"{text}, padding_idx={self.padding_idx}"
+
+
+def lookup(module: nn.Module, ids: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:
+    """The rows of the whole table for `ids` (`padding_idx` a row of the whole table, >= 0): this
+    rank's rows of `module` (a VocabParallelEmbedding, or an Embedding split by rows), summed over
+    the ranks, or with sequence parallelism this rank's tokens of that sum."""
+    padding_idx = -1 if padding_idx is None else padding_idx
+    partial = ops.vocab_parallel_lookup(ids, module.weight, module.vocab_start, padding_idx, module.num_embeddings)
+    output_tokens = getattr(module, "output_tokens", None)
+    if output_tokens is not None:
+        return output_tokens(partial, module.training)
+    return comm.reduce_from_parallel(partial, module.group)

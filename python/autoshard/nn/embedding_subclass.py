@@ -20,10 +20,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ..core import comm, ops
 from ..core.distributed import ProcessGroup
 from ..core.parallel_state import attach_layer_state
-from .embedding import VocabParallelEmbedding
+from .embedding import VocabParallelEmbedding, lookup
 
 _EMBEDDING = inspect.signature(F.embedding)
 # Reads of the weight that are the same whichever rows a rank holds.
@@ -48,19 +47,11 @@ def _refusal(module: nn.Module, what: str) -> ValueError:
 
 
 def _sharded_lookup(module: nn.Module, ids: torch.Tensor, padding_idx) -> torch.Tensor:
-    """The rows of the whole table for `ids`: this rank's, summed over the ranks (or, with
-    sequence parallelism, this rank's tokens of that sum)."""
-    if padding_idx is None:
-        padding_idx = -1
-    else:
+    if padding_idx is not None:
         padding_idx = operator.index(padding_idx)
         if padding_idx < 0:  # counted from the end of the whole table, as nn.Embedding does
             padding_idx += module.num_embeddings
-    partial = ops.vocab_parallel_lookup(ids, module.weight, module.vocab_start, padding_idx, module.num_embeddings)
-    output_tokens = getattr(module, "output_tokens", None)
-    if output_tokens is not None:
-        return output_tokens(partial, module.training)
-    return comm.reduce_from_parallel(partial, module.group)
+    return lookup(module, ids, padding_idx)
 
 
 class WholeTableLookups(TorchFunctionMode):

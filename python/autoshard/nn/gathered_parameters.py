@@ -43,9 +43,6 @@ class GatherOnCall:
         module.register_forward_pre_hook(self.gather)
         module.register_forward_hook(self.release, always_call=True)
 
-    def add(self, owner: nn.Module, attr: str, piece: nn.Parameter, spec: ShardSpec) -> None:
-        self.pieces.append((owner, attr, piece, spec))
-
     def gather(self, module: nn.Module, args) -> None:
         self.depth += 1
         if self.depth > 1:  # called again inside its own call: already whole
@@ -79,10 +76,8 @@ def gather_on_call(module: nn.Module, owner: nn.Module, attr: str, piece: nn.Par
                    group_name: str, hooks: List[GatherOnCall]) -> None:
     """Has `module` gather the parameter `attr` of `owner` (itself or a submodule; stored as this
     rank's `piece`) for each of its calls, with one pair of hooks per module, kept in `hooks`."""
-    for hook in hooks:
-        if hook.module_id == id(module):
-            hook.add(owner, attr, piece, spec)
-            return
-    hook = GatherOnCall(module, group_name)
-    hook.add(owner, attr, piece, spec)
-    hooks.append(hook)
+    hook = next((hook for hook in hooks if hook.module_id == id(module)), None)
+    if hook is None:
+        hook = GatherOnCall(module, group_name)
+        hooks.append(hook)
+    hook.pieces.append((owner, attr, piece, spec))

@@ -21,10 +21,9 @@ from ..core.split import split_sizes
 from .sequence import replace_input
 
 
-def _grouped_shape(shape: List[int], axis: int, size: int, units: int) -> Tuple[List[int], int]:
-    """The shape viewing axis `axis` (outer x size) as (outer, units, size // units), and outer."""
-    outer = shape[axis] // size
-    return shape[:axis] + [outer, units, size // units] + shape[axis + 1:], outer
+def _grouped_shape(shape: List[int], axis: int, size: int, units: int) -> List[int]:
+    """The shape viewing axis `axis` (outer x size) as (outer, units, size // units)."""
+    return shape[:axis] + [shape[axis] // size, units, size // units] + shape[axis + 1:]
 
 
 def local_heads_shape(shape, entry, units: int, rank: int, world_size: int) -> Tuple[int, ...]:
@@ -40,7 +39,7 @@ def cut_steps(shape, entry, units: int, rank: int, world_size: int) -> List[Tupl
     local = local_heads_shape(shape, entry, units, rank, world_size)
     if entry.outer == 1 and entry.size == units:
         return [("autoshard.scatter_to_parallel.default", local)]
-    grouped, _ = _grouped_shape(list(shape), entry.axis, entry.size, units)
+    grouped = _grouped_shape(list(shape), entry.axis, entry.size, units)
     piece = list(grouped)
     piece[entry.axis + 1] = split_sizes(units, world_size)[rank]
     return [("aten.view.default", tuple(grouped)), ("autoshard.scatter_to_parallel.default", tuple(piece)),
@@ -57,19 +56,17 @@ class SliceHeads:
         self.group_name = group_name
 
     def __call__(self, x: torch.Tensor, training: bool) -> torch.Tensor:
-        return region_generators.enter(self._cut(x), self.group_name, training)
-
-    def _cut(self, x: torch.Tensor) -> torch.Tensor:
         axis = self.axis
         if x.dim() <= axis or x.shape[axis] % self.size:
             raise ValueError(f"head cut: {self.module!r} received a tensor of shape {tuple(x.shape)}, whose axis {axis} "
                              f"should hold {self.size} heads (times a batch factor), as planned")
         if x.shape[axis] == self.size and self.size == self.units:
-            return ops.scatter_to_parallel(x, axis, self.group_name)
-        shape = list(x.shape)
-        grouped, _ = _grouped_shape(shape, axis, self.size, self.units)
-        piece = ops.scatter_to_parallel(x.reshape(grouped), axis + 1, self.group_name)
-        return piece.reshape(shape[:axis] + [-1] + shape[axis + 1:])
+            piece = ops.scatter_to_parallel(x, axis, self.group_name)
+        else:
+            shape = list(x.shape)
+            piece = ops.scatter_to_parallel(x.reshape(_grouped_shape(shape, axis, self.size, self.units)), axis + 1,
+                                            self.group_name).reshape(shape[:axis] + [-1] + shape[axis + 1:])
+        return region_generators.enter(piece, self.group_name, training)
 
     def __repr__(self) -> str:
         return f"SliceHeads(axis={self.axis}, size={self.size}, units={self.units})"

@@ -39,10 +39,8 @@ class SharedInputCopy:
         else:
             if self.enter is not None:
                 copy = self.enter(x)
-            elif self.overlap_readers:
-                copy = backward_overlap.copy(x, self.group_name, self.overlap_readers)
             else:
-                copy = ops.copy_to_parallel(x, self.group_name)
+                copy = backward_overlap.copy(x, self.group_name, self.overlap_readers)
             self._source, self._copy, self._served = weakref.ref(x), copy, 1
         if self._served == self.users:
             self._source = self._copy = None  # hold no activation beyond its last reader

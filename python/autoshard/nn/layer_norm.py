@@ -22,6 +22,24 @@ from ..core.parallel_state import attach_layer_state
 from ..core.spec import ShardSpec
 
 
+def check_eps(owner: str, eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"{owner}: eps must be a non-negative float, got {eps!r}")
+    return float(eps)
+
+
+def take_parameters(module: nn.Module, spec: ShardSpec, **full: Optional[torch.Tensor]) -> None:
+    """Gives `module` this rank's part (`spec`) of each tensor of `full` (None: no such
+    parameter) as its parameter of that name, recorded in its shard_specs."""
+    module.shard_specs = {}
+    for name, value in full.items():
+        if value is None:
+            module.register_parameter(name, None)
+        else:
+            module.shard_specs[name] = spec
+            setattr(module, name, nn.Parameter(spec.take(value.detach()), requires_grad=value.requires_grad))
+
+
 class ShardedLayerNorm(nn.Module):
     """This rank's part of a LayerNorm over ``spec.full_size`` features, computing
     ``(x - mean) * rsqrt(var + eps) * weight + bias`` with every rank's features in the mean and
@@ -42,19 +60,11 @@ class ShardedLayerNorm(nn.Module):
                 got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(f"ShardedLayerNorm: {name} must be None or 1-D of {spec.full_size} features, "
                                  f"got {got}")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
-            raise ValueError(f"ShardedLayerNorm: eps must be a non-negative float, got {eps!r}")
+        self.eps = check_eps("ShardedLayerNorm", eps)
         self.group = resolve(group, "ShardedLayerNorm")
         self.features = spec.full_size
         self.local_features = spec.local_size()
-        self.eps = float(eps)
-        self.shard_specs = {}
-        for name, value in (("weight", weight), ("bias", bias)):
-            if value is None:
-                self.register_parameter(name, None)
-            else:
-                self.shard_specs[name] = spec
-                setattr(self, name, nn.Parameter(spec.take(value.detach()), requires_grad=value.requires_grad))
+        take_parameters(self, spec, weight=weight, bias=bias)
         attach_layer_state(self)
 
     @classmethod

@@ -27,7 +27,7 @@ from ..core.parallel_state import attach_layer_state
 from ..core.spec import ShardSpec
 
 
-def _as_int(value, argument: str, owner: str) -> int:
+def as_int(value, argument: str, owner: str) -> int:
     try:
         return operator.index(value)
     except TypeError:
@@ -66,8 +66,8 @@ class _ParallelLinear(nn.Linear):
     def _setup(self, in_features, out_features, bias, group, device, dtype, units, parts, repeat=None,
                whole_parts=None) -> None:
         owner = type(self).__name__
-        self.in_features = _as_int(in_features, "in_features", owner)
-        self.out_features = _as_int(out_features, "out_features", owner)
+        self.in_features = as_int(in_features, "in_features", owner)
+        self.out_features = as_int(out_features, "out_features", owner)
         for name, value in (("in_features", self.in_features), ("out_features", self.out_features)):
             if value < 0:
                 raise ValueError(f"{owner}: {name} must be >= 0, got {value}")
@@ -76,12 +76,12 @@ class _ParallelLinear(nn.Linear):
         self._rank, self._world = self.group.rank(), self.group.size()
         self.transposed_weight = False
         split_size = self.out_features if self.split_dim == 0 else self.in_features
-        units = None if units is None else _as_int(units, "units", owner)
-        parts = None if parts is None else tuple(_as_int(p, "parts", owner) for p in parts)
-        repeat = None if repeat is None else _as_int(repeat, "repeat", owner)
+        units = None if units is None else as_int(units, "units", owner)
+        parts = None if parts is None else tuple(as_int(p, "parts", owner) for p in parts)
+        repeat = None if repeat is None else as_int(repeat, "repeat", owner)
         if repeat is not None and units is None:
             raise ValueError(f"{owner}: repeat={repeat} needs units (the KV heads)")
-        whole_parts = None if whole_parts is None else tuple(_as_int(i, "whole_parts", owner) for i in whole_parts)
+        whole_parts = None if whole_parts is None else tuple(as_int(i, "whole_parts", owner) for i in whole_parts)
         spec = ShardSpec(dim=self.split_dim, full_size=split_size, rank=self._rank, world_size=self._world,
                          units=units, parts=parts, repeat=repeat, whole_parts=whole_parts)
         for index, size in enumerate(spec.part_sizes()):
@@ -210,22 +210,18 @@ class _ParallelLinear(nn.Linear):
             raise ValueError(f"{type(self).__name__}: input's last dimension must be {what}={expected}, "
                              f"got {got if got is not None else 'a 0-d tensor'} (input shape {tuple(x.shape)})")
 
-    def _layout_repr(self) -> str:
+    def extra_repr(self) -> str:
         spec = self.shard_specs["weight"]
-        extra = ""
-        if spec.units is not None:
-            extra += f", units={spec.units}"
-        if spec.parts is not None:
-            extra += f", parts={spec.parts}"
-        if spec.repeat is not None:
-            extra += f", repeat={spec.repeat}"
-        if spec.whole_parts is not None:
-            extra += f", whole_parts={spec.whole_parts}"
-            if getattr(self, "sum_whole_parts", False):
-                extra += ", sum_whole_parts=True"
+        option = "gather_output" if self.split_dim == 0 else "input_is_parallel"
+        layout = "".join(f", {key}={getattr(spec, key)}" for key in ("units", "parts", "repeat", "whole_parts")
+                         if getattr(spec, key) is not None)
+        if getattr(self, "sum_whole_parts", False):
+            layout += ", sum_whole_parts=True"
         if self.transposed_weight:
-            extra += ", transposed_weight=True"
-        return f"local_{self.split_name}={spec.local_size()} (rank {self._rank} of {self._world}){extra}"
+            layout += ", transposed_weight=True"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{option}={getattr(self, option)}, local_{self.split_name}={spec.local_size()} "
+                f"(rank {self._rank} of {self._world}){layout}")
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -296,10 +292,8 @@ class ColumnParallelLinear(_ParallelLinear):
         from here on draws this rank's own masks (see region_generators)."""
         if self.input_copy is not None:
             copy = self.input_copy(x)
-        elif self.overlap_readers is not None:
-            copy = backward_overlap.copy(x, self._group_name, self.overlap_readers)
         else:
-            copy = ops.copy_to_parallel(x, self._group_name)
+            copy = backward_overlap.copy(x, self._group_name, self.overlap_readers or ())
         return region_generators.enter(copy, self._group_name, self.training)
 
     @property
@@ -309,11 +303,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def local_product(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output features for an input that enter() gave."""
-        if self.sum_whole_parts:
-            weight, bias = self._whole_parts_summed()
-            return F.linear(x, self._linear_weight(weight), bias)
-        if self.shard_specs["weight"].repeat is not None:
-            weight, bias = self._weights_summed_over_holders()
+        if not self.plain_product:
+            weight, bias = self._whole_parts_summed() if self.sum_whole_parts else self._weights_summed_over_holders()
             return F.linear(x, self._linear_weight(weight), bias)
         deferred = backward_overlap.product(self, x, self._linear_weight(), self.bias)
         return deferred if deferred is not None else F.linear(x, self._linear_weight(), self.bias)
@@ -323,10 +314,6 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.gather_output:
             y = region_generators.leave(ops.gather_from_parallel(y, -1, self.out_features, self._group_name))
         return y
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"gather_output={self.gather_output}, {self._layout_repr()}")
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -391,7 +378,3 @@ class RowParallelLinear(_ParallelLinear):
         else:
             y = region_generators.leave(ops.reduce_from_parallel(partial, self._group_name))
         return y if self.bias is None else y + self.bias
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"input_is_parallel={self.input_is_parallel}, {self._layout_repr()}")

@@ -79,21 +79,10 @@ class ParallelLoraLinear:
 
     # parallelize sets the input copy (column) and the token reduce-scatter (row) of the layer;
     # they are the base layer's, which keeps them if merge_and_unload leaves it alone.
-    @property
-    def input_copy(self):
-        return self.base_layer.input_copy
-
-    @input_copy.setter
-    def input_copy(self, value) -> None:
-        self.base_layer.input_copy = value
-
-    @property
-    def output_tokens(self):
-        return self.base_layer.output_tokens
-
-    @output_tokens.setter
-    def output_tokens(self, value) -> None:
-        self.base_layer.output_tokens = value
+    input_copy = property(lambda self: self.base_layer.input_copy,
+                          lambda self, value: setattr(self.base_layer, "input_copy", value))
+    output_tokens = property(lambda self: self.base_layer.output_tokens,
+                             lambda self, value: setattr(self.base_layer, "output_tokens", value))
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         base = self.base_layer
@@ -107,16 +96,13 @@ class ParallelLoraLinear:
         if args or extra:
             raise TypeError(f"{name}: a LoRA layer split by autoshard takes only its input, got "
                             f"{len(args)} more positional and keyword arguments {extra}")
-        if self.disable_adapters:
-            if self.merged:
-                self.unmerge()
-            adapters = []
-        elif per_sample is not None:
-            adapters = [key for key in dict.fromkeys(per_sample) if key in self.lora_A.keys()]
-        elif self.merged:
+        if self.disable_adapters and self.merged:
+            self.unmerge()
+        if self.disable_adapters or (self.merged and per_sample is None):
             adapters = []
         else:
-            adapters = [key for key in self.active_adapters if key in self.lora_A.keys()]
+            wanted = self.active_adapters if per_sample is None else dict.fromkeys(per_sample)
+            adapters = [key for key in wanted if key in self.lora_A.keys()]
         unsplit = [key for key in adapters if key not in self.autoshard_adapters]
         if unsplit:
             raise ValueError(f"{name}: adapter(s) {unsplit} were added after parallelize and are not split with the "

@@ -49,12 +49,6 @@ def unsupported(arguments) -> Optional[str]:
     return None
 
 
-def bind(args, kwargs):
-    bound = _SIGNATURE.bind(*args, **(kwargs or {}))
-    bound.apply_defaults()
-    return bound.arguments
-
-
 def average_over_heads(weights: torch.Tensor, average: bool) -> torch.Tensor:
     """The attention weights nn.MultiheadAttention returns, from every head's (N, heads, L, S)."""
     return weights.mean(dim=1) if average else weights
@@ -129,7 +123,9 @@ class AttentionCalls(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.multi_head_attention_forward:
-            result = self.handle(bind(args, kwargs))
+            bound = _SIGNATURE.bind(*args, **kwargs)
+            bound.apply_defaults()
+            result = self.handle(bound.arguments)
             if result is not None:
                 return result
         return func(*args, **kwargs)
@@ -245,11 +241,8 @@ def shard_multihead_attention(module: nn.MultiheadAttention, spec: ShardSpec, ou
 
     def local(full):
         if full.device.type == "meta":
-            shape = list(full.shape)
-            shape[0] = spec.local_size()
-            return torch.empty(shape, dtype=full.dtype, device="meta")
-        piece = spec.take(full.detach())
-        return piece.clone() if piece._is_view() else piece
+            return torch.empty(spec.local_shape(full.shape), dtype=full.dtype, device="meta")
+        return spec.take_owned(full)
 
     module.in_proj_weight = nn.Parameter(local(weight), requires_grad=weight.requires_grad)
     module.shard_specs = {"in_proj_weight": spec}

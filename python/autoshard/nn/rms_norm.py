@@ -16,6 +16,7 @@ from ..core import comm
 from ..core.distributed import resolve
 from ..core.parallel_state import attach_layer_state
 from ..core.spec import ShardSpec
+from .layer_norm import check_eps, take_parameters
 
 FORMS = ("input_dtype", "scale_then_cast", "cast_then_scale")
 
@@ -38,14 +39,11 @@ class ShardedRMSNorm(nn.Module):
             raise ValueError(f"ShardedRMSNorm: weight must be 1-D of {spec.full_size} features, got shape {got}")
         if form not in FORMS:
             raise ValueError(f"ShardedRMSNorm: form must be one of {FORMS}, got {form!r}")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
-            raise ValueError(f"ShardedRMSNorm: eps must be a non-negative float, got {eps!r}")
+        self.eps = check_eps("ShardedRMSNorm", eps)
         self.group = resolve(group, "ShardedRMSNorm")
         self.features = spec.full_size
-        self.eps = float(eps)
         self.form = form
-        self.shard_specs = {"weight": spec}
-        self.weight = nn.Parameter(spec.take(weight.detach()), requires_grad=weight.requires_grad)
+        take_parameters(self, spec, weight=weight)
         attach_layer_state(self)
 
     @classmethod

@@ -24,6 +24,7 @@ The layers that split a region record its full length in one ``SequenceShards`` 
 which the gathering layers read: a rank's piece alone does not say how long the sequence was.
 """
 
+import functools
 from typing import Optional
 
 import torch
@@ -38,7 +39,11 @@ from ..core.styles import TokenRole
 def replace_input(args, kwargs, leaf: int, replace, missing: str):
     """(args, kwargs) of a call with their flattened input `leaf` replaced by replace(it);
     RuntimeError(missing) when the call has no tensor there."""
-    leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+    return _replace_leaf((tuple(args), dict(kwargs)), leaf, replace, missing)
+
+
+def _replace_leaf(tree, leaf: int, replace, missing: str):
+    leaves, spec = tree_flatten(tree)
     if leaf >= len(leaves) or not isinstance(leaves[leaf], torch.Tensor):
         raise RuntimeError(missing)
     leaves[leaf] = replace(leaves[leaf])
@@ -107,12 +112,8 @@ class GatherTokens(_Step):
         if self.shards.length is None:
             raise RuntimeError("GatherTokens: no layer has split this region's tokens yet in this forward; the plan's "
                                "sequence region does not match the model's call order")
-        if self.overlap_readers:
-            gathered = backward_overlap.copy(x, self.shards.group_name, self.overlap_readers,
-                                             (self.dim, self.shards.length))
-        else:
-            gathered = ops.all_gather_from_sequence(x, self.dim, self.shards.length, self.shards.group_name)
-        return region_generators.leave(gathered)
+        tokens = (self.dim, self.shards.length)
+        return region_generators.leave(backward_overlap.copy(x, self.shards.group_name, self.overlap_readers, tokens))
 
 
 def scale_exit_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
@@ -134,26 +135,40 @@ class ExitGradientScale(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-class _ReadsExitTokens:
-    """The input copy of a column layer reading tokens a module returned gathered: its gradient
-    multiplied by the group's size, against the exit's division (see the module docstring)."""
-
-    def __init__(self, world_size: int):
-        self.world_size = world_size
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return scale_exit_gradient(x, float(self.world_size))
-
-
 class PlanSteps:
     """The steps of a plan's sequence regions, one SequenceShards per region; `gathers` maps
     each column layers' copy group that gathers tokens to its GatherTokens."""
 
+    def __init__(self, plan, group_name: str):
+        self.shards = {}
+        self.gathers = {}
+        # (module, its GatherTokens, whether it gathers what the module returns) of the gathers
+        # made where a module receives or returns a tensor (sequence_gathers, sequence_exits).
+        self.module_gathers = []
+        self._group_name = group_name
+        self._world_size = plan.world_size
+        entry_gathers = [entry.module for entry in plan.sequence_gathers]
+        for layer in plan.layers:
+            if layer.sequence is TokenRole.GATHER and layer.copy_group not in self.gathers:
+                self.gathers[layer.copy_group] = GatherTokens(self._region(layer.sequence_region), layer.sequence_dim)
+            elif layer.sequence is TokenRole.GATHERED:
+                # Gathered where a module receiving them is called, or else where one returns them;
+                # in the latter case the gradient is multiplied by the group's size, against the
+                # exit's division (see the module docstring).
+                inside = any(layer.module.startswith(module + ".") or not module for module in entry_gathers)
+                self.gathers[layer.copy_group] = already_gathered if inside or not plan.sequence_exits \
+                    else functools.partial(scale_exit_gradient, factor=float(plan.world_size))
+
+    def _region(self, region: int) -> SequenceShards:
+        return self.shards.setdefault(region, SequenceShards(self._group_name, region))
+
+    def reduce_scatter(self, layer) -> ReduceScatterTokens:
+        return ReduceScatterTokens(self._region(layer.sequence_region), layer.sequence_dim)
+
     def entry_hook(self, entry: dict, gather: bool = False):
         """A forward pre-hook cutting the module's input leaf `entry.leaf` to this rank's
         tokens, or with `gather` gathering every rank's tokens of it."""
-        shards = self.shards.setdefault(entry.region, SequenceShards(self._group_name, entry.region))
-        step = (GatherTokens if gather else SliceTokens)(shards, entry.dim)
+        step = (GatherTokens if gather else SliceTokens)(self._region(entry.region), entry.dim)
         if gather:
             self.module_gathers.append((entry.module, step, False))
         leaf = entry.leaf
@@ -169,47 +184,16 @@ class PlanSteps:
     def exit_hook(self, entry: dict):
         """A forward hook gathering every rank's tokens of the module's output leaf
         `entry.leaf`, for column layers reading them through ops that index the tokens."""
-        shards = self.shards.setdefault(entry.region, SequenceShards(self._group_name, entry.region))
-        step = GatherTokens(shards, entry.dim)
+        step = GatherTokens(self._region(entry.region), entry.dim)
         self.module_gathers.append((entry.module, step, True))
         leaf = entry.leaf
 
         def hook(module, args, output):
-            leaves, spec = tree_flatten(output)
-            if leaf >= len(leaves) or not isinstance(leaves[leaf], torch.Tensor):
-                raise RuntimeError(f"sequence parallelism: {entry.module!r} returned no tensor where the plan "
-                                   f"gathers its tokens (output {leaf})")
-            leaves[leaf] = scale_exit_gradient(step(leaves[leaf]), 1.0 / self._world_size)
-            return tree_unflatten(leaves, spec)
+            return _replace_leaf(output, leaf, lambda tokens: scale_exit_gradient(step(tokens), 1.0 / self._world_size),
+                                 f"sequence parallelism: {entry.module!r} returned no tensor where the plan gathers "
+                                 f"its tokens (output {leaf})")
 
         return hook
-
-    def __init__(self, plan, group_name: str):
-        self.shards = {}
-        self.gathers = {}
-        # (module, its GatherTokens, whether it gathers what the module returns) of the gathers
-        # made where a module receives or returns a tensor (sequence_gathers, sequence_exits).
-        self.module_gathers = []
-        self._group_name = group_name
-        self._world_size = plan.world_size
-        entry_gathers = [entry.module for entry in plan.sequence_gathers]
-        for layer in plan.layers:
-            if layer.sequence is TokenRole.GATHER and layer.copy_group not in self.gathers:
-                self.gathers[layer.copy_group] = GatherTokens(self._region(layer, group_name), layer.sequence_dim)
-            elif layer.sequence is TokenRole.GATHERED:
-                # Gathered where a module receiving them is called, or else where one returns them.
-                inside = any(layer.module.startswith(module + ".") or not module for module in entry_gathers)
-                self.gathers[layer.copy_group] = already_gathered if inside or not plan.sequence_exits \
-                    else _ReadsExitTokens(plan.world_size)
-
-    def _region(self, layer, group_name: str) -> SequenceShards:
-        if layer.sequence_region not in self.shards:
-            self.shards[layer.sequence_region] = SequenceShards(group_name, layer.sequence_region)
-        return self.shards[layer.sequence_region]
-
-    def reduce_scatter(self, layer) -> ReduceScatterTokens:
-        return ReduceScatterTokens(self._region(layer, self._group_name), layer.sequence_dim)
-
 
 
 def already_gathered(x: torch.Tensor) -> torch.Tensor:
@@ -217,5 +201,4 @@ def already_gathered(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def steps(plan, group_name: str) -> PlanSteps:
-    return PlanSteps(plan, group_name)
+steps = PlanSteps

@@ -59,12 +59,6 @@ def _library_frame(depth: int) -> bool:
     return name.split(".", 1)[0] in ("torch", "autoshard")
 
 
-def _call_with(func, args, kwargs, sizes):
-    if func is torch.reshape:
-        return func(args[0] if args else kwargs["input"], sizes)
-    return func(args[0], sizes)
-
-
 class LocalViewSizes(TorchFunctionMode):
     """One call of a module: its view and reshape calls counted, those of `local` (ordinal ->
     {position: (global, local)}) given the local size. `seen`, if given, gets (ordinal, input
@@ -93,7 +87,7 @@ class LocalViewSizes(TorchFunctionMode):
             local = list(sizes)
             for position, (_, size) in fixes.items():
                 local[position] = size
-            result = _call_with(func, args, kwargs, local)
+            result = func(tensor, local)
         else:
             result = func(*args, **kwargs)
         record[3] = True

@@ -5,16 +5,9 @@ from typing import Dict, Optional
 import torch
 
 from ..core import ops
-from .fused_calls import as_real, local_tensors
+from .fused_calls import fused_step
 from .fused_optimizer import FusedOptimizer
-from .hyperparameters import (
-    check_at_least,
-    check_bool,
-    check_master_weights,
-    check_none_or_bool,
-    check_only,
-    hyperparameter_name,
-)
+from .hyperparameters import check_at_least, check_settings
 from .optimizer_state import MASTER, new_master, scalar_dtype, uses_master
 
 _NAME = "AdamW"
@@ -23,37 +16,14 @@ _NAME = "AdamW"
 def _check_hyperparameters(values: Dict, group_index: Optional[int], defaults: Optional[Dict] = None) -> None:
     """Checks the AdamW settings present in `values` (all of them for a complete group); no
     check needs `defaults`."""
-
-    def name(key: str) -> str:
-        return hyperparameter_name(key, group_index)
-
-    if "lr" in values:
-        check_at_least(_NAME, name("lr"), values["lr"])
-    if "eps" in values:
-        check_at_least(_NAME, name("eps"), values["eps"])
-    if "weight_decay" in values:
-        check_at_least(_NAME, name("weight_decay"), values["weight_decay"])
-    if "maximize" in values:
-        check_bool(_NAME, name("maximize"), values["maximize"])
-    # Also checked at every step: a loaded state dict of torch's may hold amsgrad=True.
-    if "amsgrad" in values:
-        check_only(_NAME, name("amsgrad"), values["amsgrad"], False,
-                   "autoshard.optim.AdamW keeps no running maximum of exp_avg_sq (max_exp_avg_sq)")
-    if "capturable" in values:
-        check_only(_NAME, name("capturable"), values["capturable"], False,
-                   "autoshard.optim.AdamW reads each step count on the host, so its step cannot be captured "
-                   "in a CUDA graph")
-    if "differentiable" in values:
-        check_only(_NAME, name("differentiable"), values["differentiable"], False,
-                   "autoshard.optim.AdamW steps in place without autograd")
-    if "decoupled_weight_decay" in values:
-        check_only(_NAME, name("decoupled_weight_decay"), values["decoupled_weight_decay"], True,
-                   "AdamW's weight decay is decoupled (torch.optim.Adam's L2 penalty is not implemented)")
-    for key in ("foreach", "fused"):
-        if key in values:
-            check_none_or_bool(_NAME, name(key), values[key])
-    if "master_weights" in values:
-        check_master_weights(_NAME, name("master_weights"), values["master_weights"])
+    # amsgrad is checked at every step too: a loaded state dict of torch's may hold amsgrad=True.
+    name = check_settings(_NAME, values, group_index, ("lr", "eps", "weight_decay"), ("maximize",), dict(
+        amsgrad=(False, "autoshard.optim.AdamW keeps no running maximum of exp_avg_sq (max_exp_avg_sq)"),
+        capturable=(False, "autoshard.optim.AdamW reads each step count on the host, so its step cannot be "
+                    "captured in a CUDA graph"),
+        differentiable=(False, "autoshard.optim.AdamW steps in place without autograd"),
+        decoupled_weight_decay=(True, "AdamW's weight decay is decoupled (torch.optim.Adam's L2 penalty is not "
+                                "implemented)")))
     if "betas" in values:
         betas = values["betas"]
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -64,19 +34,16 @@ def _check_hyperparameters(values: Dict, group_index: Optional[int], defaults: O
                 raise ValueError(f"{_NAME}: {name('betas')}[{i}] must be in [0, 1), got {value}")
 
 
-def _step_count(step) -> int:
-    if step is None:
-        raise ValueError(f"{_NAME}: a parameter's state has no 'step'")
-    return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
-
-
 def _state_rule(group: Dict, state: Optional[Dict], dtype: torch.dtype):
     """A parameter with state has both moments (and its master weight, if it steps through one);
     parameters step together at equal step counts."""
     if not state:
         return (), 1
+    step = state.get("step")
+    if step is None:
+        raise ValueError(f"{_NAME}: a parameter's state has no 'step'")
     keys = ("exp_avg", "exp_avg_sq") + ((MASTER,) if uses_master(group, dtype) else ())
-    return keys, _step_count(state.get("step")) + 1
+    return keys, (int(step.item()) if isinstance(step, torch.Tensor) else int(step)) + 1
 
 
 class AdamW(FusedOptimizer):
@@ -153,10 +120,9 @@ class AdamW(FusedOptimizer):
                 if not state:
                     state = self.state[key]
                     state["step"] = torch.tensor(0.0, dtype=scalar_dtype())
-                    moment_dtype = torch.float32 if master else p.dtype
-                    state["exp_avg"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=moment_dtype,
-                                                           memory_format=torch.preserve_format)
+                    for moment in ("exp_avg", "exp_avg_sq"):
+                        state[moment] = torch.zeros_like(p, dtype=torch.float32 if master else p.dtype,
+                                                         memory_format=torch.preserve_format)
                     if master:
                         state[MASTER] = new_master(p)
                 elif not isinstance(state["step"], torch.Tensor):
@@ -169,11 +135,5 @@ class AdamW(FusedOptimizer):
             torch._foreach_add_(steps, 1)
             hyperparameters = (float(group["lr"]), beta1, beta2, float(group["weight_decay"]),
                                float(group["eps"]), step, bool(group["maximize"]))
-            if master:
-                ops.fused_adamw_master_(*map(local_tensors, (call.params, call.grads, masters, exp_avgs,
-                                                            exp_avg_sqs)),
-                                        *hyperparameters)
-            else:
-                ops.fused_adamw_(*(as_real(local_tensors(tensors), dtype)
-                                   for tensors in (call.params, call.grads, exp_avgs, exp_avg_sqs)),
-                                 *hyperparameters)
+            op, weights = (ops.fused_adamw_master_, (masters,)) if master else (ops.fused_adamw_, ())
+            fused_step(op, dtype, (call.params, call.grads, *weights, exp_avgs, exp_avg_sqs), hyperparameters)

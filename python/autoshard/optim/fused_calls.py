@@ -6,12 +6,13 @@ across data-parallel replicas (optimizer_partition) is stepped through its owned
 piece of the parameter, the same piece of its gradient, and state tensors of that piece's
 shape; after the step, every replica's pieces are all-gathered."""
 
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 
 from ..runtime.fully_sharded import local_tensor
-from ..runtime.optimizer_partition import all_gather_pieces, piece_of
+from ..runtime.optimizer_partition import piece_of
 from .hyperparameters import param_name
 from .optimizer_state import state_dtype
 
@@ -73,18 +74,16 @@ def check_one_device(optimizer: str, param_groups: List[Dict], param_group: Dict
                 _raise_for_devices(optimizer, first, (param_name(group_index, param_index), p.device))
 
 
+@dataclass
 class FusedCall:
     """Parameters that step together in one fused op, with their gradients and states.
     `params` are the tensors stepped: a parameter, or the owned piece of a partitioned one;
     `keys` the parameters themselves, which key the optimizer state."""
 
-    __slots__ = ("keys", "params", "grads", "states")
-
-    def __init__(self) -> None:
-        self.keys: List[torch.Tensor] = []
-        self.params: List[torch.Tensor] = []
-        self.grads: List[torch.Tensor] = []
-        self.states: List[Dict] = []
+    keys: List[torch.Tensor] = field(default_factory=list)
+    params: List[torch.Tensor] = field(default_factory=list)
+    grads: List[torch.Tensor] = field(default_factory=list)
+    states: List[Dict] = field(default_factory=list)
 
 
 # (group, group_index) -> None, raising for bad settings
@@ -98,7 +97,7 @@ def gather_fused_calls(
 ) -> Tuple[List[Tuple[Dict, Dict[Hashable, FusedCall]]], List[torch.Tensor]]:
     """For every group, its parameters with gradients sorted into fused calls of one dtype (and
     whatever else state_rule says must match); and the partitioned parameters among them, for
-    finish_step. Checks every group, gradient and state first; changes nothing."""
+    the all-gather after the step. Checks every group, gradient and state first; changes nothing."""
     plan, partitioned = [], []
     first = None
     for group_index, group in enumerate(param_groups):
@@ -126,9 +125,7 @@ def gather_fused_calls(
                         and value.shape == target.shape):
                     _raise_for_state(optimizer, target, param_name(group_index, param_index), key, value,
                                      piece is not None, expected)
-            call = calls.get((dtype, extra))
-            if call is None:
-                call = calls[(dtype, extra)] = FusedCall()
+            call = calls.setdefault((dtype, extra), FusedCall())
             call.keys.append(p)
             call.params.append(target)
             call.grads.append(grad if piece is None else piece.of(grad))
@@ -139,20 +136,12 @@ def gather_fused_calls(
     return plan, partitioned
 
 
-def local_tensors(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    """What a fused op steps: this rank's piece of each of FSDP's DTensors (fully_shard over "dp"),
-    in place; the tensor itself otherwise. States are kept as DTensors like their parameters, as
-    torch.optim keeps them, so that the state dict describes them as FSDP does."""
-    return [local_tensor(t) for t in tensors]
-
-
-def finish_step(partitioned: List[torch.Tensor]) -> None:
-    """After the owned pieces of partitioned parameters were stepped: every replica gets the
-    whole parameters back."""
-    if partitioned:
-        all_gather_pieces(partitioned)
-
-
-def as_real(tensors: List[torch.Tensor], dtype: torch.dtype) -> List[torch.Tensor]:
-    """Complex tensors are stepped as pairs of reals, as torch.optim does."""
-    return [torch.view_as_real(t) for t in tensors] if dtype.is_complex else tensors
+def fused_step(op: Callable, dtype: torch.dtype, tensors: Tuple[List[torch.Tensor], ...],
+               hyperparameters: tuple) -> None:
+    """`op` (a fused op) over `tensors`, lists of the tensors it steps for parameters of `dtype`.
+    It steps this rank's piece of each of FSDP's DTensors (fully_shard over "dp"), in place; the
+    tensor itself otherwise. States are kept as DTensors like their parameters, as torch.optim
+    keeps them, so that the state dict describes them as FSDP does. Complex tensors are stepped as
+    pairs of reals, as torch.optim does (a parameter stepped through a master weight is real)."""
+    real = torch.view_as_real if dtype.is_complex else lambda t: t
+    op(*([real(local_tensor(t)) for t in each] for each in tensors), *hyperparameters)

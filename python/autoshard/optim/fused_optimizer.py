@@ -9,7 +9,8 @@ from typing import Dict, Hashable, List
 import torch
 
 from ..runtime.nonfinite import agreements_for
-from .fused_calls import FusedCall, check_one_device, finish_step, gather_fused_calls
+from ..runtime.optimizer_partition import all_gather_pieces
+from .fused_calls import FusedCall, check_one_device, gather_fused_calls
 from .optimizer_state import (
     check_masterable,
     conform_master_state,
@@ -19,15 +20,11 @@ from .optimizer_state import (
 
 
 class FusedOptimizer(torch.optim.Optimizer):
-    """What AdamW and SGD share as optimizers: checking the defaults and each param group as it
-    joins, loading a state dict, and a step that gathers and checks every fused call before
-    making any.
-
-    A subclass sets `_name` (for messages), `_check_hyperparameters(values, group_index,
-    defaults)` (the settings present in `values`; `defaults` fill in what a group does not set)
-    and `_state_rule` (see StateRule, as staticmethods), and steps one group's fused calls in
-    `_step_fused_calls(group, calls)`. `_loaded_settings` are the settings a loaded group always
-    takes (see conform_loaded_groups)."""
+    """The optimizer AdamW and SGD share (see the module docstring). A subclass sets `_name` (for
+    messages), `_check_hyperparameters(values, group_index, defaults)` (the settings present in
+    `values`; `defaults` fill in what a group does not set) and `_state_rule` (see StateRule, as
+    staticmethods), and steps one group's fused calls in `_step_fused_calls(group, calls)`.
+    `_loaded_settings` are the settings a loaded group always takes (see conform_loaded_groups)."""
 
     _name: str
     _loaded_settings: Dict = {}
@@ -112,7 +109,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             agreement.check(stepped)
         for group, calls in plan:
             self._step_fused_calls(group, calls)
-        finish_step(partitioned)
+        if partitioned:  # the owned pieces were stepped: every replica gets the whole parameters back
+            all_gather_pieces(partitioned)
         return loss
 
     def _step_fused_calls(self, group: Dict, calls: Dict[Hashable, FusedCall]) -> None:

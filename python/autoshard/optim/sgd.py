@@ -5,17 +5,9 @@ from typing import Dict, Optional
 import torch
 
 from ..core import ops
-from .fused_calls import as_real, local_tensors
+from .fused_calls import fused_step
 from .fused_optimizer import FusedOptimizer
-from .hyperparameters import (
-    as_float,
-    check_at_least,
-    check_bool,
-    check_master_weights,
-    check_none_or_bool,
-    check_only,
-    hyperparameter_name,
-)
+from .hyperparameters import check_settings
 from .optimizer_state import MASTER, new_master, uses_master
 
 _NAME = "SGD"
@@ -24,26 +16,9 @@ _NAME = "SGD"
 def _check_hyperparameters(values: Dict, group_index: Optional[int], defaults: Optional[Dict] = None) -> None:
     """Checks the SGD settings present in `values`; `defaults` fill in what a group does not set
     when checking that nesterov has momentum and no dampening."""
-
-    def name(key: str) -> str:
-        return hyperparameter_name(key, group_index)
-
-    for key in ("lr", "momentum", "weight_decay"):
-        if key in values:
-            check_at_least(_NAME, name(key), values[key])
-    if "dampening" in values:
-        as_float(_NAME, name("dampening"), values["dampening"])
-    for key in ("nesterov", "maximize"):
-        if key in values:
-            check_bool(_NAME, name(key), values[key])
-    if "differentiable" in values:
-        check_only(_NAME, name("differentiable"), values["differentiable"], False,
-                   "autoshard.optim.SGD steps in place without autograd")
-    for key in ("foreach", "fused"):
-        if key in values:
-            check_none_or_bool(_NAME, name(key), values[key])
-    if "master_weights" in values:
-        check_master_weights(_NAME, name("master_weights"), values["master_weights"])
+    name = check_settings(_NAME, values, group_index, ("lr", "momentum", "weight_decay"), ("nesterov", "maximize"),
+                          dict(differentiable=(False, "autoshard.optim.SGD steps in place without autograd")),
+                          floats=("dampening",))
     merged = {**(defaults or {}), **values}
     if merged.get("nesterov") and (float(merged["momentum"]) <= 0 or float(merged["dampening"]) != 0):
         raise ValueError(
@@ -133,10 +108,5 @@ class SGD(FusedOptimizer):
             hyperparameters = (float(group["lr"]), momentum, float(group["dampening"]),
                                float(group["weight_decay"]), bool(group["nesterov"]), bool(group["maximize"]),
                                not has_buffers)
-            if master:
-                ops.fused_sgd_master_(*map(local_tensors, (call.params, call.grads, masters, buffers)),
-                                      *hyperparameters)
-            else:
-                ops.fused_sgd_(*(as_real(local_tensors(tensors), dtype)
-                                 for tensors in (call.params, call.grads, buffers)),
-                               *hyperparameters)
+            op, weights = (ops.fused_sgd_master_, (masters,)) if master else (ops.fused_sgd_, ())
+            fused_step(op, dtype, (call.params, call.grads, *weights, buffers), hyperparameters)

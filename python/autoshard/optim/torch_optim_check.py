@@ -29,17 +29,12 @@ def _autoshard_optimizer(optimizer) -> bool:
         if isinstance(optimizer, (AdamW, SGD)):
             return True
         optimizer = getattr(optimizer, "optimizer", None)
-        if optimizer is None:
-            return False
     return False
 
 
 def _name_of(param: torch.Tensor) -> Optional[str]:
-    state = parameter_state(param)
-    model = None if state is None else state.model
-    if model is None:
-        return None
-    return next((name for name, p in model.named_parameters() if p is param), None)
+    model = getattr(parameter_state(param), "model", None)
+    return None if model is None else next((name for name, p in model.named_parameters() if p is param), None)
 
 
 def _before_step(optimizer, args, kwargs) -> None:
