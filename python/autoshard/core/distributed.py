@@ -174,9 +174,11 @@ def set_default_group(group: Optional[ProcessGroup]) -> None:
 
 
 def resolve(group: Optional[ProcessGroup], function: str = "autoshard") -> ProcessGroup:
-    """``group``, or the default group when it is None, checked to be a process group."""
-    _require_initialized(function)
+    """``group``, or the default group when it is None, checked to be a process group. A group
+    given needs no initialised world: a plan's dry run shards a meta copy for each rank over a
+    group that only answers its rank and size (planner/dry_run.py)."""
     if group is None:
+        _require_initialized(function)
         return default_group()
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"{function}: group must be a torch.distributed ProcessGroup or None, "

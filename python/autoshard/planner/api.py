@@ -5,9 +5,12 @@ from typing import Dict, Optional, Union
 import torch
 from torch import nn
 
+from ..apply.shard_model import apply_plan
 from ..core.comm import world_size as group_world_size
 from . import sequence_choice
-from .make_plan import check_plain_parameters, plan_keeping_whole
+from .dry_run import dry_run_on_paper
+from .make_plan import check_plain_parameters
+from .plan_until_it_runs import plan_until_it_runs
 from .sharding_plan import ShardingPlan
 
 
@@ -16,7 +19,11 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
          memory_budget: Optional[int] = None, gather_unpaired: bool = True) -> ShardingPlan:
     """The sharding plan for `model` on `world_size` ranks, derived from its dataflow.
 
-    With world_size given no process group is needed, so plans can be inspected offline.
+    It is the plan parallelize(model) would run: tried on a meta copy of the model sharded for
+    each rank in turn, and made again with whole what computed otherwise than the plan predicts
+    (the reason "shape_mismatch" says so), so that parallelize(model, plan(model)) runs where
+    parallelize(model) does. With world_size given no process group is needed, so plans can be
+    inspected offline; no collective is made either way, so one rank alone may call it.
     `overrides` maps name patterns (fnmatch, on module or parameter names) to "replicate" or
     "column_gather", and the plan is made again around them. With `sequence_parallel` the
     tokens between a row layer and the next column layers are split over the ranks where every
@@ -44,5 +51,8 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
         sequence_parallel, choice = sequence_choice.choose(model, world_size, example_inputs, overrides, memory_budget,
                                                            sequence_choice.backend_of(model),
                                                            gather_unpaired=gather_unpaired)
-    return plan_keeping_whole(model, world_size, example_inputs, overrides, sequence_parallel, {},
-                              sequence_choice=choice, gather_unpaired=gather_unpaired)
+    # The plan parallelize would run: tried on a meta copy sharded for each rank, and made again
+    # around what computed otherwise, as parallelize(model) does (planner/plan_until_it_runs.py).
+    return plan_until_it_runs(model, world_size, example_inputs, sequence_parallel,
+                              lambda candidate: dry_run_on_paper(model, candidate, example_inputs, apply_plan),
+                              choice, overrides, gather_unpaired)[0]

@@ -1,12 +1,19 @@
 """The dry run of a plan: the model sharded on a meta copy, traced op by op against the
 plan's predicted shapes, its forward collectives counted against the plan's, before parallelize
 changes anything. What differs is refused (or, for a plan parallelize made itself, planned
-again: plan_until_it_runs)."""
+again: plan_until_it_runs).
 
-from typing import Dict, Optional
+autoshard.plan() runs it too, for every rank in turn, over groups of its own that only answer a
+rank and a size (paper_group): the plan it returns is the one parallelize would run, made with no
+process group and no collective, on one rank or offline."""
+
+import contextlib
+import itertools
+from typing import Dict, Iterator, Optional
 
 import torch
 from torch import nn
+from torch._C._distributed_c10d import FakeProcessGroup, _register_process_group, _unregister_process_group
 
 from ..core.distributed import ProcessGroup
 from ..nn.embedding_subclass import LookupRefusal
@@ -114,4 +121,35 @@ def dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_i
     if want is not None and planned_shapes and got != want:
         raise ValueError(f"parallelize: on a meta copy, the sharded model's outputs have shapes {got} instead of "
                          f"{want}; the model was left unchanged")
+    return state_shapes
+
+
+_paper_groups = itertools.count()
+
+
+@contextlib.contextmanager
+def paper_group(rank: int, size: int) -> Iterator[ProcessGroup]:
+    """A process group of `size` ranks seen from `rank` that communicates nothing: what sharded
+    modules built on a meta copy ask of their group (its rank, its size, its name for the ops'
+    meta kernels), registered under a name of its own for as long as the block runs."""
+    group = ProcessGroup(rank, size)
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.CUSTOM,
+                            FakeProcessGroup._create_internal(rank, size))
+    group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+    name = f"autoshard-dry-run-{next(_paper_groups)}-rank-{rank}-of-{size}"
+    group._set_group_name(name)
+    _register_process_group(name, group)
+    try:
+        yield group
+    finally:
+        _unregister_process_group(name)
+
+
+def dry_run_on_paper(model: nn.Module, plan: ShardingPlan, example_inputs, apply) -> Optional[dict]:
+    """dry_run for each of the plan's ranks in turn, over paper groups: the first rank's refusal
+    is raised, as parallelize's ranks all raise the lowest failing rank's."""
+    state_shapes = None
+    for rank in range(plan.world_size):
+        with paper_group(rank, plan.world_size) as group:
+            state_shapes = dry_run(model, plan, group, example_inputs, apply)
     return state_shapes

@@ -39,16 +39,18 @@ def _parent(pattern: str) -> str:
 
 
 def plan_until_it_runs(model, world_size: int, example_inputs, sequence_parallel: bool,
-                       dry_run: Callable[[ShardingPlan], Optional[dict]],
-                       sequence_choice: str = "") -> Tuple[ShardingPlan, Optional[dict]]:
+                       dry_run: Callable[[ShardingPlan], Optional[dict]], sequence_choice: str = "",
+                       overrides: Optional[Dict[str, str]] = None,
+                       gather_unpaired: bool = True) -> Tuple[ShardingPlan, Optional[dict]]:
     """(plan, what dry_run returned) for the first plan whose dry run passes; `sequence_choice`
     is why sequence_parallel is what it is, where "auto" chose it."""
     whole: Dict[str, str] = {}
     every_block = False
 
     def make() -> ShardingPlan:
-        return plan_keeping_whole(model, world_size, example_inputs, None, sequence_parallel, whole,
-                                  fold_blocks=not every_block, sequence_choice=sequence_choice)
+        return plan_keeping_whole(model, world_size, example_inputs, overrides, sequence_parallel, whole,
+                                  fold_blocks=not every_block, sequence_choice=sequence_choice,
+                                  gather_unpaired=gather_unpaired)
 
     plan = make()
     for _ in range(MAX_ROUNDS):
