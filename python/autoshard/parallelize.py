@@ -34,10 +34,6 @@ from .apply.shard_model import apply_plan, check_plan_fits
 from .state.state_views import install_state_dict_views
 
 
-def _training_flags(model: nn.Module) -> Dict[str, bool]:
-    return {name: module.training for name, module in model.named_modules()}
-
-
 def _keep_training_flags(model: nn.Module, flags: Dict[str, bool]) -> None:
     """Gives every module the training flag the model's module of its name had before the
     surgery, and a module new under that name (a sharded layer's own parts) its nearest
@@ -109,15 +105,10 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise TypeError(f"parallelize: reduce_dtype must be None or a floating-point torch.dtype, got {reduce_dtype!r}")
     sequence_choice.check_arguments("parallelize", sequence_parallel, memory_budget)
-    if not isinstance(loss_parallel, bool):
-        raise TypeError(f"parallelize: loss_parallel must be a bool, got {type(loss_parallel).__name__}")
-    if not isinstance(partition_optimizer_state, bool):
-        raise TypeError(f"parallelize: partition_optimizer_state must be a bool, "
-                        f"got {type(partition_optimizer_state).__name__}")
-    if not isinstance(overlap_backward, bool):
-        raise TypeError(f"parallelize: overlap_backward must be a bool, got {type(overlap_backward).__name__}")
-    if not isinstance(check_inputs, bool):
-        raise TypeError(f"parallelize: check_inputs must be a bool, got {type(check_inputs).__name__}")
+    for name, value in (("loss_parallel", loss_parallel), ("partition_optimizer_state", partition_optimizer_state),
+                        ("overlap_backward", overlap_backward), ("check_inputs", check_inputs)):
+        if not isinstance(value, bool):
+            raise TypeError(f"parallelize: {name} must be a bool, got {type(value).__name__}")
     if isinstance(check_replicas_every, bool) or not isinstance(check_replicas_every, int) \
             or check_replicas_every < 0:
         raise TypeError(f"parallelize: check_replicas_every must be an int >= 0 (0 turns the check off), "
@@ -168,7 +159,7 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
             raise TypeError(f"parallelize: plan must be a ShardingPlan, got {type(plan).__name__}")
         check_plan_fits(model, plan, group.size())
         state_shapes = on_every_rank(lambda: dry_run(model, plan, group, example_inputs, apply_plan), group)
-    flags = _training_flags(model)
+    flags = {name: module.training for name, module in model.named_modules()}
     tokens = apply_plan(model, plan, group)
     if overlap_backward:
         overlap.enable(model, tokens)

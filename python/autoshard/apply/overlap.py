@@ -9,7 +9,6 @@ from ..nn.linear import ColumnParallelLinear
 from ..nn.sequence import GatherTokens, already_gathered
 
 
-
 def enable(model: torch.nn.Module, tokens=None) -> int:
     """Turns overlap on for every column-parallel Linear of `model` whose input is copied or
     whose tokens are gathered, by itself, with the layers sharing its copy, or by a module of

@@ -3,6 +3,7 @@
 and view sizes made local. parallelize() calls it on the model, the dry run and the memory
 prediction on a meta copy."""
 
+from collections import Counter
 from typing import Dict
 
 import torch
@@ -63,10 +64,7 @@ def apply_plan(model: nn.Module, plan, group: ProcessGroup) -> sequence.PlanStep
     constructs, records applied, integer attributes and view sizes made local. Returns the
     sequence-parallel steps the forward hooks take."""
     rank, world = group.rank(), group.size()
-    users: Dict[int, int] = {}
-    for layer in plan.layers:
-        if layer.style.is_column:
-            users[layer.copy_group] = users.get(layer.copy_group, 0) + 1
+    users = Counter(layer.copy_group for layer in plan.layers if layer.style.is_column)
     tokens = sequence.steps(plan, group.group_name)
     copies = {g: SharedInputCopy(group.group_name, n, tokens.gathers.get(g)) for g, n in users.items() if n > 1}
     # Every place a parameter is registered, so that tied parameters (an embedding shared with

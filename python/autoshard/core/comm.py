@@ -20,34 +20,23 @@ partitioned optimizer state, gathering full tensors) are C++ ops too, wrapped be
 those ops, and nowhere else.
 """
 
-import operator
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from . import ops
 from .distributed import ProcessGroup, group_name, prepare_rings, resolve
+from .split import _as_int, _check_tensor
 
 
-def _collective_group_name(group: Optional[ProcessGroup], x: Optional[torch.Tensor]) -> str:
-    """The name the op resolves ``group`` by, with the group's rings prepared first for a CPU
-    tensor ``x``: every rank of the group calls a collective at the same point, so it may set up
-    what the collective needs."""
-    if x is not None and x.device.type == "cpu":
+def _collective_group_name(group: Optional[ProcessGroup], x: torch.Tensor, function: str) -> str:
+    """The name the op resolves ``group`` by, once ``x`` is checked to be a tensor, with the
+    group's rings prepared first for a CPU tensor ``x``: every rank of the group calls a
+    collective at the same point, so it may set up what the collective needs."""
+    _check_tensor(x, function)
+    if x.device.type == "cpu":
         prepare_rings(group)
     return group_name(group)
-
-
-def _check_tensor(x, function: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{function}: x must be a torch.Tensor, got {type(x).__name__}")
-
-
-def _as_int(value, argument: str, function: str) -> int:
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{function}: {argument} must be an int, got {type(value).__name__}") from None
 
 
 def world_size(group: Optional[ProcessGroup] = None) -> int:
@@ -63,67 +52,60 @@ def rank(group: Optional[ProcessGroup] = None) -> int:
 def copy_to_parallel(x: torch.Tensor, group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Identity (a copy) in forward; all-reduces (sums) the gradient in backward. Enters a
     region where every rank computes on the same, replicated ``x``."""
-    _check_tensor(x, "copy_to_parallel")
-    return ops.copy_to_parallel(x, _collective_group_name(group, x))
+    return ops.copy_to_parallel(x, _collective_group_name(group, x, "copy_to_parallel"))
 
 
 def reduce_from_parallel(x: torch.Tensor, group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """All-reduces (sums) ``x`` over the group in forward; identity in backward. Leaves a
     region where every rank holds a partial sum."""
-    _check_tensor(x, "reduce_from_parallel")
-    return ops.reduce_from_parallel(x, _collective_group_name(group, x))
+    return ops.reduce_from_parallel(x, _collective_group_name(group, x, "reduce_from_parallel"))
 
 
 def gather_from_parallel(x: torch.Tensor, dim: int, length: int, group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Concatenates every rank's piece along ``dim`` into the full ``length``; ``x`` must
     hold ``split_sizes(length, world_size)[rank]`` elements there. Backward keeps this
     rank's piece of the gradient."""
-    _check_tensor(x, "gather_from_parallel")
-    return ops.gather_from_parallel(
-        x,
-        _as_int(dim, "dim", "gather_from_parallel"),
-        _as_int(length, "length", "gather_from_parallel"),
-        _collective_group_name(group, x),
-    )
+    return ops.gather_from_parallel(x, _as_int(dim, "dim", "gather_from_parallel"),
+                                    _as_int(length, "length", "gather_from_parallel"),
+                                    _collective_group_name(group, x, "gather_from_parallel"))
 
 
 def scatter_to_parallel(x: torch.Tensor, dim: int, group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """This rank's piece of ``x`` along ``dim`` (``autoshard.shard`` with the group's rank and
     size); backward all-gathers the gradient."""
-    _check_tensor(x, "scatter_to_parallel")
-    return ops.scatter_to_parallel(x, _as_int(dim, "dim", "scatter_to_parallel"), _collective_group_name(group, x))
+    return ops.scatter_to_parallel(x, _as_int(dim, "dim", "scatter_to_parallel"),
+                                   _collective_group_name(group, x, "scatter_to_parallel"))
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, dim: int, group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Sequence parallelism's exit from a row layer: the sum of ``x`` over the group, of which
     this rank keeps its ``split_sizes`` piece along the token axis ``dim``; backward
     all-gathers the gradient."""
-    _check_tensor(x, "reduce_scatter_to_sequence")
-    return ops.reduce_scatter_to_sequence(x, _as_int(dim, "dim", "reduce_scatter_to_sequence"), _collective_group_name(group, x))
+    return ops.reduce_scatter_to_sequence(x, _as_int(dim, "dim", "reduce_scatter_to_sequence"),
+                                          _collective_group_name(group, x, "reduce_scatter_to_sequence"))
 
 
 def all_gather_from_sequence(x: torch.Tensor, dim: int, length: int,
                              group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Sequence parallelism's entry to a column layer: every rank's tokens along ``dim``
     (``length`` in all); backward sums the gradient over the group and keeps this rank's piece."""
-    _check_tensor(x, "all_gather_from_sequence")
     return ops.all_gather_from_sequence(x, _as_int(dim, "dim", "all_gather_from_sequence"),
-                                        _as_int(length, "length", "all_gather_from_sequence"), _collective_group_name(group, x))
+                                        _as_int(length, "length", "all_gather_from_sequence"),
+                                        _collective_group_name(group, x, "all_gather_from_sequence"))
 
 
 def all_reduce_(x: torch.Tensor, op: str = "sum", group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Sums (``op="sum"``) or takes the maximum (``op="max"``) of ``x`` over the group, in
     place; returns ``x``."""
-    _check_tensor(x, "all_reduce_")
-    ops.all_reduce_(x, op, _collective_group_name(group, x))
+    ops.all_reduce_(x, op, _collective_group_name(group, x, "all_reduce_"))
     return x
 
 
 def all_gather_uneven(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Every rank's piece concatenated along ``dim`` in rank order; rank r's piece holds
     ``sizes[r]`` elements there (this rank's is ``x``)."""
-    _check_tensor(x, "all_gather_uneven")
-    return ops.all_gather_uneven(x, _as_int(dim, "dim", "all_gather_uneven"), sizes, _collective_group_name(group, x))
+    return ops.all_gather_uneven(x, _as_int(dim, "dim", "all_gather_uneven"), sizes,
+                                 _collective_group_name(group, x, "all_gather_uneven"))
 
 
 def reduce_scatter_uneven(x: torch.Tensor, sizes: Sequence[int], group: Optional[ProcessGroup] = None,
@@ -131,8 +113,7 @@ def reduce_scatter_uneven(x: torch.Tensor, sizes: Sequence[int], group: Optional
     """``x`` (1-d) holds every rank's piece back to back, rank r's of ``sizes[r]`` elements;
     returns this rank's piece of their sum over the group. With ``async_op`` the collective is
     only started: pass the result to ``wait`` before reading it."""
-    _check_tensor(x, "reduce_scatter_uneven")
-    return ops.reduce_scatter_uneven(x, sizes, _collective_group_name(group, x), async_op)
+    return ops.reduce_scatter_uneven(x, sizes, _collective_group_name(group, x, "reduce_scatter_uneven"), async_op)
 
 
 def all_reduce_bucket(tensors: Sequence[torch.Tensor], group: Optional[ProcessGroup] = None,
@@ -142,13 +123,12 @@ def all_reduce_bucket(tensors: Sequence[torch.Tensor], group: Optional[ProcessGr
     tensors = list(tensors)
     if not tensors:  # the dispatcher cannot route an op without a tensor argument
         raise ValueError("all_reduce_bucket: tensors must not be empty")
-    return ops.all_reduce_bucket(tensors, _collective_group_name(group, tensors[0] if len(tensors) else None), async_op)
+    return ops.all_reduce_bucket(tensors, _collective_group_name(group, tensors[0], "all_reduce_bucket"), async_op)
 
 
 def broadcast_(x: torch.Tensor, src: int, group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Rank ``src``'s ``x`` on every rank, in place; returns ``x``."""
-    _check_tensor(x, "broadcast_")
-    ops.broadcast_(x, _as_int(src, "src", "broadcast_"), _collective_group_name(group, x))
+    ops.broadcast_(x, _as_int(src, "src", "broadcast_"), _collective_group_name(group, x, "broadcast_"))
     return x
 
 

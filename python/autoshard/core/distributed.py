@@ -88,19 +88,15 @@ def init_distributed(backend: Optional[str] = None,
                 "start at most one rank per GPU, or pass backend='gloo'"
             )
         torch.cuda.set_device(local_rank)
-    if standalone:
-        # No torchrun: a group of one needs no rendezvous address.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    if standalone:  # no torchrun: a group of one needs no rendezvous address
+        store = dist.HashStore()
     else:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if name not in os.environ:
                 raise ValueError(f"init_distributed: environment variable {name} must be set (torchrun sets it)")
         store = _restart_store(timeout)
-        if store is None:
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                    timeout=timeout)
-        else:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    rendezvous = {"init_method": "env://"} if store is None else {"store": store}
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **rendezvous)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -167,20 +163,21 @@ def set_default_group(group: Optional[ProcessGroup]) -> None:
     is at hand (None: the world again). A parallelized model's own group is
     ``model.autoshard_state.group``, which this does not change."""
     global _default_group
-    if group is not None and not isinstance(group, ProcessGroup):
-        raise TypeError(f"set_default_group: group must be a torch.distributed ProcessGroup or None, "
-                        f"got {type(group).__name__}")
-    _default_group = group
+    _default_group = _checked_group(group, "set_default_group")
 
 
 def resolve(group: Optional[ProcessGroup], function: str = "autoshard") -> ProcessGroup:
     """``group``, or the default group when it is None, checked to be a process group. A group
     given needs no initialised world: a plan's dry run shards a meta copy for each rank over a
     group that only answers its rank and size (planner/dry_run.py)."""
-    if group is None:
-        _require_initialized(function)
-        return default_group()
-    if not isinstance(group, ProcessGroup):
+    if group is not None:
+        return _checked_group(group, function)
+    _require_initialized(function)
+    return default_group()
+
+
+def _checked_group(group: Optional[ProcessGroup], function: str) -> Optional[ProcessGroup]:
+    if group is not None and not isinstance(group, ProcessGroup):
         raise TypeError(f"{function}: group must be a torch.distributed ProcessGroup or None, "
                         f"got {type(group).__name__}")
     return group

@@ -8,6 +8,7 @@ from . import _library
 
 _library.load()
 _ops = torch.ops.autoshard
+Tensors = Sequence[torch.Tensor]
 
 
 def split_sizes(length: int, sections: int) -> List[int]:
@@ -26,7 +27,7 @@ def shard(x: torch.Tensor, rank: int, world_size: int, dim: int = 0) -> torch.Te
     return _ops.shard.default(x, rank, world_size, dim)
 
 
-def unsplit(pieces: Sequence[torch.Tensor], starts: Sequence[int], length: int, dim: int) -> torch.Tensor:
+def unsplit(pieces: Tensors, starts: Sequence[int], length: int, dim: int) -> torch.Tensor:
     return _ops.unsplit.default(list(pieces), list(starts), length, dim)
 
 
@@ -66,7 +67,7 @@ def reduce_scatter_uneven(x: torch.Tensor, sizes: Sequence[int], group_name: str
     return _ops.reduce_scatter_uneven.default(x, list(sizes), group_name, async_op)
 
 
-def all_reduce_bucket(tensors: Sequence[torch.Tensor], group_name: str, async_op: bool = False) -> torch.Tensor:
+def all_reduce_bucket(tensors: Tensors, group_name: str, async_op: bool = False) -> torch.Tensor:
     return _ops.all_reduce_bucket.default(list(tensors), group_name, async_op)
 
 
@@ -130,92 +131,36 @@ def vocab_parallel_cross_entropy_backward(
                                                               ignore_index, label_smoothing, reduction)
 
 
-def einsum_weight_axes(
-    equation: str,
-) -> Tuple[List[str], List[str], List[Optional[int]], List[Optional[int]]]:
+def einsum_weight_axes(equation: str) -> Tuple[List[str], List[str], List[Optional[int]], List[Optional[int]]]:
     return _ops.einsum_weight_axes.default(equation)
 
 
-def einsum_dense_shapes(
-    equation: str,
-    input_shape: Sequence[Optional[int]],
-    output_shape: Sequence[Optional[int]],
-    bias_axes: Optional[str],
-) -> Tuple[List[int], List[int], List[Optional[int]]]:
+def einsum_dense_shapes(equation: str, input_shape: Sequence[Optional[int]], output_shape: Sequence[Optional[int]],
+                        bias_axes: Optional[str]) -> Tuple[List[int], List[int], List[Optional[int]]]:
     return _ops.einsum_dense_shapes.default(equation, list(input_shape), list(output_shape), bias_axes)
 
 
-def fused_adamw_(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    eps: float,
-    step: int,
-    maximize: bool,
-) -> None:
-    _ops.fused_adamw_.default(
-        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), lr, beta1, beta2, weight_decay, eps, step,
-        maximize,
-    )
+def fused_adamw_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, lr: float, beta1: float,
+                 beta2: float, weight_decay: float, eps: float, step: int, maximize: bool) -> None:
+    _ops.fused_adamw_.default(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), lr, beta1, beta2,
+                              weight_decay, eps, step, maximize)
 
 
-def fused_adamw_master_(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    master_params: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    eps: float,
-    step: int,
-    maximize: bool,
-) -> None:
-    _ops.fused_adamw_master_.default(
-        list(params), list(grads), list(master_params), list(exp_avgs), list(exp_avg_sqs), lr, beta1, beta2,
-        weight_decay, eps, step, maximize,
-    )
+def fused_adamw_master_(params: Tensors, grads: Tensors, master_params: Tensors, exp_avgs: Tensors,
+                        exp_avg_sqs: Tensors, lr: float, beta1: float, beta2: float, weight_decay: float, eps: float,
+                        step: int, maximize: bool) -> None:
+    _ops.fused_adamw_master_.default(list(params), list(grads), list(master_params), list(exp_avgs),
+                                     list(exp_avg_sqs), lr, beta1, beta2, weight_decay, eps, step, maximize)
 
 
-def fused_sgd_master_(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    master_params: Sequence[torch.Tensor],
-    momentum_buffers: Sequence[torch.Tensor],
-    lr: float,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-    first_step: bool,
-) -> None:
-    _ops.fused_sgd_master_.default(
-        list(params), list(grads), list(master_params), list(momentum_buffers), lr, momentum, dampening,
-        weight_decay, nesterov, maximize, first_step,
-    )
+def fused_sgd_master_(params: Tensors, grads: Tensors, master_params: Tensors, momentum_buffers: Tensors, lr: float,
+                      momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool,
+                      first_step: bool) -> None:
+    _ops.fused_sgd_master_.default(list(params), list(grads), list(master_params), list(momentum_buffers), lr,
+                                   momentum, dampening, weight_decay, nesterov, maximize, first_step)
 
 
-def fused_sgd_(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    momentum_buffers: Sequence[torch.Tensor],
-    lr: float,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-    first_step: bool,
-) -> None:
-    _ops.fused_sgd_.default(
-        list(params), list(grads), list(momentum_buffers), lr, momentum, dampening, weight_decay, nesterov, maximize,
-        first_step,
-    )
+def fused_sgd_(params: Tensors, grads: Tensors, momentum_buffers: Tensors, lr: float, momentum: float,
+               dampening: float, weight_decay: float, nesterov: bool, maximize: bool, first_step: bool) -> None:
+    _ops.fused_sgd_.default(list(params), list(grads), list(momentum_buffers), lr, momentum, dampening, weight_decay,
+                            nesterov, maximize, first_step)

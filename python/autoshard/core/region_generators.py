@@ -172,11 +172,7 @@ def resynchronise() -> None:
         _end(generator, key)
 
 
-def _resynchronise_hook(*_) -> None:
-    resynchronise()
-
-
 def install(model: torch.nn.Module) -> None:
     """Ends any open region before and after each forward of `model` (after one that raised too)."""
-    model.register_forward_pre_hook(_resynchronise_hook)
-    model.register_forward_hook(_resynchronise_hook, always_call=True)
+    model.register_forward_pre_hook(lambda *_: resynchronise())
+    model.register_forward_hook(lambda *_: resynchronise(), always_call=True)

@@ -52,12 +52,8 @@ class SealedList(list):
 
     append = extend = insert = pop = remove = clear = sort = reverse = _refuse
     __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
-
-    def __reduce_ex__(self, protocol):
-        return SealedList, (list(self),)
-
-    def __deepcopy__(self, memo):
-        return SealedList(copy.deepcopy(list(self), memo))
+    __reduce_ex__ = lambda self, protocol: (SealedList, (list(self),))
+    __deepcopy__ = lambda self, memo: SealedList(copy.deepcopy(list(self), memo))
 
 
 class SealedDict(dict):
@@ -65,9 +61,5 @@ class SealedDict(dict):
 
     update = setdefault = pop = popitem = clear = _refuse
     __setitem__ = __delitem__ = __ior__ = _refuse
-
-    def __reduce_ex__(self, protocol):
-        return SealedDict, (dict(self),)
-
-    def __deepcopy__(self, memo):
-        return SealedDict(copy.deepcopy(dict(self), memo))
+    __reduce_ex__ = lambda self, protocol: (SealedDict, (dict(self),))
+    __deepcopy__ = lambda self, memo: SealedDict(copy.deepcopy(dict(self), memo))

@@ -128,17 +128,13 @@ class ShardSpec:
         return local.narrow(self.dim, start - self.local_ranges()[0][0], length)
 
     def full_shape(self, local_shape: Sequence[int]) -> Tuple[int, ...]:
-        shape = list(local_shape)
-        shape[self.dim] = self.full_size
-        return tuple(shape)
+        return (*local_shape[:self.dim], self.full_size, *local_shape[self.dim + 1:])
 
     def local_size(self) -> int:
         return sum(length for _, length in self.local_ranges())
 
     def local_shape(self, full_shape: Sequence[int]) -> Tuple[int, ...]:
-        shape = list(full_shape)
-        shape[self.dim] = self.local_size()
-        return tuple(shape)
+        return (*full_shape[:self.dim], self.local_size(), *full_shape[self.dim + 1:])
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's local tensor, cut from the full one (contiguous)."""

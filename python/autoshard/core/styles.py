@@ -8,7 +8,17 @@ carry the plain words, and user overrides name them as text.
 from enum import Enum
 
 
-class Style(str, Enum):
+class _Words(str, Enum):
+    """An enum whose members print and format as their plain words."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Style(_Words):
     COLUMN = "column"  # output features split; the input is copied (backward all-reduces its gradient)
     COLUMN_GATHER = "column_gather"  # column, with its output gathered whole (a model output)
     ROW = "row"  # input features split; the partial outputs are all-reduced
@@ -17,12 +27,6 @@ class Style(str, Enum):
     # input arrives split there and its output leaves split alike, with no collective
     BATCH = "batch"
     REPLICATE = "replicate"  # held whole on every rank
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
     @property
     def is_column(self) -> bool:
@@ -34,19 +38,13 @@ class Style(str, Enum):
         return self is not Style.REPLICATE
 
 
-class TokenRole(str, Enum):
+class TokenRole(_Words):
     """What a layer does with the tokens under sequence parallelism (csrc/plan/sequence.cpp)."""
 
     NONE = ""  # nothing: its input and output hold every token
     REDUCE_SCATTER = "reduce_scatter"  # a row layer: its output's tokens split over the ranks, in place of its all-reduce
     GATHER = "gather"  # a column layer: gathers its input's tokens in place of copying it
     GATHERED = "gathered"  # a column layer reading tokens a module gathered before it (see plan.sequence_gathers)
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
     @property
     def gathers(self) -> bool:

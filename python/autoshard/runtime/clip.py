@@ -27,11 +27,6 @@ def _one_group(groups, what: str):
     return next(iter(unique.values()), None)
 
 
-def _owns_all(spec) -> bool:
-    """Whether this rank counts its whole shard (no KV head or whole part held by several ranks)."""
-    return spec.repeat is None and spec.whole_parts is None
-
-
 def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
                     norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scales the gradients in place so that their global norm is at most `max_norm`;
@@ -80,7 +75,7 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
     # shard or replicated gradient: the pieces' powers are summed over FSDP's group first. A KV
     # head held by several ranks is gathered whole over it, to be counted by one of them.
     over_dp = {key for key, p in unique.items() if is_dtensor(p.grad)}
-    whole = {key: whole_over_data_parallel(p.grad) if key in over_dp and not _owns_all(shards[key][0]) else p.grad
+    whole = {key: whole_over_data_parallel(p.grad) if key in over_dp and shards[key][0].overlaps else p.grad
              for key, p in unique.items() if key in shards}
     owned = {key: shards[key][0].owned_part(whole[key]) for key in whole}
     sharded = [local_tensor(g) for key, g in owned.items() if g is not None and not is_dtensor(g)]
@@ -116,32 +111,25 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
     # gradient: a rank whose KV shards are all owned elsewhere may hold no tensor while the others do.
     # The replicated gradients are summed on each rank alone (every rank holds them whole): where
     # one rank's are not finite, the sum over the group carries it, so that every rank finds the
-    # same non-finite total and takes the same decision (raise, or scale alike).
+    # same non-finite total and takes the same decision (raise, or scale alike). The infinity
+    # norm takes maxima where the others add powers.
+    infinite = math.isinf(norm_type)
+    combine = torch.max if infinite else lambda n: n.pow(norm_type).sum()
+    op, join = ("max", torch.maximum) if infinite else ("sum", torch.add)
+    sharded_dp, replicated_dp = fully_sharded(combine, op)
+    own = local(replicated, combine)
+    total = join(local(sharded, combine), sharded_dp)
     agreed = None
-    if math.isinf(norm_type):
-        sharded_dp, replicated_dp = fully_sharded(torch.max, "max")
-        own = local(replicated, torch.max)
-        total = torch.maximum(local(sharded, torch.max), sharded_dp)
-        if owned and dist.is_initialized():
-            # A replicated gradient that is not finite on one rank only makes the total infinite on all.
-            total = torch.maximum(total, torch.where(torch.isfinite(own), torch.zeros_like(own),
-                                                     torch.full_like(own, math.inf)))
-            all_reduce_(total, "max", group)
-            agreed = total.clone()
-        total = torch.maximum(total, across(partitioned, torch.max, dp_group, "max"))
-        total = torch.maximum(torch.maximum(total, replicated_dp), own)
-    else:
-        power_sum = lambda n: n.pow(norm_type).sum()
-        sharded_dp, replicated_dp = fully_sharded(power_sum, "sum")
-        own = local(replicated, power_sum)
-        total = local(sharded, power_sum) + sharded_dp
-        if owned and dist.is_initialized():
-            # A replicated gradient that is not finite on one rank only (nan or inf) reaches every rank's sum.
-            total = total + torch.where(torch.isfinite(own), torch.zeros_like(own), own)
-            all_reduce_(total, "sum", group)
-            agreed = total.clone()
-        total = total + across(partitioned, power_sum, dp_group, "sum") + replicated_dp
-        total = (total + own).pow(1.0 / norm_type)
+    if owned and dist.is_initialized():
+        # A replicated gradient that is not finite on one rank only reaches every rank's total: it
+        # makes the maximum infinite on all, and its nan or inf enters every rank's sum.
+        not_finite = torch.full_like(own, math.inf) if infinite else own
+        total = join(total, torch.where(torch.isfinite(own), torch.zeros_like(own), not_finite))
+        all_reduce_(total, op, group)
+        agreed = total.clone()
+    total = join(join(join(total, across(partitioned, combine, dp_group, op)), replicated_dp), own)
+    if not infinite:
+        total = total.pow(1.0 / norm_type)
     if agreed is not None:
         total = torch.where(torch.isfinite(agreed), total, agreed)
     if error_if_nonfinite and not torch.isfinite(total):

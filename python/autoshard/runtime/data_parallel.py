@@ -18,16 +18,8 @@ from typing import Collection, Dict, Iterable, List, Optional
 
 import torch
 
-from ..core.collective_buckets import (
-    DEFAULT_BUCKET_BYTES,
-    EVERY_RANK,
-    OWN,
-    WHOLE,
-    CollectiveBucket,
-    all_reduce,
-    fill_buckets,
-    reduce_scatter,
-)
+from ..core.collective_buckets import (DEFAULT_BUCKET_BYTES, EVERY_RANK, OWN, WHOLE, CollectiveBucket, all_reduce,
+                                       fill_buckets, reduce_scatter)
 from .optimizer_partition import piece_of
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GradientAverager"]
@@ -56,7 +48,7 @@ class GradientAverager:
             b: [None] * len(bucket.params) for b, bucket in enumerate(self.buckets) if bucket.pieces}
         self.handles = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in unique.values()]
         for b in self._averaged:
-            self.handles += [p.register_hook(self._before_accumulation(b, i))
+            self.handles += [p.register_hook(lambda grad, b=b, i=i: self._rescale_held_average(b, i))
                              for i, p in enumerate(self.buckets[b].params)]
         self._reset()
 
@@ -64,12 +56,6 @@ class GradientAverager:
         self._waiting = [{id(p) for p in bucket.params} for bucket in self.buckets]
         self._launched = set()
         self._finish_queued = False
-
-    def _before_accumulation(self, b: int, index: int):
-        def hook(grad: torch.Tensor) -> None:
-            self._rescale_held_average(b, index)
-
-        return hook
 
     def _rescale_held_average(self, b: int, index: int) -> None:
         """Called as backward is about to add a new gradient into a reduce-scattered
@@ -100,14 +86,12 @@ class GradientAverager:
         for p in bucket.params:
             if p.grad is None:  # unused in this step: it contributes zeros, as on every replica
                 p.grad = torch.zeros_like(p)
+        collective, layout = all_reduce(self.group, self.reduce_dtype), WHOLE
         if bucket.pieces:
             for i in range(len(bucket.params)):
                 self._rescale_held_average(b, i)
-            collective = reduce_scatter(bucket.lengths, self.group, self.reduce_dtype)
-            bucket.launch(collective, [p.grad for p in bucket.params], EVERY_RANK, in_flight=True)
-        else:
-            bucket.launch(all_reduce(self.group, self.reduce_dtype), [p.grad for p in bucket.params], WHOLE,
-                          in_flight=True)
+            collective, layout = reduce_scatter(bucket.lengths, self.group, self.reduce_dtype), EVERY_RANK
+        bucket.launch(collective, [p.grad for p in bucket.params], layout, in_flight=True)
         self._launched.add(b)
 
     def _finish_bucket(self, b: int) -> None:

@@ -23,14 +23,8 @@ from typing import Iterable, List, Optional, Set, Tuple
 
 from torch import nn
 
-from ..conventions.data_parallel_wrappers import (
-    DDP,
-    already_averaged,
-    ranks_of,
-    refusal,
-    spans_tensor_parallel,
-    wrapper_types,
-)
+from ..conventions.data_parallel_wrappers import (DDP, already_averaged, ranks_of, refusal, spans_tensor_parallel,
+                                                  wrapper_types)
 from ..core.parallel_state import ParallelState, state_of
 
 

@@ -42,14 +42,8 @@ from .replica_check import check_replicas
 from .ddp_guard import install_ddp_guard
 from .wrapper_check import WrapperCheck
 
-# Inputs that hold the model's own state from an earlier call (each rank's shard of the
-# attention keys and values), not data: left out of the comparison.
-MODEL_STATE_INPUTS = CACHE_INPUTS
-
 _registry: "weakref.WeakValueDictionary[int, ForwardChecks]" = weakref.WeakValueDictionary()
 _keys = itertools.count()
-
-
 _SEPARATOR = "\x1f"  # between the names the op receives as one string (it takes no list of them)
 
 
@@ -60,11 +54,7 @@ def _check_forward(tensors: List[torch.Tensor], names: str, key: int) -> None:
         checks.run(names.split(_SEPARATOR), tensors)
 
 
-@_check_forward.register_fake
-def _check_forward_fake(tensors, names, key) -> None:
-    return None
-
-
+_check_forward.register_fake(lambda tensors, names, key: None)
 torch.fx.node.has_side_effect(torch.ops.autoshard.check_forward.default)
 
 
@@ -87,7 +77,9 @@ def tensor_inputs(args: tuple, kwargs: dict) -> Tuple[List[str], List[torch.Tens
     for i, value in enumerate(args):
         _collect(f"args[{i}]", value, names, tensors)
     for key, value in kwargs.items():
-        if key not in MODEL_STATE_INPUTS:
+        # Inputs that hold the model's own state from an earlier call (each rank's shard of the
+        # attention keys and values), not data: left out of the comparison.
+        if key not in CACHE_INPUTS:
             _collect(key, value, names, tensors)
     return names, tensors
 
@@ -144,8 +136,7 @@ def _pre_forward(key: int, module: nn.Module, args: tuple, kwargs: dict) -> None
 
 
 def _pre_forward_in_graph(key: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
-    names, tensors = tensor_inputs(args, kwargs)
-    _check_in_graph(key, names, tensors)
+    _check_in_graph(key, *tensor_inputs(args, kwargs))
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,7 +22,7 @@ Refused here: fully_shard around a model that parallelize already averages over 
 whose ranks hold different tensor-parallel ranks: it would take different shards for copies.
 """
 
-from typing import Dict, List, Optional, Set
+from typing import List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -88,15 +88,14 @@ class TensorParallelGradientSums:
     creates at its first all-gather and keeps. A forward pre-hook on the owning module (run
     after FSDP has unsharded it) hooks that tensor once."""
 
-    def __init__(self, owners: Dict[str, List[nn.Module]], group_name: str,
+    def __init__(self, model: nn.Module, names: List[str], group_name: str,
                  reduce_dtype: Optional[torch.dtype]) -> None:
         self.group_name = group_name
         self.reduce_dtype = reduce_dtype
         self.handles = []
-        for attr_path, modules in owners.items():
-            attr = attr_path.rpartition(".")[2]
-            for module in modules:
-                self.handles.append(module.register_forward_pre_hook(self._hook_parameter(attr)))
+        for name in names:
+            owner, _, attr = name.rpartition(".")
+            self.handles.append(model.get_submodule(owner).register_forward_pre_hook(self._hook_parameter(attr)))
 
     def _hook_parameter(self, attr: str):
         def pre_hook(module: nn.Module, args) -> None:
@@ -118,15 +117,6 @@ class TensorParallelGradientSums:
             handle.remove()
 
 
-def _owners(model: nn.Module, names: List[str]) -> Dict[str, List[nn.Module]]:
-    """For each parameter name, the modules that register it under its attribute."""
-    found: Dict[str, List[nn.Module]] = {}
-    for name in names:
-        owner_name, _, _ = name.rpartition(".")
-        found.setdefault(name, []).append(model.get_submodule(owner_name) if owner_name else model)
-    return found
-
-
 def adopt(model: nn.Module, state: ParallelState, ranks: Set[int], fsdp_groups: List) -> None:
     """At the first forward under fully_shard over data-parallel ranks `ranks` (FSDP's process
     groups `fsdp_groups`): refuses what cannot be exact, else moves the partial-gradient sums onto
@@ -145,7 +135,7 @@ def adopt(model: nn.Module, state: ParallelState, ranks: Set[int], fsdp_groups: 
         reducer.remove()
         state.partial_gradients = None
         if names:
-            state.fsdp_gradient_sums = TensorParallelGradientSums(_owners(model, names), state.group.group_name,
+            state.fsdp_gradient_sums = TensorParallelGradientSums(model, names, state.group.group_name,
                                                                   reducer.reduce_dtype)
     state.attach()  # FSDP's DTensor parameters point back at the state, as parallelize's did
     state.fully_sharded_over = sorted(ranks)

@@ -49,8 +49,10 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 29)
 
 
-# (length, device) -> (a pseudo-random int64 per position, an odd weight per position): made
-# once for the lengths a training run sees, so that hashing costs a few elementwise ops.
+# The module's one cache, shared by every model's checks (and warmed by the memory prediction,
+# planner/memory_activations.py): (length, device) -> (a pseudo-random int64 per position, an odd
+# weight per position), made once for the lengths a training run sees, so that hashing costs a
+# few elementwise ops.
 _positions: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
 _CACHED_LENGTH = 1 << 20
 
@@ -101,14 +103,9 @@ def fingerprint(names: Sequence[str], tensors: Sequence[torch.Tensor], device: t
     return torch.cat([head.to(device), _value_hash(values).to(device)])
 
 
-_backends: Dict[str, str] = {}  # group name -> its backend
-
-
 def _wire_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
     """Where the fingerprints travel: the inputs' device when the group's backend serves it."""
-    backend = _backends.get(group.group_name)
-    if backend is None:
-        backend = _backends[group.group_name] = str(dist.get_backend(group))
+    backend = str(dist.get_backend(group))  # a lookup in torch's registry of groups
     if device.type == "cuda" and "nccl" in backend:
         return device
     if "gloo" in backend:

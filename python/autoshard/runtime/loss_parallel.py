@@ -44,6 +44,7 @@ from ..core.parallel_state import state_of
 
 logger = logging.getLogger("autoshard")
 
+
 @dataclass
 class LossParallel:
     """What parallelize decided about loss parallelism for one model."""
@@ -108,14 +109,12 @@ def _head(model: nn.Module, plan):
     head = hf.output_embeddings(model)
     if head is None:
         return None, "the model has no output head (get_output_embeddings() is None)"
-    names = [name for name, module in model.named_modules() if module is head]
-    if not names:
+    name = next((name for name, module in model.named_modules() if module is head), None)
+    if name is None:
         return None, "the output head is not a submodule of the model"
-    name = names[0]
-    layers = [layer for layer in plan.layers if layer.module == name]
-    if not layers:
+    layer = next((layer for layer in plan.layers if layer.module == name), None)
+    if layer is None:
         return None, f"the plan does not name the output head {name!r}"
-    layer = layers[0]
     if not layer.construct.splits_logits_for_loss or layer.style is not Style.COLUMN_GATHER or \
             layer.reason != "model_output":
         return None, (f"the plan makes the output head {name!r} {layer.style!r} (reason {layer.reason!r}), not a "

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .fully_sharded import is_dtensor
+from .input_check import _wire_device
 from ..core.parallel_state import ParallelState, parameter_state
 from ..core.stalls import named
 
@@ -68,11 +69,7 @@ class Agreement:
     def record(self) -> None:
         """At the end of a backward pass: the ranks' non-finite counts, agreed (a collective)."""
         self._queued = False
-        device = self.params[0].device
-        if "nccl" in str(dist.get_backend(self.group)):
-            device = torch.device("cuda", torch.cuda.current_device())
-        elif "gloo" in str(dist.get_backend(self.group)):
-            device = torch.device("cpu")
+        device = _wire_device(self.group, self.params[0].device)
         with torch.no_grad():
             counts = torch.stack([torch.zeros((), dtype=torch.int64, device=p.device) if p.grad is None
                                   else torch.isfinite(p.grad).logical_not_().sum() for p in self.params])
@@ -86,18 +83,15 @@ class Agreement:
     def check(self, stepped: List[torch.Tensor]) -> None:
         """Raises on every rank if a parameter in `stepped` had a gradient whose non-finite count
         differed between the ranks at the last backward."""
-        agreed = self.agreed
-        if agreed is None:
-            return
         rows = [self.index[id(p)] for p in stepped if id(p) in self.index]
-        if not rows:
+        if self.agreed is None or not rows:
             return
-        picked = agreed[:, rows].cpu()  # the one wait for the device in a step
+        picked = self.agreed[:, rows].cpu()  # the one wait for the device in a step
         differs = (picked[0] != picked[1]).nonzero().view(-1).tolist()
         if not differs:
             return
         first = rows[differs[0]]
-        agreed = agreed.cpu()
+        agreed = self.agreed.cpu()
         ranks = dist.get_process_group_ranks(self.group)
         raise RuntimeError(
             f"autoshard: the gradient of the replicated parameter {self.names[first]!r} is not finite on some of "

@@ -20,14 +20,7 @@ from typing import Dict, List, Optional, Set
 
 import torch
 
-from ..core.collective_buckets import (
-    DEFAULT_BUCKET_BYTES,
-    EVERY_RANK,
-    OWN,
-    CollectiveBucket,
-    all_gather,
-    fill_buckets,
-)
+from ..core.collective_buckets import DEFAULT_BUCKET_BYTES, EVERY_RANK, OWN, CollectiveBucket, all_gather, fill_buckets
 from ..core.parallel_state import ParallelState, parameter_state
 from ..core.split import split_sizes
 

@@ -82,8 +82,7 @@ class PartialGradientReducer:
 
     def _reduce(self, b: int) -> None:
         bucket, contributions, before = self.buckets[b], self._contributions[b], self._before[b]
-        added = [contributions.get(index) for index in range(len(bucket.params))]
-        added = [got if got is not None else torch.zeros_like(p) for got, p in zip(added, bucket.params)]
+        added = [contributions[i] if i in contributions else torch.zeros_like(p) for i, p in enumerate(bucket.params)]
         with torch.no_grad():
             bucket.launch(self._sum_over_groups, added)
             total = bucket.result(divide_by=None if self.dp_group is None else self.dp_group.size())

@@ -14,6 +14,7 @@ so that all of them plan again alike.
 """
 
 import hashlib
+import itertools
 import pickle
 from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
@@ -48,9 +49,7 @@ def first_difference(described: List[List[Tuple]]) -> Optional[str]:
     for rank, items in enumerate(described[1:], start=1):
         if items == reference:
             continue
-        for i in range(max(len(items), len(reference))):
-            ours = items[i] if i < len(items) else None
-            theirs = reference[i] if i < len(reference) else None
+        for i, (ours, theirs) in enumerate(itertools.zip_longest(items, reference)):
             if ours != theirs:
                 return f"rank {rank} has {_describe(ours)} where rank 0 has {_describe(theirs)} (entry {i})"
     return None

@@ -91,10 +91,8 @@ def _op_name(func) -> str:
     if name.startswith("__") and name.endswith("__") and name not in _SAFE:
         # Operators: __add__ -> add, __iadd__ -> add_, __rsub__ -> sub.
         bare = name[2:-2]
-        if bare.startswith("i") and bare[1:] in ("add", "sub", "mul", "truediv", "div", "pow", "and", "or", "xor"):
-            return bare[1:].replace("truediv", "div") + "_"
-        if bare.startswith("r") and bare[1:] in ("add", "sub", "mul", "truediv", "div", "pow", "and", "or", "xor"):
-            bare = bare[1:]
+        if bare[:1] in ("i", "r") and bare[1:] in ("add", "sub", "mul", "truediv", "div", "pow", "and", "or", "xor"):
+            return bare[1:].replace("truediv", "div") + ("_" if bare[0] == "i" else "")
         return bare.replace("truediv", "div")
     return name
 

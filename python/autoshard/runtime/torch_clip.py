@@ -22,14 +22,8 @@ _ORIGINAL = {}
 
 def _parameters_of(tensors):
     """The parallelized models' parameters whose gradients are `tensors`: (found, all of them?)."""
-    by_grad = {}
-    for state in live_states():
-        model = state.model
-        if model is None:
-            continue
-        for p in model.parameters():
-            if p.grad is not None:
-                by_grad[id(p.grad)] = p
+    by_grad = {id(p.grad): p for state in live_states() if (model := state.model) is not None
+               for p in model.parameters() if p.grad is not None}
     found = [by_grad[id(t)] for t in tensors if id(t) in by_grad]
     return found, len(found) == len(tensors)
 

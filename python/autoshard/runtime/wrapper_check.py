@@ -24,15 +24,8 @@ from typing import Optional, Sequence, Set, Tuple
 
 from torch import nn
 
-from ..conventions.data_parallel_wrappers import (
-    DDP,
-    FULLY_SHARD,
-    describe,
-    fsdp_refusal,
-    fully_shard_groups,
-    refusal,
-    spans_tensor_parallel,
-)
+from ..conventions.data_parallel_wrappers import (DDP, FULLY_SHARD, describe, fsdp_refusal, fully_shard_groups, refusal,
+                                                  spans_tensor_parallel)
 from .ddp_guard import check_over_data_parallel
 from .fully_sharded import adopt
 from ..core.parallel_state import state_of
@@ -93,7 +86,9 @@ class WrapperCheck:
                         check_over_data_parallel(found[1], model, state_of(model))
                         self._exact_ddps.add(caller)
             frame = frame.f_back
-        if self._scanned and not self._adopted(model) and any(
+        # Once fully_shard is adopted, FSDP swaps the parameters at every forward, as it should.
+        adopted = getattr(state_of(model), "fully_sharded_over", None) is not None
+        if self._scanned and not adopted and any(
                 module._parameters.get(attr) is not param for module, attr, param in self._registered):
             self._scanned = False
         if not self._scanned:
@@ -103,9 +98,3 @@ class WrapperCheck:
             self._scanned = True
             self._registered = [(m, attr, m._parameters.get(attr)) for m in model.modules()
                                 for attr in list(getattr(m, "shard_specs", {}))[:1] if attr in m._parameters]
-
-    @staticmethod
-    def _adopted(model: nn.Module) -> bool:
-        # Once fully_shard is adopted, FSDP swaps the parameters at every forward, as it should.
-        state = state_of(model)
-        return state is not None and state.fully_sharded_over is not None
