@@ -123,6 +123,17 @@ def test_reload_unsharded_with_torch_adamw(saved_on_two_ranks):
     _assert_round_trip(kind, saved, logits, stepped, _load_and_step(kind, path, sharded=False))
 
 
+def test_reload_whole_in_another_dtype(saved_on_two_ranks):
+    """Each whole tensor is read from both ranks' pieces through a staging buffer of the file's
+    dtype (as on a GPU): every piece lands, none is overwritten by the next one's buffer."""
+    kind, path, saved, _, _ = saved_on_two_ranks
+    model = _make(kind, seed=1).double()
+    checkpoint.load(path, model)
+    loaded = model.state_dict()
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value.double()), name  # float32 to float64 is exact
+
+
 def test_manifest_records_world_plan_and_pieces(saved_on_two_ranks):
     kind, path, saved, _, _ = saved_on_two_ranks
     manifest = checkpoint.read_manifest(path)

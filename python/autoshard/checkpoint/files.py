@@ -75,8 +75,10 @@ class CheckpointFiles:
     def fill(self, key: str, dest: torch.Tensor, dest_selection: Selection) -> None:
         """Copies the part of stored tensor ``key`` that ``dest_selection`` covers into ``dest``."""
         out = dest if dest.is_contiguous() else torch.empty_like(dest, memory_format=torch.contiguous_format)
-        for reader, source in self._sources(key, dest_selection):
-            reader.read_into(key, out, dest_selection, source)
+        # A read that goes through a staging buffer (another dtype, a GPU) writes all of `out`:
+        # every read after the first keeps what the ones before it filled in.
+        for i, (reader, source) in enumerate(self._sources(key, dest_selection)):
+            reader.read_into(key, out, dest_selection, source, keep_rest=i > 0)
         if out is not dest:
             dest.copy_(out)
 
