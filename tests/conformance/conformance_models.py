@@ -35,17 +35,9 @@ import math
 import torch
 from torch import nn
 
+from tiny_layers import RMSNorm, causal_mask, repeat_kv
+
 VOCAB = 97
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
 def _rotate(x, pairs: int, positions):
@@ -102,8 +94,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-        self.q_norm = RMSNorm(head_dim) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, jitter=0.1) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, jitter=0.1) if qk_norm else None
         # ESM-C's q_norm and k_norm: a LayerNorm (weight and bias) over every head's features of
         # q_proj's and k_proj's outputs, before the view into heads.
         self.q_layer_norm = nn.LayerNorm(heads * head_dim) if qk_layer_norm else None
@@ -154,14 +146,13 @@ class Attention(nn.Module):
             k = k[:, :, None].repeat(1, 1, group, 1, 1).reshape(b, self.num_heads, t, self.head_dim)
             v = v[:, :, None].repeat(1, 1, group, 1, 1).reshape(b, self.num_heads, t, self.head_dim)
         else:
-            k = k[:, :, None].expand(b, self.num_kv_heads, group, t, self.head_dim).reshape(b, self.num_heads, t, self.head_dim)
-            v = v[:, :, None].expand(b, self.num_kv_heads, group, t, self.head_dim).reshape(b, self.num_heads, t, self.head_dim)
+            k, v = repeat_kv(k, self.num_kv_heads, self.num_heads), repeat_kv(v, self.num_kv_heads, self.num_heads)
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
         if self.score_gain is not None:
             scores = scores * self.score_gain[:, None, None]
         if bias is not None:
             scores = scores + bias
-        mask = torch.full((t, t), float("-inf"), dtype=scores.dtype, device=x.device).triu(1)
+        mask = causal_mask(scores)
         if self.sinks is not None:
             sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, t, -1)
             out = torch.softmax(torch.cat([scores + mask, sinks], dim=-1), dim=-1)[..., :-1] @ v
@@ -197,9 +188,9 @@ class Block(nn.Module):
     def __init__(self, hidden, ffn, heads, kv_heads, head_dim, scalar_gain=False, gate_up_selected=False,
                  **attention):
         super().__init__()
-        self.attn_norm = RMSNorm(hidden)
+        self.attn_norm = RMSNorm(hidden, jitter=0.1)
         self.attn = Attention(hidden, heads, kv_heads, head_dim, **attention)
-        self.mlp_norm = RMSNorm(hidden)
+        self.mlp_norm = RMSNorm(hidden, jitter=0.1)
         self.mlp = MLP(hidden, ffn, scalar_gain=scalar_gain, gate_up_selected=gate_up_selected)
 
     def forward(self, x, bias=None):
@@ -217,7 +208,7 @@ class TinyDecoder(nn.Module):
             self.register_buffer("alibi_bias", alibi_bias(heads, max_positions))
         self.embed = nn.Embedding(VOCAB, hidden)
         self.blocks = nn.ModuleList(Block(hidden, ffn, heads, kv_heads, head_dim, **options) for _ in range(layers))
-        self.norm = RMSNorm(hidden)
+        self.norm = RMSNorm(hidden, jitter=0.1)
         self.lm_head = nn.Linear(hidden, VOCAB, bias=False)
 
     def forward(self, input_ids):

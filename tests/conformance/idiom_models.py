@@ -30,12 +30,13 @@ and that a plan must either compute exactly or keep whole with a reason naming i
 Sizes: hidden 48, 6 heads of 8 (3 KV heads where grouped), FFN 70, vocabulary 97, 2 blocks.
 """
 
-import math
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tiny_layers import attend, repeat_kv
 
 VOCAB = 97
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 48, 6, 3, 8, 70
@@ -49,14 +50,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down(F.gelu(self.up(x)))
-
-
-def _attend(q, k, v):
-    """Causal attention over (batch, heads, tokens, head_dim)."""
-    t = q.shape[-2]
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    mask = torch.full((t, k.shape[-2]), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
-    return torch.softmax(scores + mask, dim=-1) @ v
 
 
 class Attention(nn.Module):
@@ -83,15 +76,13 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, heads, HEAD_DIM).transpose(1, 2)
         k = self.k_proj(x).view(b, t, kv_heads, HEAD_DIM).transpose(1, 2)
         v = self.v_proj(x).view(b, t, kv_heads, HEAD_DIM).transpose(1, 2)
-        group = heads // kv_heads
-        k = k[:, :, None].expand(b, kv_heads, group, t, HEAD_DIM).reshape(b, heads, t, HEAD_DIM)
-        v = v[:, :, None].expand(b, kv_heads, group, t, HEAD_DIM).reshape(b, heads, t, HEAD_DIM)
+        k, v = repeat_kv(k, kv_heads, heads), repeat_kv(v, kv_heads, heads)
         if self.autocast:
             # Attention kept out of mixed precision, as models do for their softmax.
             with torch.autocast(device_type=x.device.type, enabled=False):
-                out = _attend(q, k, v)
+                out = attend(q, k, v)
         else:
-            out = _attend(q, k, v)
+            out = attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, heads * HEAD_DIM))
 
 
@@ -118,7 +109,7 @@ class UnbindAttention(nn.Module):
         else:
             qkv = self.qkv(x)
         q, k, v = qkv.reshape(b, t, 3, self.num_heads, HEAD_DIM).permute(2, 0, 3, 1, 4).unbind(0)
-        out = _attend(q, k, v)
+        out = attend(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(b, t, self.num_heads * HEAD_DIM))
 
 
@@ -137,7 +128,7 @@ class SizeViewAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = _attend(q, k, v)
+        y = attend(q, k, v)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -248,7 +239,7 @@ class CrossAttention(nn.Module):
         x, memory = self.x_norm(x), self.memory_norm(memory)
         q = self.q_proj(x).view(b, t, heads, HEAD_DIM).transpose(1, 2)
         k, v = self.kv_proj(memory).view(b, memory.shape[1], 2 * heads, HEAD_DIM).transpose(1, 2).chunk(2, dim=1)
-        out = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM), dim=-1) @ v
+        out = attend(q, k, v, causal=False)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, heads * HEAD_DIM))
 
 
@@ -351,7 +342,7 @@ class MergedAttention(nn.Module):
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
         k = torch.cat((k, heads(self.k_proj(memory))), dim=2)
         v = torch.cat((v, heads(self.v_proj(memory))), dim=2)
-        out = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM), dim=-1) @ v
+        out = attend(q, k, v, causal=False)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * HEAD_DIM))
 
 

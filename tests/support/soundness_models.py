@@ -7,19 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tiny_layers import RMSNorm, attend, repeat_kv
+
 DIM, HEADS, HEAD_DIM, VOCAB = 20, 5, 4, 37
-
-
-class RMSNorm(nn.Module):
-    """Written out as Hugging Face writes it (weight * normalised x), over the last axis."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return self.weight * x
 
 
 class Attention(nn.Module):
@@ -140,10 +130,8 @@ class PartialRotaryAttention(nn.Module):
         q = self.rotate(self.q(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2))
         k = self.rotate(self.k(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2))
         v = self.v(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        group = self.num_heads // self.num_kv_heads
-        k = k[:, :, None].expand(b, self.num_kv_heads, group, s, self.head_dim).reshape(b, self.num_heads, s, self.head_dim)
-        v = v[:, :, None].expand(b, self.num_kv_heads, group, s, self.head_dim).reshape(b, self.num_heads, s, self.head_dim)
-        out = (q @ k.transpose(-1, -2) / self.head_dim ** 0.5).softmax(-1) @ v
+        k, v = repeat_kv(k, self.num_kv_heads, self.num_heads), repeat_kv(v, self.num_kv_heads, self.num_heads)
+        out = attend(q, k, v, causal=False)
         return self.o(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
