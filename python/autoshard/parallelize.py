@@ -29,6 +29,7 @@ from .runtime.pending_gradients import check_no_pending_gradients
 from .planner.sharding_plan import ShardingPlan
 from .planner.make_plan import check_plain_parameters
 from .planner import plan_json, sequence_choice
+from .planner.holdings import nothing_split_error
 from .planner.plan_until_it_runs import plan_until_it_runs
 from .apply.shard_model import apply_plan, check_plan_fits
 from .state.state_views import install_state_dict_views
@@ -159,6 +160,10 @@ def parallelize(model: nn.Module, plan: Optional[ShardingPlan] = None, group: Op
             raise TypeError(f"parallelize: plan must be a ShardingPlan, got {type(plan).__name__}")
         check_plan_fits(model, plan, group.size())
         state_shapes = on_every_rank(lambda: dry_run(model, plan, group, example_inputs, apply_plan), group)
+    # Tensor parallelism that splits nothing would train the whole model on every rank, silently.
+    refusal = nothing_split_error(plan)
+    if refusal:
+        raise ValueError(refusal)
     flags = {name: module.training for name, module in model.named_modules()}
     tokens = apply_plan(model, plan, group)
     if overlap_backward:

@@ -199,6 +199,28 @@ def fullest_holding(plan) -> Tuple[int, int]:
     return max(held, default=0), total
 
 
+def nothing_split_error(plan, caller: str = "parallelize") -> str:
+    """The refusal's text when the plan splits nothing over its ranks (every rank would hold the
+    whole model), with why and what to pass, else ""."""
+    total = sum(_numel(r.shape) for r in (plan.parameters or {}).values())
+    if plan.world_size <= 1 or not total or plan.param_specs(0):
+        return ""
+    whole = replicated(plan)
+    parts: Dict[str, List[str]] = {}
+    for i in whole[:3]:
+        parts.setdefault(i.reason, []).append(f"{i.module or '<model>'} ({i.module_class}, {i.params:,} params)")
+    reasons = "; ".join(f"{', '.join(modules)}: {REASONS.get(code, code)}" for code, modules in parts.items())
+    if any(i.reason == "not_called" for i in whole):
+        fix = ("its traced forward did not call all of its layers: pass example_inputs that reach them (a forward "
+               "whose inputs are all optional, such as CLIP's image= and text=, needs each tower's)")
+    else:
+        fix = ("parallelizing it would only repeat the whole model on every rank: train it without tensor "
+               "parallelism (data parallel), or on fewer ranks")
+    return (f"{caller}: the plan splits nothing over its {plan.world_size} ranks, every rank would hold all {total:,} "
+            f"of the model's parameters; the largest parts held whole: {reasons}. {fix[0].upper()}{fix[1:]}; the "
+            "model was left unchanged")
+
+
 def imbalance_warning(plan) -> str:
     """A warning's text when some rank holds more of the parameters than the policy allows over
     its share (csrc/plan/policy.h), else ""."""

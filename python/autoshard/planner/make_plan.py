@@ -11,7 +11,7 @@ from torch import nn
 from ..nn.multihead_attention import IN_PROJECTION
 from ..core.styles import OVERRIDE_STYLES, Style
 from ..capture.capture import CapturedGraph, capture
-from .holdings import fullest_holding, imbalance_warning, inventory
+from .holdings import fullest_holding, imbalance_warning, inventory, nothing_split_error
 from .parameter_reasons import whole_reasons
 from . import policy
 from .local_attributes import localize_attributes
@@ -151,7 +151,10 @@ def within(name: str, pattern: str) -> bool:
 
 def _warn_if_mostly_whole(result: ShardingPlan) -> None:
     """One warning per plan when a rank would hold more of the parameters than the policy allows
-    (on the first rank only, when the ranks plan together)."""
+    (on the first rank only, when the ranks plan together). A plan that splits nothing is not
+    warned of: parallelize refuses it (holdings.nothing_split_error) and print(plan) shows it."""
+    if nothing_split_error(result):
+        return
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
     message = imbalance_warning(result)
