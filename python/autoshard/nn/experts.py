@@ -49,12 +49,11 @@ def shard_experts(module: nn.Module, in_name: str, in_spec: ShardSpec, out_name:
         if full.dim() != 2 or full.shape[1] != in_bias_spec.full_size or in_bias_spec.dim != 1:
             raise ValueError(f"shard_experts: {type(module).__name__}.{in_bias} must be [E, {in_bias_spec.full_size}] "
                              f"split on dim 1, got shape {tuple(full.shape)} split on dim {in_bias_spec.dim}")
-    setattr(module, in_name, _local(in_spec, getattr(module, in_name)))
-    setattr(module, out_name, _local(out_spec, getattr(module, out_name)))
     module.shard_specs = {in_name: in_spec, out_name: out_spec}
     if in_bias is not None:
-        setattr(module, in_bias, _local(in_bias_spec, getattr(module, in_bias)))
         module.shard_specs[in_bias] = in_bias_spec
+    for name, spec in module.shard_specs.items():
+        setattr(module, name, _local(spec, getattr(module, name)))
     module.group = group
     group_name = group.group_name
     forward = type(module).forward.__get__(module)

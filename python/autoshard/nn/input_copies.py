@@ -37,10 +37,8 @@ class SharedInputCopy:
             self._served += 1
             copy = self._copy
         else:
-            if self.enter is not None:
-                copy = self.enter(x)
-            else:
-                copy = backward_overlap.copy(x, self.group_name, self.overlap_readers)
+            copy = self.enter(x) if self.enter is not None else \
+                backward_overlap.copy(x, self.group_name, self.overlap_readers)
             self._source, self._copy, self._served = weakref.ref(x), copy, 1
         if self._served == self.users:
             self._source = self._copy = None  # hold no activation beyond its last reader

@@ -290,10 +290,8 @@ class ColumnParallelLinear(_ParallelLinear):
         """x as the rank's product reads it: copied into the parallel region (its gradient
         all-reduced in backward), or its tokens gathered with sequence parallelism. Dropout
         from here on draws this rank's own masks (see region_generators)."""
-        if self.input_copy is not None:
-            copy = self.input_copy(x)
-        else:
-            copy = backward_overlap.copy(x, self._group_name, self.overlap_readers or ())
+        copy = self.input_copy(x) if self.input_copy is not None else \
+            backward_overlap.copy(x, self._group_name, self.overlap_readers or ())
         return region_generators.enter(copy, self._group_name, self.training)
 
     @property
