@@ -33,8 +33,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 RESULTS = os.path.join(HERE, "..", "results")
-# Planned with the sweep's inputs, or with those autoshard makes itself (--planning auto).
-SWEEP = "sweep_auto" if os.environ.get("AUTOSHARD_SWEEP_PLANNING") == "auto" else "sweep"
+# Planned with the sweep's inputs by parallelize, the README's way (--planning plan: autoshard.plan,
+# then parallelize with that plan), or with the inputs autoshard makes itself (--planning auto).
+SWEEP = {"auto": "sweep_auto", "plan": "sweep_readme"}.get(os.environ.get("AUTOSHARD_SWEEP_PLANNING"), "sweep")
 PROGRESS = os.path.join(RESULTS, f"{SWEEP.replace('sweep', 'sweep_progress')}_cpu.jsonl")
 
 
@@ -132,8 +133,9 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="a regex on variant names (model_type:head)")
     parser.add_argument("--fresh", action="store_true", help="forget the progress of an earlier sweep")
     parser.add_argument("--retry", default="", help="classes to judge again, comma-separated (e.g. wrong,crash)")
-    parser.add_argument("--planning", choices=("parallelize", "auto"), default=None,
-                        help="auto: plan and judge on the inputs autoshard makes itself")
+    parser.add_argument("--planning", choices=("parallelize", "plan", "auto"), default=None,
+                        help="plan: the README's way, autoshard.plan(model) handed to parallelize; "
+                             "auto: plan and judge on the inputs autoshard makes itself")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "k/jobs": one job's share
     args = parser.parse_args()
     if args.planning is not None and args.planning != os.environ.get("AUTOSHARD_SWEEP_PLANNING", "parallelize"):

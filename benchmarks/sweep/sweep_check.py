@@ -21,7 +21,9 @@ audio tower is planned too; on its text alone only where no such layout runs uns
 record's `media_failed` says why). The record's `inputs` names what was judged ("text+images",
 "text+audio", "text", ...).
 
-With PLANNING=auto in the environment (run.py --planning auto) the model is planned and judged
+With PLANNING=plan (run.py --planning plan) the model is planned the README's way,
+autoshard.plan(model, example_inputs=...) handed to parallelize. With PLANNING=auto in the
+environment (run.py --planning auto) the model is planned and judged
 on the inputs autoshard makes itself (parallelize(model) with no example_inputs), not the sweep's.
 A plan whose predicted collectives differ from those counted is flagged (`prediction`) in
 whichever class it lands.

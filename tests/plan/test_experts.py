@@ -219,7 +219,7 @@ def test_interleaved_expert_slices_checkpoint_on_two_ranks_reload_on_three_and_u
 def test_experts_of_other_forms_are_not_read_as_interleaved_or_biased():
     """A module with 3-D weights and biases but no has_bias flag, or biases of other shapes, is
     not an experts module the split understands."""
-    from autoshard.constructs.experts_layout import experts_weights
+    from autoshard.constructs.experts import experts_weights
 
     class Biased(torch.nn.Module):
         def __init__(self, flag: bool, out_bias_shape=(3, 8)):
@@ -357,15 +357,21 @@ def _own_experts_on_ranks(normalized: bool = False, transposed: bool = False, ze
                      {k: v for k, v in backward.counts.items() if v}, plan.collectives("backward"))}
 
 
+def _own_experts_refused(normalized: bool, transposed: bool, zero_experts: int = 0) -> str:
+    model = _MoE(normalized, transposed, zero_experts).double()
+    with pytest.raises(ValueError) as refusal:
+        autoshard.parallelize(model, example_inputs=(torch.randn(5, 8, dtype=torch.float64),))
+    return str(refusal.value)
+
+
 @pytest.mark.parametrize("transposed", [False, True], ids=["stored_for_w_x", "stored_for_x_w"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_experts_of_our_own_compute_the_unsharded_result(world_size, transposed):
-    for whole in ((True, transposed), (False, transposed, 2)):  # a norm of the weights; zero experts
-        for result in run_on_ranks(_own_experts_on_ranks, world_size, *whole, timeout=300):
-            torch.testing.assert_close(*result["out"], rtol=1e-12, atol=1e-12)  # kept whole: the same ops
-            for name, (got, want) in result["grads"].items():
-                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=name)
-            assert result["comm"] == ({}, {}, {}, {})
+    # A norm of the weights; zero experts: the experts stay whole, and with the router's softmax
+    # whole too nothing is left to split, which parallelize refuses, saying why.
+    for whole in ((True, transposed), (False, transposed, 2)):
+        for refusal in run_on_ranks(_own_experts_refused, world_size, *whole, timeout=300):
+            assert "the plan splits nothing" in refusal and "experts (_Experts" in refusal, refusal
     for result in run_on_ranks(_own_experts_on_ranks, world_size, False, transposed, timeout=300):
         torch.testing.assert_close(*result["out"], rtol=1e-12, atol=1e-12)
         for name, (got, want) in result["grads"].items():
