@@ -102,8 +102,11 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, media: bool = 
     module_entries: Dict[str, List[Tuple[int, int]]] = {}
     module_exits: Dict[str, List[Tuple[int, int]]] = {}
     called_again = set()
-    folder = BlockFolder(shadow, recorder, param_index, layers, module_inputs, module_nodes, enabled=fold_blocks,
-                         replayable=lambda a, kw: (replayable(a), replayable(dict(kw))), module_entries=module_entries)
+    folder = BlockFolder(shadow, recorder, module_inputs, module_nodes, module_entries,
+                         lambda a, kw: (replayable(a), replayable(dict(kw))), enabled=fold_blocks)
+    # Where each recorded tensor enters or leaves a call, for the planner's "entry" and "exit" records.
+    recorded = lambda leaves: [(i, recorder.ids[id(t)]) for i, t in enumerate(leaves)
+                               if isinstance(t, torch.Tensor) and id(t) in recorder.ids]
     for name, module in shadow.named_modules():
         def remember(mod, a, kw, name=name):
             if name not in module_nodes:
@@ -111,10 +114,8 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, media: bool = 
                 if name not in folder.folds:
                     module_inputs[name] = (replayable(a), replayable(dict(kw)))
                 module_nodes[name] = (recorder.node_count, -1)
-                # Where each recorded tensor enters the call, for the planner's "entry" records.
                 leaves = tree_flatten((tuple(a), dict(kw)))[0]
-                module_entries[name] = [(i, recorder.ids[id(t)]) for i, t in enumerate(leaves)
-                                        if isinstance(t, torch.Tensor) and id(t) in recorder.ids]
+                module_entries[name] = recorded(leaves)
                 module_layer_inputs[name] = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)
                                              and recorder.ids.get(id(t), -1) in recorder.layer_outputs]
             else:
@@ -124,18 +125,13 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, media: bool = 
         def finished(mod, a, out, name=name):
             if name in module_nodes and module_nodes[name][1] < 0:
                 module_nodes[name] = (module_nodes[name][0], recorder.node_count)
-                # Where each recorded tensor leaves the call, for the planner's "exit" records.
-                leaves = tree_flatten(out)[0]
-                module_exits[name] = [(i, recorder.ids[id(t)]) for i, t in enumerate(leaves)
-                                      if isinstance(t, torch.Tensor) and id(t) in recorder.ids]
+                module_exits[name] = recorded(tree_flatten(out)[0])
 
         handles.append(module.register_forward_pre_hook(remember, with_kwargs=True))
         handles.append(module.register_forward_hook(finished))
     for name, module in shadow.named_modules(remove_duplicate=False):
         info = describe_layer(name, module, param_index)
-        if info is None:
-            continue
-        if id(module) in layer_by_module:  # a module reachable under two names is one layer
+        if info is None or id(module) in layer_by_module:  # a module reachable under two names is one layer
             continue
         layer_by_module[id(module)] = info
         if info.construct.records_weight_products(info):
@@ -171,38 +167,26 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, media: bool = 
                     recorder.node("opaque", info.name or "<model>", [recorder.tensor_id(t) for t in received],
                                   [recorder.tensor_id(o) for o in made], {"routing_floating": []}, "call")
             elif recorder.layer_depth == 0 and isinstance(info.input, torch.Tensor) and isinstance(output, torch.Tensor):
-                node = recorder.node(info.construct.planner_kind, info.name or "<model>",
-                                     [recorder.tensor_id(info.input)],
-                                     [recorder.layer_output(output, info.construct.last_axis_features)],
-                                     info.planner_fields(info.input, output))
-                layers[node] = info.record_call(info.input, output)
+                recorder.layer_node(info, info.input, output, info.construct.last_axis_features)
             info.input = None
             info.inputs = ()
 
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
     def record_in_projection(name, module, x, out):
-        info = in_projection_layer(name, module, param_index)
-        node = recorder.node(info.construct.planner_kind, info.name, [recorder.tensor_id(x)],
-                             [recorder.layer_output(out)],
-                             info.planner_fields(x, out))
-        layers[node] = info.record_call(x, out)
+        recorder.layer_node(in_projection_layer(name, module, param_index), x, out)
 
     def record_norm(name, module, x, out):
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
         fields = {"weight_param": param_index.get(id(weight), -1) if weight is not None else -1}
         inputs = [recorder.tensor_id(x)] + ([recorder.tensor_id(weight)] if weight is not None else [])
-        if is_batch_norm(module):
-            # Per channel over the batch and positions; its weight and bias are inputs, so that
-            # their gradients are followed where it stays whole.
-            fields.update(per_channel=True, running_stats=module.track_running_stats and module.running_mean is not None,
-                          bias_param=param_index.get(id(bias), -1) if bias is not None else -1)
-            if bias is not None:
-                inputs.append(recorder.tensor_id(bias))
-        elif layer_norm_form(module):
-            # A LayerNorm: its mean and variance both need every rank's features. Its bias is an
-            # input like its weight, so that its gradient is followed as the weight's is.
-            fields.update(centered=True, bias_param=param_index.get(id(bias), -1) if bias is not None else -1)
+        # A BatchNorm is per channel over the batch and positions; a LayerNorm's mean and variance
+        # both need every rank's features. Either's bias is an input like its weight, so that its
+        # gradient is followed as the weight's is (where it stays whole).
+        form = {"per_channel": True, "running_stats": module.track_running_stats and module.running_mean is not None} \
+            if is_batch_norm(module) else {"centered": True} if layer_norm_form(module) else None
+        if form is not None:
+            fields.update(form, bias_param=param_index.get(id(bias), -1) if bias is not None else -1)
             if bias is not None:
                 inputs.append(recorder.tensor_id(bias))
         recorder.node("norm", name, inputs, [recorder.tensor_id(out)], fields, "call")

@@ -12,7 +12,7 @@ called like its first block is run as usual. parallelize's dry run traces the wh
 unfolded and checks it against the plan's prediction.
 """
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 from torch import nn
@@ -126,15 +126,14 @@ class _Recording:
 class BlockFolder:
     """Installed around one capture: records first blocks and replays them for the others."""
 
-    def __init__(self, model: nn.Module, recorder, param_index: Dict[int, int], layers: dict,
-                 module_inputs: dict, module_nodes: dict, enabled: bool = True, replayable=None,
-                 module_entries: Optional[dict] = None):
+    def __init__(self, model: nn.Module, recorder, module_inputs: dict, module_nodes: dict, module_entries: dict,
+                 replayable, enabled: bool = True):
         self.model = model
-        self.module_entries = {} if module_entries is None else module_entries  # name -> [(leaf, tensor id)]
+        self.module_entries = module_entries  # name -> [(leaf, tensor id)]
         self.replayable = replayable  # (args, kwargs) -> what module_inputs keeps of a call
         self.recorder = recorder
-        self.param_index = param_index
-        self.layers = layers
+        self.param_index = recorder.param_index
+        self.layers = recorder.layers
         self.module_inputs = module_inputs
         self.module_nodes = module_nodes
         self.folds = foldable_blocks(model) if enabled else {}
@@ -222,10 +221,9 @@ class BlockFolder:
                     now = now.experts_side(info.side)
                 now.input_shape, now.output_shape = info.input_shape, info.output_shape
                 label = now.name
-                fields = {k: params.get(v, v) if k in ("weight_param", "bias_param") else v for k, v in fields.items()}
-            if info is None and traced:
+            elif traced:
                 label = prefix_now + label[len(prefix_before):] if label.startswith(prefix_before) else label
-            if kind == "norm":  # a norm recorded as one node (capture.norm_calls): this block's weight and bias
+            if info is not None or kind == "norm":  # a layer, or a norm recorded as one node: this block's parameters
                 fields = {k: params.get(v, v) if k in ("weight_param", "bias_param") else v for k, v in fields.items()}
             node = recorder.node(kind, label, [ids.get(t, t) for t in inputs], [ids.get(t, t) for t in outputs], fields,
                                  traced)

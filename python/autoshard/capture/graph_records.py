@@ -20,6 +20,12 @@ class GraphRecords:
             self.layer_outputs.add(index)
         return index
 
+    def layer_node(self, info, x: torch.Tensor, out: torch.Tensor, linear: bool = True, **fields) -> None:
+        """A layer's call reading `x` and giving `out`, as one node of its construct's kind."""
+        node = self.node(info.construct.planner_kind, info.name or "<model>", [self.tensor_id(x)],
+                         [self.layer_output(out, linear)], {**info.planner_fields(x, out), **fields})
+        self.layers[node] = info.record_call(x, out)
+
     def tensor_id(self, t: torch.Tensor) -> int:
         key = id(t)
         if key not in self.ids and key in self.weight_transposes:

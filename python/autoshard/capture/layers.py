@@ -7,13 +7,11 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
+from ..constructs import construct_of, recognise
 from ..constructs.layer_info import LayerInfo
-from ..nn.head_parameters import holds_only_head_parameters
-from ..constructs import recognise
 from ..nn.einsum import ShardedEinsumDense
-from ..nn.linear import ColumnParallelLinear, RowParallelLinear
-from ..constructs import construct_of
-from ..nn.linear import _ParallelLinear
+from ..nn.head_parameters import holds_only_head_parameters
+from ..nn.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear
 from ..nn.multihead_attention import IN_PROJECTION
 
 

@@ -64,7 +64,8 @@ def attention_calls(root: nn.Module, recorder: "Recorder", record_layer,
     called as the module it is and the weights they return with need_weights recorded by
     `record_weights(module name, weights, returned, average)` as one node (by default as a
     trace sees ReturnedWeights: one layer call). Calls it does not compute are left to torch."""
-    record_weights = record_weights or _weights_as_layer(recorder)
+    record_weights = record_weights or (lambda name, weights, returned, average: recorder.nodes.append(
+        ("layer", (), (recorder.tensor_id(returned),))))
     owners = {id(m.in_proj_weight): (name, m) for name, m in root.named_modules()
               if isinstance(m, nn.MultiheadAttention) and not isinstance(m, ParallelMultiheadAttention)
               and m.in_proj_weight is not None}
@@ -108,9 +109,3 @@ def record_attention_weights(recorder: "Recorder", name: str, weights: torch.Ten
     on axis 1 of `weights`): a trace sees it as the call of ReturnedWeights."""
     recorder.node("attention_weights", name, [recorder.tensor_id(weights)], [recorder.tensor_id(returned)],
                   {"dim": 1, "average": bool(average)}, "call")
-
-
-def _weights_as_layer(recorder: "Recorder"):
-    """record_weights for attention_calls in a trace: one "layer" node, as ReturnedWeights is."""
-    return lambda name, weights, returned, average: recorder.nodes.append(
-        ("layer", (), (recorder.tensor_id(returned),)))

@@ -164,9 +164,7 @@ class OpRecording(GraphRecords):
             return True
         if bias is not None and (info.bias_param < 0 or self.param_index.get(id(bias)) != info.bias_param):
             return False  # another bias (a concatenation of several): the product is followed as it is
-        fields = {**info.planner_fields(x, flat_out[0]), "functional": True, "functional_bias": bias is not None}
-        node = self.node("linear", info.name, [self.tensor_id(x)], [self.layer_output(flat_out[0])], fields)
-        self.layers[node] = info.record_call(x, flat_out[0])
+        self.layer_node(info, x, flat_out[0], functional=True, functional_bias=bias is not None)
         return True
 
     def record_depthwise_convolution(self, label, args, inputs, out) -> None:
@@ -229,13 +227,10 @@ class OpRecording(GraphRecords):
         if not axes:
             self.node("view", label, [source], [self.tensor_id(out)])
             return
-        shape = list(self.shapes[source])
         axes = sorted(set(axes))
-        for step, dim in enumerate(axes):
-            shape[dim] = out.shape[dim]
-            after = self.tensor_id(out) if step == len(axes) - 1 else self.declare(shape)
-            self.node("slice", label, [source], [after], {"dim": dim, "start": 0, "stop": 0, "drop_dim": False})
-            source = after
+        source = self.changed(label, axes[:-1], source, out.shape)
+        self.node("slice", label, [source], [self.tensor_id(out)], {"dim": axes[-1], "start": 0, "stop": 0,
+                                                                      "drop_dim": False})
 
     def record_repeat(self, label, repeats, x, source, out) -> None:
         """repeat as the broadcast it is: an axis of 1 repeated is expanded; an axis longer than

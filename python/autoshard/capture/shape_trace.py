@@ -50,14 +50,13 @@ def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values:
     # call would be traced as ops of the model's own, outside its layer.
     layers = {id(sub) for sub in module.modules() if sub is not module and is_layer(sub)}
     linear_like = {id(sub): is_linear_like(sub) for sub in module.modules() if id(sub) in layers}
-    # A layer's weight the model multiplies itself: one node, as the capture records it.
-    for sub in module.modules():
-        weight = plain_linear_weight(sub) if id(sub) in layers else None
-        if weight is not None:
-            recorder.linear_weights[id(weight)] = None
     for sub in module.modules():
         if id(sub) not in layers:
             continue
+        # A layer's weight the model multiplies itself: one node, as the capture records it.
+        weight = plain_linear_weight(sub)
+        if weight is not None:
+            recorder.linear_weights[id(weight)] = None
 
         def pre(mod, inputs):
             recorder.layer_depth += 1

@@ -13,7 +13,7 @@ from typing import Dict, Optional, Set
 from torch import nn
 
 from ..nn.multihead_attention import IN_PROJECTION, shard_multihead_attention
-from .base import LayerConstruct, LayerSurgery, check_same_split, construct_of, register
+from .base import LayerConstruct, LayerSurgery, construct_of, register, same_split
 from .linear import LinearConstruct
 from ..core.styles import TokenRole
 from .layer_info import LayerInfo
@@ -95,27 +95,22 @@ class MultiheadAttentionConstruct(LayerConstruct):
         return {layers[0].module.rpartition(".")[0] + ".out_proj"}
 
     def shard_module(self, layers, surgery: LayerSurgery) -> None:
-        layer = layers[0]
-        for again in layers[1:]:
-            check_same_split(layer, again)
+        layer = same_split(layers)
         if not layer.style.is_split:
             return
-        attention = self._shard_attention(surgery.model, surgery.plan, layer, surgery.group, surgery.tokens)
+        # Split by heads in place: its projection as `layer` plans, its out_proj as the row layer
+        # the planner paired with it.
+        name, group = owner_name(layer.module), surgery.group
+        attention = self.owner(surgery.model, layer)
+        out_layer = surgery.plan.layer(name + ".out_proj")
+        out_proj = construct_of(out_layer.kind).shard(out_layer, attention.out_proj, group)
+        if out_layer.sequence is TokenRole.REDUCE_SCATTER:
+            out_proj.output_tokens = surgery.tokens.reduce_scatter(out_layer)
+        attention = shard_multihead_attention(attention, layer.weight_spec(group.rank(), group.size()), out_proj, group,
+                                              surgery.plan.returned_weights(name))
         input_copy = surgery.input_copy([call for call in layers if call.style.is_column])
         if input_copy is not None:
             attention.in_proj.input_copy = input_copy
-
-    def _shard_attention(self, model: nn.Module, plan, layer, group, tokens) -> nn.MultiheadAttention:
-        """Splits the attention by heads in place: its projection as `layer` plans, its out_proj
-        as the row layer the planner paired with it."""
-        name = owner_name(layer.module)
-        attention = self.owner(model, layer)
-        out_layer = plan.layer(name + ".out_proj")
-        out_proj = construct_of(out_layer.kind).shard(out_layer, attention.out_proj, group)
-        if out_layer.sequence is TokenRole.REDUCE_SCATTER:
-            out_proj.output_tokens = tokens.reduce_scatter(out_layer)
-        return shard_multihead_attention(attention, layer.weight_spec(group.rank(), group.size()), out_proj, group,
-                                         plan.returned_weights(name))
 
     def stand_in_within(self, root: nn.Module, prefix: str, plan, layer, rank: int) -> Set[str]:
         # The attention becomes the ParallelMultiheadAttention of `rank`, with no collective.

@@ -153,9 +153,7 @@ class LayerConstruct(PlanRecords):
         (the planner sees to it): sharded once. The sharded module replaces the old one, its
         parameters tied wherever the old ones were (surgery.replaced), with its input copy and its
         cut of the output tokens."""
-        layer = layers[0]
-        for again in layers[1:]:
-            check_same_split(layer, again)
+        layer = same_split(layers)
         if not layer.style.is_split or layer.module in surgery.taken:
             return
         module = surgery.model.get_submodule(layer.module)
@@ -204,13 +202,16 @@ class LayerSurgery:
     taken: Set[str]  # modules sharded with another's (LayerConstruct.sharded_with)
 
 
-def check_same_split(first, again) -> None:
-    """Raises ValueError where two plan entries of one module's calls split it differently."""
+def same_split(layers):
+    """The first of the plan entries of one module's calls; ValueError where they split it differently."""
     split = lambda l: (l.style, l.units, tuple(l.parts), tuple(l.whole_parts), l.summed_parts, l.repeat, l.letter,
                        l.sequence)
-    if split(first) != split(again):
-        raise ValueError(f"parallelize: layer {first.module!r} is called more than once and the plan splits its calls "
-                         f"differently ({split(first)} and {split(again)}); every call must meet the same split")
+    first = layers[0]
+    for again in layers[1:]:
+        if split(first) != split(again):
+            raise ValueError(f"parallelize: layer {first.module!r} is called more than once and the plan splits its "
+                             f"calls differently ({split(first)} and {split(again)}); every call must meet the same split")
+    return first
 
 
 _BY_KIND: Dict[str, LayerConstruct] = {}
@@ -315,6 +316,12 @@ class ParameterRecords(RecordConstruct):
     with the ShardSpec `spec(plan, record, rank)` gives; `how` says in errors how it is split."""
 
     how: str = ""
+    # What print(plan) says of them, before their names.
+    said: str = ""
+
+    def printout(self, plan, printing) -> List[str]:
+        names = [record.name for record in self.records(plan)]
+        return [f"  {self.said}: {printing.listed(names)}"] if names else []
 
     def spec(self, plan, record, rank: int) -> ShardSpec:
         """The ShardSpec of `record`'s parameter on `rank`."""
@@ -352,6 +359,14 @@ def named_owner(root: nn.Module, dotted: str) -> Tuple[nn.Module, str]:
     """(module, attribute) for a dotted parameter name under `root`."""
     owner, _, attr = dotted.rpartition(".")
     return (root.get_submodule(owner) if owner else root), attr
+
+
+def planned_module(model: nn.Module, name: str, what: str) -> nn.Module:
+    """The module `name` of `model`; where the model lacks it, ValueError saying what the plan does there."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"parallelize: the plan {what} {name!r}, which the model lacks") from None
 
 
 def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:

@@ -93,9 +93,6 @@ class ShardedConv(nn.Module):
         self.input_copy = None
         attach_layer_state(self)
 
-    def _channel_axis(self, x: torch.Tensor) -> int:
-        return x.dim() - self.spatial - 1
-
     def _convolve(self, x: torch.Tensor, bias: Optional[torch.Tensor], output_size=None) -> torch.Tensor:
         t = self._template
         if not self.transposed:
@@ -107,7 +104,7 @@ class ShardedConv(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() not in (self.spatial + 1, self.spatial + 2):
             raise ValueError(f"ShardedConv: input must be a tensor of {self.spatial + 1} or {self.spatial + 2} "
                              f"dimensions, got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        axis = self._channel_axis(x)
+        axis = x.dim() - self.spatial - 1
         if self.style.is_column:
             x = self.input_copy(x) if self.input_copy is not None else ops.copy_to_parallel(x, self._group_name)
             region_generators.enter(x, self._group_name, self.training)
@@ -129,18 +126,12 @@ class ShardedConv(nn.Module):
 
 
 class ConvolutionConstruct(LayerConstruct):
-    """What the convolution constructs share: recognition by `accepts`, the channel axis the
-    planner reads, and a meta stand-in holding this rank's weight (and bias)."""
+    """What the convolution constructs share: recognition by `accepts` (a function of the module,
+    which each defines), the channel axis the planner reads, and a meta stand-in holding this
+    rank's weight (and bias)."""
 
     planner_kind = "einsum"
     last_axis_features = False
-
-    def accepts(self, module: nn.Module) -> bool:
-        raise NotImplementedError(f"{type(self).__name__} (kind {self.kind!r}) must define accepts")
-
-    def info_fields(self, module: nn.Module) -> Dict[str, object]:
-        """LayerInfo fields beyond what every convolution records."""
-        return {}
 
     def recognise(self, name: str, module: nn.Module, param_index: Dict[int, int]):
         if not self.accepts(module):
@@ -148,7 +139,7 @@ class ConvolutionConstruct(LayerConstruct):
         index = lambda p: param_index.get(id(p), -1) if p is not None else -1
         return LayerInfo(name, self.kind, module.in_channels, module.out_channels, bool(module.transposed),
                          index(module.weight), index(module.bias), weight_shape=tuple(module.weight.shape),
-                         **self.info_fields(module))
+                         groups=module.groups)
 
     @staticmethod
     def channel_axis(info, inputs: torch.Tensor) -> int:
@@ -174,8 +165,7 @@ class ConvConstruct(ConvolutionConstruct):
     kind = "conv"
     order = 60
 
-    def accepts(self, module: nn.Module) -> bool:
-        return _plain_convolution(module)
+    accepts = staticmethod(_plain_convolution)
 
     def planner_fields(self, info, inputs: torch.Tensor, output: torch.Tensor) -> Dict[str, object]:
         axis = self.channel_axis(info, inputs)

@@ -1,10 +1,11 @@
 """Mixture-of-experts modules holding every expert's weights as two 3-D parameters: recorded as
 two Linear-like nodes on the FFN axis (an "in" side, [E, parts * F, H], and an "out" side,
 [E, H, F]; or both stored transposed for `x @ w`, [E, H, parts * F] and [E, F, H]), split as a
-column side followed by a row side (nn/experts.py), in place."""
+column side followed by a row side (nn/experts.py), in place. experts_weights finds where such
+a module keeps its weights."""
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from torch import nn
 
@@ -12,8 +13,60 @@ from ..nn.experts import shard_experts
 from ..core.spec import ShardSpec
 from ..core.styles import Style
 from .base import LayerConstruct, LayerSurgery, register
-from .experts_layout import experts_weights
 from .layer_info import LayerInfo
+
+
+class ExpertsWeights(NamedTuple):
+    """Where an experts module keeps its weights (see experts_weights)."""
+    first: str  # the in weight's name
+    second: str  # the out weight's name
+    parts: int  # 2: gated (gate and up in the in weight), 1: plain
+    transposed: bool
+    # Gate and up interleaved on the FFN axis (gate 0, up 0, gate 1, ...: gpt-oss, transformers'
+    # is_concatenated=False) rather than one after the other.
+    interleaved: bool = False
+    in_bias: Optional[str] = None  # [E, parts * F], added to each expert's in product
+    out_bias: Optional[str] = None  # [E, H], added to each expert's output
+
+
+def experts_weights(module: nn.Module) -> Optional[ExpertsWeights]:
+    """Where a module holding mixture-of-experts weights as 3-D parameters keeps them, or None:
+    exactly two 3-D parameters, [E, parts * F, H] then [E, H, F] (each expert a gated or plain
+    MLP whose input and output have H features), gated ones holding the gate and up projections
+    one after the other on the FFN axis (parts = 2), or interleaved where the module says so
+    (transformers' `is_concatenated=False`); or, stored transposed for `x @ w` (transformers'
+    `is_transposed`, Llama 4's, Aria's and gpt-oss's experts), [E, H, parts * F] then [E, F, H].
+    Without the flag the first layout is read where it fits. A module flagged `has_bias` (gpt-oss)
+    also holds one bias per side, [E, parts * F] and [E, H], after its weight."""
+    params = [(name, p) for name, p in module._parameters.items() if p is not None]
+    weights = [(name, p) for name, p in params if p.dim() == 3]
+    biases = [(name, p) for name, p in params if p.dim() == 2]
+    with_bias = bool(getattr(module, "has_bias", False))
+    if len(weights) != 2 or len(biases) != (2 if with_bias else 0) or len(params) != len(weights) + len(biases):
+        return None
+    interleaved = not getattr(module, "is_concatenated", True)
+    (first, a), (second, b) = weights
+    flagged = getattr(module, "is_transposed", None)
+    for transposed in ((False, True) if flagged is None else (bool(flagged),)):
+        if transposed:
+            experts, hidden, features_in = a.shape
+            ffn, out_hidden = b.shape[1], b.shape[2]
+        else:
+            experts, features_in, hidden = a.shape
+            out_hidden, ffn = b.shape[1], b.shape[2]
+        if b.shape[0] != experts or out_hidden != hidden or ffn == 0:
+            continue
+        parts = features_in // ffn if features_in % ffn == 0 else 0
+        has_gate = getattr(module, "has_gate", parts == 2)
+        if parts != (2 if has_gate else 1) or (interleaved and parts != 2):
+            continue
+        if not with_bias:
+            return ExpertsWeights(first, second, parts, transposed, interleaved)
+        (in_bias, c), (out_bias, d) = biases
+        if tuple(c.shape) == (experts, features_in) and tuple(d.shape) == (experts, hidden):
+            return ExpertsWeights(first, second, parts, transposed, interleaved, in_bias, out_bias)
+    return None
+
 
 
 @register
@@ -90,21 +143,18 @@ class ExpertsConstruct(LayerConstruct):
 
     def shard_module(self, layers, surgery: LayerSurgery) -> None:
         # Two entries, its column side and its row side (column, then row), or both replicated.
-        name = layers[0].module
-        self._shard_sides(surgery.model.get_submodule(name), name, layers, surgery.group,
-                          surgery.shared_copies.get(layers[0].copy_group))
-
-    def _shard_sides(self, module: nn.Module, name: str, sides, group, input_copy) -> None:
-        styles = tuple(layer.style for layer in sides)
+        name, group = layers[0].module, surgery.group
+        module = surgery.model.get_submodule(name)
+        styles = tuple(layer.style for layer in layers)
         if styles == (Style.REPLICATE, Style.REPLICATE):
             return
-        if styles != (Style.COLUMN, Style.ROW) or any(layer.sequence for layer in sides):
+        if styles != (Style.COLUMN, Style.ROW) or any(layer.sequence for layer in layers):
             raise ValueError(f"parallelize: experts module {name!r} is planned as {styles}"
-                             f"{' with sequence parallelism' if any(l.sequence for l in sides) else ''}; its 3-D "
+                             f"{' with sequence parallelism' if any(l.sequence for l in layers) else ''}; its 3-D "
                              "weights can only be split as a column side followed by a row side, or replicated")
-        column, row = sides
+        column, row = layers
         rank, world = group.rank(), group.size()
         local = lambda name: name.rpartition(".")[2] if name else None
         shard_experts(module, local(column.weight), column.weight_spec(rank, world),
-                      local(row.weight), row.weight_spec(rank, world), group, input_copy,
+                      local(row.weight), row.weight_spec(rank, world), group, surgery.shared_copies.get(column.copy_group),
                       in_bias=local(column.bias), in_bias_spec=column.bias_spec(rank, world), out_bias=local(row.bias))

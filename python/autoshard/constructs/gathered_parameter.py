@@ -35,18 +35,13 @@ class GatheredParameterConstruct(ParameterRecords):
     order = 25
     printout_order = 50
     how = "to gather it whole for each call of its module"
+    said = "parameters stored split and gathered whole for each call of their module (one all-gather each in forward)"
 
     def read(self, answer, reading):
         return {"gathered_parameters": [
             GatheredParameter(reading.names[p["param"]], p["axis"], p["size"], p["elements"],
                               reading.graph.gather_calls.get(p["param"], ""))
             for p in answer.get("gathered_params", [])]}
-
-    def printout(self, plan, printing):
-        if not plan.gathered_parameters:
-            return []
-        return ["  parameters stored split and gathered whole for each call of their module (one all-gather each "
-                f"in forward): {printing.listed([r.name for r in plan.gathered_parameters])}"]
 
     @staticmethod
     def spec(plan, record, rank: int) -> ShardSpec:

@@ -68,11 +68,7 @@ class GroupedConvConstruct(ConvolutionConstruct):
     kind = "grouped_conv"
     order = 61
 
-    def accepts(self, module: nn.Module) -> bool:
-        return grouped_convolution(module)
-
-    def info_fields(self, module: nn.Module) -> Dict[str, object]:
-        return {"groups": module.groups}
+    accepts = staticmethod(grouped_convolution)
 
     def planner_fields(self, info, inputs: torch.Tensor, output: torch.Tensor) -> Dict[str, object]:
         axis = self.channel_axis(info, inputs)

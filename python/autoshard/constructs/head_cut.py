@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..nn import head_cuts
-from .base import RecordConstruct, register_records
+from .base import RecordConstruct, planned_module, register_records
 from ..core.sealed import Sealed
 
 
@@ -58,11 +58,7 @@ class HeadCutConstruct(RecordConstruct):
 
     def check(self, model, plan, params) -> None:
         for entry in self.records(plan):
-            try:
-                model.get_submodule(entry.module)
-            except AttributeError:
-                raise ValueError(f"parallelize: the plan cuts the heads of a tensor at module {entry.module!r}, "
-                                 "which the model lacks") from None
+            planned_module(model, entry.module, "cuts the heads of a tensor at module")
 
     def stand_in(self, copy: nn.Module, prefix: str, plan, rank: int) -> None:
         for entry in plan.head_outputs:

@@ -40,17 +40,13 @@ class HeadParameterConstruct(ParameterRecords):
     order = 20
     printout_order = 40
     how = "with its heads"
+    said = "parameters split with their heads"
 
     def read(self, answer, reading):
         layer = lambda p: reading.graph.layers[p["layer"]].name if p.get("layer", -1) >= 0 else ""
         return {"head_parameters": [HeadParameter(reading.names[p["param"]], p["axis"], p["size"], p["region"],
                                                   layer(p), list(p.get("parts", [])))
                                     for p in answer.get("head_params", [])]}
-
-    def printout(self, plan, printing):
-        if not plan.head_parameters:
-            return []
-        return [f"  parameters split with their heads: {printing.listed([r.name for r in plan.head_parameters])}"]
 
     @staticmethod
     def spec(plan, record, rank: int) -> ShardSpec:

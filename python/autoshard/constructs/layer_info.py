@@ -60,10 +60,7 @@ class LayerInfo:
             experts, features_in, hidden = self.weight_shape
         ffn = features_in // self.parts
         in_side = side == "in"
-        if in_side:
-            shape = (experts, hidden, features_in) if self.transposed else (experts, features_in, hidden)
-        else:
-            shape = (experts, ffn, hidden) if self.transposed else (experts, hidden, ffn)
+        shape = self.weight_shape if in_side else (experts, ffn, hidden) if self.transposed else (experts, hidden, ffn)
         bias = self.experts_biases[0 if in_side else 1] if self.experts_biases else -1
         return LayerInfo(self.name, "experts", hidden if in_side else ffn, features_in if in_side else hidden,
                          self.transposed, weight_param=self.experts_params[0 if in_side else 1], bias_param=bias,

@@ -9,7 +9,7 @@ layer's gather are part of the layers' own sharding (nn/sequence.py)."""
 from dataclasses import dataclass
 from typing import Dict, List
 
-from .base import RecordConstruct, register_records
+from .base import RecordConstruct, planned_module, register_records
 from ..core.sealed import Sealed
 
 
@@ -77,11 +77,7 @@ class SequenceCut(RecordConstruct):
 
     def check(self, model, plan, params) -> None:
         for entry in self.records(plan):
-            try:
-                model.get_submodule(entry.module)
-            except AttributeError:
-                raise ValueError(f"parallelize: the plan cuts the tokens of a tensor at module {entry.module!r}, "
-                                 "which the model lacks") from None
+            planned_module(model, entry.module, "cuts the tokens of a tensor at module")
 
     def apply(self, model, plan, surgery) -> None:
         tokens = surgery.tokens

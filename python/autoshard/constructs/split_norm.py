@@ -20,7 +20,7 @@ from ..nn.batch_norm import ShardedBatchNorm, is_batch_norm
 from ..nn.layer_norm import ShardedLayerNorm
 from ..nn.rms_norm import ShardedRMSNorm
 from ..core.spec import ShardSpec
-from .base import RecordConstruct, register_records, set_submodule
+from .base import RecordConstruct, planned_module, register_records, set_submodule
 from ..core.sealed import Sealed
 
 
@@ -43,12 +43,13 @@ class SplitNorm(Sealed):
     running_stats: bool = False
 
 
-# Norm class -> how its RMS norm meets its input's dtype: "input_dtype" (it computes in that
-# dtype), or it computes in float32 and casts back, "scale_then_cast" (the weight scales the
-# float32 result, then cast back, as OLMo 2) or "cast_then_scale" (cast back, then scaled, as
-# Llama); None where the class computes no such norm.
-_RMS_NORM_FORMS: Dict[tuple, Optional[str]] = {}
+# How an RMS norm meets its input's dtype: "input_dtype" (it computes in that dtype), or it
+# computes in float32 and casts back, "scale_then_cast" (the weight scales the float32 result,
+# then cast back, as OLMo 2) or "cast_then_scale" (cast back, then scaled, as Llama).
 RMS_NORM_FORMS = ("input_dtype", "scale_then_cast", "cast_then_scale")
+LAYER_NORM = "layer_norm"
+# (probe, class, plain attributes) -> the form the probe found, or None.
+_FORMS: Dict[tuple, Optional[str]] = {}
 
 
 def rms_norm_eps(module: nn.Module) -> Optional[float]:
@@ -60,15 +61,30 @@ def rms_norm_eps(module: nn.Module) -> Optional[float]:
     return None
 
 
-def _norm_probe(module: nn.Module, weight: torch.Tensor) -> nn.Module:
-    """A shallow copy of `module` holding `weight` (on the CPU) in place of its own."""
+def _probe_forward(module: nn.Module, x: torch.Tensor, **params) -> torch.Tensor:
+    """`module`'s class forward on `x`, with `params` (CPU tensors, or None) in place of its own
+    parameters and without its hooks."""
     probe = copy.copy(module)
-    probe._parameters = dict(module._parameters)
-    probe._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
+    probe._parameters = {k: None if v is None else nn.Parameter(v, requires_grad=False) for k, v in params.items()}
     probe._forward_hooks, probe._forward_pre_hooks = OrderedDict(), OrderedDict()
     if isinstance(getattr(module, "normalized_shape", None), tuple):  # nn.RMSNorm passes it to F.rms_norm
-        probe.normalized_shape = tuple(weight.shape)
-    return probe
+        probe.normalized_shape = (x.shape[-1],)
+    return type(module).forward(probe, x)
+
+
+def _probed(kind: str, module: nn.Module, probe) -> Optional[str]:
+    """`probe(generator)`'s answer, once per class and plain attributes of `module` (eps, and any
+    flag a class reads in its forward); None where the forward fails on the probe."""
+    key = (kind, type(module), tuple(sorted((k, v) for k, v in vars(module).items()
+                                            if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None))))))
+    if key not in _FORMS:
+        # Outside any mode a capture or a dry run has on: this is a check, not the model's call.
+        with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
+            try:
+                _FORMS[key] = probe(torch.Generator().manual_seed(0))
+            except Exception:  # noqa: BLE001 - a forward that fails on the probe is no such norm
+                _FORMS[key] = None
+    return _FORMS[key]
 
 
 def rms_norm_form(module: nn.Module) -> Optional[str]:
@@ -82,48 +98,28 @@ def rms_norm_form(module: nn.Module) -> Optional[str]:
     if (eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or len(module._parameters) != 1
             or len(module._modules) or len(module._buffers)):
         return None
-    # Per class and plain attributes (eps, and any flag a class reads in its forward).
-    cls = (type(module), tuple(sorted((k, v) for k, v in vars(module).items()
-                                      if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None))))))
-    if cls in _RMS_NORM_FORMS:
-        return _RMS_NORM_FORMS[cls]
-    form = None
-    generator = torch.Generator().manual_seed(0)
-    # Outside any mode a capture or a dry run has on: this is a check, not the model's call.
-    with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
-        try:
-            w = torch.randn(5, generator=generator, dtype=torch.float64)
-            x = torch.randn(2, 3, 5, generator=generator, dtype=torch.float64)
-            got = type(module).forward(_norm_probe(module, w), x)
-            want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-            same = isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
-            if same and bool(torch.allclose(got, want, rtol=1e-12, atol=1e-14)):
-                form = "input_dtype"
-            # Else to fp32's precision: most norms compute in fp32 whatever their input.
-            elif same and bool(torch.allclose(got, want, rtol=1e-5, atol=1e-6)):
-                w16 = torch.randn(5, generator=generator).to(torch.bfloat16)
-                x16 = torch.randn(2, 3, 5, generator=generator).to(torch.bfloat16)
-                got = type(module).forward(_norm_probe(module, w16), x16)
-                x32 = x16.to(torch.float32)
-                normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-                for name, value in zip(RMS_NORM_FORMS[1:], ((w16 * normalized).to(torch.bfloat16),
-                                                        w16 * normalized.to(torch.bfloat16))):
-                    if got.dtype == value.dtype and torch.equal(got, value):
-                        form = name
-                        break
-        except Exception:  # noqa: BLE001 - a forward that fails on the probe is no such norm
-            form = None
-    _RMS_NORM_FORMS[cls] = form
-    return form
 
+    def probe(generator):
+        w = torch.randn(5, generator=generator, dtype=torch.float64)
+        x = torch.randn(2, 3, 5, generator=generator, dtype=torch.float64)
+        got = _probe_forward(module, x, weight=w)
+        want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+        same = isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
+        if same and bool(torch.allclose(got, want, rtol=1e-12, atol=1e-14)):
+            return "input_dtype"
+        # Else to fp32's precision: most norms compute in fp32 whatever their input.
+        if not (same and bool(torch.allclose(got, want, rtol=1e-5, atol=1e-6))):
+            return None
+        w16 = torch.randn(5, generator=generator).to(torch.bfloat16)
+        x16 = torch.randn(2, 3, 5, generator=generator).to(torch.bfloat16)
+        got = _probe_forward(module, x16, weight=w16)
+        x32 = x16.to(torch.float32)
+        normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        casts = ((w16 * normalized).to(torch.bfloat16), w16 * normalized.to(torch.bfloat16))
+        return next((name for name, value in zip(RMS_NORM_FORMS[1:], casts)
+                     if got.dtype == value.dtype and torch.equal(got, value)), None)
 
-LAYER_NORM = "layer_norm"
-_LAYER_NORM_FORMS: Dict[tuple, bool] = {}
-
-
-def _plain_state(module: nn.Module) -> tuple:
-    return (type(module), tuple(sorted((k, v) for k, v in vars(module).items()
-                                       if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None))))))
+    return _probed("rms", module, probe)
 
 
 def layer_norm_form(module: nn.Module) -> Optional[str]:
@@ -133,34 +129,23 @@ def layer_norm_form(module: nn.Module) -> Optional[str]:
     None for any other module."""
     if not isinstance(module, nn.Module) or len(module._modules) or len(module._buffers):
         return None
-    params = {k: v for k, v in module._parameters.items()}
+    params = dict(module._parameters)
     eps = rms_norm_eps(module)
     if eps is None or set(params) - {"weight", "bias"} or params.get("weight") is None \
             or any(v is not None and v.dim() != 1 for v in params.values()):
         return None
-    key = _plain_state(module)
-    if key not in _LAYER_NORM_FORMS:
-        generator = torch.Generator().manual_seed(0)
-        ok = False
-        with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
-            try:
-                probe = copy.copy(module)
-                probe._parameters = {k: None if v is None else nn.Parameter(
-                    torch.randn(5, generator=generator, dtype=torch.float64), requires_grad=False)
-                    for k, v in params.items()}
-                probe._forward_hooks, probe._forward_pre_hooks = OrderedDict(), OrderedDict()
-                if isinstance(getattr(module, "normalized_shape", None), tuple):
-                    probe.normalized_shape = (5,)
-                x = torch.randn(2, 3, 5, generator=generator, dtype=torch.float64)
-                got = type(module).forward(probe, x)
-                want = torch.nn.functional.layer_norm(x, (5,), probe._parameters.get("weight"),
-                                                      probe._parameters.get("bias"), eps)
-                ok = (isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
-                      and bool(torch.allclose(got, want, rtol=1e-12, atol=1e-14)))
-            except Exception:  # noqa: BLE001 - a forward that fails on the probe is no such norm
-                ok = False
-        _LAYER_NORM_FORMS[key] = ok
-    return LAYER_NORM if _LAYER_NORM_FORMS[key] else None
+
+    def probe(generator):
+        given = {k: None if v is None else torch.randn(5, generator=generator, dtype=torch.float64)
+                 for k, v in params.items()}
+        x = torch.randn(2, 3, 5, generator=generator, dtype=torch.float64)
+        got = _probe_forward(module, x, **given)
+        want = torch.nn.functional.layer_norm(x, (5,), given.get("weight"), given.get("bias"), eps)
+        ok = (isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
+              and bool(torch.allclose(got, want, rtol=1e-12, atol=1e-14)))
+        return LAYER_NORM if ok else None
+
+    return _probed("layer", module, probe)
 
 
 BATCH_NORM = "batch_norm"
@@ -206,11 +191,6 @@ class SplitNormConstruct(RecordConstruct):
         return lines
 
     @staticmethod
-    def recognise(module: nn.Module) -> Optional[str]:
-        """The module's norm form (norm_form), or None where it is no norm split can stand for."""
-        return norm_form(module)
-
-    @staticmethod
     def spec(plan, norm, rank: int) -> ShardSpec:
         """The ShardSpec of a split norm's weight on `rank` (split like its layer's features)."""
         return ShardSpec(0, norm.features, rank, plan.world_size, units=norm.units or None)
@@ -228,10 +208,7 @@ class SplitNormConstruct(RecordConstruct):
 
     def check(self, model, plan, params) -> None:
         for norm in plan.norms:
-            try:
-                module = model.get_submodule(norm.module)
-            except AttributeError:
-                raise ValueError(f"parallelize: the plan names norm {norm.module!r}, which the model lacks") from None
+            module = planned_module(model, norm.module, "names norm")
             held = [getattr(module, name.rpartition(".")[2], None) for name in (norm.weight, norm.bias) if name]
             form = norm_form(module)
             if norm.per_channel:

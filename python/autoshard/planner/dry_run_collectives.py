@@ -53,12 +53,9 @@ class ForwardCollectives(TorchDispatchMode):
             except AttributeError:
                 continue
             self.by_layer.setdefault(name, 0)
-            self._handles.append(module.register_forward_pre_hook(lambda m, a, name=name: self._enter(name)))
+            self._handles.append(module.register_forward_pre_hook(lambda m, a, name=name: self._running.append(name)))
             self._handles.append(module.register_forward_hook(lambda m, a, o: self._leave()))
         return self
-
-    def _enter(self, name: str) -> None:
-        self._running.append(name)
 
     def _leave(self) -> None:  # a forward hook that returned something would replace the output
         self._running.pop()

@@ -7,19 +7,15 @@ def largest_world_size(make_plan, start: int, limit: int = 4096):
     """(world size, plan) for the largest world size, from `start` up to `limit`, at which the plan
     `make_plan(world_size)` splits every layer it can split at all: no layer held whole for having
     too few whole units (heads) for the ranks. Doubling, then halving the gap."""
-    good, good_plan = start, None
-    bad = None
+    good, good_plan, bad = start, None, None
     n = max(start, 1) * 2
-    while n <= limit:
+    while n <= limit and bad is None:
         found = _splits_everything(make_plan, n)
         if found is None:
             bad = n
-            break
-        good, good_plan = n, found
-        n *= 2
-    if bad is None:
-        return good, good_plan
-    while bad - good > 1:
+        else:
+            good, good_plan, n = n, found, n * 2
+    while bad is not None and bad - good > 1:
         middle = (good + bad) // 2
         found = _splits_everything(make_plan, middle)
         if found is None:
@@ -29,11 +25,6 @@ def largest_world_size(make_plan, start: int, limit: int = 4096):
     return good, good_plan
 
 
-def _too_few_units(plan) -> bool:
-    """Whether some layer is held whole for having fewer whole units than ranks."""
-    return any(layer.reason == "too_few_units" for layer in plan.layers)
-
-
 def _splits_everything(make_plan, world_size: int):
     try:
         with warnings.catch_warnings():
@@ -41,4 +32,4 @@ def _splits_everything(make_plan, world_size: int):
             plan = make_plan(world_size)
     except ValueError:
         return None
-    return None if _too_few_units(plan) else plan
+    return None if any(layer.reason == "too_few_units" for layer in plan.layers) else plan

@@ -3,6 +3,7 @@ counts, split sizes, config fields) whose local values make the sharded module c
 shapes the plan predicts on every rank, chosen by tracing the module on meta with candidates."""
 
 import copy
+from itertools import combinations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -13,12 +14,10 @@ from ..nn.head_cuts import cut_leaf
 from ..core.spec import ShardSpec
 from ..nn.view_sizes import ViewSize, ViewSizeHooks, local_sizes, region_view_sizes
 from ..core.split import split_sizes
-from ..capture.attribute_pairs import widen_by_pairs
 from ..capture.layers import is_layer_module
 from .prediction import Prediction, ShapeMismatch, first_difference, op_kind
-from ..capture.shape_trace import trace_shapes
+from ..capture.shape_trace import trace_shapes, trace_text
 from ..core.module_attributes import CONFIG, set_attribute
-from ..capture.shape_trace import trace_text
 
 
 class _LocalModule:
@@ -43,7 +42,12 @@ class _LocalModule:
         for construct in record_constructs():
             construct.stand_in(self.module, prefix, plan, rank)
         self.supported = True
-        done = self._stand_ins_within(plan, prefix, rank)
+        # The stand-ins that change the module in place (a split nn.MultiheadAttention becomes the
+        # ParallelMultiheadAttention of `rank`) first, with the names of the layers they stand for.
+        done = set()
+        for layer in plan.layers:
+            if layer.style.is_split and layer.module.startswith(prefix):
+                done |= layer.construct.stand_in_within(self.module, prefix, plan, layer, rank)
         for layer in plan.layers:
             if not layer.module.startswith(prefix) or not layer.style.is_split or layer.module in done:
                 continue
@@ -54,16 +58,6 @@ class _LocalModule:
                 self.supported = False  # a construct with no local stand-in (einsum layers)
                 continue
             setattr(self.module.get_submodule(parent) if parent else self.module, child, stand_in)
-
-    def _stand_ins_within(self, plan, prefix: str, rank: int) -> set:
-        """The stand-ins that change the module in place (a split nn.MultiheadAttention becomes
-        the ParallelMultiheadAttention of `rank`), made first; returns the names of the layers
-        they stand for."""
-        done = set()
-        for layer in plan.layers:
-            if layer.style.is_split and layer.module.startswith(prefix):
-                done |= layer.construct.stand_in_within(self.module, prefix, plan, layer, rank)
-        return done
 
     def trace(self, args, kwargs, attributes: Dict[str, int], layer_inputs: Sequence[int] = (),
               view_sizes: Optional[dict] = None, seen: Optional[list] = None):
@@ -149,7 +143,6 @@ def _cache_key(plan, prediction: Prediction, module_name: str, module: nn.Module
     prefix = module_name + "." if module_name else ""
     nested = tuple(sorted((r.module[len(prefix):], tuple(sorted(r.attributes.items()))) for r in plan.regions.values()
                           if r.module.startswith(prefix) and r.module != module_name and r.attributes))
-    prefix = module_name + "." if module_name else ""
     layers = tuple((l.module[len(prefix):], l.style, l.units, tuple(l.parts), l.repeat) for l in plan.layers
                    if l.module.startswith(prefix))
     nodes = tuple((label, tuple(map(tuple, outs)), noop)
@@ -270,23 +263,37 @@ def _choose(plan, prediction, name, module, region, values,
     # Einsum layers have no local stand-in: they keep the former rule.
     if not _LocalModule(plan, name, module, ranks[0]).supported:
         return (*_fallback(prediction.graph, name, module, candidates), [])
-    progress = lambda result: float("inf") if result is None else result[0]
+    # How many ops each rank's trace matches with `attrs` made local.
+    progress = lambda attrs: [float("inf") if (found := attempt(r, attrs)) is None else found[0] for r in ranks]
+    further = lambda trial: all(t >= c for t, c in zip(trial, current)) and any(t > c for t, c in zip(trial, current))
     for _ in range(_MAX_VIEW_SIZES + 1):
         # A candidate is kept when it lets the trace match further on some rank and no less far
         # on any: one that only happens to equal a global size changes shapes the plan keeps.
-        current = [progress(attempt(r, chosen)) for r in ranks]
+        current = progress(chosen)
         improved = True
         while any(p != float("inf") for p in current) and improved:
             improved = False
             for attr in candidates:
                 if any(attr[0] == taken[0] for taken in chosen):
                     continue
-                trial = [progress(attempt(r, {**chosen, attr: 0})) for r in ranks]
-                if all(t >= c for t, c in zip(trial, current)) and any(t > c for t, c in zip(trial, current)):
+                trial = progress({**chosen, attr: 0})
+                if further(trial):
                     chosen[attr] = 0
                     current, improved = trial, True
-        chosen, current = widen_by_pairs(candidates, chosen, current,
-                                         lambda attrs: [progress(attempt(r, attrs)) for r in ranks])
+        # A module may spell a size from two attributes at once (the query heads as
+        # `num_kv_heads * (num_heads // num_kv_heads)`): made local one at a time, neither changes
+        # it (3 * (4 // 3) is still 3), so where the search above leaves the trace short of the
+        # prediction, pairs of the remaining candidates (the first _MAX_PAIRED) are tried together.
+        improved = True
+        while improved and any(p != float("inf") for p in current):
+            improved = False
+            left = [attr for attr in candidates if attr not in chosen][:_MAX_PAIRED]
+            for a, b in combinations(left, 2):
+                trial = progress({**chosen, a: 0, b: 0})
+                if further(trial):
+                    chosen[a] = chosen[b] = 0
+                    current, improved = trial, True
+                    break
         # What attributes cannot reach: a view call given a size read from a whole tensor.
         found = _view_size(plan, prediction, name, region, ranks, chosen, attempt) if any(
             p != float("inf") for p in current) else None
@@ -308,6 +315,9 @@ def _choose(plan, prediction, name, module, region, values,
 
 # The most view calls one module call may have made local: each is found by one more search.
 _MAX_VIEW_SIZES = 16
+# Pairs are tried among at most this many candidates (a module's integer attributes equal to
+# one of the region's sizes: a handful).
+_MAX_PAIRED = 12
 
 
 def _view_size(plan, prediction, name, region, ranks, chosen, attempt) -> Optional[List[ViewSize]]:
@@ -332,7 +342,6 @@ def _view_size(plan, prediction, name, region, ranks, chosen, attempt) -> Option
                             for p in positions):
         return None
     return [(ordinal, p, sizes[p]) for p in positions]
-
 
 
 def _cut_heads(plan, prediction: Prediction, name: str, args, kwargs, rank: int):

@@ -26,15 +26,19 @@ from ..inputs.meta_values import KnownValues
 _names = itertools.count()
 
 
-class _MetaSavedBytes:
+def _storages(tensors: Iterable[torch.Tensor]) -> set:
+    return {h.untyped_storage()._cdata for t in tensors for h in _holders(t)}
+
+
+class _MetaSavedBytes(torch.autograd.graph.saved_tensors_hooks):
     """Saved-tensor hooks counting each saved storage once, whole (meta tensors have storages
     of a known size and a distinct identity), except the storages of `ignore`."""
 
     def __init__(self, ignore: Iterable[torch.Tensor]):
-        self._ignored = {h.untyped_storage()._cdata for t in ignore for h in _holders(t)}
+        super().__init__(self._pack, lambda t: t)
+        self._ignored = _storages(ignore)
         self._storages: Dict[int, int] = {}
         self._alive: List[torch.UntypedStorage] = []  # keeps each identity unique while counting
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     @property
     def bytes(self) -> int:
@@ -55,13 +59,6 @@ class _MetaSavedBytes:
                     self._alive.append(storage)
         return t
 
-    def __enter__(self):
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
 
 class _LiveBytes(TorchDispatchMode):
     """The bytes of the storages ops make while it is active that are alive at once, at the most
@@ -71,7 +68,7 @@ class _LiveBytes(TorchDispatchMode):
 
     def __init__(self, ignore: Iterable[torch.Tensor]):
         super().__init__()
-        self._ignored = {h.untyped_storage()._cdata for t in ignore for h in _holders(t)}
+        self._ignored = _storages(ignore)
         self._live: Dict[int, Tuple[StorageWeakRef, int]] = {}
         self.current = self.peak = self.largest = 0
 
@@ -192,10 +189,10 @@ def activation_bytes(model: nn.Module, plan, group, inputs, dtype: Optional[torc
         loss = _loss_of(shadow(*args, **kwargs))  # the outputs go, as a training loop's do
         forward_largest = live.largest
         saved.release()
-        if loss is None:
-            return saved.bytes, max(2 * forward_largest, check - saved.bytes, 0)
         try:
-            loss.backward()
-        except Exception:  # an op with no meta backward: the estimate from the forward alone
-            return saved.bytes, max(2 * forward_largest, check - saved.bytes, 0)
-    return saved.bytes, max(live.peak, check) - saved.bytes
+            if loss is not None:
+                loss.backward()
+                return saved.bytes, max(live.peak, check) - saved.bytes
+        except Exception:  # noqa: BLE001 - an op with no meta backward: the estimate from the forward alone
+            pass
+    return saved.bytes, max(2 * forward_largest, check - saved.bytes, 0)

@@ -26,12 +26,12 @@ after the first (gradients and optimizer state already allocated), an upper boun
 that frees gradients in zero_grad, and it leaves out what the allocator keeps in reserve and
 the process's own (CUDA context, libraries).
 
-The parts: memory_plan_reads.py (what is read of the plan), memory_model_state.py
-(parameters, gradients, optimizer state), memory_activations.py (the meta forward),
-memory_inputs.py (the inputs it runs on); largest_world.py finds the largest world size that
-splits every layer.
+The parts: memory_activations.py (the meta forward); here, model_state_bytes (parameters,
+gradients, optimizer state) and scaled_inputs (the inputs it runs on); largest_world.py finds
+the largest world size that splits every layer.
 """
 
+import inspect
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -40,9 +40,14 @@ from torch import nn
 
 from ..core.split import split_sizes
 from .memory_activations import activation_bytes, fake_world
-from .memory_inputs import describe_inputs, scaled_inputs
-from .memory_model_state import OPTIMIZERS, model_state_bytes
-from .memory_plan_reads import captured_model, held_counts, parameter_records
+from ..inputs.hf_inputs import ordinary_token
+from ..inputs.meta_inputs import input_shapes, split_inputs
+from ..optim.optimizer_state import state_dtype, uses_master
+
+OPTIMIZERS = ("adamw", "sgd", None)
+# State tensors shaped like the parameter, per optimizer (SGD: its momentum buffer).
+_MOMENTS = {"adamw": 2, "sgd": 1, None: 0}
+_STEP_BYTES = {"adamw": 4, "sgd": 0, None: 0}  # AdamW's float32 step count per parameter
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,7 @@ def _check_model(model: nn.Module) -> None:
 
 def _rank_key(plan, rank: int, token_lengths: List[int]) -> tuple:
     """What decides a rank's figures: what it holds and its share of the tokens."""
-    held = tuple(held_counts(plan, rank).values())
+    held = tuple(plan.held_parameters(rank).values())
     return held, tuple(split_sizes(n, plan.world_size)[rank] for n in token_lengths)
 
 
@@ -143,13 +148,13 @@ def predict(plan, example_inputs=None, *, batch: Optional[int] = None, seq: Opti
         if value is not None and (type(value) is not int or value <= 0):
             raise ValueError(f"ShardingPlan.memory: {name} must be a positive int, got {value!r}")
     if model is None:
-        model = captured_model(plan)
+        model = getattr(getattr(plan.prediction, "graph", None), "shadow", None)  # the meta model it was captured from
         if model is None:
             raise ValueError("ShardingPlan.memory: this plan holds no model (it was read from JSON); pass model=")
     if not isinstance(model, nn.Module):
         raise TypeError(f"ShardingPlan.memory: model must be a torch.nn.Module, got {type(model).__name__}")
     _check_model(model)
-    if not parameter_records(plan):
+    if not plan.parameters:
         raise ValueError("ShardingPlan.memory: this plan records no parameters; make it again with autoshard.plan")
     world = plan.world_size
     params = dict(model.named_parameters())
@@ -169,4 +174,81 @@ def predict(plan, example_inputs=None, *, batch: Optional[int] = None, seq: Opti
             saved, transient = found[key]
             p, g, s = model_state_bytes(plan, rank, dtypes, trainable, optimizer, master_weights)
             results.append(RankMemory(rank, p, g, s, saved, transient))
-    return MemoryPrediction(world, results, describe_inputs(args, kwargs), optimizer, master_weights, dtype)
+    return MemoryPrediction(world, results, input_shapes(args, kwargs), optimizer, master_weights, dtype)
+
+
+def model_state_bytes(plan, rank: int, dtypes: Dict[str, torch.dtype], trainable: Dict[str, bool],
+                      optimizer: Optional[str], master_weights: Optional[bool]) -> Tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) in bytes on `rank`."""
+    group = {"master_weights": master_weights}
+    params = grads = state = 0
+    for name, count in plan.held_parameters(rank).items():
+        dtype = dtypes.get(name, torch.float32)
+        size = count * dtype.itemsize
+        params += size
+        if not trainable.get(name, True):
+            continue
+        grads += size
+        if optimizer is None:
+            continue
+        state += count * state_dtype(group, dtype).itemsize * _MOMENTS[optimizer] + _STEP_BYTES[optimizer]
+        if uses_master(group, dtype):
+            state += count * 4
+    return params, grads, state
+
+
+def _fill(name: str, token: int):
+    return token if name.endswith("input_ids") or name == "labels" else 1 if name.endswith("mask") else 0
+
+
+def scaled_inputs(plan, model: nn.Module, example_inputs, batch: Optional[int], seq: Optional[int]):
+    """(args, kwargs) of real tensors for the forward whose memory is predicted: `example_inputs`
+    as given; else the plan's own example inputs, their batch dim (dim 0) made `batch` and the
+    token dims of id and mask tensors (integer tensors' dims of the example's sequence length)
+    made `seq`. A language model whose inputs hold input_ids and no labels gets labels (the
+    ids), so that the loss is part of the step."""
+    if example_inputs is not None:
+        if batch is not None or seq is not None:
+            raise ValueError("ShardingPlan.memory: give example_inputs or batch/seq, not both")
+        return split_inputs(example_inputs)
+    spec = plan.example.get("inputs")  # shapes and dtypes: {"args": [...], "kwargs": {...}}
+    recorded = plan.input_values  # (args, kwargs) of tensors, or None
+    if spec is None:
+        raise ValueError("ShardingPlan.memory: this plan records no example inputs; pass example_inputs")
+    token = ordinary_token(model.config) if hasattr(model, "config") else 1
+    described = [("", s) for s in spec["args"]] + list(spec["kwargs"].items())
+    shapes = [s["shape"] for _, s in described if s is not None]
+    if not shapes or not shapes[0]:
+        raise ValueError("ShardingPlan.memory: the plan's example inputs have no batch dim; pass example_inputs")
+    batch0 = shapes[0][0]
+    integer = [s["shape"] for _, s in described if s is not None and not s["dtype"].startswith(("float", "bfloat"))]
+    seq0 = next((shape[1] for shape in integer if len(shape) >= 2), None)
+    if seq is not None and seq0 is None:
+        raise ValueError("ShardingPlan.memory: seq= given, but the model's example inputs hold no token ids")
+
+    def make(s, name=""):
+        if s is None:
+            return None
+        shape = list(s["shape"])
+        floating = s["dtype"].startswith(("float", "bfloat"))
+        if batch is not None and shape and shape[0] == batch0:
+            shape[0] = batch
+        if seq is not None and not floating:
+            shape = [shape[0]] + [seq if d == seq0 else d for d in shape[1:]]
+        return torch.full(shape, _fill(name, token), dtype=getattr(torch, s["dtype"]))
+
+    if recorded is not None and batch is None and seq is None:
+        args, kwargs = tuple(recorded[0]), dict(recorded[1])
+    else:
+        args = tuple(make(s) for s in spec["args"])
+        kwargs = {k: make(s, k) for k, s in spec["kwargs"].items()}
+    if "input_ids" in kwargs and "labels" not in kwargs and _takes_labels(model):
+        kwargs["labels"] = kwargs["input_ids"].clone()
+    return args, kwargs
+
+
+def _takes_labels(model: nn.Module) -> bool:
+    try:
+        return "labels" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False

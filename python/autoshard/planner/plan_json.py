@@ -29,7 +29,6 @@ from .prediction import Prediction
 from ..core.sealed import in_document
 
 VERSION = 1
-# The plan's lists of typed records, by field (see records.py).
 # The example inputs are kept up to this many elements in all (a batch of ids and its mask).
 INPUT_ELEMENT_LIMIT = 1 << 16
 _DTYPES = {str(d).replace("torch.", ""): d for d in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,

@@ -45,24 +45,19 @@ class Prediction:
         # Sequence parallelism's cut entries: a module's first node -> the tensors its pre-hook
         # cuts to this rank's tokens (one scatter op each, traced before the module's own ops).
         self.entries: Dict[int, List[dict]] = {}
-        for entry in entries or ():
-            first = graph.module_nodes[entry["module"]][0]
-            self.entries.setdefault(first, []).append(dict(entry, gather=False))
-        for entry in gathers or ():  # ... or gathers every rank's tokens of it
-            first = graph.module_nodes[entry["module"]][0]
-            self.entries.setdefault(first, []).append(dict(entry, gather=True))
+        for gather, records in ((False, entries), (True, gathers)):  # ... or gathers every rank's tokens of it
+            for entry in records or ():
+                self.entries.setdefault(graph.module_nodes[entry["module"]][0], []).append(dict(entry, gather=gather))
         # Gathers where a module returns its tokens: the node after the module's first call
         # -> the gathers its forward hook makes (traced before the next module's entries).
         self.exits: Dict[int, List[dict]] = {}
         for entry in exits or ():
-            end = graph.module_nodes[entry["module"]][1]
-            self.exits.setdefault(end, []).append(entry)
+            self.exits.setdefault(graph.module_nodes[entry["module"]][1], []).append(entry)
         # Head cuts (nn/head_cuts.py): a module's first node -> the tensors its pre-hook cuts
         # to this rank's heads.
         self.head_entries: Dict[int, List[dict]] = {}
         for entry in head_entries or ():
-            first = graph.module_nodes[entry["module"]][0]
-            self.head_entries.setdefault(first, []).append(entry)
+            self.head_entries.setdefault(graph.module_nodes[entry["module"]][0], []).append(entry)
 
     def to_dict(self) -> dict:
         """What the dry run's per-op check reads, as plain JSON values: the graph's nodes (op

@@ -56,12 +56,9 @@ def read_answer(document: str, graph: CapturedGraph, world_size: int, element_si
     comm = [Collective(c["phase"], c["kind"], c["count"], c["elements"] * element_size) for c in data["comm"]]
     partial = [PartialGradientBucket([names[i] for i in bucket["params"]], bucket["elements"] * element_size)
                for bucket in data["partial_gradients"]]
-    region_plans = {}
-    for record in data["regions"]:
-        region = record["id"]
-        region_plans[region] = RegionPlan(units=record["units"], module=record["module"],
-                                          repeat=record["repeat"], coarse_units=record["coarse_units"],
-                                          coarse_sizes=record["coarse_localize"], localize=record["localize"])
+    region_plans = {record["id"]: RegionPlan(units=record["units"], module=record["module"], repeat=record["repeat"],
+                                             coarse_units=record["coarse_units"], coarse_sizes=record["coarse_localize"],
+                                             localize=record["localize"]) for record in data["regions"]}
     _attention_copies(region_plans, data["regions"], graph)
     # Every other record is its construct's to read (constructs/record_io.py).
     reading = Reading(graph=graph, names=names, element_size=element_size, regions=region_plans, named=named)

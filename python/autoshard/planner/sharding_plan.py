@@ -1,5 +1,6 @@
 """ShardingPlan: what the planner decided, per layer and per parameter, and what it costs."""
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -36,36 +37,26 @@ class ShardingPlan(Sealed):
     # Every parameter of the model, tied ones once, by name (see holdings): what each rank holds
     # is counted from these and the shard specs.
     parameters: Dict[str, ParameterRecord] = field(default_factory=dict)
-    # Tensors held whole cut to this rank's tokens where a module receives them (sequence
-    # parallelism).
+    # The constructs' records, each documented with its construct (autoshard/constructs/).
+    # Sequence parallelism: tensors held whole cut to this rank's tokens where a module receives
+    # them, and tokens gathered where a module receives or returns them, for column layers that
+    # read every token (constructs/sequence.py).
     sequence_entries: List[TokenCut] = field(default_factory=list)
-    # Tensors whose tokens are gathered where a module receives them, for the column layers
-    # inside it ("gathered"): an attention reading its input's length sees every token.
     sequence_gathers: List[TokenCut] = field(default_factory=list)
-    # Tensors whose tokens are gathered where a module returns them, for the column layers that
-    # read them through ops indexing the token axis ("gathered"; see csrc/plan/token_indexing.cpp).
     sequence_exits: List[TokenCut] = field(default_factory=list)
-    # Tensors held whole cut to this rank's heads where a module receives them (an ALiBi bias
-    # passed to each attention); see nn/head_cuts.py.
+    # Tensors cut to this rank's heads where a module receives them (an ALiBi bias), or as a
+    # replicated embedding's output leaves it (T5's relative position bias; constructs/head_cut.py).
     head_entries: List[HeadCut] = field(default_factory=list)
-    # Replicated embeddings whose output is cut to this rank's heads as it leaves them (T5's
-    # relative position bias, whose embedding dim is the heads); their gradient is gathered back
-    # whole in backward.
     head_outputs: List[HeadCut] = field(default_factory=list)
     # The attention weights each nn.MultiheadAttention split by heads returns with need_weights.
     attention_weights: List[ReturnedAttentionWeights] = field(default_factory=list)
-    # RMS norms over a layer's output features split by heads (OLMo 2's q_norm and k_norm); each
-    # becomes nn.rms_norm.ShardedRMSNorm (one all-reduce in forward and one in backward).
+    # Norms split with their layer's features (OLMo 2's q_norm), parameters split with their
+    # heads, large parameters stored split and gathered whole for each call of their module.
     norms: List[SplitNorm] = field(default_factory=list)
-    # Parameters over the heads split with them (a per-head scale, a bias of all_head_size; see
-    # nn/head_parameters.py); each rank holds its heads' slice as a local parameter.
     head_parameters: List[HeadParameter] = field(default_factory=list)
-    # Large parameters outside the layers stored split and gathered whole for each call of their
-    # module (see nn/gathered_parameters.py).
     gathered_parameters: List[GatheredParameter] = field(default_factory=list)
-    # LoRA layers (see csrc/plan/constructs/adapters.cpp).
+    # LoRA layers' factors; replicated layers whose output's gradient is summed where they return it.
     adapters: List[AdapterFactors] = field(default_factory=list)
-    # Replicated layers whose output's gradient is summed where they return it (csrc/plan/gradients.cpp).
     summed_outputs: List[SummedOutput] = field(default_factory=list)
     # Why sequence parallelism is on or off, where sequence_parallel="auto" chose (sequence_choice.py).
     sequence_choice: str = ""
@@ -98,7 +89,6 @@ class ShardingPlan(Sealed):
                                (layer.bias, layer.bias_spec(rank, self.world_size))):
                 if name is not None and spec is not None:
                     specs[name] = spec
-
         for construct in record_constructs():
             specs.update(construct.specs(self, rank))
         for record in self.adapters:
@@ -149,9 +139,7 @@ class ShardingPlan(Sealed):
             if layer.weight in seen:
                 continue
             seen.add(layer.weight)
-            count = 1
-            for s in layer.weight_shape:
-                count *= s
+            count = math.prod(layer.weight_shape)
             spec = layer.weight_spec(rank, self.world_size)
             full += count
             local += count if spec is None else count // spec.full_size * spec.local_size()
