@@ -211,12 +211,15 @@ def test_an_embedding_reading_its_table_is_kept_whole_where_parallelize_plans_it
 # ---- refusals
 
 
-def _refused(make, plan_kwargs=None, tamper=None):
-    """parallelize's error text, and whether the model came out unchanged."""
+def _refused(make, plan_kwargs=None, tamper=None, plan_from=None):
+    """parallelize's error text, and whether the model came out unchanged; with `plan_from`, the
+    plan is that model's (a plan brought from another model: autoshard.plan of this one would
+    hold whole what it sees cannot be split)."""
     model = _seeded(make)
     before = copy.deepcopy(model.state_dict())
     classes = [type(m) for m in model.modules()]
-    plan = autoshard.plan(model, world_size=dist.get_world_size(), example_inputs=(IDS,), **(plan_kwargs or {}))
+    plan = autoshard.plan(_seeded(plan_from or make), world_size=dist.get_world_size(), example_inputs=(IDS,),
+                          **(plan_kwargs or {}))
     if tamper is not None:  # a plan document edited by hand
         document = json.loads(plan.to_json())
         tamper(document)
@@ -254,14 +257,15 @@ def _without_whole_table_lookups():
     embedding_subclass.WholeTableLookups.__torch_function__ = lambda self, func, types, args=(), kwargs=None: \
         func(*args, **(kwargs or {}))
     try:
-        return _refused(lambda: LanguageModel(embedding=DirectEmbedding))
+        return _refused(lambda: LanguageModel(embedding=DirectEmbedding), plan_from=LanguageModel)
     finally:
         embedding_subclass.WholeTableLookups.__torch_function__ = kept
 
 
 def _refusals():
     return {
-        "column read": _refused(lambda: LanguageModel(embedding=ColumnReadingEmbedding)),
+        "column read": _refused(lambda: LanguageModel(embedding=ColumnReadingEmbedding), plan_from=LanguageModel),
+        "column read, planned": _planned_whole(lambda: LanguageModel(embedding=ColumnReadingEmbedding)),
         "hooked": _refused(lambda: LanguageModel(linear=hooked)),
         "miscounted": _refused(LanguageModel, tamper=_one_more_all_reduce),
         "silent layer": _without_whole_table_lookups(),
@@ -271,9 +275,19 @@ def _refusals():
     }
 
 
+def _planned_whole(make):
+    """autoshard.plan's styles and reasons for the model's layers: the plan that runs."""
+    plan = autoshard.plan(_seeded(make), world_size=dist.get_world_size(), example_inputs=(IDS,))
+    return {layer.module: (layer.style.value, layer.reason, layer.note) for layer in plan.layers}
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_what_cannot_be_exact_is_refused_before_any_change(world_size):
     found = run_on_ranks(_refusals, world_size)[0]
+    # Planned by autoshard.plan, the embedding read other than by a lookup is held whole, saying why.
+    planned = found.pop("column read, planned")
+    assert planned["emb"][:2] == ("replicate", "dry_run_mismatch") and "lookup" in planned["emb"][2], planned
+    assert planned["up"][0] != "replicate", planned
     for case, (text, unchanged) in found.items():
         assert text is not None, f"{case}: not refused"
         assert unchanged, f"{case}: the model changed"
