@@ -141,20 +141,12 @@ def parameter_state(param: torch.Tensor) -> Optional[ParallelState]:
 
 def parameters_states(params: Iterable[torch.Tensor]) -> List[ParallelState]:
     """The distinct states of the models `params` belong to, in order of first appearance."""
-    found: Dict[int, ParallelState] = {}
-    for p in params:
-        state = parameter_state(p)
-        if state is not None:
-            found.setdefault(id(state), state)
-    return list(found.values())
+    return list({id(state): state for p in params if (state := parameter_state(p)) is not None}.values())
 
 
 def shards_of(params: Iterable[torch.Tensor]) -> Dict[int, Tuple[ShardSpec, object]]:
     """ParallelState.shards() of every model `params` belong to, together."""
-    found: Dict[int, Tuple[ShardSpec, object]] = {}
-    for state in parameters_states(params):
-        found.update(state.shards())
-    return found
+    return {key: found for state in parameters_states(params) for key, found in state.shards().items()}
 
 
 def keep_state_across_swap(tensor: torch.Tensor, new: torch.Tensor) -> None:

@@ -45,23 +45,14 @@ def check_timeout(function: str, timeout) -> timedelta:
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
 
 
-def _store():
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
-
-
 def _reports(group: dist.ProcessGroup, where: str, wait: float) -> dict:
     """Writes this rank's position; returns {rank: position} of the group's ranks that wrote one
     within `wait` seconds (recent reports only: a store outlives one incident)."""
-    store = _store()
-    if store is None:
-        return {}
     ranks = dist.get_process_group_ranks(group)
     me = dist.get_rank()
     now = time.time()
-    try:
+    try:  # no default store, or one that cannot be written: no reports
+        store = dist.distributed_c10d._get_default_store()
         store.set(f"{_PREFIX}{group.group_name}/{me}", f"{now}|{where}")
     except Exception:
         return {}

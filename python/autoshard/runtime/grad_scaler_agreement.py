@@ -31,11 +31,8 @@ def _groups_of(optimizer) -> List[dist.ProcessGroup]:
     """The groups over which `optimizer`'s parallelized parameters' gradients are split or
     partitioned (tensor-parallel, then data-parallel), each once."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    groups = {}
-    for state in parameters_states(params):
-        for group in (state.group, state.data_parallel_group):
-            if group is not None and group.size() > 1:
-                groups.setdefault(id(group), group)
+    groups = {id(group): group for state in parameters_states(params)
+              for group in (state.group, state.data_parallel_group) if group is not None and group.size() > 1}
     return list(groups.values())
 
 
