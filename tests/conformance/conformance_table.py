@@ -415,6 +415,10 @@ IDIOMS = [
          plan_says=r"lm_head .*computes a loss from these logits in its own forward.*loss parallelism, which keeps "
                    r"them split, applies only to Hugging Face's loss functions"),
     Arch("own_idiom_frozen_input", idiom("frozen_input"), features(48), small=True),
+    # Identical blocks nested in identical blocks: recorded once, folded for the others.
+    Arch("own_idiom_nested_mlps", idiom("nested_mlps"), features(48), small=True),
+    # x.to(cfg.device) in forward: a copy of the stream, planned as the copy it is.
+    Arch("own_idiom_device_move", idiom("device_move"), token_ids(97), small=True),
     Arch("own_idiom_frozen_embedding", idiom("frozen_embedding"), token_ids(97), small=True),
     Arch("own_idiom_trained", idiom("trained"), token_ids(97), small=True),
     # Outputs computed and dropped: the backward never reaches their layers' input copies.

@@ -27,6 +27,11 @@ and that a plan must either compute exactly or keep whole with a reason naming i
   weight and bias (never called), a buffer of zeros filled by copy_ (a cache's conv state), a
   triangular solve per head and a per-head decay parameter.
 
+- "nested_mlps": segment-anything's mask decoder: a ModuleList of MLPs, each a ModuleList of
+  Linears, identical blocks inside identical blocks, over features given directly;
+- "device_move": TransformerLens's `residual.to(cfg.device)` in forward, a copy to the device the
+  model was configured for, which moves no values on the device the model already holds.
+
 Sizes: hidden 48, 6 heads of 8 (3 KV heads where grouped), FFN 70, vocabulary 97, 2 blocks.
 """
 
@@ -425,6 +430,40 @@ def trained(model: nn.Module, clear=True, **inputs) -> nn.Module:
     return model
 
 
+class NestedMLPs(nn.Module):
+    """Outer blocks of MLPs, each a ModuleList of Linears with a ReLU between them (SAM's
+    output_hypernetworks_mlps), summed into the stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlps = nn.ModuleList(
+            nn.ModuleList([nn.Linear(HIDDEN, FFN), nn.Linear(FFN, FFN), nn.Linear(FFN, HIDDEN)]) for _ in range(3))
+        self.head = nn.Linear(HIDDEN, 10)
+
+    def forward(self, features):
+        x = features
+        for mlp in self.mlps:
+            h = x
+            for i, layer in enumerate(mlp):
+                h = layer(h) if i == len(mlp) - 1 else torch.relu(layer(h))
+            x = x + h
+        return self.head(x)
+
+
+class DeviceMoveDecoder(Decoder):
+    """Moves its residual stream to its configured device between blocks (TransformerLens)."""
+
+    def __init__(self):
+        super().__init__([Block(Attention()) for _ in range(2)])
+        self.cfg = SimpleNamespace(device=torch.device("cpu"))
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x.to(self.cfg.device))
+        return self.lm_head(self.norm(x.to(self.cfg.device)))
+
+
 def idiom_model(idiom: str) -> nn.Module:
     """The model written in `idiom` (see the module's docstring)."""
     if idiom == "optional_layers":
@@ -463,4 +502,8 @@ def idiom_model(idiom: str) -> nn.Module:
         return MergedAttentionDecoder()
     if idiom == "conv_mixer":
         return Decoder([Block(ConvMixer()) for _ in range(2)])
+    if idiom == "nested_mlps":
+        return NestedMLPs()
+    if idiom == "device_move":
+        return DeviceMoveDecoder()
     raise ValueError(f"idiom_model: unknown idiom {idiom!r}")
