@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.core.parallel_state import state_of
 from autoshard.planner.holdings import nothing_split_error
+from checks import worst_gradient_difference
 from multirank import run_on_ranks
 
 
@@ -53,14 +53,8 @@ def _split_with_inputs():
     got, want = model(**inputs), reference(**inputs)
     sum(g.sum() for g in got).backward()
     sum(w.sum() for w in want).backward()
-    worst = max((g - w).abs().max().item() for g, w in zip(got, want))
-    shards = state_of(model).shards()
-    params = dict(model.named_parameters())
-    for name, ref in reference.named_parameters():
-        spec = shards[id(params[name])][0] if id(params[name]) in shards else None
-        piece = ref.grad if spec is None else torch.cat(
-            [ref.grad.narrow(spec.dim, start, length) for start, length in spec.local_ranges()], spec.dim)
-        worst = max(worst, (params[name].grad - piece).abs().max().item())
+    worst = max(max((g - w).abs().max().item() for g, w in zip(got, want)),
+                worst_gradient_difference(model, reference))
     return styles, worst
 
 

@@ -15,6 +15,7 @@ import torch
 import autoshard
 from autoshard.planner import plan_json
 from autoshard.core.parallel_state import state_of
+from checks import worst_gradient_difference
 from multirank import run_on_ranks
 
 SWEEP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "sweep")
@@ -67,15 +68,7 @@ def _readme_way_against_parallelize_alone(world_size: int):
     for candidate in (model, auto_model):
         out = candidate(**inputs).logits
         (out * weights).sum().backward()
-        worst = max(worst, (out - want).abs().max().item())
-        # Every gradient against this rank's piece of the unsharded model's.
-        shards = state_of(candidate).shards()
-        params = dict(candidate.named_parameters(remove_duplicate=False))
-        for name, ref in reference.named_parameters():
-            spec = shards[id(params[name])][0] if id(params[name]) in shards else None
-            piece = ref.grad if spec is None else torch.cat(
-                [ref.grad.narrow(spec.dim, start, length) for start, length in spec.local_ranges()], spec.dim)
-            worst = max(worst, (params[name].grad - piece).abs().max().item())
+        worst = max(worst, (out - want).abs().max().item(), worst_gradient_difference(candidate, reference))
     return same_plan, worst
 
 

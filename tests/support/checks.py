@@ -1,6 +1,10 @@
-"""Shared assertions: bad input raises the named error, and opcheck over a list of cases."""
+"""Shared assertions: bad input raises the named error, opcheck over a list of cases, and a
+parallelized model's gradients against the unsharded model's."""
 
+import torch
 from torch.library import opcheck
+
+from autoshard.core.parallel_state import state_of
 
 
 def expect_errors(cases):
@@ -35,3 +39,17 @@ def opcheck_all(make_cases, *args) -> int:
     for op, op_args in cases:
         opcheck(op, op_args)
     return len(cases)
+
+
+def worst_gradient_difference(model, reference) -> float:
+    """The largest difference between a parallelized model's gradients and this rank's piece of
+    the unsharded `reference`'s (by each sharded parameter's ShardSpec), over every parameter."""
+    shards = state_of(model).shards()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    worst = 0.0
+    for name, ref in reference.named_parameters():
+        spec = shards[id(params[name])][0] if id(params[name]) in shards else None
+        piece = ref.grad if spec is None else torch.cat(
+            [ref.grad.narrow(spec.dim, start, length) for start, length in spec.local_ranges()], spec.dim)
+        worst = max(worst, (params[name].grad - piece).abs().max().item())
+    return worst
