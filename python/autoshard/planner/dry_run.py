@@ -133,8 +133,9 @@ def paper_group(rank: int, size: int) -> Iterator[ProcessGroup]:
     modules built on a meta copy ask of their group (its rank, its size, its name for the ops'
     meta kernels), registered under a name of its own for as long as the block runs."""
     group = ProcessGroup(rank, size)
-    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.CUSTOM,
-                            FakeProcessGroup._create_internal(rank, size))
+    # torch 2.13 builds a fake backend through _create_internal; older releases by its constructor.
+    make_backend = getattr(FakeProcessGroup, "_create_internal", FakeProcessGroup)
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.CUSTOM, make_backend(rank, size))
     group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
     name = f"autoshard-dry-run-{next(_paper_groups)}-rank-{rank}-of-{size}"
     group._set_group_name(name)
