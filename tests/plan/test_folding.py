@@ -96,21 +96,25 @@ def _parallelize_stack_that_flips():
     reference.load_state_dict(model.state_dict())
     x = torch.randn(2, 5, 12, generator=torch.Generator().manual_seed(1))
     refusal = None
-    plan = autoshard.plan(model, world_size=dist.get_world_size(), example_inputs=(x,))
-    try:  # the folded plan, given explicitly: refused with the folded block named
-        autoshard.parallelize(Stack(flip_at=1), plan)
+    # The plan of the dataflow alone, before any dry run: block 1 recorded as block 0.
+    folded = plan_keeping_whole(model, dist.get_world_size(), (x,), None, True, {})
+    try:  # given explicitly: refused with the folded block named
+        autoshard.parallelize(Stack(flip_at=1), folded)
     except ValueError as error:
         refusal = str(error)
-    # Without a plan, parallelize plans again running every block, and computes the model.
-    autoshard.parallelize(model, example_inputs=(x,))
+    # autoshard.plan, as parallelize(model), plans again running every block: the plan that runs.
+    plan = autoshard.plan(model, world_size=dist.get_world_size(), example_inputs=(x,))
+    autoshard.parallelize(model, plan)
     assert_equals_unsharded(model, reference, (x,), rtol=1e-5, atol=1e-6)
-    return dict(plan.prediction.graph.folded), refusal, model.autoshard_state.plan.layer("blocks.1.up").style
+    return (dict(folded.prediction.graph.folded), refusal, dict(plan.prediction.graph.folded),
+            model.autoshard_state.plan.layer("blocks.1.up").style)
 
 
 def test_a_block_that_only_looks_identical_is_never_planned_as_its_first():
-    folds, refusal, style = run_on_ranks(_parallelize_stack_that_flips, 2)[0]
+    folds, refusal, folds_that_run, style = run_on_ranks(_parallelize_stack_that_flips, 2)[0]
     assert folds == {"blocks.1": "blocks.0", "blocks.2": "blocks.0"}
     assert refusal is not None and "'blocks.1' was recorded as identical to 'blocks.0'" in refusal, refusal
+    assert folds_that_run == {}, folds_that_run
     # The flip reads the whole feature axis: planned from its own trace, block 1 is not paired
     # there (held whole, or gathered where the plan would otherwise be imbalanced).
     assert style in ("replicate", "column_gather"), style

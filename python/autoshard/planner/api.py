@@ -5,7 +5,7 @@ from typing import Dict, Optional, Union
 import torch
 from torch import nn
 
-from ..apply.shard_model import apply_plan
+from ..apply.shard_model import apply_plan, check_plan_fits
 from ..core.comm import world_size as group_world_size
 from . import sequence_choice
 from .dry_run import dry_run_on_paper
@@ -54,5 +54,6 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
     # The plan parallelize would run: tried on a meta copy sharded for each rank, and made again
     # around what computed otherwise, as parallelize(model) does (planner/plan_until_it_runs.py).
     return plan_until_it_runs(model, world_size, example_inputs, sequence_parallel,
-                              lambda candidate: dry_run_on_paper(model, candidate, example_inputs, apply_plan),
+                              lambda candidate: dry_run_on_paper(model, candidate, example_inputs, apply_plan,
+                                                                 check_plan_fits),
                               choice, overrides, gather_unpaired)[0]

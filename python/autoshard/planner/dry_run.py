@@ -146,9 +146,17 @@ def paper_group(rank: int, size: int) -> Iterator[ProcessGroup]:
         _unregister_process_group(name)
 
 
-def dry_run_on_paper(model: nn.Module, plan: ShardingPlan, example_inputs, apply) -> Optional[dict]:
-    """dry_run for each of the plan's ranks in turn, over paper groups: the first rank's refusal
-    is raised, as parallelize's ranks all raise the lowest failing rank's."""
+def dry_run_on_paper(model: nn.Module, plan: ShardingPlan, example_inputs, apply, check_fits) -> Optional[dict]:
+    """check_fits(model, plan, world_size), then dry_run for each of the plan's ranks in turn,
+    over paper groups, as parallelize(model) checks its own plans: the first rank's refusal is
+    raised, as parallelize's ranks all raise the lowest failing rank's. A refusal of check_fits
+    that names no layers to hold whole (hooks of the user's own on a layer) is parallelize's to
+    raise: the plan is still what the model's dataflow allows."""
+    try:
+        check_fits(model, plan, plan.world_size)
+    except ValueError as refusal:
+        if getattr(refusal, "whole_layers", None):
+            raise
     state_shapes = None
     for rank in range(plan.world_size):
         with paper_group(rank, plan.world_size) as group:

@@ -260,7 +260,8 @@ def check_model_trace(prediction: Prediction, got: List[Tuple[str, List[tuple]]]
     if found is None:
         return
     _, why, index = found
-    owner = _owners(graph).get(min(index, len(graph.nodes) - 1), "<model>")
+    index = min(index, len(graph.nodes) - 1)
+    owner = _pre_hooked(graph, index) or _owners(graph).get(index, "<model>")
     folded = [block for block in graph.folded if owner == block or owner.startswith(block + ".")]
     if folded:
         why += (f" ({folded[0]!r} was recorded as identical to {graph.folded[folded[0]]!r} without being run, and "
@@ -268,6 +269,21 @@ def check_model_trace(prediction: Prediction, got: List[Tuple[str, List[tuple]]]
     error = (FoldedBlockMismatch if folded else ShapeMismatch)(f"in module {owner!r} on rank {rank}, {why}")
     error.module = owner  # where a plan made again holds the layers whole (plan_until_it_runs)
     raise error
+
+
+def _pre_hooked(graph: CapturedGraph, index: int) -> Optional[str]:
+    """The module whose call starts right after node `index` where that module has forward
+    pre-hooks of the model's own (torch.nn.utils.weight_norm computes the weight in one): the op
+    is the hook's, run before the module's call records anything, so the module is where it
+    differs; None otherwise."""
+    shadow = getattr(graph, "shadow", None)
+    if shadow is None:
+        return None
+    starting = [(end - first, name) for name, (first, end) in graph.module_nodes.items() if first == index + 1]
+    for _, name in sorted(starting, reverse=True):  # the outermost: the hook runs before its inner calls
+        if name and shadow.get_submodule(name)._forward_pre_hooks:
+            return name
+    return None
 
 
 def _owners(graph: CapturedGraph) -> Dict[int, str]:
