@@ -24,7 +24,7 @@ from .layers import describe_layer, in_projection_layer
 from ..inputs.meta_autocast import meta_autocast
 from ..inputs.meta_inputs import clone_or_none, describe_inputs, input_shapes, inputs_on_meta, replayable
 from ..inputs.meta_shadow import meta_shadow
-from .function_caches import clear_model_caches
+from .function_caches import fresh_caches
 from ..inputs.meta_values import KnownValues
 from ..constructs.split_norm import layer_norm_form
 from ..nn.batch_norm import is_batch_norm
@@ -193,10 +193,9 @@ def _capture(model: nn.Module, example_inputs, fold_blocks: bool, media: bool = 
 
     handles += norm_calls(shadow, recorder, record_norm, lambda m: describe_layer("", m, {}) is not None)
     example = describe_inputs(args, kwargs)
-    clear_model_caches(shadow)  # a cache filled before would skip ops the dry run then runs
     recorder.grad_mode = ModelGradMode()
-    try:
-        with torch.no_grad(), recorder.grad_mode, meta_autocast(), values, recorder, folder, ConsecutiveIndexLists(), \
+    try:  # a cache filled before would skip ops the dry run then runs, one kept after would skip the next trace's
+        with fresh_caches(shadow), torch.no_grad(), recorder.grad_mode, meta_autocast(), values, recorder, folder, ConsecutiveIndexLists(), \
                 attention_calls(shadow, recorder, record_in_projection,
                                 functools.partial(record_attention_weights, recorder)):
             outputs = shadow(*args, **kwargs)

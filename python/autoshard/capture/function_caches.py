@@ -6,12 +6,20 @@ position encodings). A trace on meta fills such a cache with meta tensors, and t
 with the same arguments, parallelize's dry run, gets them back without running their ops: it
 would see fewer ops than the plan traced, and keep the model whole for that. Emptied before
 each trace, every trace runs the same ops. A cache only saves work, so emptying it changes no
-result."""
+result.
 
+A module may also keep what its forward computed in its own attributes (fair-esm's rotary
+`_cos_cached` beside `_seq_len_cached`, a table computed on the first call and reused by the
+next): every trace runs inside fresh_caches(), which gives each module back the attributes and
+buffers it had before the trace, so that no trace, nor the user's model planned on meta, keeps
+what a trace left there."""
+
+import contextlib
 import functools
 import sys
-from typing import Iterable, Set
+from typing import Iterable, Iterator, Set
 
+import torch
 from torch import nn
 
 # functools' cache wrapper type (functools.cache and lru_cache give one), found without naming
@@ -63,3 +71,27 @@ def clear_model_caches(model: nn.Module) -> int:
                     cache.cache_clear()
                     cleared.add(id(cache))
     return len(cleared)
+
+
+def _cached_value(value) -> bool:
+    """Whether an attribute's value is one a forward may keep as its cache: a tensor, a size, a
+    flag, or None (a cache not filled yet); functions, modules and hooks are not."""
+    return value is None or isinstance(value, (torch.Tensor, int, float, bool, tuple))
+
+
+@contextlib.contextmanager
+def fresh_caches(model: nn.Module) -> Iterator[None]:
+    """Empties the function caches, and gives each module of `model` back the cached attributes
+    and buffers it held on entry when the block ends: those a forward set to another value, and
+    tensors it added."""
+    clear_model_caches(model)
+    kept = [(module, dict(vars(module)), dict(module._buffers)) for module in model.modules()]
+    try:
+        yield
+    finally:
+        for module, attributes, buffers in kept:
+            state = vars(module)
+            for key in [k for k, v in state.items() if k not in attributes and isinstance(v, torch.Tensor)]:
+                del state[key]
+            state.update({k: v for k, v in attributes.items() if state.get(k) is not v and _cached_value(v)})
+            module._buffers.update(buffers)

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .function_caches import clear_model_caches
+from .function_caches import fresh_caches
 from .index_lists import ConsecutiveIndexLists
 from .layers import is_linear_like, plain_linear_weight
 from ..inputs.meta_autocast import meta_autocast
@@ -24,9 +24,9 @@ def trace_text(module: nn.Module, args: tuple, kwargs: dict, values: Optional[Kn
     """The ATen-level graph of one module call, for comparing two variants of a module."""
     recorder = Recorder({})
     args, kwargs = replay_inputs((args, kwargs))
-    clear_model_caches(module)  # each trace runs every op its call computes (function_caches)
-    with torch.no_grad(), meta_autocast(), values or contextlib.nullcontext(), recorder, ConsecutiveIndexLists(), \
-            attention_calls(module, recorder, _as_layer(recorder)):
+    # Each trace runs every op its call computes, and leaves no cache behind (function_caches).
+    with fresh_caches(module), torch.no_grad(), meta_autocast(), values or contextlib.nullcontext(), recorder, \
+            ConsecutiveIndexLists(), attention_calls(module, recorder, _as_layer(recorder)):
         module(*args, **kwargs)
     return repr((recorder.tensors, recorder.node_records))
 
@@ -78,10 +78,9 @@ def trace_shapes(module: nn.Module, args: tuple, kwargs: dict, is_layer, values:
     for position in layer_inputs:
         if position < len(leaves) and isinstance(leaves[position], torch.Tensor):
             recorder.layer_outputs.add(recorder.tensor_id(leaves[position]))
-    clear_model_caches(module)  # each trace runs every op its call computes (function_caches)
-    try:
-        with torch.no_grad(), meta_autocast(), values or contextlib.nullcontext(), recorder, ConsecutiveIndexLists(), \
-                attention_calls(module, recorder, _as_layer(recorder)):
+    try:  # each trace runs every op its call computes, and leaves no cache behind (function_caches)
+        with fresh_caches(module), torch.no_grad(), meta_autocast(), values or contextlib.nullcontext(), recorder, \
+                ConsecutiveIndexLists(), attention_calls(module, recorder, _as_layer(recorder)):
             module(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - the caller reports where the trace stopped
         error = e

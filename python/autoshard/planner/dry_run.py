@@ -22,7 +22,7 @@ from ..inputs.meta_inputs import input_shapes, inputs_on_meta
 from ..inputs.meta_shadow import meta_shadow
 from ..capture.shape_trace import trace_shapes
 from .dry_run_collectives import ForwardCollectives, forward_mismatch, silent_layers, watched_layers
-from ..capture.function_caches import clear_model_caches
+from ..capture.function_caches import fresh_caches
 from ..inputs.hf_inputs import ordinary_token
 from ..capture.layers import is_layer_module
 from ..inputs.meta_autocast import meta_autocast
@@ -89,8 +89,7 @@ def dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_i
             if error is not None:
                 raise error
         watch = ForwardCollectives().watch(shadow, watched_layers(plan))
-        clear_model_caches(shadow)
-        with torch.no_grad(), meta_autocast(), values, watch as collectives:
+        with fresh_caches(shadow), torch.no_grad(), meta_autocast(), values, watch as collectives:
             outputs = shadow(*args, **kwargs)
     except LookupRefusal as error:
         refusal = ValueError(f"{error}; the plan was refused and the model left unchanged")
