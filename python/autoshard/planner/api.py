@@ -21,7 +21,7 @@ def plan(model: nn.Module, world_size: Optional[int] = None, example_inputs=None
 
     It is the plan parallelize(model) would run: tried on a meta copy of the model sharded for
     each rank in turn, and made again with whole what computed otherwise than the plan predicts
-    (the reason "shape_mismatch" says so), so that parallelize(model, plan(model)) runs where
+    (the reason "dry_run_mismatch" says so), so that parallelize(model, plan(model)) runs where
     parallelize(model) does. With world_size given no process group is needed, so plans can be
     inspected offline; no collective is made either way, so one rank alone may call it.
     `overrides` maps name patterns (fnmatch, on module or parameter names) to "replicate" or

@@ -8,7 +8,6 @@ rank and a size (paper_group): the plan it returns is the one parallelize would 
 process group and no collective, on one rank or offline."""
 
 import contextlib
-import itertools
 from typing import Dict, Iterator, Optional
 
 import torch
@@ -123,9 +122,6 @@ def dry_run(model: nn.Module, plan: ShardingPlan, group: ProcessGroup, example_i
     return state_shapes
 
 
-_paper_groups = itertools.count()
-
-
 @contextlib.contextmanager
 def paper_group(rank: int, size: int) -> Iterator[ProcessGroup]:
     """A process group of `size` ranks seen from `rank` that communicates nothing: what sharded
@@ -136,7 +132,7 @@ def paper_group(rank: int, size: int) -> Iterator[ProcessGroup]:
     make_backend = getattr(FakeProcessGroup, "_create_internal", FakeProcessGroup)
     group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.CUSTOM, make_backend(rank, size))
     group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
-    name = f"autoshard-dry-run-{next(_paper_groups)}-rank-{rank}-of-{size}"
+    name = f"autoshard-dry-run-{id(group):x}-rank-{rank}-of-{size}"  # unique while it is registered
     group._set_group_name(name)
     _register_process_group(name, group)
     try:

@@ -199,7 +199,7 @@ def fullest_holding(plan) -> Tuple[int, int]:
     return max(held, default=0), total
 
 
-def nothing_split_error(plan, caller: str = "parallelize") -> str:
+def nothing_split_error(plan) -> str:
     """The refusal's text when the plan splits nothing over its ranks (every rank would hold the
     whole model), with why and what to pass, else ""."""
     total = sum(_numel(r.shape) for r in (plan.parameters or {}).values())
@@ -216,7 +216,7 @@ def nothing_split_error(plan, caller: str = "parallelize") -> str:
     else:
         fix = ("parallelizing it would only repeat the whole model on every rank: train it without tensor "
                "parallelism (data parallel), or on fewer ranks")
-    return (f"{caller}: the plan splits nothing over its {plan.world_size} ranks, every rank would hold all {total:,} "
+    return (f"parallelize: the plan splits nothing over its {plan.world_size} ranks, every rank would hold all {total:,} "
             f"of the model's parameters; the largest parts held whole: {reasons}. {fix[0].upper()}{fix[1:]}; the "
             "model was left unchanged")
 
