@@ -281,7 +281,11 @@ def _pre_hooked(graph: CapturedGraph, index: int) -> Optional[str]:
         return None
     starting = [(end - first, name) for name, (first, end) in graph.module_nodes.items() if first == index + 1]
     for _, name in sorted(starting, reverse=True):  # the outermost: the hook runs before its inner calls
-        if name and shadow.get_submodule(name)._forward_pre_hooks:
+        try:
+            module = shadow.get_submodule(name) if name else None
+        except AttributeError:  # a recorded call that is no module (an attention's q/k/v projection)
+            continue
+        if module is not None and module._forward_pre_hooks:
             return name
     return None
 
