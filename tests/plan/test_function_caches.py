@@ -10,7 +10,7 @@ from transformers.pytorch_utils import compile_compatible_method_lru_cache
 
 import autoshard
 from autoshard.capture.function_caches import clear_model_caches
-from checks import worst_gradient_difference
+from checks import seeded_twins, worst_gradient_difference
 from multirank import run_on_ranks
 
 
@@ -116,9 +116,7 @@ class CachedRotaryModel(nn.Module):
 
 
 def _cached_rotary_against_unsharded():
-    torch.manual_seed(0)
-    model, reference = CachedRotaryModel().double(), CachedRotaryModel().double()
-    reference.load_state_dict(model.state_dict())
+    model, reference = seeded_twins(CachedRotaryModel)
     x = torch.randn(2, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     plan = autoshard.plan(model, example_inputs=(x,))
     autoshard.parallelize(model, plan, example_inputs=(x,))

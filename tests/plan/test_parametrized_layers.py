@@ -7,14 +7,21 @@ import torch
 from torch import nn
 
 import autoshard
-from checks import worst_gradient_difference
+from checks import seeded_twins, worst_gradient_difference
 from multirank import run_on_ranks
 
 
 class WeightNormedConvThenMLP(nn.Module):
-    def __init__(self):
+    """A weight-normed convolution, then an MLP: the parametrization (`old_style`: torch.nn.utils.
+    weight_norm, the forward pre-hook that computes `weight` from weight_g and weight_v before
+    each call)."""
+
+    def __init__(self, old_style: bool = False):
         super().__init__()
-        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(16, 16, 3, padding=1, groups=4), dim=2)
+        if old_style:
+            self.conv = nn.utils.weight_norm(nn.Conv1d(16, 16, 3, padding=1))
+        else:
+            self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(16, 16, 3, padding=1, groups=4), dim=2)
         self.up, self.down = nn.Linear(16, 40), nn.Linear(40, 16)
 
     def forward(self, x):
@@ -23,9 +30,7 @@ class WeightNormedConvThenMLP(nn.Module):
 
 
 def _parallelized_against_unsharded():
-    torch.manual_seed(0)
-    model, reference = WeightNormedConvThenMLP().double(), WeightNormedConvThenMLP().double()
-    reference.load_state_dict(model.state_dict())
+    model, reference = seeded_twins(WeightNormedConvThenMLP)
     x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     autoshard.parallelize(model, example_inputs=(x,))  # its dry run used to refuse the plan
     styles = {layer.module: layer.style for layer in autoshard.core.parallel_state.state_of(model).plan.layers}
@@ -38,24 +43,8 @@ def test_a_weight_normed_layer_does_not_break_the_dry_run():
         assert (styles["up"], styles["down"]) == ("column", "row")
 
 
-class OldStyleWeightNormed(nn.Module):
-    """torch.nn.utils.weight_norm (the forward pre-hook that computes `weight` from weight_g and
-    weight_v before each call) on a convolution, then an MLP."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.utils.weight_norm(nn.Conv1d(16, 16, 3, padding=1))
-        self.up, self.down = nn.Linear(16, 40), nn.Linear(40, 16)
-
-    def forward(self, x):
-        h = x + self.conv(x.transpose(1, 2)).transpose(1, 2)
-        return h + self.down(torch.relu(self.up(h)))
-
-
 def _old_style_against_unsharded():
-    torch.manual_seed(0)
-    model, reference = OldStyleWeightNormed().double(), OldStyleWeightNormed().double()
-    reference.load_state_dict(model.state_dict())
+    model, reference = seeded_twins(lambda: WeightNormedConvThenMLP(old_style=True))
     x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     autoshard.parallelize(model, example_inputs=(x,))
     plan = autoshard.core.parallel_state.state_of(model).plan

@@ -53,3 +53,12 @@ def worst_gradient_difference(model, reference) -> float:
             [ref.grad.narrow(spec.dim, start, length) for start, length in spec.local_ranges()], spec.dim)
         worst = max(worst, (params[name].grad - piece).abs().max().item())
     return worst
+
+
+def seeded_twins(make):
+    """Two float64 copies of the model `make()` builds, with the same weights: one to parallelize,
+    one to compare it with."""
+    torch.manual_seed(0)
+    model, reference = make().double(), make().double()
+    reference.load_state_dict(model.state_dict())
+    return model, reference
